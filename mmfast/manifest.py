@@ -1,0 +1,224 @@
+"""Read a manifest (JSONL / CSV) or an image folder into candidate rows.
+
+Every input row ends up either in the returned candidates or in the returned rejects with a reason and
+its line number, so counts always add up. Images are not opened here (see ``mmfast.validate``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
+_INT_RE = re.compile(r"^[+-]?\d+$")
+
+
+class ManifestError(ValueError):
+    """The manifest as a whole cannot be used (unreadable, unparseable, or no usable rows)."""
+
+
+@dataclass
+class Candidate:
+    """One input row that passed the manifest-level checks; its image is still to be validated."""
+
+    line: int  # 1-based line number in the manifest (or index for an image folder)
+    image: str  # absolute path
+    text: str
+    label: str | int
+    source: dict = field(default_factory=dict)  # the row as given, for rejected.jsonl
+
+
+@dataclass
+class Reject:
+    line: int
+    reason: str
+    row: dict | str
+
+    def to_json(self) -> dict:
+        return {"line": self.line, "reason": self.reason, "row": self.row}
+
+
+def read_input(path: str | Path, confine: bool = False) -> tuple[list[Candidate], list[Reject], str]:
+    """Read a JSONL/CSV manifest or an image folder.
+
+    Args:
+        path: the manifest file or the image folder (``root/<class>/<image>``).
+        confine: reject image paths that resolve outside the manifest's folder (for untrusted manifests).
+
+    Returns:
+        (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
+
+    Raises:
+        ManifestError: the path does not exist or its format is unknown.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
+    if path.is_dir():
+        cands, rejects = _read_folder(path)
+        kind = "folder"
+    else:
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json", ".ndjson"):
+            rows, rejects = _jsonl_rows(path)
+            kind = "jsonl"
+        elif suffix in (".csv", ".tsv"):
+            rows, rejects = _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",")
+            kind = "csv"
+        else:
+            raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
+        cands = []
+        for line, row in rows:
+            cand, reason = _check_row(row, line, path.parent.resolve(), confine, from_csv=kind == "csv")
+            if cand is None:
+                rejects.append(Reject(line, reason, row))
+            else:
+                cands.append(cand)
+    cands, more = _drop_mixed_labels_and_duplicates(cands)
+    rejects.extend(more)
+    rejects.sort(key=lambda r: r.line)
+    return cands, rejects, kind
+
+
+def _split_lines(raw: bytes) -> list[tuple[int, bytes]]:
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    return [(i + 1, ln.rstrip(b"\r")) for i, ln in enumerate(raw.split(b"\n"))]
+
+
+def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
+    rows, rejects = [], []
+    for line, raw in _split_lines(path.read_bytes()):
+        if not raw.strip():
+            continue
+        if len(raw) > MAX_LINE_BYTES:
+            rejects.append(Reject(line, f"line too long ({len(raw)} bytes > {MAX_LINE_BYTES})", raw[:200].hex()))
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            rejects.append(Reject(line, f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
+                                  raw[:200].decode("utf-8", "replace")))
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            rejects.append(Reject(line, f"invalid JSON: {e.msg} (column {e.colno})", text[:200]))
+            continue
+        if not isinstance(row, dict):
+            rejects.append(Reject(line, f"row is a JSON {type(row).__name__}, expected an object", text[:200]))
+            continue
+        rows.append((line, row))
+    return rows, rejects
+
+
+def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[Reject]]:
+    rejects, good_lines = [], []
+    for line, raw in _split_lines(path.read_bytes()):
+        try:
+            good_lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            rejects.append(Reject(line, f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
+                                  raw[:200].decode("utf-8", "replace")))
+            good_lines.append("")  # keep line numbers aligned; an empty line is skipped by csv
+    csv.field_size_limit(MAX_LINE_BYTES)
+    reader = csv.DictReader(io.StringIO("\n".join(good_lines), newline=""), delimiter=delimiter)
+    if reader.fieldnames is None:
+        raise ManifestError(f"{path}: empty CSV; the first line must name the columns image,text,label")
+    missing = {"image", "text", "label"} - set(reader.fieldnames)
+    if missing:
+        raise ManifestError(f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; "
+                            "name the columns image,text,label")
+    rows = []
+    try:
+        for row in reader:
+            extra = row.pop(None, None)
+            if extra:
+                rejects.append(Reject(reader.line_num, f"{len(extra)} more fields than the header", row))
+                continue
+            rows.append((reader.line_num, row))
+    except csv.Error as e:
+        raise ManifestError(f"{path}:{reader.line_num}: CSV cannot be parsed: {e}") from e
+    return rows, rejects
+
+
+def _check_row(row: dict, line: int, root: Path, confine: bool, from_csv: bool) -> tuple[Candidate | None, str]:
+    for key in ("image", "text", "label"):
+        if key not in row or row[key] is None:
+            return None, f"missing field '{key}'"
+    image, text, label = row["image"], row["text"], row["label"]
+    if not isinstance(image, str) or not image.strip():
+        return None, f"field 'image' must be a non-empty string path, got {type(image).__name__}"
+    if not isinstance(text, str):
+        return None, f"field 'text' must be a string, got {type(text).__name__}"
+    if not text.strip():
+        return None, "empty text"
+    if isinstance(label, bool) or not isinstance(label, str | int):
+        return None, f"unknown label type {type(label).__name__}; use a string or an integer"
+    if isinstance(label, str):
+        label = label.strip()
+        if not label:
+            return None, "empty label"
+        if from_csv and _INT_RE.match(label):
+            label = int(label)
+    p = Path(image)
+    full = p if p.is_absolute() else root / p
+    if confine:
+        try:
+            full.resolve().relative_to(root)
+        except (ValueError, RuntimeError, OSError):
+            return None, f"image path '{image}' leaves the manifest's folder (confined mode)"
+    return Candidate(line, str(full), text.strip(), label, row), ""
+
+
+def _drop_mixed_labels_and_duplicates(cands: list[Candidate]) -> tuple[list[Candidate], list[Reject]]:
+    rejects, kept, seen = [], [], {}
+    first_type = type(cands[0].label) if cands else None
+    for c in cands:
+        if type(c.label) is not first_type:
+            rejects.append(Reject(c.line, f"mixed label types: {type(c.label).__name__} label among "
+                                  f"{first_type.__name__} labels; use one type", c.source))
+            continue
+        key = (c.image, c.text, c.label)
+        if key in seen:
+            rejects.append(Reject(c.line, f"duplicate of line {seen[key]}", c.source))
+            continue
+        seen[key] = c.line
+        kept.append(c)
+    return kept, rejects
+
+
+def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
+    cands, rejects = [], []
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise ManifestError(f"{root}: image folder has no class sub-folders; expected root/<class>/<image>")
+    n = 0
+    for cls in classes:
+        for f in sorted((root / cls).iterdir()):
+            if f.name.startswith(".") or f.suffix.lower() == ".txt":
+                continue
+            n += 1
+            src = {"image": f"{cls}/{f.name}", "label": cls}
+            if f.suffix.lower() not in IMAGE_SUFFIXES:
+                rejects.append(Reject(n, f"not an image file name ('{f.suffix}')", src))
+                continue
+            text = cls
+            side = f.with_name(f.name + ".txt")
+            if side.exists():
+                try:
+                    text = side.read_bytes().decode("utf-8-sig").strip()
+                except UnicodeDecodeError as e:
+                    rejects.append(Reject(n, f"caption {side.name} is not UTF-8 ({e.reason})", src))
+                    continue
+                if not text:
+                    rejects.append(Reject(n, f"caption {side.name} is empty", src))
+                    continue
+            src["text"] = text
+            cands.append(Candidate(n, str(f), text, cls, src))
+    return cands, rejects

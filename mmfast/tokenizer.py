@@ -1,0 +1,60 @@
+"""Tokenizer loading and the offline default: a WordPiece vocabulary trained on the training captions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+
+def train_wordpiece(texts: list[str], vocab_size: int = 4000):
+    """Train a lower-casing BERT-style WordPiece tokenizer on ``texts`` (no network).
+
+    Returns:
+        a ``transformers.PreTrainedTokenizerFast`` with [PAD]=0, [UNK], [CLS], [SEP], [MASK].
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=1)
+    tok.train_from_iterator(texts, trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=512,
+    )
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """Load a fast tokenizer from a local directory or a hub name (the hub only when the user names one).
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded or is not a fast tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)
+    except Exception as e:
+        raise ValueError(f"cannot load tokenizer '{name_or_path}': {e}. Pass a local tokenizer directory, "
+                         "or a hub name with network access") from e
+    if not tok.is_fast:
+        raise ValueError(f"tokenizer '{name_or_path}' has no fast (Rust) version; mmfast needs one")
+    if tok.pad_token_id is None:
+        raise ValueError(f"tokenizer '{name_or_path}' has no pad token")
+    return tok
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """A hash of everything that changes token ids: the serialized backend (vocab, normalizer, ...)."""
+    h = hashlib.sha256(tok.backend_tokenizer.to_str().encode("utf-8"))
+    h.update(json.dumps([tok.padding_side, tok.truncation_side, tok.pad_token_id]).encode())
+    return h.hexdigest()
