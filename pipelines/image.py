@@ -1,0 +1,104 @@
+"""Image pipelines: read -> decode (+ random crop) -> resize -> flip/jitter -> normalize to NCHW.
+
+One graph for CPU and GPU: ``decode_device`` is "mixed" (nvJPEG / hardware decoder, output on the GPU)
+or "cpu" (libjpeg-turbo threads); the later operators follow the decoder's output. Every reader has
+``name="Reader"`` so iterators can use ``reader_name``.
+"""
+
+from __future__ import annotations
+
+from nvidia.dali import fn, pipeline_def, types
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+READER_NAME = "Reader"
+
+
+def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: int, size_hint: int) -> dict:
+    """GPU-only decoder knobs; the CPU decoder takes none of them."""
+    if decode_device != "mixed":
+        return {}
+    return {
+        "hw_decoder_load": hw_decoder_load,  # share of JPEGs sent to the A100/H100 hardware decoder
+        "device_memory_padding": memory_padding,  # avoid re-allocations as image sizes vary
+        "host_memory_padding": memory_padding,
+        "preallocate_width_hint": size_hint,
+        "preallocate_height_hint": size_hint,
+    }
+
+
+@pipeline_def
+def image_pipeline(
+    *,
+    source: str,
+    files: list[str] | None = None,
+    ids: list[int] | None = None,
+    wds_paths: list[str] | None = None,
+    wds_index_paths: list[str] | None = None,
+    wds_shard_id: int = 0,
+    wds_num_shards: int = 1,
+    wds_shuffle: bool = False,
+    train: bool,
+    size: int,
+    decode_device: str = "cpu",
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+    color_jitter: float = 0.0,
+    crop_ratio: float = 0.875,
+    fp16: bool = True,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+    hw_decoder_load: float = 0.65,
+    memory_padding: int = 64 << 20,
+    size_hint: int = 1024,
+):
+    """The image graph.
+
+    Args:
+        source: "files" (``files`` + sample ``ids``, read in the given order) or "wds" (WebDataset tars with
+            ``.jpg;.png;...`` images and an ``.id`` field holding the sample id).
+        train: random resized crop + flip (+ jitter) if True; resize shorter side + center crop otherwise.
+        size: output side in pixels.
+        decode_device: "mixed" on a GPU, "cpu" otherwise.
+        scale, ratio: area fraction and aspect-ratio ranges of the random crop.
+        color_jitter: strength of brightness/contrast/saturation jitter (0: off).
+        crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
+        fp16: emit float16 (else float32).
+
+    Returns:
+        images (B, 3, size, size) normalized, and sample ids (B, 1) int32.
+    """
+    if source == "files":
+        encoded, sample_ids = fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
+    elif source == "wds":
+        encoded, sample_ids = fn.readers.webdataset(
+            paths=wds_paths, index_paths=wds_index_paths, ext=["jpg;jpeg;png;bmp;tif;tiff;webp", "id"],
+            dtypes=[types.UINT8, types.INT32], missing_component_behavior="error", shard_id=wds_shard_id,
+            num_shards=wds_num_shards, random_shuffle=wds_shuffle, pad_last_batch=True, name=READER_NAME,
+        )
+    else:
+        raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
+    dec = _decoder_kwargs(decode_device, hw_decoder_load, memory_padding, size_hint)
+    mirror = 0
+    if train:
+        # Fused decode + crop: only the region of interest is decoded (ROI decoding).
+        images = fn.decoders.image_random_crop(encoded, device=decode_device, output_type=types.RGB,
+                                               random_area=list(scale), random_aspect_ratio=list(ratio),
+                                               num_attempts=10, **dec)
+        images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
+        if flip:
+            mirror = fn.random.coin_flip(probability=0.5)
+        if color_jitter > 0:
+            lo, hi = 1.0 - color_jitter, 1.0 + color_jitter
+            images = fn.color_twist(images, brightness=fn.random.uniform(range=[lo, hi]),
+                                    contrast=fn.random.uniform(range=[lo, hi]),
+                                    saturation=fn.random.uniform(range=[lo, hi]))
+        crop = None
+    else:
+        images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
+        images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True)
+        crop = (size, size)
+    images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16 if fp16 else types.FLOAT, output_layout="CHW",
+                                      crop=crop, mean=list(mean), std=list(std), mirror=mirror)
+    return images, sample_ids
