@@ -5,7 +5,10 @@ Why the loader owns the sample order instead of DALI's shuffling reader: DALI's 
 shuffle buffer, not a permutation, and cannot be re-seeded per epoch, sharded evenly or resumed at a
 given step. Here each epoch's order is a seeded permutation computed in numpy, cut into per-rank lists
 of equal length, and handed to a file reader (``random_shuffle=False``) that is rebuilt each epoch
-(milliseconds). Resuming at step k builds the reader over the rank's list minus its first k batches.
+(milliseconds). Resuming at step k restores DALI's own checkpoint of that epoch's pipeline (reader
+position and the random state of every augmentation), so the resumed epoch yields exactly the batches,
+bit for bit, that the uninterrupted one would have; without a DALI checkpoint it falls back to a reader
+over the rank's list minus its first k batches (same samples, different augmentation draws).
 """
 
 from __future__ import annotations
@@ -144,6 +147,8 @@ class ImageLoader:
                              "with drop_last=True; lower the batch size")
         self.epoch = 0
         self.step = 0  # batches of the current epoch already delivered
+        self._live = None  # the DALI iterator of the epoch in progress
+        self._dali_checkpoint: str | None = None  # restored by load_state_dict, used by the next __iter__
 
     @classmethod
     def from_folder(cls, root: str | os.PathLike, **kwargs) -> ImageLoader:
@@ -176,12 +181,17 @@ class ImageLoader:
         survives the usual ``set_epoch`` call at the top of the loop); another epoch starts at step 0.
         """
         if epoch != self.epoch:
-            self.epoch, self.step = epoch, 0
+            self.epoch, self.step, self._dali_checkpoint = epoch, 0, None
 
     def state_dict(self) -> dict:
         """Position for an exact resume: the epoch and the batches of it already delivered."""
+        ck = None
+        if self.step > 0:
+            # DALI's checkpoint of the live pipeline: its state after the last batch it returned.
+            ck = self._live.checkpoints()[0] if self._live is not None else self._dali_checkpoint
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "num_samples": len(self.files),
-                "num_shards": self.num_shards, "batch_size": self.batch_size}
+                "num_shards": self.num_shards, "shard_id": self.shard_id, "batch_size": self.batch_size,
+                "dali_checkpoint": ck}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position from ``state_dict()`` (same data, seed, batch size and process count)."""
@@ -190,12 +200,14 @@ class ImageLoader:
             if state[key] != mine:
                 raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {mine}")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        same_shard = state.get("shard_id", self.shard_id) == self.shard_id
+        self._dali_checkpoint = state.get("dali_checkpoint") if self.step > 0 and same_shard else None
 
     def _positions(self, epoch: int) -> np.ndarray:
         order = epoch_order(len(self.files), epoch, self.seed, self.shuffle)
         return shard_positions(order, self.batch_size, self.shard_id, self.num_shards, self.drop_last)
 
-    def _build_iterator(self, positions: np.ndarray):
+    def _build_iterator(self, positions: np.ndarray, checkpoint: str | None = None):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         pad_file = self.files[0]
@@ -207,7 +219,7 @@ class ImageLoader:
             decode_device="mixed" if cuda else "cpu", fp16=self.fp16, **self.pipeline_kwargs,
             batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device.index if cuda else None,
             seed=int(np.random.default_rng([self.seed, self.epoch, self.shard_id]).integers(2**31)),
-            prefetch_queue_depth=self.prefetch,
+            prefetch_queue_depth=self.prefetch, enable_checkpointing=True, checkpoint=checkpoint,
         )
         return DALIGenericIterator(pipe, ["image", "id"], reader_name=READER_NAME, auto_reset=False,
                                    last_batch_policy=LastBatchPolicy.FILL, prepare_first_batch=True)
@@ -219,10 +231,15 @@ class ImageLoader:
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
         """(images on self.device, sample ids as numpy) for the rest of the current epoch."""
-        positions = self._positions(self.epoch)[self.step * self.batch_size:]
-        if len(positions) == 0:
-            return
-        it = self._build_iterator(positions)
+        positions = self._positions(self.epoch)
+        if self.step and self._dali_checkpoint:
+            it = self._build_iterator(positions, self._dali_checkpoint)
+        else:
+            positions = positions[self.step * self.batch_size:]
+            if len(positions) == 0:
+                return
+            it = self._build_iterator(positions)
+        self._live, self._dali_checkpoint = it, None
         try:
             for out in it:
                 # DALI's iterator returns a list with one dict per pipeline; we run one pipeline.
@@ -230,7 +247,7 @@ class ImageLoader:
                 ids = out[0]["id"].view(-1).numpy()  # CPU int32; the reader's labels never leave the host
                 yield images, ids.astype(np.int64)
         finally:
-            del it
+            self._live = None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for images, ids in self._batches():

@@ -1,0 +1,307 @@
+"""The training loop, plain and visible: Accelerate owns processes, devices and mixed precision; this file
+owns the data path and what Accelerate leaves open for a non-torch loader (sharding, epoch ends, the last
+accumulation window, the scheduler's length, resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmfast.fsutil import atomic_write_json
+from mmfast.loader import IGNORE_LABEL, MultimodalLoader
+from mmfast.models import build_model, get_preset
+from mmfast.profiler import StepTimer
+from mmfast.tokenizer import load_tokenizer
+from mmfast.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from mmfast.train.config import TrainConfig, config_dict
+from mmfast.train.setup import make_accelerator, resolve_data
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def warmup_cosine(optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup for ``warmup`` optimizer steps, then cosine decay to 0 at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-d parameters)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim > 1 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop writes a checkpoint at the next optimizer step and exits."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training as configured; returns the summary (also written to ``<out>/summary.json``)."""
+    t_start = time.perf_counter()
+    accelerator = make_accelerator(cfg)
+    run_dir = Path(cfg.out)
+    preset = get_preset(cfg.preset)
+    cfg = replace(cfg, image_backbone=cfg.image_backbone or preset.image_backbone,
+                  text_model=cfg.text_model or preset.text_model, image_size=cfg.image_size or preset.image_size,
+                  hidden=cfg.hidden or preset.hidden, eval_batch_size=cfg.eval_batch_size or cfg.batch_size)
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)
+    data_dir = resolve_data(cfg, accelerator)
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, accelerator.num_processes))
+    loader_args = dict(accelerator=accelerator, size=cfg.image_size, seed=cfg.seed, num_workers=threads,
+                       fp16=accelerator.device.type == "cuda")
+    train_loader = MultimodalLoader(data_dir, "train", cfg.batch_size, scale=(cfg.crop_scale_min, 1.0),
+                                    color_jitter=cfg.color_jitter, **loader_args)
+    val_loader = MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **loader_args)
+
+    vocab_size = len(load_tokenizer(data_dir / "tokenizer"))
+    model = build_model(cfg.model, train_loader.num_classes, image_backbone=cfg.image_backbone,
+                        text_model=cfg.text_model, vocab_size=vocab_size, image_weights=cfg.image_weights,
+                        freeze_image=cfg.freeze_image, freeze_text=cfg.freeze_text, hidden=cfg.hidden,
+                        channels_last=cfg.channels_last)
+    if cfg.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    # The schedule counts optimizer steps: micro-batches / accumulation, per process (each process takes
+    # the same number of steps), never multiplied by the process count.
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    total_steps = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    scheduler = warmup_cosine(optimizer, int(total_steps * cfg.warmup_frac), total_steps)
+    # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    state = {"epoch": 0, "global_step": 0, "best_val_acc": 0.0, "epoch_stats": None, "loader": None,
+             "skipped_steps": 0}
+    resume_from = resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+    if resume_from is not None:
+        state = load_checkpoint(accelerator, resume_from)
+        train_loader.load_state_dict(state["loader"])
+        accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / "config.json", {**config_dict(cfg), "data_dir": str(data_dir),
+                                                    "num_processes": accelerator.num_processes,
+                                                    "mixed_precision": accelerator.mixed_precision,
+                                                    "total_steps": total_steps})
+    ctx = _RunContext(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
+    with _StopFlag() as stop:
+        ctx.stop = stop
+        last_metrics = ctx.fit(val_loader)
+    summary = {
+        "val_acc": last_metrics.get("val_acc"), "best_val_acc": state["best_val_acc"],
+        "images_per_s": last_metrics.get("images_per_s"), "wall_s": time.perf_counter() - t_start,
+        "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision,
+        "num_processes": accelerator.num_processes, "model": cfg.model, "preset": cfg.preset,
+        "image_backbone": cfg.image_backbone, "text_model": cfg.text_model, "global_step": state["global_step"],
+        "epochs_done": state["epoch"], "skipped_steps": state["skipped_steps"],
+        "interrupted": ctx.interrupted,
+    }
+    if accelerator.is_main_process:
+        atomic_write_json(run_dir / "summary.json", summary)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+class _RunContext:
+    """Holds what one run's epochs share, so the loop below reads as a list of steps."""
+
+    def __init__(self, cfg, accelerator, model, optimizer, scheduler, loader, run_dir, total_steps, state):
+        self.cfg, self.acc, self.model, self.opt, self.sched = cfg, accelerator, model, optimizer, scheduler
+        self.loader, self.run_dir, self.total_steps, self.state = loader, run_dir, total_steps, state
+        self.stop = None
+        self.interrupted = False
+        self.consecutive_bad = 0
+        self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile)
+
+    def fit(self, val_loader) -> dict:
+        metrics = {}
+        for epoch in range(self.state["epoch"], self.cfg.epochs):
+            self.loader.set_epoch(epoch)
+            train_stats = self.train_epoch(epoch)
+            if self.interrupted:
+                break
+            metrics = {"epoch": epoch, "step": self.state["global_step"], **train_stats, **evaluate(self.acc,
+                       self.model, val_loader), "lr": self.sched.get_last_lr()[0],
+                       "skipped_steps": self.state["skipped_steps"]}
+            self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics["val_acc"])
+            self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader.state_dict())
+            self.log_metrics(metrics)
+            self.checkpoint()
+            if self.done():
+                break
+        return metrics
+
+    def done(self) -> bool:
+        return self.state["global_step"] >= self.total_steps
+
+    def train_epoch(self, epoch: int) -> dict:
+        cfg, acc, loader = self.cfg, self.acc, self.loader
+        s = self.state["epoch_stats"] or {"loss_sum": 0.0, "samples": 0, "time": 0.0, "data_wait": 0.0}
+        n_batches = len(loader)
+        self.model.train()
+        bar = None
+        if cfg.progress and acc.is_local_main_process:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n_batches, initial=loader.step, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+        self.timer.reset()
+        t0 = time.perf_counter()
+        batches = iter(loader)
+        i = loader.step  # micro-batch index in the epoch (not 0 after a mid-epoch resume)
+        while i < n_batches:
+            with self.timer.phase("data"):
+                batch = next(batches)
+            window_end = (i + 1) % cfg.grad_accum == 0 or i + 1 == n_batches
+            # The last window of an epoch may be shorter: divide by its real length so the gradient is
+            # the mean over the samples it saw.
+            window = cfg.grad_accum if (i // cfg.grad_accum + 1) * cfg.grad_accum <= n_batches else (
+                n_batches - (i // cfg.grad_accum) * cfg.grad_accum)
+            loss = self.micro_step(batch, window, sync=window_end)
+            s["loss_sum"] += loss * int(batch["label"].shape[0])
+            s["samples"] += int(batch["label"].shape[0])
+            if self.cfg.record_ids:
+                self.record_ids(epoch, batch["id"])
+            i += 1
+            if bar is not None:
+                bar.update(1)
+            if window_end:
+                self.optimizer_step()
+                every = cfg.checkpoint_every
+                if self.stop is not None and self.stop.signum is not None:
+                    self.interrupted = True
+                if self.interrupted or (every and self.state["global_step"] % every == 0) or self.done():
+                    s_now = {**s, "time": s["time"] + time.perf_counter() - t0,
+                             "data_wait": s["data_wait"] + self.timer.total("data")}
+                    self.state.update(epoch_stats=s_now, loader=loader.state_dict())
+                    if self.interrupted or every:
+                        self.checkpoint()
+                    if self.interrupted:
+                        acc.print(f"signal {self.stop.signum}: checkpoint written at step "
+                                  f"{self.state['global_step']}; resume with --resume latest")
+                        break
+                if self.done():
+                    break
+        if bar is not None:
+            bar.close()
+        s["time"] += time.perf_counter() - t0
+        s["data_wait"] += self.timer.total("data")
+        totals = self.acc.reduce(torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64,
+                                              device=acc.device), reduction="sum")
+        loss_sum, samples = totals.tolist()  # note: a CPU-GPU sync point, once per epoch
+        return {"train_loss": loss_sum / max(1, samples), "images_per_s": samples / max(1e-9, s["time"]),
+                "data_wait_frac": s["data_wait"] / max(1e-9, s["time"]), "phase_s": self.timer.summary()}
+
+    def micro_step(self, batch: dict, window: int, sync: bool) -> float:
+        """Forward + backward of one micro-batch; gradients are all-reduced only at the window's end."""
+        ctx = self.acc.no_sync(self.model) if not sync and self.acc.num_processes > 1 else contextlib.nullcontext()
+        with ctx:
+            with self.timer.phase("forward"):
+                logits = self.model(batch)  # (B, num_classes); autocast applied by Accelerate
+                loss = F.cross_entropy(logits.float(), batch["label"], ignore_index=IGNORE_LABEL)
+            with self.timer.phase("backward"):
+                self.acc.backward(loss / window)
+        return loss.item()  # note: a CPU-GPU sync point per micro-batch (keeps NaN detection exact)
+
+    def optimizer_step(self) -> None:
+        acc, cfg = self.acc, self.cfg
+        with self.timer.phase("optimizer"):
+            norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+            finite = norm is None or bool(torch.isfinite(norm))  # note: a sync point, once per optimizer step
+            if acc.scaler is not None or finite:
+                self.opt.step()  # with fp16 the GradScaler skips the step itself on inf/NaN gradients
+            skipped = (not finite) if acc.scaler is None else self.opt.step_was_skipped
+            self.opt.zero_grad(set_to_none=True)
+        if skipped:
+            self.state["skipped_steps"] += 1
+            self.consecutive_bad += 1
+            if self.consecutive_bad >= cfg.max_nan_steps:
+                raise NonFiniteLossError(
+                    f"{self.consecutive_bad} consecutive optimizer steps had non-finite gradients (NaN/inf loss); "
+                    "stopping instead of training garbage. Lower --lr, use --mixed-precision bf16 or no, "
+                    "or check the data")
+        else:
+            self.consecutive_bad = 0
+            self.sched.step()
+        self.state["global_step"] += 1
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.acc, self.run_dir, self.state["global_step"], self.state, self.cfg.keep_checkpoints)
+
+    def record_ids(self, epoch: int, ids: torch.Tensor) -> None:
+        path = self.run_dir / f"seen_ids.rank{self.acc.process_index}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"epoch": epoch, "step": self.state["global_step"], "ids": ids.tolist()}) + "\n")
+
+    def log_metrics(self, metrics: dict) -> None:
+        if not self.acc.is_main_process:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.acc.print(f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f} val_loss "
+                       f"{metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f} "
+                       f"{metrics['images_per_s']:.0f} img/s data_wait {metrics['data_wait_frac']:.0%}")
+        if self.cfg.tensorboard:
+            self.acc.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader) -> dict:
+    """Loss and accuracy over the whole split, all processes together (padding samples excluded)."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss_sum, correct, count
+    loader.set_epoch(0)
+    for batch in loader:
+        logits = model(batch)
+        labels = batch["label"]
+        keep = labels != IGNORE_LABEL
+        totals[0] += F.cross_entropy(logits.float()[keep], labels[keep], reduction="sum")
+        totals[1] += (logits.argmax(1)[keep] == labels[keep]).sum()
+        totals[2] += keep.sum()
+    model.train()
+    loss_sum, correct, count = accelerator.reduce(totals, reduction="sum").tolist()
+    return {"val_loss": loss_sum / max(1, count), "val_acc": correct / max(1, count), "val_samples": int(count)}

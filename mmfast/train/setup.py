@@ -1,0 +1,77 @@
+"""Process and data setup for a run: the Accelerator (CPU/GPU, mixed precision, process group) and the
+prepared dataset (demo, raw input prepared on the fly, or a prepared directory)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mmfast.train.config import TrainConfig
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
+    """``auto``: what ``accelerate launch --mixed_precision`` set, else fp16 on CUDA, bf16 on CPUs with
+    native bf16 (AMX / AVX512-BF16), else no. Returns None to let Accelerate read its launcher's setting."""
+    if requested == "auto":
+        if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+            return None
+        return "fp16" if cuda else ("bf16" if _cpu_has_fast_bf16() else "no")
+    if requested == "fp16" and not cuda:
+        raise ValueError("--mixed-precision fp16 needs a CUDA GPU; on the CPU use bf16 or no")
+    return requested
+
+
+def make_accelerator(cfg: TrainConfig):
+    """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    cuda = torch.cuda.is_available()
+    kwargs = {"cpu": not cuda, "mixed_precision": resolve_mixed_precision(cfg.mixed_precision, cuda),
+              "project_config": ProjectConfiguration(project_dir=cfg.out, automatic_checkpoint_naming=False)}
+    if cfg.tensorboard:
+        kwargs["log_with"] = "tensorboard"
+    accelerator = Accelerator(**kwargs)
+    # The launcher says how many processes it started; if they did not join one group, each would train
+    # alone on its shard and the results would be silently wrong.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and accelerator.num_processes != world:
+        raise RuntimeError(f"the launcher started {world} processes but they did not form one process group "
+                           f"(this one sees {accelerator.num_processes}); on a CPU-only machine launch with "
+                           "'torchrun --nproc_per_node N' or 'accelerate launch --multi_gpu' (mmfast then "
+                           "uses Accelerator(cpu=True) and gloo)")
+    if cfg.tensorboard:
+        accelerator.init_trackers("mmfast")
+    return accelerator
+
+
+def resolve_data(cfg: TrainConfig, accelerator) -> Path:
+    """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
+    ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
+    from mmfast.demo import default_cache_dir, demo_dataset
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    if cfg.data is not None and (Path(cfg.data) / "prepare.json").is_file():
+        return Path(cfg.data)
+    with accelerator.main_process_first():
+        if cfg.data is None:
+            source = demo_dataset(n=cfg.demo_size, seed=0)
+            out = default_cache_dir() / "prepared" / f"{source.parent.name}-len{cfg.max_length}"
+        else:
+            source, out = Path(cfg.data), Path(cfg.out) / "prepared"
+            if not source.exists():
+                raise ValueError(f"--data {source}: no such prepared directory, manifest or image folder")
+        prepare_dataset(PrepareConfig(source=str(source), out=str(out), tokenizer=cfg.tokenizer,
+                                      max_length=cfg.max_length, seed=0,
+                                      progress=cfg.progress and accelerator.is_local_main_process))
+    return out

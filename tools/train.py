@@ -1,0 +1,45 @@
+"""Train an image+text fusion model.
+
+    accelerate launch tools/train.py [flags]      (or: python tools/train.py, torchrun ...)
+
+With no flags it generates the built-in demo dataset and trains the tiny preset on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from mmfast.manifest import ManifestError
+from mmfast.train.config import parse_config
+from mmfast.train.engine import NonFiniteLossError, train
+
+
+def print_table(summary: dict) -> None:
+    rows = [("model", f"{summary['model']} ({summary['image_backbone']} + {summary['text_model']})"),
+            ("device", f"{summary['device']} x {summary['num_processes']}, {summary['mixed_precision']}"),
+            ("val_acc", f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})"),
+            ("images/s", f"{summary['images_per_s']:.0f}"), ("optimizer steps", str(summary["global_step"])),
+            ("skipped steps", str(summary["skipped_steps"])), ("wall time", f"{summary['wall_s']:.1f} s")]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        cfg = parse_config(argv)
+        summary = train(cfg)
+    except (ValueError, ManifestError, FileNotFoundError, NonFiniteLossError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if summary.get("interrupted"):
+        print("interrupted; resume with --resume latest", file=sys.stderr)
+        return 130
+    if summary["is_main_process"] and summary.get("val_acc") is not None:
+        print_table(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
