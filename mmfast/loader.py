@@ -13,6 +13,7 @@ over the rank's list minus its first k batches (same samples, different augmenta
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -189,6 +190,8 @@ class ImageLoader:
         if self.step > 0:
             # DALI's checkpoint of the live pipeline: its state after the last batch it returned.
             ck = self._live.checkpoints()[0] if self._live is not None else self._dali_checkpoint
+            if isinstance(ck, bytes | bytearray):  # kept as text so the state is JSON-serializable
+                ck = "b64:" + base64.b64encode(ck).decode("ascii")
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "num_samples": len(self.files),
                 "num_shards": self.num_shards, "shard_id": self.shard_id, "batch_size": self.batch_size,
                 "dali_checkpoint": ck}
@@ -201,7 +204,10 @@ class ImageLoader:
                 raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {mine}")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         same_shard = state.get("shard_id", self.shard_id) == self.shard_id
-        self._dali_checkpoint = state.get("dali_checkpoint") if self.step > 0 and same_shard else None
+        ck = state.get("dali_checkpoint") if self.step > 0 and same_shard else None
+        if isinstance(ck, str) and ck.startswith("b64:"):
+            ck = base64.b64decode(ck[4:])
+        self._dali_checkpoint = ck
 
     def _positions(self, epoch: int) -> np.ndarray:
         order = epoch_order(len(self.files), epoch, self.seed, self.shuffle)
@@ -232,6 +238,8 @@ class ImageLoader:
     def _batches(self) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
         """(images on self.device, sample ids as numpy) for the rest of the current epoch."""
         positions = self._positions(self.epoch)
+        if self.step * self.batch_size >= len(positions):  # restored at the very end of an epoch
+            return
         if self.step and self._dali_checkpoint:
             it = self._build_iterator(positions, self._dali_checkpoint)
         else:

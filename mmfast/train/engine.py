@@ -118,7 +118,11 @@ def train(cfg: TrainConfig) -> dict:
     resume_from = resolve_resume(cfg.resume, run_dir) if cfg.resume else None
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
-        train_loader.load_state_dict(state["loader"])
+        loaders = state["loader"]  # one state per process: each has its own shard and DALI checkpoint
+        if len(loaders) != accelerator.num_processes:
+            raise ValueError(f"checkpoint {resume_from} was written by {len(loaders)} processes, this run has "
+                             f"{accelerator.num_processes}; resume with the same process count")
+        train_loader.load_state_dict(loaders[accelerator.process_index])
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +172,7 @@ class _RunContext:
                        self.model, val_loader), "lr": self.sched.get_last_lr()[0],
                        "skipped_steps": self.state["skipped_steps"]}
             self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics["val_acc"])
-            self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader.state_dict())
+            self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
             self.log_metrics(metrics)
             self.checkpoint()
             if self.done():
@@ -187,19 +191,22 @@ class _RunContext:
         if cfg.progress and acc.is_local_main_process:
             from tqdm import tqdm
 
-            bar = tqdm(total=n_batches, initial=loader.step, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+            bar = tqdm(total=n_batches, initial=loader.step, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True,
+                       disable=None)  # None: no bar when stderr is not a terminal
         self.timer.reset()
         t0 = time.perf_counter()
-        batches = iter(loader)
         i = loader.step  # micro-batch index in the epoch (not 0 after a mid-epoch resume)
-        while i < n_batches:
+        batches = iter(loader)
+        while True:
             with self.timer.phase("data"):
-                batch = next(batches)
+                batch = next(batches, None)
+            if batch is None:
+                break
             window_end = (i + 1) % cfg.grad_accum == 0 or i + 1 == n_batches
             # The last window of an epoch may be shorter: divide by its real length so the gradient is
             # the mean over the samples it saw.
-            window = cfg.grad_accum if (i // cfg.grad_accum + 1) * cfg.grad_accum <= n_batches else (
-                n_batches - (i // cfg.grad_accum) * cfg.grad_accum)
+            window_start = (i // cfg.grad_accum) * cfg.grad_accum
+            window = min(cfg.grad_accum, n_batches - window_start)
             loss = self.micro_step(batch, window, sync=window_end)
             s["loss_sum"] += loss * int(batch["label"].shape[0])
             s["samples"] += int(batch["label"].shape[0])
@@ -208,23 +215,22 @@ class _RunContext:
             i += 1
             if bar is not None:
                 bar.update(1)
-            if window_end:
-                self.optimizer_step()
-                every = cfg.checkpoint_every
-                if self.stop is not None and self.stop.signum is not None:
-                    self.interrupted = True
-                if self.interrupted or (every and self.state["global_step"] % every == 0) or self.done():
-                    s_now = {**s, "time": s["time"] + time.perf_counter() - t0,
-                             "data_wait": s["data_wait"] + self.timer.total("data")}
-                    self.state.update(epoch_stats=s_now, loader=loader.state_dict())
-                    if self.interrupted or every:
-                        self.checkpoint()
-                    if self.interrupted:
-                        acc.print(f"signal {self.stop.signum}: checkpoint written at step "
-                                  f"{self.state['global_step']}; resume with --resume latest")
-                        break
-                if self.done():
-                    break
+            if not window_end:
+                continue
+            self.optimizer_step()
+            self.interrupted = self.stop is not None and self.stop.signum is not None
+            periodic = cfg.checkpoint_every and self.state["global_step"] % cfg.checkpoint_every == 0
+            if self.interrupted or (periodic and i < n_batches):  # the epoch's end has its own checkpoint
+                s_now = {**s, "time": s["time"] + time.perf_counter() - t0,
+                         "data_wait": s["data_wait"] + self.timer.total("data")}
+                self.state.update(epoch_stats=s_now, loader=self.loader_states())
+                self.checkpoint()
+            if self.interrupted:
+                acc.print(f"signal {self.stop.signum}: checkpoint written at step {self.state['global_step']}; "
+                          "resume with --resume latest")
+                break
+            if self.done() and i < n_batches:  # max_steps reached mid-epoch
+                break
         if bar is not None:
             bar.close()
         s["time"] += time.perf_counter() - t0
@@ -267,6 +273,12 @@ class _RunContext:
             self.consecutive_bad = 0
             self.sched.step()
         self.state["global_step"] += 1
+
+    def loader_states(self) -> list[dict]:
+        """Every process's loader position (a collective call): the main process saves them all."""
+        from accelerate.utils import gather_object
+
+        return gather_object([self.loader.state_dict()])
 
     def checkpoint(self) -> None:
         save_checkpoint(self.acc, self.run_dir, self.state["global_step"], self.state, self.cfg.keep_checkpoints)

@@ -20,11 +20,15 @@ def _cpu_has_fast_bf16() -> bool:
 
 
 def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
-    """``auto``: what ``accelerate launch --mixed_precision`` set, else fp16 on CUDA, bf16 on CPUs with
-    native bf16 (AMX / AVX512-BF16), else no. Returns None to let Accelerate read its launcher's setting."""
+    """``auto``: fp16/bf16 if ``accelerate launch --mixed_precision`` set it, else fp16 on CUDA, bf16 on CPUs
+    with native bf16 (AMX / AVX512-BF16), else no. (``accelerate launch`` exports "no" even when the user
+    gave no flag, so "no" from the launcher is not taken as a choice: pass --mixed-precision no for fp32.)"""
     if requested == "auto":
-        if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-            return None
+        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if launcher in ("fp16", "bf16"):
+            if launcher == "fp16" and not cuda:
+                raise ValueError("accelerate launch --mixed_precision fp16 needs a CUDA GPU; use bf16 or no")
+            return launcher
         return "fp16" if cuda else ("bf16" if _cpu_has_fast_bf16() else "no")
     if requested == "fp16" and not cuda:
         raise ValueError("--mixed-precision fp16 needs a CUDA GPU; on the CPU use bf16 or no")
@@ -50,6 +54,11 @@ def make_accelerator(cfg: TrainConfig):
                            f"(this one sees {accelerator.num_processes}); on a CPU-only machine launch with "
                            "'torchrun --nproc_per_node N' or 'accelerate launch --multi_gpu' (mmfast then "
                            "uses Accelerator(cpu=True) and gloo)")
+    if not cuda:
+        # Launchers set OMP_NUM_THREADS=1 per process; on a CPU run the cores are the compute: share them.
+        want = max(1, (os.cpu_count() or 1) // accelerator.num_processes)
+        if torch.get_num_threads() < want:
+            torch.set_num_threads(want)
     if cfg.tensorboard:
         accelerator.init_trackers("mmfast")
     return accelerator
