@@ -54,7 +54,14 @@ def load_tokenizer(name_or_path: str | Path):
 
 
 def tokenizer_fingerprint(tok) -> str:
-    """A hash of everything that changes token ids: the serialized backend (vocab, normalizer, ...)."""
-    h = hashlib.sha256(tok.backend_tokenizer.to_str().encode("utf-8"))
+    """A hash of everything that changes token ids: the serialized backend (vocab, normalizer, ...).
+
+    The backend's "truncation" / "padding" entries are left out: they are per-call state that any
+    ``tok(..., truncation=True)`` call rewrites (max_length is part of the cache key separately).
+    """
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode("utf-8"))
     h.update(json.dumps([tok.padding_side, tok.truncation_side, tok.pad_token_id]).encode())
     return h.hexdigest()

@@ -19,6 +19,7 @@ class TrainConfig:
     text_model: str | None = None  # None: from the preset
     image_size: int | None = None  # None: from the preset
     hidden: int | None = None
+    combine: str = "mean"  # late fusion: mean | learned
     freeze_image: bool = False
     freeze_text: bool = False
     epochs: int = 6
@@ -54,6 +55,7 @@ class TrainConfig:
             (self.model in ("early", "concat", "late"), f"--model must be early, concat or late, got '{self.model}'"),
             (self.mixed_precision in ("auto", "fp16", "bf16", "no"),
              f"--mixed-precision must be auto, fp16, bf16 or no, got '{self.mixed_precision}'"),
+            (self.combine in ("mean", "learned"), f"--combine must be mean or learned, got '{self.combine}'"),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),

@@ -98,7 +98,7 @@ def train(cfg: TrainConfig) -> dict:
     model = build_model(cfg.model, train_loader.num_classes, image_backbone=cfg.image_backbone,
                         text_model=cfg.text_model, vocab_size=vocab_size, image_weights=cfg.image_weights,
                         freeze_image=cfg.freeze_image, freeze_text=cfg.freeze_text, hidden=cfg.hidden,
-                        channels_last=cfg.channels_last)
+                        channels_last=cfg.channels_last, **({"combine": cfg.combine} if cfg.model == "late" else {}))
     if cfg.compile:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)

