@@ -88,6 +88,10 @@ class ImageLoader:
         shard_id, num_shards: this process's rank and the number of processes (see ``for_accelerator``).
         fp16: float16 images (else float32).
         prefetch: DALI prefetch queue depth.
+        wds_shards: read these WebDataset tars (written by ``mmfast.wds.write_wds``; each with a ``.idx``
+            beside it) instead of ``files``; ``files``/``labels``/``ids`` still describe the samples. DALI
+            then shuffles (a buffer, re-seeded per epoch) and shards; the last eval batch is partial
+            instead of padded.
         pipeline_kwargs: more keyword arguments of ``mmfast.pipelines.image_pipeline`` (scale, ratio,
             flip, color_jitter, crop_ratio, mean, std, hw_decoder_load, ...).
     """
@@ -110,6 +114,7 @@ class ImageLoader:
         num_shards: int = 1,
         fp16: bool = True,
         prefetch: int = 2,
+        wds_shards: Sequence[str] | None = None,
         **pipeline_kwargs,
     ):
         if batch_size < 1:
@@ -143,6 +148,11 @@ class ImageLoader:
         self.fp16 = fp16
         self.prefetch = prefetch
         self.pipeline_kwargs = pipeline_kwargs
+        self.wds_shards = [str(p) for p in wds_shards] if wds_shards else None
+        for tar in self.wds_shards or []:
+            if not Path(tar).is_file() or not Path(tar).with_suffix(".idx").is_file():
+                raise FileNotFoundError(f"{tar}: WebDataset shard or its .idx index missing; "
+                                        "run tools/prepare_data.py --format wds")
         if drop_last and n < batch_size * num_shards:
             raise ValueError(f"{n} samples cannot fill one batch of {batch_size} on each of {num_shards} processes "
                              "with drop_last=True; lower the batch size")
@@ -173,6 +183,9 @@ class ImageLoader:
     # -- the epoch protocol ------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch on this process (the same on every process)."""
+        if self.wds_shards:
+            per_shard = -(-len(self.files) // self.num_shards)  # DALI pads every shard to the largest
+            return per_shard // self.batch_size if self.drop_last else -(-per_shard // self.batch_size)
         return len(self._positions(0)) // self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -213,22 +226,29 @@ class ImageLoader:
         order = epoch_order(len(self.files), epoch, self.seed, self.shuffle)
         return shard_positions(order, self.batch_size, self.shard_id, self.num_shards, self.drop_last)
 
-    def _build_iterator(self, positions: np.ndarray, checkpoint: str | None = None):
+    def _build_iterator(self, positions: np.ndarray | None, checkpoint: str | None = None):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        pad_file = self.files[0]
-        files = [self.files[p] if p >= 0 else pad_file for p in positions]
-        ids = [int(self.ids[p]) if p >= 0 else PAD_ID for p in positions]
+        if self.wds_shards:
+            source = {"source": "wds", "wds_paths": self.wds_shards,
+                      "wds_index_paths": [str(Path(p).with_suffix(".idx")) for p in self.wds_shards],
+                      "wds_shard_id": self.shard_id, "wds_num_shards": self.num_shards, "wds_shuffle": self.shuffle}
+            policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
+        else:
+            pad_file = self.files[0]
+            source = {"source": "files", "files": [self.files[p] if p >= 0 else pad_file for p in positions],
+                      "ids": [int(self.ids[p]) if p >= 0 else PAD_ID for p in positions]}
+            policy = LastBatchPolicy.FILL  # never used: the lists are whole batches
         cuda = self.device.type == "cuda"
         pipe = image_pipeline(
-            source="files", files=files, ids=ids, train=self.train, size=self.size,
+            **source, train=self.train, size=self.size,
             decode_device="mixed" if cuda else "cpu", fp16=self.fp16, **self.pipeline_kwargs,
             batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device.index if cuda else None,
             seed=int(np.random.default_rng([self.seed, self.epoch, self.shard_id]).integers(2**31)),
             prefetch_queue_depth=self.prefetch, enable_checkpointing=True, checkpoint=checkpoint,
         )
         return DALIGenericIterator(pipe, ["image", "id"], reader_name=READER_NAME, auto_reset=False,
-                                   last_batch_policy=LastBatchPolicy.FILL, prepare_first_batch=True)
+                                   last_batch_policy=policy, prepare_first_batch=True)
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         """Positions in ``files`` of the given sample ids (-1 stays -1)."""
@@ -237,19 +257,22 @@ class ImageLoader:
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
         """(images on self.device, sample ids as numpy) for the rest of the current epoch."""
-        positions = self._positions(self.epoch)
-        if self.step * self.batch_size >= len(positions):  # restored at the very end of an epoch
+        if self.step >= len(self):  # restored at the very end of an epoch
             return
+        skip = 0
+        positions = None if self.wds_shards else self._positions(self.epoch)
         if self.step and self._dali_checkpoint:
             it = self._build_iterator(positions, self._dali_checkpoint)
+        elif self.wds_shards:
+            it, skip = self._build_iterator(None), self.step  # no checkpoint: re-read and drop what was seen
         else:
-            positions = positions[self.step * self.batch_size:]
-            if len(positions) == 0:
-                return
-            it = self._build_iterator(positions)
+            it = self._build_iterator(positions[self.step * self.batch_size:])
         self._live, self._dali_checkpoint = it, None
         try:
             for out in it:
+                if skip:
+                    skip -= 1
+                    continue
                 # DALI's iterator returns a list with one dict per pipeline; we run one pipeline.
                 images = out[0]["image"]  # (B, 3, S, S), on the DALI output device
                 ids = out[0]["id"].view(-1).numpy()  # CPU int32; the reader's labels never leave the host
@@ -283,11 +306,13 @@ class MultimodalLoader(ImageLoader):
         batch_size: per process, as in Accelerate.
         shuffle, drop_last, train: default True for "train", False otherwise.
         accelerator: take shard_id / num_shards / device from an ``accelerate.Accelerator``.
+        source: "files" (the split's image files) or "wds" (its WebDataset shards, see ``mmfast.wds``).
         **kwargs: the rest of ``ImageLoader``'s arguments.
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str = "train", batch_size: int = 64, *,
-                 shuffle: bool | None = None, drop_last: bool | None = None, accelerator=None, **kwargs):
+                 shuffle: bool | None = None, drop_last: bool | None = None, accelerator=None,
+                 source: str = "files", **kwargs):
         data_dir = Path(data_dir)
         rows_path = data_dir / f"{split}.jsonl"
         if not rows_path.exists():
@@ -299,6 +324,13 @@ class MultimodalLoader(ImageLoader):
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
+        if source == "wds":
+            index = data_dir / "wds" / f"{split}.json"
+            if not index.is_file():
+                raise FileNotFoundError(f"{index}: no WebDataset shards; run tools/prepare_data.py --format wds")
+            kwargs["wds_shards"] = [str(data_dir / "wds" / f"{s}.tar") for s in json.loads(index.read_text())["shards"]]
+        elif source != "files":
+            raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
         is_train = split == "train"
         super().__init__([r["image"] for r in rows], [r["label"] for r in rows], ids=[r["id"] for r in rows],
                          batch_size=batch_size, shuffle=is_train if shuffle is None else shuffle,

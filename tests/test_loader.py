@@ -1,0 +1,209 @@
+"""DALI loaders on the CPU: numerics against a PIL reference, id joins, sharding, epochs, resume, WebDataset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmfast.loader import IGNORE_LABEL, ImageLoader, MultimodalLoader, epoch_order, shard_positions
+from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.token_cache import TokenCache
+from mmfast.wds import write_wds
+
+
+def _pil_eval_reference(path: Path, size: int, crop_ratio: float = 0.875) -> np.ndarray:
+    """Resize the shorter side to size / crop_ratio (bilinear, antialiased), center crop, normalize: (3, S, S)."""
+    im = Image.open(path).convert("RGB")
+    w, h = im.size
+    s = round(size / crop_ratio)
+    nw, nh = (s, round(h * s / w)) if w < h else (round(w * s / h), s)
+    a = np.asarray(im.resize((nw, nh), Image.BILINEAR), dtype=np.float32)
+    top, left = int((nh - size) / 2 + 0.5), int((nw - size) / 2 + 0.5)
+    a = a[top:top + size, left:left + size]
+    return ((a - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)).transpose(2, 0, 1)
+
+
+def _rows(prepared: Path, split: str) -> list[dict]:
+    return [json.loads(ln) for ln in (prepared / f"{split}.jsonl").read_text().splitlines()]
+
+
+def test_eval_output_matches_a_pil_reference_on_real_photos(photos):
+    loader = ImageLoader([str(p) for p in photos], batch_size=4, size=64, fp16=False)
+    out = torch.cat([b["image"] for b in loader])[: len(photos)]
+    assert out.shape == (len(photos), 3, 64, 64) and out.dtype == torch.float32
+    for i, p in enumerate(photos):
+        diff = np.abs(out[i].numpy() - _pil_eval_reference(p, 64))
+        # one 8-bit level is 1 / (255 * 0.226) = 0.017 in normalized units
+        assert diff.mean() < 0.02, (p.name, diff.mean())
+        assert np.percentile(diff, 99) < 0.25, (p.name, np.percentile(diff, 99))
+
+
+def test_fp16_train_output_shape_and_range(photos):
+    loader = ImageLoader([str(p) for p in photos], batch_size=2, shuffle=True, drop_last=True, size=48)
+    batches = list(loader)
+    assert len(batches) == len(loader) == len(photos) // 2
+    img = batches[0]["image"]
+    assert img.shape == (2, 3, 48, 48) and img.dtype == torch.float16
+    assert -2.2 < float(img.min()) and float(img.max()) < 2.7  # normalized with ImageNet statistics
+
+
+def test_ids_join_images_with_their_captions_and_labels(prepared):
+    rows = {r["id"]: r for r in _rows(prepared, "val")}
+    loader = MultimodalLoader(prepared, "val", batch_size=16, size=32, fp16=False)
+    cache = TokenCache(prepared / "tokens", "val")
+    seen = []
+    for batch in loader:
+        for k in range(len(batch["id"])):
+            sid = int(batch["id"][k])
+            if sid < 0:  # padding of the last eval batch
+                assert batch["label"][k] == IGNORE_LABEL and batch["attention_mask"][k].sum() == 0
+                continue
+            seen.append(sid)
+            assert int(batch["label"][k]) == rows[sid]["label"]
+            n = int(batch["attention_mask"][k].sum())
+            assert batch["input_ids"][k, :n].tolist() == cache.gather([sid])["input_ids"][0].tolist()
+            # the image is the one its row names: compare with the eval reference of that file
+            ref = _pil_eval_reference(Path(rows[sid]["image"]), 32)
+            assert np.abs(batch["image"][k].numpy() - ref).mean() < 0.03
+    assert sorted(seen) == sorted(rows)
+
+
+def test_two_shards_cover_the_dataset_once_with_equal_batch_counts(prepared):
+    all_ids = {r["id"] for r in _rows(prepared, "val")}
+    per_rank = []
+    for rank in range(2):
+        loader = MultimodalLoader(prepared, "val", batch_size=8, size=32, shard_id=rank, num_shards=2)
+        ids = [i for b in loader for i in b["id"].tolist()]
+        per_rank.append((len(loader), [i for i in ids if i >= 0]))
+    assert per_rank[0][0] == per_rank[1][0]
+    a, b = set(per_rank[0][1]), set(per_rank[1][1])
+    assert not a & b and a | b == all_ids and len(per_rank[0][1]) + len(per_rank[1][1]) == len(all_ids)
+    # train (drop_last): equal counts, disjoint, and every sample at most once
+    train = [MultimodalLoader(prepared, "train", batch_size=16, size=32, shard_id=r, num_shards=2) for r in (0, 1)]
+    ids = [[i for b in t for i in b["id"].tolist()] for t in train]
+    assert len(ids[0]) == len(ids[1]) == len(train[0]) * 16 == (240 // 32) * 16
+    assert not set(ids[0]) & set(ids[1])
+
+
+def test_epochs_reshuffle_and_the_seed_fixes_the_order(prepared):
+    def order(seed, epoch):
+        loader = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=seed)
+        loader.set_epoch(epoch)
+        return [i for b in loader for i in b["id"].tolist()]
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+    loader = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    first = [i for b in loader for i in b["id"].tolist()]
+    second = [i for b in loader for i in b["id"].tolist()]  # the next __iter__ is the next epoch
+    assert first != second and loader.epoch == 2
+
+
+def test_resume_from_a_mid_epoch_state_yields_exactly_the_rest(prepared):
+    full = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    full.set_epoch(3)
+    reference = [(b["id"].clone(), b["image"].clone()) for b in full]
+    part = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    part.set_epoch(3)
+    for i, _ in enumerate(part):
+        if i == 4:
+            state = json.loads(json.dumps(part.state_dict()))  # survives a JSON round trip
+            break
+    assert state["step"] == 5 and state["epoch"] == 3
+    resumed = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)  # the training loop's usual call keeps the restored position
+    rest = [(b["id"], b["image"]) for b in resumed]
+    assert len(rest) == len(reference) - 5
+    for (ref_ids, ref_img), (ids, img) in zip(reference[5:], rest, strict=True):
+        assert torch.equal(ref_ids, ids)
+        assert torch.equal(ref_img, img)  # same augmentation draws: DALI's checkpoint restored them
+    # without DALI's checkpoint: the same remaining samples, in the same order
+    state["dali_checkpoint"] = None
+    fallback = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    fallback.load_state_dict(state)
+    fallback.set_epoch(3)
+    assert [b["id"].tolist() for b in fallback] == [r[0].tolist() for r in reference[5:]]
+
+
+def test_webdataset_and_file_readers_give_the_same_samples(prepared, tmp_path):
+    import shutil
+
+    copy = tmp_path / "p"
+    shutil.copytree(prepared, copy)
+    write_wds(copy, shard_size=25)
+    for split in ("train", "val"):
+        files = MultimodalLoader(copy, split, batch_size=16, size=32, shuffle=False, drop_last=False)
+        wds = MultimodalLoader(copy, split, batch_size=16, size=32, shuffle=False, drop_last=False, source="wds")
+        a, b = {}, {}
+        for loader, seen in ((files, a), (wds, b)):
+            for batch in loader:
+                for k, sid in enumerate(batch["id"].tolist()):
+                    if sid >= 0:
+                        seen[sid] = (int(batch["label"][k]), batch["image"][k])
+        assert sorted(a) == sorted(b) == [r["id"] for r in _rows(copy, split)]
+        assert all(a[i][0] == b[i][0] and torch.equal(a[i][1], b[i][1]) for i in a)  # eval: same pixels
+
+
+def test_bad_arguments_give_clear_errors(prepared, tmp_path):
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        MultimodalLoader(prepared, "train", batch_size=0)
+    with pytest.raises(ValueError, match="shard_id must be in"):
+        MultimodalLoader(prepared, "train", batch_size=8, shard_id=2, num_shards=2)
+    with pytest.raises(FileNotFoundError, match="not a prepared dataset split"):
+        MultimodalLoader(tmp_path, "train")
+    with pytest.raises(ValueError, match="cannot fill one batch"):
+        MultimodalLoader(prepared, "train", batch_size=1000)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            MultimodalLoader(prepared, "train", batch_size=8, device="cuda")
+    with pytest.raises(ValueError, match="unknown source"):
+        MultimodalLoader(prepared, "train", batch_size=8, source="tfrecord")
+    with pytest.raises(FileNotFoundError, match="--format wds"):
+        MultimodalLoader(prepared, "train", batch_size=8, source="wds")
+    loader = MultimodalLoader(prepared, "train", batch_size=8)
+    state = loader.state_dict()
+    other = MultimodalLoader(prepared, "train", batch_size=16)
+    with pytest.raises(ValueError, match="batch_size was 8, now 16"):
+        other.load_state_dict(state)
+
+
+def test_drop_in_image_folder_loader(tmp_path):
+    from conftest import save_image
+
+    for c in ("ant", "bee"):
+        for i in range(5):
+            save_image(tmp_path / c / f"{i}.jpg", size=(50, 40), seed=i)
+    loader = ImageLoader.from_folder(tmp_path, batch_size=4, shuffle=True, drop_last=True, num_workers=1, size=32)
+    assert loader.classes == ["ant", "bee"] and len(loader) == 2
+    labels = [int(x) for b in loader for x in b["label"]]
+    assert len(labels) == 8 and set(labels) <= {0, 1}
+    keep = ImageLoader.from_folder(tmp_path, batch_size=4, size=32)  # eval: keep all, pad the last batch
+    ids = [int(x) for b in keep for x in b["id"]]
+    assert len(keep) == 3 and sorted(i for i in ids if i >= 0) == list(range(10)) and ids.count(-1) == 2
+
+
+def test_shard_positions_arithmetic():
+    order = epoch_order(10, 0, 0, shuffle=True)
+    assert sorted(order.tolist()) == list(range(10))
+    a, b = (shard_positions(order, 3, r, 2, drop_last=False) for r in (0, 1))
+    assert len(a) == len(b) == 6 and sorted(x for x in [*a, *b] if x >= 0) == list(range(10))
+    a, b = (shard_positions(order, 3, r, 2, drop_last=True) for r in (0, 1))
+    assert len(a) == len(b) == 3 and not set(a) & set(b)
+
+
+@pytest.mark.gpu
+def test_gpu_loader_outputs_on_the_device_and_matches_cpu(prepared):
+    gpu = MultimodalLoader(prepared, "val", batch_size=16, size=32, device="cuda", fp16=False)
+    cpu = MultimodalLoader(prepared, "val", batch_size=16, size=32, device="cpu", fp16=False)
+    for g, c in zip(gpu, cpu, strict=True):
+        assert g["image"].is_cuda and g["input_ids"].is_cuda and g["label"].is_cuda
+        assert torch.equal(g["id"].cpu(), c["id"])
+        # nvJPEG and libjpeg-turbo differ by rounding: compare loosely
+        assert (g["image"].cpu() - c["image"]).abs().mean() < 0.05
