@@ -1,0 +1,160 @@
+"""Fusion models: shapes, widths from the encoders, gradients, masking, late-fusion algebra, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmfast.models import IMAGE_BACKBONES, EarlyFusion, LateFusion, build_model
+from mmfast.models.encoders import ImageEncoder, TextEncoder
+
+VOCAB = 120
+
+
+def _batch(b=3, t=7, size=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, 4:] = 0  # the first caption is shorter: positions 4.. are padding
+    ids[0, 4:] = 0
+    return {"image": torch.randn(b, 3, size, size, generator=g).half(), "input_ids": ids, "attention_mask": mask,
+            "label": torch.tensor([0, 1, 2][:b])}
+
+
+@pytest.mark.parametrize("name", ["early", "concat", "late"])
+@pytest.mark.parametrize("backbone", ["resnet10", "resnet18"])
+def test_output_shapes_and_gradients_reach_both_encoders(name, backbone):
+    torch.manual_seed(0)
+    model = build_model(name, 5, image_backbone=backbone, text_model="bert-tiny", vocab_size=VOCAB, hidden=32)
+    logits = model(_batch())
+    assert logits.shape == (3, 5)
+    torch.nn.functional.cross_entropy(logits, _batch()["label"]).backward()
+    img_grad = model.image.net.conv1.weight.grad
+    txt_grad = model.text.model.get_input_embeddings().weight.grad
+    assert img_grad is not None and img_grad.abs().sum() > 0
+    assert txt_grad is not None and txt_grad.abs().sum() > 0
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused, f"parameters without gradient would break DDP: {unused[:5]}"
+
+
+def test_feature_widths_come_from_the_encoders():
+    widths = {b: ImageEncoder(b).width for b in IMAGE_BACKBONES}
+    assert widths == {"resnet10": 512, "resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
+    model = build_model("concat", 4, image_backbone="resnet50", text_model="bert-mini", vocab_size=VOCAB, hidden=16)
+    assert model.head[0].in_features == 2048 + 256
+    late = build_model("late", 4, image_backbone="resnet50", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
+    assert late.image_head[0].in_features == 2048 and late.text_head[0].in_features == 128
+
+
+def test_frozen_encoders_get_no_gradient_and_keep_bn_stats():
+    model = build_model("concat", 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB,
+                        freeze_image=True, hidden=16)
+    model.train()
+    assert not model.image.training and model.text.training
+    before = model.image.net.bn1.running_mean.clone()
+    model(_batch()).sum().backward()
+    assert model.image.net.conv1.weight.grad is None
+    assert torch.equal(before, model.image.net.bn1.running_mean)
+
+
+def test_early_fusion_mask_hides_padding():
+    torch.manual_seed(0)
+    model = build_model("early", 4, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
+    model.eval()
+    batch = _batch()
+    other = dict(batch, input_ids=batch["input_ids"].clone())
+    other["input_ids"][0, 4:] = torch.tensor([77, 78, 79])  # change only the padded positions
+    with torch.no_grad():
+        a, b = model(batch), model(other)
+    assert torch.allclose(a, b, atol=1e-5)
+    unmasked = dict(other, attention_mask=torch.ones_like(batch["attention_mask"]))
+    with torch.no_grad():
+        assert not torch.allclose(a[0], model(unmasked)[0], atol=1e-3)  # the mask is what hid them
+
+
+def test_early_fusion_uses_image_tokens():
+    torch.manual_seed(0)
+    model = build_model("early", 4, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
+    model.eval()
+    assert isinstance(model, EarlyFusion)
+    batch = _batch(size=128)  # 4x4 feature map -> 16 image tokens
+    assert model.image_tokens(batch["image"]).shape == (3, 16, 128)
+    with torch.no_grad():
+        a = model(batch)
+        b = model(dict(batch, image=torch.flip(batch["image"], dims=[0])))
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("combine", ["mean", "learned"])
+def test_late_fusion_combines_its_per_modality_logits(combine):
+    torch.manual_seed(0)
+    model = build_model("late", 6, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16,
+                        combine=combine)
+    assert isinstance(model, LateFusion)
+    if combine == "learned":
+        with torch.no_grad():
+            model.weights.copy_(torch.tensor([0.3, -0.2]))
+    model.eval()
+    batch = _batch()
+    with torch.no_grad():
+        parts = model.modality_logits(batch)
+        out = model(batch)
+    w = torch.softmax(torch.tensor([0.3, -0.2]), 0) if combine == "learned" else torch.tensor([0.5, 0.5])
+    assert torch.allclose(out, w[0] * parts["image"] + w[1] * parts["text"], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_models_run_under_autocast(dtype):
+    for name in ("early", "concat", "late"):
+        model = build_model(name, 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(_batch())
+        assert out.dtype == dtype and torch.isfinite(out.float()).all()
+
+
+def test_real_minilm_weights_load_offline(minilm_dir):
+    from transformers import AutoModel
+
+    enc = TextEncoder("minilm")
+    assert enc.width == 384
+    ref = AutoModel.from_pretrained(minilm_dir)
+    name = "encoder.layer.0.attention.self.query.weight"
+    assert torch.equal(dict(enc.model.named_parameters())[name], dict(ref.named_parameters())[name])
+    model = build_model("concat", 3, image_backbone="resnet10", text_model=minilm_dir, vocab_size=30522, hidden=16)
+    assert model(dict(_batch(), input_ids=torch.randint(1000, 2000, (3, 7)))).shape == (3, 3)
+
+
+def test_unknown_names_and_mismatched_weights_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'mid'; choose from early, concat, late"):
+        build_model("mid", 3)
+    with pytest.raises(ValueError, match="unknown image backbone 'vgg16'"):
+        build_model("concat", 3, image_backbone="vgg16", vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="cannot load text model"):
+        TextEncoder(str(tmp_path / "no-such-model"))
+    with pytest.raises(ValueError, match="the tokenizer has 40000 tokens"):
+        TextEncoder("minilm", vocab_size=40000)
+    import torchvision
+
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pt")
+    enc = ImageEncoder("resnet18", weights=tmp_path / "r18.pt")  # matching file loads (fc is ignored)
+    assert enc.width == 512
+    with pytest.raises(ValueError, match="does not match the backbone.*check --image-backbone"):
+        ImageEncoder("resnet34", weights=tmp_path / "r18.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a PyTorch state dict"):
+        ImageEncoder("resnet18", weights=tmp_path / "junk.pt")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ImageEncoder("resnet18", weights=tmp_path / "missing.pt")
+    with pytest.raises(ValueError, match="unknown combine"):
+        build_model("late", 3, image_backbone="resnet10", vocab_size=VOCAB, combine="max")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["early", "concat", "late"])
+def test_models_under_fp16_autocast_on_gpu(name):
+    model = build_model(name, 3, image_backbone="resnet18", text_model="bert-tiny", vocab_size=VOCAB, hidden=16,
+                        channels_last=True).cuda()
+    batch = {k: v.cuda() for k, v in _batch().items()}
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(batch)
+    assert out.dtype == torch.float16 and torch.isfinite(out.float()).all()
