@@ -13,6 +13,7 @@ import sys
 from mmfast.manifest import ManifestError
 from mmfast.train.config import parse_config
 from mmfast.train.engine import NonFiniteLossError, train
+from mmfast.train.setup import LaunchError
 
 
 def print_table(summary: dict) -> None:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         summary = train(cfg)
-    except (ValueError, ManifestError, FileNotFoundError, NonFiniteLossError, OSError) as e:
+    except (ValueError, ManifestError, FileNotFoundError, NonFiniteLossError, OSError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if summary.get("interrupted"):

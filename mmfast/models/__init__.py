@@ -56,7 +56,7 @@ def build_model(name: str, num_classes: int, *, image_backbone: str = "resnet50"
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     image = ImageEncoder(image_backbone, weights=image_weights, freeze=freeze_image)
-    text = TextEncoder(text_model, vocab_size=vocab_size, freeze=freeze_text)
+    text = TextEncoder(text_model, vocab_size=vocab_size, freeze=freeze_text, dropout=dropout)
     model = MODELS[name](image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
     if channels_last:
         import torch

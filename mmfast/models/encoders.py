@@ -109,10 +109,11 @@ class TextEncoder(nn.Module):
             a local directory or a hub name (the hub only when named).
         vocab_size: vocabulary size for the random configs.
         freeze: no gradients into the encoder.
+        dropout: hidden and attention dropout of the random configs (pretrained models keep theirs).
     """
 
     def __init__(self, name: str = "bert-tiny", vocab_size: int | None = None, freeze: bool = False,
-                 max_positions: int = 512):
+                 max_positions: int = 512, dropout: float = 0.1):
         super().__init__()
         from transformers import AutoModel, BertConfig, BertModel
 
@@ -121,7 +122,8 @@ class TextEncoder(nn.Module):
                 raise ValueError(f"text model '{name}' is built from a config and needs vocab_size")
             hidden, layers, heads, inter = RANDOM_TEXT_CONFIGS[name]
             cfg = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                             num_attention_heads=heads, intermediate_size=inter, max_position_embeddings=max_positions)
+                             num_attention_heads=heads, intermediate_size=inter, max_position_embeddings=max_positions,
+                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
             self.model = BertModel(cfg, add_pooling_layer=False)
         else:
             path = resolve_text_model(name)

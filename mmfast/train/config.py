@@ -36,6 +36,8 @@ class TrainConfig:
     compile: bool = False
     seed: int = 0
     num_threads: int | None = None  # DALI threads per process (default: cores / processes)
+    dropout: float = 0.1
+    augment: bool = True  # random resized crop + flip on the train split (else resize + center crop)
     crop_scale_min: float = 0.35
     color_jitter: float = 0.0
     checkpoint_every: int = 0  # optimizer steps; 0: at the end of each epoch only

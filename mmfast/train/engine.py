@@ -75,7 +75,21 @@ class _StopFlag:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run training as configured; returns the summary (also written to ``<out>/summary.json``)."""
+    """Run training as configured; returns the summary (also written to ``<out>/summary.json``).
+
+    Can be called several times in one process (tests, notebooks): Accelerate's process-wide state is
+    reset when a run ends, so the next run may choose another mixed precision.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        return _train(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
     accelerator = make_accelerator(cfg)
     run_dir = Path(cfg.out)
@@ -90,14 +104,14 @@ def train(cfg: TrainConfig) -> dict:
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, accelerator.num_processes))
     loader_args = dict(accelerator=accelerator, size=cfg.image_size, seed=cfg.seed, num_workers=threads,
                        fp16=accelerator.device.type == "cuda")
-    train_loader = MultimodalLoader(data_dir, "train", cfg.batch_size, scale=(cfg.crop_scale_min, 1.0),
-                                    color_jitter=cfg.color_jitter, **loader_args)
+    train_loader = MultimodalLoader(data_dir, "train", cfg.batch_size, train=cfg.augment,
+                                    scale=(cfg.crop_scale_min, 1.0), color_jitter=cfg.color_jitter, **loader_args)
     val_loader = MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **loader_args)
 
     vocab_size = len(load_tokenizer(data_dir / "tokenizer"))
     model = build_model(cfg.model, train_loader.num_classes, image_backbone=cfg.image_backbone,
                         text_model=cfg.text_model, vocab_size=vocab_size, image_weights=cfg.image_weights,
-                        freeze_image=cfg.freeze_image, freeze_text=cfg.freeze_text, hidden=cfg.hidden,
+                        freeze_image=cfg.freeze_image, freeze_text=cfg.freeze_text, hidden=cfg.hidden, dropout=cfg.dropout,
                         channels_last=cfg.channels_last, **({"combine": cfg.combine} if cfg.model == "late" else {}))
     if cfg.compile:
         model = torch.compile(model)
@@ -143,11 +157,23 @@ def train(cfg: TrainConfig) -> dict:
         "epochs_done": state["epoch"], "skipped_steps": state["skipped_steps"],
         "interrupted": ctx.interrupted,
     }
+    if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
+        _write_weights_digest(accelerator, model, run_dir)
     if accelerator.is_main_process:
         atomic_write_json(run_dir / "summary.json", summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _write_weights_digest(accelerator, model, run_dir: Path) -> None:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(accelerator.unwrap_model(model).state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    (run_dir / f"weights.rank{accelerator.process_index}.sha256").write_text(h.hexdigest())
 
 
 class _RunContext:

@@ -35,6 +35,26 @@ def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
     return requested
 
 
+class LaunchError(RuntimeError):
+    """The processes of a launch are not set up the way training needs."""
+
+
+def check_process_group(num_processes: int, launcher_world_size: str | None) -> None:
+    """Refuse a launch whose processes did not join one group: each would train alone on its shard and
+    the results would be silently wrong.
+
+    Args:
+        num_processes: what the Accelerator sees.
+        launcher_world_size: the WORLD_SIZE the launcher exported (None when there was no launcher).
+    """
+    world = int(launcher_world_size or 1)
+    if world > 1 and num_processes != world:
+        raise LaunchError(f"the launcher started {world} processes but they did not form one process group "
+                           f"(this one sees {num_processes}); on a CPU-only machine launch with "
+                           "'torchrun --nproc_per_node N' or 'accelerate launch --multi_gpu' (mmfast then "
+                           "uses Accelerator(cpu=True) and gloo)")
+
+
 def make_accelerator(cfg: TrainConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
     from accelerate import Accelerator
@@ -46,14 +66,7 @@ def make_accelerator(cfg: TrainConfig):
     if cfg.tensorboard:
         kwargs["log_with"] = "tensorboard"
     accelerator = Accelerator(**kwargs)
-    # The launcher says how many processes it started; if they did not join one group, each would train
-    # alone on its shard and the results would be silently wrong.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and accelerator.num_processes != world:
-        raise RuntimeError(f"the launcher started {world} processes but they did not form one process group "
-                           f"(this one sees {accelerator.num_processes}); on a CPU-only machine launch with "
-                           "'torchrun --nproc_per_node N' or 'accelerate launch --multi_gpu' (mmfast then "
-                           "uses Accelerator(cpu=True) and gloo)")
+    check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
     if not cuda:
         # Launchers set OMP_NUM_THREADS=1 per process; on a CPU run the cores are the compute: share them.
         want = max(1, (os.cpu_count() or 1) // accelerator.num_processes)

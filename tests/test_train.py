@@ -1,0 +1,199 @@
+"""The training engine, in-process and with real processes on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mmfast.train.config import parse_config
+from mmfast.train.setup import LaunchError, check_process_group
+from tools import train as train_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--epochs", "1", "--batch-size", "32", "--no-progress", "--image-size", "32", "--hidden", "32"]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+
+
+def _seen(run: Path, rank: int = 0) -> list[dict]:
+    return _jsonl(run / f"seen_ids.rank{rank}.jsonl")
+
+
+def test_run_directory_contract(prepared, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), "--model", "late", *FAST]) == 0
+    assert "val_acc" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"] == "late" and cfg["image_backbone"] == "resnet10" and cfg["total_steps"] == 240 // 32
+    (metrics,) = _jsonl(out / "metrics.jsonl")
+    for key in ("epoch", "step", "train_loss", "val_loss", "val_acc", "images_per_s", "data_wait_frac", "lr",
+                "skipped_steps"):
+        assert key in metrics, key
+    assert metrics["val_samples"] == 60 and metrics["step"] == 7
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("val_acc", "best_val_acc", "images_per_s", "wall_s", "device", "mixed_precision", "num_processes",
+                "model"):
+        assert key in summary, key
+    assert summary["num_processes"] == 1 and summary["device"] == "cpu"
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step-00000007"]
+
+
+def test_no_flag_run_generates_the_demo_set_and_trains(tmp_path, monkeypatch):
+    """The quickstart's path (demo generation + preparation + training), on a smaller demo set."""
+    monkeypatch.setenv("MMFAST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert train_tool.main(["--demo-size", "200", "--epochs", "1", "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    assert summary["model"] == "concat" and summary["preset"] == "tiny"
+    prepared = next((tmp_path / "cache" / "prepared").iterdir())
+    assert json.loads((prepared / "prepare.json").read_text())["counts"]["accepted"] == 200
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    (ckpt,) = sorted((run / "checkpoints").iterdir())[-1:]
+    return load_file(ckpt / "model.safetensors")
+
+
+def test_accumulating_4x16_equals_one_step_of_64(prepared, tmp_path):
+    # No batch-norm coupling (frozen CNN keeps its statistics), no dropout, no augmentation randomness.
+    common = ["--data", str(prepared), "--epochs", "1", "--max-steps", "1", "--no-progress", "--image-size", "32",
+              "--hidden", "32", "--freeze-image", "--dropout", "0", "--no-augment", "--mixed-precision", "no",
+              "--lr", "0.01"]
+    assert train_tool.main([*common, "--out", str(tmp_path / "a"), "--batch-size", "64"]) == 0
+    assert train_tool.main([*common, "--out", str(tmp_path / "b"), "--batch-size", "16", "--grad-accum", "4"]) == 0
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert train_tool.main([*common, "--out", str(tmp_path / "c"), "--batch-size", "16", "--grad-accum", "1"]) == 0
+    init = _weights(tmp_path / "c")
+    moved = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    differs = max((a[k].float() - init[k].float()).abs().max().item() for k in a)
+    # Adam's first step is about lr * sign(grad): float rounding moves near-zero gradient entries by a
+    # fraction of lr; a different batch moves weights by about lr (0.01).
+    assert moved < 1e-4, moved
+    assert differs > 1e-3, differs
+
+
+def test_last_partial_accumulation_window_of_an_epoch_is_stepped(prepared, tmp_path):
+    # 240 train samples / 32 = 7 micro-batches; with accumulation 3 the windows are 3 + 3 + 1.
+    out = tmp_path / "run"
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), "--grad-accum", "3", "--epochs", "2",
+                            *FAST[2:]]) == 0
+    assert [m["step"] for m in _jsonl(out / "metrics.jsonl")] == [3, 6]
+    assert json.loads((out / "config.json").read_text())["total_steps"] == 6
+
+
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(prepared, tmp_path):
+    args = ["--data", str(prepared), "--epochs", "2", "--batch-size", "32", "--no-progress", "--image-size", "32",
+            "--hidden", "32", "--checkpoint-every", "3", "--keep-checkpoints", "10", "--record-ids"]
+    full = tmp_path / "full"
+    assert train_tool.main([*args, "--out", str(full)]) == 0
+    # A run that "died" after step 3 (mid-epoch 0): its directory holds only the step-3 checkpoint.
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step-00000003", part / "checkpoints" / "step-00000003")
+    state = json.loads((part / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert state["epoch"] == 0 and state["loader"][0]["step"] == 3
+    assert train_tool.main([*args, "--out", str(part), "--resume", "latest"]) == 0
+    full_batches = [r["ids"] for r in _seen(full)]
+    assert [r["ids"] for r in _seen(part)] == full_batches[3:]  # exactly the remaining samples, in order
+    a, b = _jsonl(full / "metrics.jsonl"), _jsonl(part / "metrics.jsonl")
+    assert b[-1]["val_loss"] == pytest.approx(a[-1]["val_loss"], rel=1e-5)
+    assert b[0]["train_loss"] == pytest.approx(a[0]["train_loss"], rel=1e-5)  # epoch stats were carried over
+    wa, wb = _weights(full), _weights(part)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
+    assert train_tool.main(["--model", "mid", "--out", str(tmp_path)]) == 2
+    assert "--model must be early, concat or late" in capsys.readouterr().err
+    assert train_tool.main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "no such prepared directory" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("epochs: 2\nlearning_rate: 0.1\n")
+    assert train_tool.main(["--config", str(cfg)]) == 2
+    assert "unknown keys ['learning_rate']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_tool.main(["--epochs", "two"])
+    assert train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "r"), "--resume", str(tmp_path)]) == 2
+    assert "not a complete mmfast checkpoint" in capsys.readouterr().err
+    assert train_tool.main(["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path)]) == (
+        0 if torch.cuda.is_available() else 2)
+    m = tmp_path / "m.jsonl"
+    m.write_bytes(b"\xff\xfe garbage\n")
+    assert train_tool.main(["--data", str(m), "--out", str(tmp_path / "r2"), "--no-progress"]) == 2
+    assert "no usable rows" in capsys.readouterr().err
+
+
+def test_config_file_values_and_flag_precedence(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"epochs": 3, "lr": 0.5, "grad-accum": 2}))
+    cfg = parse_config(["--config", str(f), "--lr", "0.1"])
+    assert (cfg.epochs, cfg.lr, cfg.grad_accum) == (3, 0.1, 2)
+
+
+def test_unconnected_launch_is_refused():
+    check_process_group(2, "2")
+    check_process_group(1, None)
+    with pytest.raises(LaunchError, match="did not form one process group"):
+        check_process_group(1, "2")
+
+
+@pytest.mark.slow
+def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+           str(ROOT / "tools" / "train.py"), "--data", str(prepared), "--out", str(out), "--epochs", "2",
+           "--batch-size", "16", "--no-progress", "--image-size", "32", "--hidden", "32", "--record-ids"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = _seen(out, 0), _seen(out, 1)
+    assert len(r0) == len(r1) == 2 * (240 // 32)  # the same number of steps on both ranks
+    for epoch in (0, 1):
+        a = [i for r in r0 if r["epoch"] == epoch for i in r["ids"]]
+        b = [i for r in r1 if r["epoch"] == epoch for i in r["ids"]]
+        # disjoint shards covering all whole global batches (train drops the last partial one: 240 -> 224)
+        assert not set(a) & set(b) and len(set(a) | set(b)) == (240 // 32) * 32 and set(a) | set(b) <= set(range(240))
+    assert (out / "weights.rank0.sha256").read_text() == (out / "weights.rank1.sha256").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["global_step"] == 2 * (240 // 32)
+    metrics = _jsonl(out / "metrics.jsonl")
+    assert metrics[-1]["val_samples"] == 60  # evaluation gathered from both ranks, padding excluded
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_path):
+    out = tmp_path / "run"
+    base = [sys.executable, str(ROOT / "tools" / "train.py"), "--data", str(prepared), "--out", str(out),
+            "--epochs", "2", "--batch-size", "16", "--no-progress", "--image-size", "32", "--hidden", "32",
+            "--record-ids", "--mixed-precision", "no"]
+    proc = subprocess.Popen(base, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = out / "seen_ids.rank0.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not seen.exists() or len(seen.read_text().splitlines()) < 4):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    (ckpt,) = [p for p in (out / "checkpoints").iterdir()]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    done = len(_seen(out))
+    assert state["global_step"] == done and 4 <= done < 15
+    resumed = subprocess.run([*base, "--resume", "latest"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = _seen(out)
+    for epoch in (0, 1):
+        ids = [i for r in rows if r["epoch"] == epoch for i in r["ids"]]
+        assert len(ids) == len(set(ids)) == (240 // 16) * 16  # nothing lost, nothing repeated
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 2 * 15
