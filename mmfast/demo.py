@@ -120,7 +120,14 @@ def demo_dataset(n: int = 2000, seed: int = 0, root: str | os.PathLike | None = 
                 shape, attr = SHAPES[shapes[i]], ATTRIBUTES[attrs[i]]
                 rel = f"images/{i:05d}.jpg"
                 Image.fromarray(render_shape(shape, int(img_seeds[i]), size)).save(tmp / rel, quality=90)
-                rows.append({"image": rel, "text": make_caption(attr, int(cap_seeds[i])),
-                             "label": label_name(shape, attr), "shape": shape, "attribute": attr})
+                rows.append(
+                    {
+                        "image": rel,
+                        "text": make_caption(attr, int(cap_seeds[i])),
+                        "label": label_name(shape, attr),
+                        "shape": shape,
+                        "attribute": attr,
+                    }
+                )
             (tmp / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return manifest

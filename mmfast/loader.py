@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,7 +39,9 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def shard_positions(order: np.ndarray, batch_size: int, shard_id: int, num_shards: int, drop_last: bool) -> np.ndarray:
+def shard_positions(
+    order: np.ndarray, batch_size: int, shard_id: int, num_shards: int, drop_last: bool
+) -> np.ndarray:
     """This rank's positions for one epoch; every rank gets the same count, a multiple of batch_size.
 
     drop_last: keep only whole global batches (each sample at most once; the tail differs every epoch).
@@ -49,13 +52,15 @@ def shard_positions(order: np.ndarray, batch_size: int, shard_id: int, num_shard
         per_rank = (n // (num_shards * batch_size)) * batch_size
         return order[: per_rank * num_shards][shard_id::num_shards]
     mine = order[shard_id::num_shards]
-    per_rank = -(-(-(-n // num_shards)) // batch_size) * batch_size  # ceil(ceil(n / shards) / batch) * batch
+    per_rank = math.ceil(math.ceil(n / num_shards) / batch_size) * batch_size
     return np.concatenate([mine, np.full(per_rank - len(mine), -1, dtype=order.dtype)])
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available; pass device='cpu'")
@@ -151,11 +156,14 @@ class ImageLoader:
         self.wds_shards = [str(p) for p in wds_shards] if wds_shards else None
         for tar in self.wds_shards or []:
             if not Path(tar).is_file() or not Path(tar).with_suffix(".idx").is_file():
-                raise FileNotFoundError(f"{tar}: WebDataset shard or its .idx index missing; "
-                                        "run tools/prepare_data.py --format wds")
+                raise FileNotFoundError(
+                    f"{tar}: WebDataset shard or its .idx index missing; run tools/prepare_data.py --format wds"
+                )
         if drop_last and n < batch_size * num_shards:
-            raise ValueError(f"{n} samples cannot fill one batch of {batch_size} on each of {num_shards} processes "
-                             "with drop_last=True; lower the batch size")
+            raise ValueError(
+                f"{n} samples cannot fill one batch of {batch_size} on each of {num_shards} processes "
+                "with drop_last=True; lower the batch size"
+            )
         self.epoch = 0
         self.step = 0  # batches of the current epoch already delivered
         self._live = None  # the DALI iterator of the epoch in progress
@@ -184,8 +192,8 @@ class ImageLoader:
     def __len__(self) -> int:
         """Batches per epoch on this process (the same on every process)."""
         if self.wds_shards:
-            per_shard = -(-len(self.files) // self.num_shards)  # DALI pads every shard to the largest
-            return per_shard // self.batch_size if self.drop_last else -(-per_shard // self.batch_size)
+            per_shard = math.ceil(len(self.files) / self.num_shards)  # DALI pads every shard to the largest
+            return per_shard // self.batch_size if self.drop_last else math.ceil(per_shard / self.batch_size)
         return len(self._positions(0)) // self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -205,14 +213,25 @@ class ImageLoader:
             ck = self._live.checkpoints()[0] if self._live is not None else self._dali_checkpoint
             if isinstance(ck, bytes | bytearray):  # kept as text so the state is JSON-serializable
                 ck = "b64:" + base64.b64encode(ck).decode("ascii")
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "num_samples": len(self.files),
-                "num_shards": self.num_shards, "shard_id": self.shard_id, "batch_size": self.batch_size,
-                "dali_checkpoint": ck}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": self.seed,
+            "num_samples": len(self.files),
+            "num_shards": self.num_shards,
+            "shard_id": self.shard_id,
+            "batch_size": self.batch_size,
+            "dali_checkpoint": ck,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position from ``state_dict()`` (same data, seed, batch size and process count)."""
-        for key, mine in (("seed", self.seed), ("num_samples", len(self.files)), ("num_shards", self.num_shards),
-                          ("batch_size", self.batch_size)):
+        for key, mine in (
+            ("seed", self.seed),
+            ("num_samples", len(self.files)),
+            ("num_shards", self.num_shards),
+            ("batch_size", self.batch_size),
+        ):
             if state[key] != mine:
                 raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {mine}")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
@@ -230,25 +249,47 @@ class ImageLoader:
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         if self.wds_shards:
-            source = {"source": "wds", "wds_paths": self.wds_shards,
-                      "wds_index_paths": [str(Path(p).with_suffix(".idx")) for p in self.wds_shards],
-                      "wds_shard_id": self.shard_id, "wds_num_shards": self.num_shards, "wds_shuffle": self.shuffle}
+            source = {
+                "source": "wds",
+                "wds_paths": self.wds_shards,
+                "wds_index_paths": [str(Path(p).with_suffix(".idx")) for p in self.wds_shards],
+                "wds_shard_id": self.shard_id,
+                "wds_num_shards": self.num_shards,
+                "wds_shuffle": self.shuffle,
+            }
             policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
         else:
             pad_file = self.files[0]
-            source = {"source": "files", "files": [self.files[p] if p >= 0 else pad_file for p in positions],
-                      "ids": [int(self.ids[p]) if p >= 0 else PAD_ID for p in positions]}
+            source = {
+                "source": "files",
+                "files": [self.files[p] if p >= 0 else pad_file for p in positions],
+                "ids": [int(self.ids[p]) if p >= 0 else PAD_ID for p in positions],
+            }
             policy = LastBatchPolicy.FILL  # never used: the lists are whole batches
         cuda = self.device.type == "cuda"
         pipe = image_pipeline(
-            **source, train=self.train, size=self.size,
-            decode_device="mixed" if cuda else "cpu", fp16=self.fp16, **self.pipeline_kwargs,
-            batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device.index if cuda else None,
+            **source,
+            train=self.train,
+            size=self.size,
+            decode_device="mixed" if cuda else "cpu",
+            fp16=self.fp16,
+            **self.pipeline_kwargs,
+            batch_size=self.batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device.index if cuda else None,
             seed=int(np.random.default_rng([self.seed, self.epoch, self.shard_id]).integers(2**31)),
-            prefetch_queue_depth=self.prefetch, enable_checkpointing=True, checkpoint=checkpoint,
+            prefetch_queue_depth=self.prefetch,
+            enable_checkpointing=True,
+            checkpoint=checkpoint,
         )
-        return DALIGenericIterator(pipe, ["image", "id"], reader_name=READER_NAME, auto_reset=False,
-                                   last_batch_policy=policy, prepare_first_batch=True)
+        return DALIGenericIterator(
+            pipe,
+            ["image", "id"],
+            reader_name=READER_NAME,
+            auto_reset=False,
+            last_batch_policy=policy,
+            prepare_first_batch=True,
+        )
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         """Positions in ``files`` of the given sample ids (-1 stays -1)."""
@@ -266,7 +307,7 @@ class ImageLoader:
         elif self.wds_shards:
             it, skip = self._build_iterator(None), self.step  # no checkpoint: re-read and drop what was seen
         else:
-            it = self._build_iterator(positions[self.step * self.batch_size:])
+            it = self._build_iterator(positions[self.step * self.batch_size :])
         self._live, self._dali_checkpoint = it, None
         try:
             for out in it:
@@ -285,8 +326,11 @@ class ImageLoader:
             pos = self._lookup(ids)
             labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
             self.step += 1
-            yield {"image": images.to(self.device, non_blocking=True), "label": torch.from_numpy(labels).to(self.device),
-                   "id": torch.from_numpy(ids).to(self.device)}
+            yield {
+                "image": images.to(self.device, non_blocking=True),
+                "label": torch.from_numpy(labels).to(self.device),
+                "id": torch.from_numpy(ids).to(self.device),
+            }
         self._end_epoch()
 
     def _end_epoch(self) -> None:
@@ -310,9 +354,18 @@ class MultimodalLoader(ImageLoader):
         **kwargs: the rest of ``ImageLoader``'s arguments.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, split: str = "train", batch_size: int = 64, *,
-                 shuffle: bool | None = None, drop_last: bool | None = None, accelerator=None,
-                 source: str = "files", **kwargs):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        split: str = "train",
+        batch_size: int = 64,
+        *,
+        shuffle: bool | None = None,
+        drop_last: bool | None = None,
+        accelerator=None,
+        source: str = "files",
+        **kwargs,
+    ):
         data_dir = Path(data_dir)
         rows_path = data_dir / f"{split}.jsonl"
         if not rows_path.exists():
@@ -328,13 +381,21 @@ class MultimodalLoader(ImageLoader):
             index = data_dir / "wds" / f"{split}.json"
             if not index.is_file():
                 raise FileNotFoundError(f"{index}: no WebDataset shards; run tools/prepare_data.py --format wds")
-            kwargs["wds_shards"] = [str(data_dir / "wds" / f"{s}.tar") for s in json.loads(index.read_text())["shards"]]
+            kwargs["wds_shards"] = [
+                str(data_dir / "wds" / f"{s}.tar") for s in json.loads(index.read_text())["shards"]
+            ]
         elif source != "files":
             raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
         is_train = split == "train"
-        super().__init__([r["image"] for r in rows], [r["label"] for r in rows], ids=[r["id"] for r in rows],
-                         batch_size=batch_size, shuffle=is_train if shuffle is None else shuffle,
-                         drop_last=is_train if drop_last is None else drop_last, **kwargs)
+        super().__init__(
+            [r["image"] for r in rows],
+            [r["label"] for r in rows],
+            ids=[r["id"] for r in rows],
+            batch_size=batch_size,
+            shuffle=is_train if shuffle is None else shuffle,
+            drop_last=is_train if drop_last is None else drop_last,
+            **kwargs,
+        )
         self.tokens = TokenCache(data_dir / "tokens", split)
         self.texts = [r["text"] for r in rows]
         self.num_classes = len(json.loads((data_dir / "labels.json").read_text()))

@@ -102,8 +102,13 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            rejects.append(Reject(line, f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
-                                  raw[:200].decode("utf-8", "replace")))
+            rejects.append(
+                Reject(
+                    line,
+                    f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
+                    raw[:200].decode("utf-8", "replace"),
+                )
+            )
             continue
         try:
             row = json.loads(text)
@@ -123,8 +128,13 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
         try:
             good_lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            rejects.append(Reject(line, f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
-                                  raw[:200].decode("utf-8", "replace")))
+            rejects.append(
+                Reject(
+                    line,
+                    f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
+                    raw[:200].decode("utf-8", "replace"),
+                )
+            )
             good_lines.append("")  # keep line numbers aligned; an empty line is skipped by csv
     csv.field_size_limit(MAX_LINE_BYTES)
     reader = csv.DictReader(io.StringIO("\n".join(good_lines), newline=""), delimiter=delimiter)
@@ -132,8 +142,9 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
         raise ManifestError(f"{path}: empty CSV; the first line must name the columns image,text,label")
     missing = {"image", "text", "label"} - set(reader.fieldnames)
     if missing:
-        raise ManifestError(f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; "
-                            "name the columns image,text,label")
+        raise ManifestError(
+            f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; name the columns image,text,label"
+        )
     rows = []
     try:
         for row in reader:
@@ -181,8 +192,14 @@ def _drop_mixed_labels_and_duplicates(cands: list[Candidate]) -> tuple[list[Cand
     first_type = type(cands[0].label) if cands else None
     for c in cands:
         if type(c.label) is not first_type:
-            rejects.append(Reject(c.line, f"mixed label types: {type(c.label).__name__} label among "
-                                  f"{first_type.__name__} labels; use one type", c.source))
+            rejects.append(
+                Reject(
+                    c.line,
+                    f"mixed label types: {type(c.label).__name__} label among "
+                    f"{first_type.__name__} labels; use one type",
+                    c.source,
+                )
+            )
             continue
         key = (c.image, c.text, c.label)
         if key in seen:

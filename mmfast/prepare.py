@@ -96,21 +96,27 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     rejects.extend(more)
     if not good:
         reasons = Counter(r.reason.split(":")[0] for r in rejects).most_common(3)
-        raise ManifestError(f"{cfg.source}: no usable rows out of {n_input} (most common reasons: {reasons}); "
-                            "see the reasons above and fix the manifest")
+        raise ManifestError(
+            f"{cfg.source}: no usable rows out of {n_input} (most common reasons: {reasons}); "
+            "see the reasons above and fix the manifest"
+        )
     train, val = _split(good, label_map, cfg.val_fraction, cfg.seed)
     train_rows = [_row(c, i, label_map) for i, c in enumerate(train)]
     val_rows = [_row(c, len(train) + i, label_map) for i, c in enumerate(val)]
 
-    tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else train_wordpiece([r["text"] for r in train_rows],
-                                                                               cfg.vocab_size)
+    tok = (
+        load_tokenizer(cfg.tokenizer)
+        if cfg.tokenizer
+        else train_wordpiece([r["text"] for r in train_rows], cfg.vocab_size)
+    )
     tok.save_pretrained(tmp / "tokenizer")
     t_tok = time.perf_counter()
     caches = {}
     for split, rows in (("train", train_rows), ("val", val_rows)):
         first = rows[0]["id"] if rows else len(train_rows)
-        caches[split] = TokenCache.build(tmp / "tokens", split, [r["text"] for r in rows], tok, cfg.max_length,
-                                         first_id=first)
+        caches[split] = TokenCache.build(
+            tmp / "tokens", split, [r["text"] for r in rows], tok, cfg.max_length, first_id=first
+        )
     t_cache = time.perf_counter()
 
     rejects.sort(key=lambda r: r.line)
@@ -124,16 +130,29 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         "input_kind": kind,
         "input_fingerprint": fp,
         "config": asdict(cfg),
-        "counts": {"input_rows": n_input, "accepted": len(good), "rejected": len(rejects), "train": len(train),
-                   "val": len(val), "classes": len(label_map)},
+        "counts": {
+            "input_rows": n_input,
+            "accepted": len(good),
+            "rejected": len(rejects),
+            "train": len(train),
+            "val": len(val),
+            "classes": len(label_map),
+        },
         "rejected_by_reason": dict(Counter(_reason_kind(r.reason) for r in rejects).most_common()),
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
         "vocab_size": len(tok),
         "max_length": cfg.max_length,
-        "token_cache": {s: {"fingerprint": c.fingerprint, "dtype": c.meta["dtype"], "tokens": c.meta["n_tokens"]}
-                        for s, c in caches.items()},
-        "timings_s": {"read": t_read - t0, "validate": t_validate - t_read, "tokenizer": t_tok - t_validate,
-                      "token_cache": t_cache - t_tok, "total": time.perf_counter() - t0},
+        "token_cache": {
+            s: {"fingerprint": c.fingerprint, "dtype": c.meta["dtype"], "tokens": c.meta["n_tokens"]}
+            for s, c in caches.items()
+        },
+        "timings_s": {
+            "read": t_read - t0,
+            "validate": t_validate - t_read,
+            "tokenizer": t_tok - t_validate,
+            "token_cache": t_cache - t_tok,
+            "total": time.perf_counter() - t0,
+        },
     }
     assert n_input == len(good) + len(rejects), "every input row is either kept or rejected"
     (tmp / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -151,8 +170,11 @@ def _label_map(rows: list[Candidate]) -> tuple[list[Candidate], dict[str, int], 
         names = sorted({c.label for c in rows})
         return rows, {n: i for i, n in enumerate(names)}, []
     kept = [c for c in rows if c.label >= 0]
-    rejects = [Reject(c.line, f"negative integer label {c.label}; labels are class indices >= 0", c.source)
-               for c in rows if c.label < 0]
+    rejects = [
+        Reject(c.line, f"negative integer label {c.label}; labels are class indices >= 0", c.source)
+        for c in rows
+        if c.label < 0
+    ]
     return kept, {str(v): v for v in sorted({c.label for c in kept})}, rejects
 
 
@@ -180,8 +202,10 @@ def _row(c: Candidate, sample_id: int, label_map: dict[str, int]) -> dict:
 
 def _input_fingerprint(cfg: PrepareConfig) -> str:
     """Hash of the input (manifest bytes or folder listing, with image sizes and mtimes) and the settings."""
-    h = hashlib.sha256(f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
-                       f"{cfg.vocab_size}|{cfg.confine}".encode())
+    h = hashlib.sha256(
+        f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
+        f"{cfg.vocab_size}|{cfg.confine}".encode()
+    )
     src = Path(cfg.source)
     if not src.exists():
         raise ManifestError(f"{src}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
@@ -203,4 +227,6 @@ def _refresh_token_cache(out: Path, summary: dict) -> None:
     for split in ("train", "val"):
         rows = [json.loads(ln) for ln in (out / f"{split}.jsonl").read_text().splitlines() if ln]
         first = rows[0]["id"] if rows else summary["counts"]["train"]
-        TokenCache.build(out / "tokens", split, [r["text"] for r in rows], tok, summary["max_length"], first_id=first)
+        TokenCache.build(
+            out / "tokens", split, [r["text"] for r in rows], tok, summary["max_length"], first_id=first
+        )

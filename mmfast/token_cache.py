@@ -51,14 +51,19 @@ class TokenCache:
         self.meta = json.loads(meta_path.read_text())
         problem = _check_files(self.dir, split, self.meta)
         if problem:
-            raise ValueError(f"token cache {self.dir}/{split} is damaged ({problem}); re-run tools/prepare_data.py")
+            raise ValueError(
+                f"token cache {self.dir}/{split} is damaged ({problem}); re-run tools/prepare_data.py"
+            )
         self.first_id = int(self.meta["first_id"])
         self.pad_id = int(self.meta["pad_id"])
         self.offsets = np.load(self.dir / f"{split}.offsets.npy", mmap_mode="r")
         n_tokens = int(self.meta["n_tokens"])
         # np.memmap cannot map an empty file; an empty split has no tokens to gather anyway.
-        self.ids = (np.memmap(self.dir / f"{split}.ids.bin", dtype=self.meta["dtype"], mode="r", shape=(n_tokens,))
-                    if n_tokens else np.zeros(0, dtype=self.meta["dtype"]))
+        self.ids = (
+            np.memmap(self.dir / f"{split}.ids.bin", dtype=self.meta["dtype"], mode="r", shape=(n_tokens,))
+            if n_tokens
+            else np.zeros(0, dtype=self.meta["dtype"])
+        )
         self.lengths = np.diff(np.asarray(self.offsets)).astype(np.int64)
         self._pin = torch.cuda.is_available()
 
@@ -84,8 +89,10 @@ class TokenCache:
         valid = ids >= 0
         if np.any(valid & ((rows < 0) | (rows >= len(self)))):
             bad = ids[valid & ((rows < 0) | (rows >= len(self)))][:5].tolist()
-            raise IndexError(f"sample ids {bad} are not in split '{self.split}' "
-                             f"(ids {self.first_id}..{self.first_id + len(self) - 1})")
+            raise IndexError(
+                f"sample ids {bad} are not in split '{self.split}' "
+                f"(ids {self.first_id}..{self.first_id + len(self) - 1})"
+            )
         rows = np.where(valid, rows, 0)
         lengths = np.where(valid, self.lengths[rows], 0)
         width = max(1, int(lengths.max(initial=0)))
@@ -99,8 +106,16 @@ class TokenCache:
         return out
 
     @classmethod
-    def build(cls, directory: str | os.PathLike, split: str, texts: list[str], tokenizer, max_length: int,
-              first_id: int = 0, batch_size: int = 4096) -> TokenCache:
+    def build(
+        cls,
+        directory: str | os.PathLike,
+        split: str,
+        texts: list[str],
+        tokenizer,
+        max_length: int,
+        first_id: int = 0,
+        batch_size: int = 4096,
+    ) -> TokenCache:
         """Open the split's cache, (re)building it first if it is missing, stale or damaged.
 
         Safe to call from several processes at once: one builds under a lock, the others wait and read.
@@ -155,16 +170,23 @@ def _stale_reason(directory: Path, split: str, fp: str, first_id: int) -> str:
     return _check_files(directory, split, meta)
 
 
-def _write_split(directory: Path, split: str, texts: list[str], tok, max_length: int, first_id: int, fp: str,
-                 batch_size: int) -> None:
+def _write_split(
+    directory: Path, split: str, texts: list[str], tok, max_length: int, first_id: int, fp: str, batch_size: int
+) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{split}.meta.json").unlink(missing_ok=True)  # the split is incomplete from here on
     vocab = len(tok)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
     chunks, lengths = [], []
     for s in range(0, len(texts), batch_size):
-        enc = tok(texts[s:s + batch_size], truncation=True, max_length=max_length, add_special_tokens=True,
-                  return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        enc = tok(
+            texts[s : s + batch_size],
+            truncation=True,
+            max_length=max_length,
+            add_special_tokens=True,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )["input_ids"]
         lengths.extend(len(e) for e in enc)
         chunks.append(np.fromiter((t for e in enc for t in e), dtype=dtype))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
@@ -176,8 +198,17 @@ def _write_split(directory: Path, split: str, texts: list[str], tok, max_length:
     buf = io.BytesIO()
     np.save(buf, offsets)
     atomic_write_bytes(directory / f"{split}.offsets.npy", buf.getvalue())
-    atomic_write_json(directory / f"{split}.meta.json", {
-        "format": FORMAT_VERSION, "fingerprint": fp, "dtype": np.dtype(dtype).name, "n_rows": len(texts),
-        "n_tokens": int(flat.size), "first_id": first_id, "pad_id": int(tok.pad_token_id), "max_length": max_length,
-        "vocab_size": vocab,
-    })
+    atomic_write_json(
+        directory / f"{split}.meta.json",
+        {
+            "format": FORMAT_VERSION,
+            "fingerprint": fp,
+            "dtype": np.dtype(dtype).name,
+            "n_rows": len(texts),
+            "n_tokens": int(flat.size),
+            "first_id": first_id,
+            "pad_id": int(tok.pad_token_id),
+            "max_length": max_length,
+            "vocab_size": vocab,
+        },
+    )

@@ -25,11 +25,18 @@ def train_wordpiece(texts: list[str], vocab_size: int = 4000):
     tok.train_from_iterator(texts, trainer=trainer)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=512,
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
     )
 
 
@@ -44,8 +51,10 @@ def load_tokenizer(name_or_path: str | Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)
     except Exception as e:
-        raise ValueError(f"cannot load tokenizer '{name_or_path}': {e}. Pass a local tokenizer directory, "
-                         "or a hub name with network access") from e
+        raise ValueError(
+            f"cannot load tokenizer '{name_or_path}': {e}. Pass a local tokenizer directory, "
+            "or a hub name with network access"
+        ) from e
     if not tok.is_fast:
         raise ValueError(f"tokenizer '{name_or_path}' has no fast (Rust) version; mmfast needs one")
     if tok.pad_token_id is None:

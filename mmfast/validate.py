@@ -84,7 +84,9 @@ def check_images(paths: list[str], workers: int, progress: bool = False) -> list
     """
     from tqdm import tqdm
 
-    bar = dict(total=len(paths), desc="validating images", unit="img", disable=None if progress else True, leave=False)
+    bar = dict(
+        total=len(paths), desc="validating images", unit="img", disable=None if progress else True, leave=False
+    )
     if workers > 1 and len(paths) > 64:
         with ProcessPoolExecutor(workers) as pool:
             chunk = max(1, min(64, len(paths) // (workers * 8)))

@@ -1,8 +1,8 @@
 """WebDataset export of a prepared dataset: tar shards (image + 4-byte sample id) with DALI index files.
 
-    wds/<split>-00000.tar    members <id>.<jpg|png|...> (the original bytes) and <id>.id (int32, little endian)
-    wds/<split>-00000.idx    DALI's index of the tar (made with DALI's own wds2idx)
-    wds/<split>.json         shard names and sample counts
+wds/<split>-00000.tar    members <id>.<jpg|png|...> (the original bytes) and <id>.id (int32, little endian)
+wds/<split>-00000.idx    DALI's index of the tar (made with DALI's own wds2idx)
+wds/<split>.json         shard names and sample counts
 """
 
 from __future__ import annotations
@@ -17,8 +17,15 @@ import numpy as np
 
 from mmfast.fsutil import atomic_write_json
 
-_EXT = {".jpeg": "jpg", ".jpg": "jpg", ".png": "png", ".bmp": "bmp", ".tif": "tif", ".tiff": "tif",
-        ".webp": "webp"}
+_EXT = {
+    ".jpeg": "jpg",
+    ".jpg": "jpg",
+    ".png": "png",
+    ".bmp": "bmp",
+    ".tif": "tif",
+    ".tiff": "tif",
+    ".webp": "webp",
+}
 
 
 def write_wds(prepared_dir: str | os.PathLike, shard_size: int = 1000) -> dict:
@@ -36,7 +43,7 @@ def write_wds(prepared_dir: str | os.PathLike, shard_size: int = 1000) -> dict:
             name = f"{split}-{k:05d}"
             tmp = out / f".{name}.tar.tmp"
             with tarfile.open(tmp, "w") as tar:
-                for r in rows[start:start + shard_size]:
+                for r in rows[start : start + shard_size]:
                     ext = _EXT.get(Path(r["image"]).suffix.lower())
                     if ext is None:
                         raise ValueError(f"{r['image']}: WebDataset export supports {sorted(set(_EXT.values()))}")

@@ -73,9 +73,16 @@ def image_pipeline(
         encoded, sample_ids = fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
     elif source == "wds":
         encoded, sample_ids = fn.readers.webdataset(
-            paths=wds_paths, index_paths=wds_index_paths, ext=["jpg;jpeg;png;bmp;tif;tiff;webp", "id"],
-            dtypes=[types.UINT8, types.INT32], missing_component_behavior="error", shard_id=wds_shard_id,
-            num_shards=wds_num_shards, random_shuffle=wds_shuffle, pad_last_batch=True, name=READER_NAME,
+            paths=wds_paths,
+            index_paths=wds_index_paths,
+            ext=["jpg;jpeg;png;bmp;tif;tiff;webp", "id"],
+            dtypes=[types.UINT8, types.INT32],
+            missing_component_behavior="error",
+            shard_id=wds_shard_id,
+            num_shards=wds_num_shards,
+            random_shuffle=wds_shuffle,
+            pad_last_batch=True,
+            name=READER_NAME,
         )
     else:
         raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
@@ -83,22 +90,38 @@ def image_pipeline(
     mirror = 0
     if train:
         # Fused decode + crop: only the region of interest is decoded (ROI decoding).
-        images = fn.decoders.image_random_crop(encoded, device=decode_device, output_type=types.RGB,
-                                               random_area=list(scale), random_aspect_ratio=list(ratio),
-                                               num_attempts=10, **dec)
+        images = fn.decoders.image_random_crop(
+            encoded,
+            device=decode_device,
+            output_type=types.RGB,
+            random_area=list(scale),
+            random_aspect_ratio=list(ratio),
+            num_attempts=10,
+            **dec,
+        )
         images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
         if flip:
             mirror = fn.random.coin_flip(probability=0.5)
         if color_jitter > 0:
             lo, hi = 1.0 - color_jitter, 1.0 + color_jitter
-            images = fn.color_twist(images, brightness=fn.random.uniform(range=[lo, hi]),
-                                    contrast=fn.random.uniform(range=[lo, hi]),
-                                    saturation=fn.random.uniform(range=[lo, hi]))
+            images = fn.color_twist(
+                images,
+                brightness=fn.random.uniform(range=[lo, hi]),
+                contrast=fn.random.uniform(range=[lo, hi]),
+                saturation=fn.random.uniform(range=[lo, hi]),
+            )
         crop = None
     else:
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
         images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True)
         crop = (size, size)
-    images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16 if fp16 else types.FLOAT, output_layout="CHW",
-                                      crop=crop, mean=list(mean), std=list(std), mirror=mirror)
+    images = fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT16 if fp16 else types.FLOAT,
+        output_layout="CHW",
+        crop=crop,
+        mean=list(mean),
+        std=list(std),
+        mirror=mirror,
+    )
     return images, sample_ids

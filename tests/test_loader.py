@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
 from mmfast.loader import IGNORE_LABEL, ImageLoader, MultimodalLoader, epoch_order, shard_positions
-from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.token_cache import TokenCache
 from mmfast.wds import write_wds
 
@@ -24,7 +24,7 @@ def _pil_eval_reference(path: Path, size: int, crop_ratio: float = 0.875) -> np.
     nw, nh = (s, round(h * s / w)) if w < h else (round(w * s / h), s)
     a = np.asarray(im.resize((nw, nh), Image.BILINEAR), dtype=np.float32)
     top, left = int((nh - size) / 2 + 0.5), int((nw - size) / 2 + 0.5)
-    a = a[top:top + size, left:left + size]
+    a = a[top : top + size, left : left + size]
     return ((a - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)).transpose(2, 0, 1)
 
 

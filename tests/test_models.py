@@ -17,8 +17,12 @@ def _batch(b=3, t=7, size=64, seed=0):
     mask = torch.ones(b, t, dtype=torch.long)
     mask[0, 4:] = 0  # the first caption is shorter: positions 4.. are padding
     ids[0, 4:] = 0
-    return {"image": torch.randn(b, 3, size, size, generator=g).half(), "input_ids": ids, "attention_mask": mask,
-            "label": torch.tensor([0, 1, 2][:b])}
+    return {
+        "image": torch.randn(b, 3, size, size, generator=g).half(),
+        "input_ids": ids,
+        "attention_mask": mask,
+        "label": torch.tensor([0, 1, 2][:b]),
+    }
 
 
 @pytest.mark.parametrize("name", ["early", "concat", "late"])
@@ -40,15 +44,24 @@ def test_output_shapes_and_gradients_reach_both_encoders(name, backbone):
 def test_feature_widths_come_from_the_encoders():
     widths = {b: ImageEncoder(b).width for b in IMAGE_BACKBONES}
     assert widths == {"resnet10": 512, "resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
-    model = build_model("concat", 4, image_backbone="resnet50", text_model="bert-mini", vocab_size=VOCAB, hidden=16)
+    model = build_model(
+        "concat", 4, image_backbone="resnet50", text_model="bert-mini", vocab_size=VOCAB, hidden=16
+    )
     assert model.head[0].in_features == 2048 + 256
     late = build_model("late", 4, image_backbone="resnet50", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
     assert late.image_head[0].in_features == 2048 and late.text_head[0].in_features == 128
 
 
 def test_frozen_encoders_get_no_gradient_and_keep_bn_stats():
-    model = build_model("concat", 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB,
-                        freeze_image=True, hidden=16)
+    model = build_model(
+        "concat",
+        3,
+        image_backbone="resnet10",
+        text_model="bert-tiny",
+        vocab_size=VOCAB,
+        freeze_image=True,
+        hidden=16,
+    )
     model.train()
     assert not model.image.training and model.text.training
     before = model.image.net.bn1.running_mean.clone()
@@ -88,8 +101,9 @@ def test_early_fusion_uses_image_tokens():
 @pytest.mark.parametrize("combine", ["mean", "learned"])
 def test_late_fusion_combines_its_per_modality_logits(combine):
     torch.manual_seed(0)
-    model = build_model("late", 6, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16,
-                        combine=combine)
+    model = build_model(
+        "late", 6, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16, combine=combine
+    )
     assert isinstance(model, LateFusion)
     if combine == "learned":
         with torch.no_grad():
@@ -106,7 +120,9 @@ def test_late_fusion_combines_its_per_modality_logits(combine):
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_models_run_under_autocast(dtype):
     for name in ("early", "concat", "late"):
-        model = build_model(name, 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
+        model = build_model(
+            name, 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16
+        )
         with torch.autocast("cpu", dtype=dtype):
             out = model(_batch())
         assert out.dtype == dtype and torch.isfinite(out.float()).all()
@@ -152,8 +168,9 @@ def test_unknown_names_and_mismatched_weights_fail_clearly(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["early", "concat", "late"])
 def test_models_under_fp16_autocast_on_gpu(name):
-    model = build_model(name, 3, image_backbone="resnet18", text_model="bert-tiny", vocab_size=VOCAB, hidden=16,
-                        channels_last=True).cuda()
+    model = build_model(
+        name, 3, image_backbone="resnet18", text_model="bert-tiny", vocab_size=VOCAB, hidden=16, channels_last=True
+    ).cuda()
     batch = {k: v.cuda() for k, v in _batch().items()}
     with torch.autocast("cuda", dtype=torch.float16):
         out = model(batch)

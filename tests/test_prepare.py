@@ -39,8 +39,10 @@ def bad_dataset(tmp_path):
     (img / "text.jpg").write_bytes(b"this is not an image at all\n" * 10)
     (img / "a_dir.jpg").mkdir()
     save_image(img / "anim.gif", fmt="GIF")
-    rows = [{"image": f"img/{n}", "text": f"caption {i}", "label": "cat" if i % 2 else "dog"}
-            for i, n in enumerate(good)]
+    rows = [
+        {"image": f"img/{n}", "text": f"caption {i}", "label": "cat" if i % 2 else "dog"}
+        for i, n in enumerate(good)
+    ]
     bad = [
         ({"image": "img/missing.jpg", "text": "x", "label": "cat"}, "missing file"),
         ({"image": "img/truncated.jpg", "text": "x", "label": "cat"}, "truncated"),
@@ -57,7 +59,9 @@ def bad_dataset(tmp_path):
         ("[1, 2]", "expected an object"),
     ]
     lines = [json.dumps(r) for r in rows] + [r if isinstance(r, str) else json.dumps(r) for r, _ in bad]
-    raw = "\r\n".join(lines).encode() + b"\r\n" + b'{"image": "img/rgb.jpg", "text": "caf\xe9", "label": "cat"}\r\n'
+    raw = (
+        "\r\n".join(lines).encode() + b"\r\n" + b'{"image": "img/rgb.jpg", "text": "caf\xe9", "label": "cat"}\r\n'
+    )
     manifest = tmp_path / "m.jsonl"
     manifest.write_bytes(b"\xef\xbb\xbf" + raw)  # a BOM and CRLF line ends, as Windows tools write them
     expected = {len(rows) + i + 1: reason for i, (_, reason) in enumerate(bad)}
@@ -97,8 +101,9 @@ def test_validation_reasons_single_files(tmp_path):
 
 def test_csv_and_folder_inputs(tmp_path):
     save_image(tmp_path / "a.jpg")
-    (tmp_path / "m.csv").write_text('image,text,label,extra\na.jpg,"hello, world",3,x\na.jpg,second,4,y\n'
-                                    "a.jpg,third\n")
+    (tmp_path / "m.csv").write_text(
+        'image,text,label,extra\na.jpg,"hello, world",3,x\na.jpg,second,4,y\na.jpg,third\n'
+    )
     cands, rejects, kind = read_input(tmp_path / "m.csv")
     assert kind == "csv" and [c.label for c in cands] == [3, 4] and cands[0].text == "hello, world"
     assert [(r.line, r.reason) for r in rejects] == [(4, "missing field 'label'")]
@@ -110,8 +115,10 @@ def test_csv_and_folder_inputs(tmp_path):
     (root / "cat" / "notes.md").write_text("not an image")
     cands, rejects, kind = read_input(root)
     assert kind == "folder"
-    assert [(Path(c.image).name, c.text, c.label) for c in cands] == [("1.jpg", "cat", "cat"),
-                                                                      ("2.png", "a dog on grass", "dog")]
+    assert [(Path(c.image).name, c.text, c.label) for c in cands] == [
+        ("1.jpg", "cat", "cat"),
+        ("2.png", "a dog on grass", "dog"),
+    ]
     assert len(rejects) == 1 and "not an image file name" in rejects[0].reason
 
 
@@ -120,9 +127,14 @@ def test_confine_rejects_paths_outside_the_manifest_folder(tmp_path):
     inner = tmp_path / "inner"
     inner.mkdir()
     save_image(inner / "in.jpg")
-    m = write_jsonl(inner / "m.jsonl", [{"image": "../outside.jpg", "text": "a", "label": "x"},
-                                        {"image": str(tmp_path / "outside.jpg"), "text": "b", "label": "x"},
-                                        {"image": "in.jpg", "text": "c", "label": "x"}])
+    m = write_jsonl(
+        inner / "m.jsonl",
+        [
+            {"image": "../outside.jpg", "text": "a", "label": "x"},
+            {"image": str(tmp_path / "outside.jpg"), "text": "b", "label": "x"},
+            {"image": "in.jpg", "text": "c", "label": "x"},
+        ],
+    )
     cands, rejects, _ = read_input(m)
     assert len(cands) == 3 and not rejects  # absolute paths and .. are legal by default
     cands, rejects, _ = read_input(m, confine=True)
@@ -141,7 +153,9 @@ def test_split_is_seeded_stratified_and_ids_are_contiguous(prepared, demo_manife
     prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(again), max_length=32, progress=False))
     assert _read_jsonl(again / "val.jsonl") == val
     other = tmp_path / "other"
-    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(other), max_length=32, seed=5, progress=False))
+    prepare_dataset(
+        PrepareConfig(source=str(demo_manifest), out=str(other), max_length=32, seed=5, progress=False)
+    )
     assert [r["line"] for r in _read_jsonl(other / "val.jsonl")] != [r["line"] for r in val]
 
 
@@ -173,9 +187,21 @@ def test_tool_exit_codes_and_messages(tmp_path, capsys, demo_manifest):
 
 
 def test_real_photos_and_non_ascii_captions(photos, tmp_path):
-    rows = [{"image": str(p), "text": t, "label": p.suffix[1:]}
-            for p, t in zip(photos, ["fusée au décollage", "深宇宙の銀河", "глазное дно", "a cat 🐱",
-                                     "astronaut in orbit", "café au lait"], strict=False)]
+    rows = [
+        {"image": str(p), "text": t, "label": p.suffix[1:]}
+        for p, t in zip(
+            photos,
+            [
+                "fusée au décollage",
+                "深宇宙の銀河",
+                "глазное дно",
+                "a cat 🐱",
+                "astronaut in orbit",
+                "café au lait",
+            ],
+            strict=False,
+        )
+    ]
     m = write_jsonl(tmp_path / "m.jsonl", rows)
     summary = prepare_dataset(PrepareConfig(source=str(m), out=str(tmp_path / "o"), progress=False))
     assert summary["counts"]["accepted"] == len(photos) and summary["counts"]["rejected"] == 0

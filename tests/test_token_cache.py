@@ -11,8 +11,16 @@ import pytest
 from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer, train_wordpiece
 
-TEXTS = ["a small red circle", "Ünïcödé façade — naïve café", "", "深宇宙の銀河", "x " * 100,
-         "emoji 🐱 and tabs\tand\nnewlines", "the same caption", "the same caption"]
+TEXTS = [
+    "a small red circle",
+    "Ünïcödé façade — naïve café",
+    "",
+    "深宇宙の銀河",
+    "x " * 100,
+    "emoji 🐱 and tabs\tand\nnewlines",
+    "the same caption",
+    "the same caption",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +75,10 @@ def test_truncated_or_damaged_cache_is_detected_and_rebuilt(tmp_path, minilm_tok
     with pytest.raises(ValueError, match="damaged .*bytes, expected"):
         TokenCache(tmp_path, "train")
     rebuilt = TokenCache.build(tmp_path, "train", TEXTS, minilm_tok, max_length=16)
-    assert rebuilt.gather([1])["input_ids"][0].tolist() == minilm_tok(TEXTS[1], max_length=16,
-                                                                       truncation=True)["input_ids"]
+    assert (
+        rebuilt.gather([1])["input_ids"][0].tolist()
+        == minilm_tok(TEXTS[1], max_length=16, truncation=True)["input_ids"]
+    )
     assert "expected" in caplog.text
     (tmp_path / "train.meta.json").write_text("{not json")
     TokenCache.build(tmp_path, "train", TEXTS, minilm_tok, max_length=16)
@@ -89,5 +99,8 @@ def test_two_processes_building_at_once_produce_one_valid_cache(tmp_path, minilm
         results = pool.map(_build_in_process, [(str(tmp_path), minilm_dir, texts)] * 2)
     assert results[0] == results[1]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
-        "train.ids.bin", "train.meta.json", "train.offsets.npy"]
+        "train.ids.bin",
+        "train.meta.json",
+        "train.offsets.npy",
+    ]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

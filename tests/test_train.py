@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -38,13 +37,30 @@ def test_run_directory_contract(prepared, tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"] == "late" and cfg["image_backbone"] == "resnet10" and cfg["total_steps"] == 240 // 32
     (metrics,) = _jsonl(out / "metrics.jsonl")
-    for key in ("epoch", "step", "train_loss", "val_loss", "val_acc", "images_per_s", "data_wait_frac", "lr",
-                "skipped_steps"):
+    for key in (
+        "epoch",
+        "step",
+        "train_loss",
+        "val_loss",
+        "val_acc",
+        "images_per_s",
+        "data_wait_frac",
+        "lr",
+        "skipped_steps",
+    ):
         assert key in metrics, key
     assert metrics["val_samples"] == 60 and metrics["step"] == 7
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("val_acc", "best_val_acc", "images_per_s", "wall_s", "device", "mixed_precision", "num_processes",
-                "model"):
+    for key in (
+        "val_acc",
+        "best_val_acc",
+        "images_per_s",
+        "wall_s",
+        "device",
+        "mixed_precision",
+        "num_processes",
+        "model",
+    ):
         assert key in summary, key
     assert summary["num_processes"] == 1 and summary["device"] == "cpu"
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -69,9 +85,27 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 def test_accumulating_4x16_equals_one_step_of_64(prepared, tmp_path):
     # No batch-norm coupling (frozen CNN keeps its statistics), no dropout, no augmentation randomness.
-    common = ["--data", str(prepared), "--epochs", "1", "--max-steps", "1", "--no-progress", "--image-size", "32",
-              "--hidden", "32", "--freeze-image", "--dropout", "0", "--no-augment", "--mixed-precision", "no",
-              "--lr", "0.01"]
+    common = [
+        "--data",
+        str(prepared),
+        "--epochs",
+        "1",
+        "--max-steps",
+        "1",
+        "--no-progress",
+        "--image-size",
+        "32",
+        "--hidden",
+        "32",
+        "--freeze-image",
+        "--dropout",
+        "0",
+        "--no-augment",
+        "--mixed-precision",
+        "no",
+        "--lr",
+        "0.01",
+    ]
     assert train_tool.main([*common, "--out", str(tmp_path / "a"), "--batch-size", "64"]) == 0
     assert train_tool.main([*common, "--out", str(tmp_path / "b"), "--batch-size", "16", "--grad-accum", "4"]) == 0
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
@@ -88,15 +122,35 @@ def test_accumulating_4x16_equals_one_step_of_64(prepared, tmp_path):
 def test_last_partial_accumulation_window_of_an_epoch_is_stepped(prepared, tmp_path):
     # 240 train samples / 32 = 7 micro-batches; with accumulation 3 the windows are 3 + 3 + 1.
     out = tmp_path / "run"
-    assert train_tool.main(["--data", str(prepared), "--out", str(out), "--grad-accum", "3", "--epochs", "2",
-                            *FAST[2:]]) == 0
+    assert (
+        train_tool.main(
+            ["--data", str(prepared), "--out", str(out), "--grad-accum", "3", "--epochs", "2", *FAST[2:]]
+        )
+        == 0
+    )
     assert [m["step"] for m in _jsonl(out / "metrics.jsonl")] == [3, 6]
     assert json.loads((out / "config.json").read_text())["total_steps"] == 6
 
 
 def test_resume_mid_epoch_reproduces_the_uninterrupted_run(prepared, tmp_path):
-    args = ["--data", str(prepared), "--epochs", "2", "--batch-size", "32", "--no-progress", "--image-size", "32",
-            "--hidden", "32", "--checkpoint-every", "3", "--keep-checkpoints", "10", "--record-ids"]
+    args = [
+        "--data",
+        str(prepared),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--no-progress",
+        "--image-size",
+        "32",
+        "--hidden",
+        "32",
+        "--checkpoint-every",
+        "3",
+        "--keep-checkpoints",
+        "10",
+        "--record-ids",
+    ]
     full = tmp_path / "full"
     assert train_tool.main([*args, "--out", str(full)]) == 0
     # A run that "died" after step 3 (mid-epoch 0): its directory holds only the step-3 checkpoint.
@@ -129,7 +183,8 @@ def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
     assert train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "r"), "--resume", str(tmp_path)]) == 2
     assert "not a complete mmfast checkpoint" in capsys.readouterr().err
     assert train_tool.main(["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path)]) == (
-        0 if torch.cuda.is_available() else 2)
+        0 if torch.cuda.is_available() else 2
+    )
     m = tmp_path / "m.jsonl"
     m.write_bytes(b"\xff\xfe garbage\n")
     assert train_tool.main(["--data", str(m), "--out", str(tmp_path / "r2"), "--no-progress"]) == 2
@@ -153,9 +208,30 @@ def test_unconnected_launch_is_refused():
 @pytest.mark.slow
 def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-           str(ROOT / "tools" / "train.py"), "--data", str(prepared), "--out", str(out), "--epochs", "2",
-           "--batch-size", "16", "--no-progress", "--image-size", "32", "--hidden", "32", "--record-ids"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29531",
+        str(ROOT / "tools" / "train.py"),
+        "--data",
+        str(prepared),
+        "--out",
+        str(out),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--no-progress",
+        "--image-size",
+        "32",
+        "--hidden",
+        "32",
+        "--record-ids",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = _seen(out, 0), _seen(out, 1)
@@ -164,7 +240,9 @@ def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
         a = [i for r in r0 if r["epoch"] == epoch for i in r["ids"]]
         b = [i for r in r1 if r["epoch"] == epoch for i in r["ids"]]
         # disjoint shards covering all whole global batches (train drops the last partial one: 240 -> 224)
-        assert not set(a) & set(b) and len(set(a) | set(b)) == (240 // 32) * 32 and set(a) | set(b) <= set(range(240))
+        assert (
+            not set(a) & set(b) and len(set(a) | set(b)) == (240 // 32) * 32 and set(a) | set(b) <= set(range(240))
+        )
     assert (out / "weights.rank0.sha256").read_text() == (out / "weights.rank1.sha256").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["global_step"] == 2 * (240 // 32)
@@ -175,9 +253,26 @@ def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_path):
     out = tmp_path / "run"
-    base = [sys.executable, str(ROOT / "tools" / "train.py"), "--data", str(prepared), "--out", str(out),
-            "--epochs", "2", "--batch-size", "16", "--no-progress", "--image-size", "32", "--hidden", "32",
-            "--record-ids", "--mixed-precision", "no"]
+    base = [
+        sys.executable,
+        str(ROOT / "tools" / "train.py"),
+        "--data",
+        str(prepared),
+        "--out",
+        str(out),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--no-progress",
+        "--image-size",
+        "32",
+        "--hidden",
+        "32",
+        "--record-ids",
+        "--mixed-precision",
+        "no",
+    ]
     proc = subprocess.Popen(base, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = out / "seen_ids.rank0.jsonl"
     deadline = time.time() + 300

@@ -1,7 +1,7 @@
 """Prepare a manifest (JSONL/CSV) or image folder for training.
 
-    python tools/prepare_data.py MANIFEST_OR_FOLDER --out DIR [--tokenizer X] [--max-length N]
-        [--val-fraction F] [--seed S] [--workers N] [--confine] [--format files|wds]
+python tools/prepare_data.py MANIFEST_OR_FOLDER --out DIR [--tokenizer X] [--max-length N]
+    [--val-fraction F] [--seed S] [--workers N] [--confine] [--format files|wds]
 """
 
 from __future__ import annotations
@@ -18,16 +18,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="manifest .jsonl/.csv, or an image folder root/<class>/<image>")
     p.add_argument("--out", required=True, help="prepared dataset directory to write")
-    p.add_argument("--tokenizer", default=None,
-                   help="Hugging Face tokenizer (local dir or hub name); default: WordPiece trained offline")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer (local dir or hub name); default: WordPiece trained offline",
+    )
     p.add_argument("--max-length", type=int, default=64, help="tokens per caption, special tokens included")
     p.add_argument("--val-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="processes for image validation (0: all cores)")
     p.add_argument("--vocab-size", type=int, default=4000, help="size of the trained WordPiece vocabulary")
     p.add_argument("--confine", action="store_true", help="reject image paths outside the manifest's folder")
-    p.add_argument("--format", choices=["files", "wds"], default="files",
-                   help="also write WebDataset tar shards + DALI index files (wds)")
+    p.add_argument(
+        "--format",
+        choices=["files", "wds"],
+        default="files",
+        help="also write WebDataset tar shards + DALI index files (wds)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -39,8 +46,10 @@ def print_summary(summary: dict) -> None:
         print(f"{key:<22}{c[key]:>8}")
     for reason, n in summary["rejected_by_reason"].items():
         print(f"  rejected: {reason:<40}{n:>6}")
-    print(f"{'tokenizer':<22}{summary['tokenizer']} (vocab {summary['vocab_size']}, max_length "
-          f"{summary['max_length']})")
+    print(
+        f"{'tokenizer':<22}{summary['tokenizer']} (vocab {summary['vocab_size']}, max_length "
+        f"{summary['max_length']})"
+    )
     print(f"{'time':<22}{summary['timings_s']['total']:.1f} s")
 
 
@@ -48,9 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        cfg = PrepareConfig(source=args.source, out=args.out, tokenizer=args.tokenizer, max_length=args.max_length,
-                            val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
-                            vocab_size=args.vocab_size, confine=args.confine, progress=not args.no_progress)
+        cfg = PrepareConfig(
+            source=args.source,
+            out=args.out,
+            tokenizer=args.tokenizer,
+            max_length=args.max_length,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            workers=args.workers,
+            vocab_size=args.vocab_size,
+            confine=args.confine,
+            progress=not args.no_progress,
+        )
         summary = prepare_dataset(cfg)
         if args.format == "wds":
             from mmfast.wds import write_wds

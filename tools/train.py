@@ -17,11 +17,15 @@ from mmfast.train.setup import LaunchError
 
 
 def print_table(summary: dict) -> None:
-    rows = [("model", f"{summary['model']} ({summary['image_backbone']} + {summary['text_model']})"),
-            ("device", f"{summary['device']} x {summary['num_processes']}, {summary['mixed_precision']}"),
-            ("val_acc", f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})"),
-            ("images/s", f"{summary['images_per_s']:.0f}"), ("optimizer steps", str(summary["global_step"])),
-            ("skipped steps", str(summary["skipped_steps"])), ("wall time", f"{summary['wall_s']:.1f} s")]
+    rows = [
+        ("model", f"{summary['model']} ({summary['image_backbone']} + {summary['text_model']})"),
+        ("device", f"{summary['device']} x {summary['num_processes']}, {summary['mixed_precision']}"),
+        ("val_acc", f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})"),
+        ("images/s", f"{summary['images_per_s']:.0f}"),
+        ("optimizer steps", str(summary["global_step"])),
+        ("skipped steps", str(summary["skipped_steps"])),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+    ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
 

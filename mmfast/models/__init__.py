@@ -31,10 +31,21 @@ PRESETS = {
 }
 
 
-def build_model(name: str, num_classes: int, *, image_backbone: str = "resnet50", text_model: str = "bert-tiny",
-                vocab_size: int | None = None, image_weights: str | None = None, freeze_image: bool = False,
-                freeze_text: bool = False, hidden: int = 512, dropout: float = 0.1, channels_last: bool = False,
-                **kwargs) -> nn.Module:
+def build_model(
+    name: str,
+    num_classes: int,
+    *,
+    image_backbone: str = "resnet50",
+    text_model: str = "bert-tiny",
+    vocab_size: int | None = None,
+    image_weights: str | None = None,
+    freeze_image: bool = False,
+    freeze_text: bool = False,
+    hidden: int = 512,
+    dropout: float = 0.1,
+    channels_last: bool = False,
+    **kwargs,
+) -> nn.Module:
     """Build a fusion model.
 
     Args:
@@ -71,5 +82,16 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-__all__ = ["IMAGE_BACKBONES", "MODELS", "PRESETS", "ConcatFusion", "EarlyFusion", "ImageEncoder", "LateFusion",
-           "Preset", "TextEncoder", "build_model", "get_preset"]
+__all__ = [
+    "IMAGE_BACKBONES",
+    "MODELS",
+    "PRESETS",
+    "ConcatFusion",
+    "EarlyFusion",
+    "ImageEncoder",
+    "LateFusion",
+    "Preset",
+    "TextEncoder",
+    "build_model",
+    "get_preset",
+]

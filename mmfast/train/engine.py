@@ -94,25 +94,52 @@ def _train(cfg: TrainConfig) -> dict:
     accelerator = make_accelerator(cfg)
     run_dir = Path(cfg.out)
     preset = get_preset(cfg.preset)
-    cfg = replace(cfg, image_backbone=cfg.image_backbone or preset.image_backbone,
-                  text_model=cfg.text_model or preset.text_model, image_size=cfg.image_size or preset.image_size,
-                  hidden=cfg.hidden or preset.hidden, eval_batch_size=cfg.eval_batch_size or cfg.batch_size)
+    cfg = replace(
+        cfg,
+        image_backbone=cfg.image_backbone or preset.image_backbone,
+        text_model=cfg.text_model or preset.text_model,
+        image_size=cfg.image_size or preset.image_size,
+        hidden=cfg.hidden or preset.hidden,
+        eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
+    )
     from accelerate.utils import set_seed
 
     set_seed(cfg.seed)
     data_dir = resolve_data(cfg, accelerator)
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, accelerator.num_processes))
-    loader_args = dict(accelerator=accelerator, size=cfg.image_size, seed=cfg.seed, num_workers=threads,
-                       fp16=accelerator.device.type == "cuda")
-    train_loader = MultimodalLoader(data_dir, "train", cfg.batch_size, train=cfg.augment,
-                                    scale=(cfg.crop_scale_min, 1.0), color_jitter=cfg.color_jitter, **loader_args)
+    loader_args = dict(
+        accelerator=accelerator,
+        size=cfg.image_size,
+        seed=cfg.seed,
+        num_workers=threads,
+        fp16=accelerator.device.type == "cuda",
+    )
+    train_loader = MultimodalLoader(
+        data_dir,
+        "train",
+        cfg.batch_size,
+        train=cfg.augment,
+        scale=(cfg.crop_scale_min, 1.0),
+        color_jitter=cfg.color_jitter,
+        **loader_args,
+    )
     val_loader = MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **loader_args)
 
     vocab_size = len(load_tokenizer(data_dir / "tokenizer"))
-    model = build_model(cfg.model, train_loader.num_classes, image_backbone=cfg.image_backbone,
-                        text_model=cfg.text_model, vocab_size=vocab_size, image_weights=cfg.image_weights,
-                        freeze_image=cfg.freeze_image, freeze_text=cfg.freeze_text, hidden=cfg.hidden, dropout=cfg.dropout,
-                        channels_last=cfg.channels_last, **({"combine": cfg.combine} if cfg.model == "late" else {}))
+    model = build_model(
+        cfg.model,
+        train_loader.num_classes,
+        image_backbone=cfg.image_backbone,
+        text_model=cfg.text_model,
+        vocab_size=vocab_size,
+        image_weights=cfg.image_weights,
+        freeze_image=cfg.freeze_image,
+        freeze_text=cfg.freeze_text,
+        hidden=cfg.hidden,
+        dropout=cfg.dropout,
+        channels_last=cfg.channels_last,
+        **({"combine": cfg.combine} if cfg.model == "late" else {}),
+    )
     if cfg.compile:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
@@ -127,34 +154,56 @@ def _train(cfg: TrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    state = {"epoch": 0, "global_step": 0, "best_val_acc": 0.0, "epoch_stats": None, "loader": None,
-             "skipped_steps": 0}
+    state = {
+        "epoch": 0,
+        "global_step": 0,
+        "best_val_acc": 0.0,
+        "epoch_stats": None,
+        "loader": None,
+        "skipped_steps": 0,
+    }
     resume_from = resolve_resume(cfg.resume, run_dir) if cfg.resume else None
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
         loaders = state["loader"]  # one state per process: each has its own shard and DALI checkpoint
         if len(loaders) != accelerator.num_processes:
-            raise ValueError(f"checkpoint {resume_from} was written by {len(loaders)} processes, this run has "
-                             f"{accelerator.num_processes}; resume with the same process count")
+            raise ValueError(
+                f"checkpoint {resume_from} was written by {len(loaders)} processes, this run has "
+                f"{accelerator.num_processes}; resume with the same process count"
+            )
         train_loader.load_state_dict(loaders[accelerator.process_index])
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "config.json", {**config_dict(cfg), "data_dir": str(data_dir),
-                                                    "num_processes": accelerator.num_processes,
-                                                    "mixed_precision": accelerator.mixed_precision,
-                                                    "total_steps": total_steps})
+        atomic_write_json(
+            run_dir / "config.json",
+            {
+                **config_dict(cfg),
+                "data_dir": str(data_dir),
+                "num_processes": accelerator.num_processes,
+                "mixed_precision": accelerator.mixed_precision,
+                "total_steps": total_steps,
+            },
+        )
     ctx = _RunContext(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
     with _StopFlag() as stop:
         ctx.stop = stop
         last_metrics = ctx.fit(val_loader)
     summary = {
-        "val_acc": last_metrics.get("val_acc"), "best_val_acc": state["best_val_acc"],
-        "images_per_s": last_metrics.get("images_per_s"), "wall_s": time.perf_counter() - t_start,
-        "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision,
-        "num_processes": accelerator.num_processes, "model": cfg.model, "preset": cfg.preset,
-        "image_backbone": cfg.image_backbone, "text_model": cfg.text_model, "global_step": state["global_step"],
-        "epochs_done": state["epoch"], "skipped_steps": state["skipped_steps"],
+        "val_acc": last_metrics.get("val_acc"),
+        "best_val_acc": state["best_val_acc"],
+        "images_per_s": last_metrics.get("images_per_s"),
+        "wall_s": time.perf_counter() - t_start,
+        "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "num_processes": accelerator.num_processes,
+        "model": cfg.model,
+        "preset": cfg.preset,
+        "image_backbone": cfg.image_backbone,
+        "text_model": cfg.text_model,
+        "global_step": state["global_step"],
+        "epochs_done": state["epoch"],
+        "skipped_steps": state["skipped_steps"],
         "interrupted": ctx.interrupted,
     }
     if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
@@ -194,9 +243,14 @@ class _RunContext:
             train_stats = self.train_epoch(epoch)
             if self.interrupted:
                 break
-            metrics = {"epoch": epoch, "step": self.state["global_step"], **train_stats, **evaluate(self.acc,
-                       self.model, val_loader), "lr": self.sched.get_last_lr()[0],
-                       "skipped_steps": self.state["skipped_steps"]}
+            metrics = {
+                "epoch": epoch,
+                "step": self.state["global_step"],
+                **train_stats,
+                **evaluate(self.acc, self.model, val_loader),
+                "lr": self.sched.get_last_lr()[0],
+                "skipped_steps": self.state["skipped_steps"],
+            }
             self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics["val_acc"])
             self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
             self.log_metrics(metrics)
@@ -217,8 +271,14 @@ class _RunContext:
         if cfg.progress and acc.is_local_main_process:
             from tqdm import tqdm
 
-            bar = tqdm(total=n_batches, initial=loader.step, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True,
-                       disable=None)  # None: no bar when stderr is not a terminal
+            bar = tqdm(
+                total=n_batches,
+                initial=loader.step,
+                desc=f"epoch {epoch}",
+                leave=False,
+                dynamic_ncols=True,
+                disable=None,
+            )  # None: no bar when stderr is not a terminal
         self.timer.reset()
         t0 = time.perf_counter()
         i = loader.step  # micro-batch index in the epoch (not 0 after a mid-epoch resume)
@@ -247,13 +307,18 @@ class _RunContext:
             self.interrupted = self.stop is not None and self.stop.signum is not None
             periodic = cfg.checkpoint_every and self.state["global_step"] % cfg.checkpoint_every == 0
             if self.interrupted or (periodic and i < n_batches):  # the epoch's end has its own checkpoint
-                s_now = {**s, "time": s["time"] + time.perf_counter() - t0,
-                         "data_wait": s["data_wait"] + self.timer.total("data")}
+                s_now = {
+                    **s,
+                    "time": s["time"] + time.perf_counter() - t0,
+                    "data_wait": s["data_wait"] + self.timer.total("data"),
+                }
                 self.state.update(epoch_stats=s_now, loader=self.loader_states())
                 self.checkpoint()
             if self.interrupted:
-                acc.print(f"signal {self.stop.signum}: checkpoint written at step {self.state['global_step']}; "
-                          "resume with --resume latest")
+                acc.print(
+                    f"signal {self.stop.signum}: checkpoint written at step {self.state['global_step']}; "
+                    "resume with --resume latest"
+                )
                 break
             if self.done() and i < n_batches:  # max_steps reached mid-epoch
                 break
@@ -261,11 +326,16 @@ class _RunContext:
             bar.close()
         s["time"] += time.perf_counter() - t0
         s["data_wait"] += self.timer.total("data")
-        totals = self.acc.reduce(torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64,
-                                              device=acc.device), reduction="sum")
+        totals = self.acc.reduce(
+            torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64, device=acc.device), reduction="sum"
+        )
         loss_sum, samples = totals.tolist()  # note: a CPU-GPU sync point, once per epoch
-        return {"train_loss": loss_sum / max(1, samples), "images_per_s": samples / max(1e-9, s["time"]),
-                "data_wait_frac": s["data_wait"] / max(1e-9, s["time"]), "phase_s": self.timer.summary()}
+        return {
+            "train_loss": loss_sum / max(1, samples),
+            "images_per_s": samples / max(1e-9, s["time"]),
+            "data_wait_frac": s["data_wait"] / max(1e-9, s["time"]),
+            "phase_s": self.timer.summary(),
+        }
 
     def micro_step(self, batch: dict, window: int, sync: bool) -> float:
         """Forward + backward of one micro-batch; gradients are all-reduced only at the window's end."""
@@ -294,7 +364,8 @@ class _RunContext:
                 raise NonFiniteLossError(
                     f"{self.consecutive_bad} consecutive optimizer steps had non-finite gradients (NaN/inf loss); "
                     "stopping instead of training garbage. Lower --lr, use --mixed-precision bf16 or no, "
-                    "or check the data")
+                    "or check the data"
+                )
         else:
             self.consecutive_bad = 0
             self.sched.step()
@@ -320,9 +391,11 @@ class _RunContext:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        self.acc.print(f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f} val_loss "
-                       f"{metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f} "
-                       f"{metrics['images_per_s']:.0f} img/s data_wait {metrics['data_wait_frac']:.0%}")
+        self.acc.print(
+            f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f} val_loss "
+            f"{metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f} "
+            f"{metrics['images_per_s']:.0f} img/s data_wait {metrics['data_wait_frac']:.0%}"
+        )
         if self.cfg.tensorboard:
             self.acc.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
 

@@ -49,10 +49,12 @@ def check_process_group(num_processes: int, launcher_world_size: str | None) -> 
     """
     world = int(launcher_world_size or 1)
     if world > 1 and num_processes != world:
-        raise LaunchError(f"the launcher started {world} processes but they did not form one process group "
-                           f"(this one sees {num_processes}); on a CPU-only machine launch with "
-                           "'torchrun --nproc_per_node N' or 'accelerate launch --multi_gpu' (mmfast then "
-                           "uses Accelerator(cpu=True) and gloo)")
+        raise LaunchError(
+            f"the launcher started {world} processes but they did not form one process group "
+            f"(this one sees {num_processes}); on a CPU-only machine launch with "
+            "'torchrun --nproc_per_node N' or 'accelerate launch --multi_gpu' (mmfast then "
+            "uses Accelerator(cpu=True) and gloo)"
+        )
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -61,8 +63,11 @@ def make_accelerator(cfg: TrainConfig):
     from accelerate.utils import ProjectConfiguration
 
     cuda = torch.cuda.is_available()
-    kwargs = {"cpu": not cuda, "mixed_precision": resolve_mixed_precision(cfg.mixed_precision, cuda),
-              "project_config": ProjectConfiguration(project_dir=cfg.out, automatic_checkpoint_naming=False)}
+    kwargs = {
+        "cpu": not cuda,
+        "mixed_precision": resolve_mixed_precision(cfg.mixed_precision, cuda),
+        "project_config": ProjectConfiguration(project_dir=cfg.out, automatic_checkpoint_naming=False),
+    }
     if cfg.tensorboard:
         kwargs["log_with"] = "tensorboard"
     accelerator = Accelerator(**kwargs)
@@ -93,7 +98,14 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             source, out = Path(cfg.data), Path(cfg.out) / "prepared"
             if not source.exists():
                 raise ValueError(f"--data {source}: no such prepared directory, manifest or image folder")
-        prepare_dataset(PrepareConfig(source=str(source), out=str(out), tokenizer=cfg.tokenizer,
-                                      max_length=cfg.max_length, seed=0,
-                                      progress=cfg.progress and accelerator.is_local_main_process))
+        prepare_dataset(
+            PrepareConfig(
+                source=str(source),
+                out=str(out),
+                tokenizer=cfg.tokenizer,
+                max_length=cfg.max_length,
+                seed=0,
+                progress=cfg.progress and accelerator.is_local_main_process,
+            )
+        )
     return out
