@@ -3,12 +3,15 @@
 
 Why the loader owns the sample order instead of DALI's shuffling reader: DALI's ``random_shuffle`` is a
 shuffle buffer, not a permutation, and cannot be re-seeded per epoch, sharded evenly or resumed at a
-given step. Here each epoch's order is a seeded permutation computed in numpy, cut into per-rank lists
-of equal length, and handed to a file reader (``random_shuffle=False``) that is rebuilt each epoch
-(milliseconds). Resuming at step k restores DALI's own checkpoint of that epoch's pipeline (reader
-position and the random state of every augmentation), so the resumed epoch yields exactly the batches,
-bit for bit, that the uninterrupted one would have; without a DALI checkpoint it falls back to a reader
-over the rank's list minus its first k batches (same samples, different augmentation draws).
+given step. Here each epoch's order is a seeded permutation computed in numpy and cut into per-rank lists
+of equal length (whole batches). A file reader (``random_shuffle=False``) reads the concatenation of
+several epochs' lists (a "chunk"), so one DALI pipeline serves many epochs: a pipeline per epoch would
+throw away its prefetched batches at every epoch end and pay a teardown (together ~25% of a short epoch).
+
+Resume: ``state_dict()`` carries DALI's own checkpoint of the live pipeline (reader position and the
+random state of every augmentation) and the chunk it belongs to, so a resumed run yields exactly the
+batches, bit for bit, that the uninterrupted one would have. Without a DALI checkpoint it starts a new
+chunk at the saved epoch and step: the same samples in the same order, other augmentation draws.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from mmfast.token_cache import TokenCache
 log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
 IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
+MAX_CHUNK_EPOCHS = 16  # epochs one file-reader pipeline serves
+MAX_CHUNK_ENTRIES = 2_000_000  # ... as long as its file list stays below this many entries
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -166,8 +171,8 @@ class ImageLoader:
             )
         self.epoch = 0
         self.step = 0  # batches of the current epoch already delivered
-        self._live = None  # the DALI iterator of the epoch in progress
-        self._dali_checkpoint: str | None = None  # restored by load_state_dict, used by the next __iter__
+        self._stream: _Stream | None = None  # the live DALI iterator and the position of its next batch
+        self._restore: tuple | None = None  # (epoch, step, chunk, DALI checkpoint) set by load_state_dict
 
     @classmethod
     def from_folder(cls, root: str | os.PathLike, **kwargs) -> ImageLoader:
@@ -203,16 +208,19 @@ class ImageLoader:
         survives the usual ``set_epoch`` call at the top of the loop); another epoch starts at step 0.
         """
         if epoch != self.epoch:
-            self.epoch, self.step, self._dali_checkpoint = epoch, 0, None
+            self.epoch, self.step = epoch, 0
 
     def state_dict(self) -> dict:
-        """Position for an exact resume: the epoch and the batches of it already delivered."""
-        ck = None
-        if self.step > 0:
-            # DALI's checkpoint of the live pipeline: its state after the last batch it returned.
-            ck = self._live.checkpoints()[0] if self._live is not None else self._dali_checkpoint
-            if isinstance(ck, bytes | bytearray):  # kept as text so the state is JSON-serializable
-                ck = "b64:" + base64.b64encode(ck).decode("ascii")
+        """Position for an exact resume: the epoch, the batches of it already delivered, and DALI's
+        checkpoint of the pipeline that will deliver the next one."""
+        chunk, ck = None, None
+        stream = self._stream
+        if stream is not None and stream.at(self.epoch, self.step):
+            chunk, ck = stream.chunk, stream.it.checkpoints()[0]  # its state after the last batch returned
+        elif self._restore is not None and self._restore[:2] == (self.epoch, self.step):
+            chunk, ck = self._restore[2:]
+        if isinstance(ck, bytes | bytearray):  # kept as text so the state is JSON-serializable
+            ck = "b64:" + base64.b64encode(ck).decode("ascii")
         return {
             "epoch": self.epoch,
             "step": self.step,
@@ -221,6 +229,7 @@ class ImageLoader:
             "num_shards": self.num_shards,
             "shard_id": self.shard_id,
             "batch_size": self.batch_size,
+            "chunk": chunk,
             "dali_checkpoint": ck,
         }
 
@@ -235,17 +244,42 @@ class ImageLoader:
             if state[key] != mine:
                 raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {mine}")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
-        same_shard = state.get("shard_id", self.shard_id) == self.shard_id
-        ck = state.get("dali_checkpoint") if self.step > 0 and same_shard else None
-        if isinstance(ck, str) and ck.startswith("b64:"):
-            ck = base64.b64decode(ck[4:])
-        self._dali_checkpoint = ck
+        self._stream, self._restore = None, None
+        ck = state.get("dali_checkpoint")
+        if ck and state.get("chunk") is not None and state.get("shard_id", self.shard_id) == self.shard_id:
+            if isinstance(ck, str) and ck.startswith("b64:"):
+                ck = base64.b64decode(ck[4:])
+            self._restore = (self.epoch, self.step, state["chunk"], ck)
 
     def _positions(self, epoch: int) -> np.ndarray:
         order = epoch_order(len(self.files), epoch, self.seed, self.shuffle)
         return shard_positions(order, self.batch_size, self.shard_id, self.num_shards, self.drop_last)
 
-    def _build_iterator(self, positions: np.ndarray | None, checkpoint: str | None = None):
+    def _chunk_epochs(self) -> int:
+        """Epochs per file-reader pipeline: many for small datasets, fewer when the list gets long."""
+        return max(1, min(MAX_CHUNK_EPOCHS, MAX_CHUNK_ENTRIES // max(1, len(self) * self.batch_size)))
+
+    def _open_stream(self, epoch: int, step: int) -> _Stream:
+        """A DALI iterator whose next batch is batch ``step`` of ``epoch``."""
+        restore = self._restore if self._restore is not None and self._restore[:2] == (epoch, step) else None
+        self._restore = None
+        if self.wds_shards:
+            if restore is not None:
+                return _Stream(self._build_iterator(None, 0, restore[3]), {"wds": True}, epoch, step)
+            stream = _Stream(self._build_iterator(None, 0), {"wds": True}, epoch, 0)
+            for _ in range(step):  # no checkpoint: re-read and drop what was already delivered
+                next(stream.it)
+            stream.step = step
+            return stream
+        chunk = (
+            restore[2] if restore is not None else {"start": epoch, "offset": step, "epochs": self._chunk_epochs()}
+        )
+        parts = [self._positions(chunk["start"] + k) for k in range(chunk["epochs"])]
+        parts[0] = parts[0][chunk["offset"] * self.batch_size :]
+        it = self._build_iterator(np.concatenate(parts), chunk["start"], restore[3] if restore else None)
+        return _Stream(it, chunk, epoch, step)
+
+    def _build_iterator(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         if self.wds_shards:
@@ -265,7 +299,7 @@ class ImageLoader:
                 "files": [self.files[p] if p >= 0 else pad_file for p in positions],
                 "ids": [int(self.ids[p]) if p >= 0 else PAD_ID for p in positions],
             }
-            policy = LastBatchPolicy.FILL  # never used: the lists are whole batches
+            policy = LastBatchPolicy.DROP  # never used: the lists are whole batches
         cuda = self.device.type == "cuda"
         pipe = image_pipeline(
             **source,
@@ -277,7 +311,7 @@ class ImageLoader:
             batch_size=self.batch_size,
             num_threads=self.num_threads,
             device_id=self.device.index if cuda else None,
-            seed=int(np.random.default_rng([self.seed, self.epoch, self.shard_id]).integers(2**31)),
+            seed=int(np.random.default_rng([self.seed, seed_epoch, self.shard_id]).integers(2**31)),
             prefetch_queue_depth=self.prefetch,
             enable_checkpointing=True,
             checkpoint=checkpoint,
@@ -288,7 +322,7 @@ class ImageLoader:
             reader_name=READER_NAME,
             auto_reset=False,
             last_batch_policy=policy,
-            prepare_first_batch=True,
+            prepare_first_batch=False,
         )
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -297,44 +331,52 @@ class ImageLoader:
         return np.where(ids >= 0, found, -1)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
-        """(images on self.device, sample ids as numpy) for the rest of the current epoch."""
-        if self.step >= len(self):  # restored at the very end of an epoch
+        """(images on the DALI output device, sample ids as numpy) for the rest of the current epoch.
+
+        Counts a batch as delivered (``self.step``) when it is handed out, so a consumer that stops early
+        leaves the loader at the right position.
+        """
+        n = len(self)
+        if self.step >= n:  # restored at the very end of an epoch
+            self.epoch, self.step = self.epoch + 1, 0
             return
-        skip = 0
-        positions = None if self.wds_shards else self._positions(self.epoch)
-        if self.step and self._dali_checkpoint:
-            it = self._build_iterator(positions, self._dali_checkpoint)
-        elif self.wds_shards:
-            it, skip = self._build_iterator(None), self.step  # no checkpoint: re-read and drop what was seen
-        else:
-            it = self._build_iterator(positions[self.step * self.batch_size :])
-        self._live, self._dali_checkpoint = it, None
-        try:
-            for out in it:
-                if skip:
-                    skip -= 1
-                    continue
-                # DALI's iterator returns a list with one dict per pipeline; we run one pipeline.
-                images = out[0]["image"]  # (B, 3, S, S), on the DALI output device
-                ids = out[0]["id"].view(-1).numpy()  # CPU int32; the reader's labels never leave the host
-                yield images, ids.astype(np.int64)
-        finally:
-            self._live = None
+        if self._stream is None or not self._stream.at(self.epoch, self.step):
+            self._stream = self._open_stream(self.epoch, self.step)
+        stream = self._stream
+        while self.step < n:
+            out = next(stream.it)  # DALI's iterator returns one dict per pipeline; we run one pipeline
+            images = out[0]["image"]  # (B, 3, S, S)
+            ids = out[0]["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
+            stream.step += 1
+            self.step += 1
+            yield images, ids
+        # The logical epoch is over; the stream moves on to the next one (or ends with its chunk).
+        self.epoch, self.step = self.epoch + 1, 0
+        stream.epoch, stream.step = stream.epoch + 1, 0
+        if "wds" in stream.chunk:
+            stream.it.reset()  # DALI's reader epoch ended with ours
+        elif stream.epoch >= stream.chunk["start"] + stream.chunk["epochs"]:
+            self._stream = None  # the chunk is consumed
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for images, ids in self._batches():
             pos = self._lookup(ids)
             labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
-            self.step += 1
             yield {
                 "image": images.to(self.device, non_blocking=True),
                 "label": torch.from_numpy(labels).to(self.device),
                 "id": torch.from_numpy(ids).to(self.device),
             }
-        self._end_epoch()
 
-    def _end_epoch(self) -> None:
-        self.epoch, self.step = self.epoch + 1, 0
+
+class _Stream:
+    """A DALI iterator and the (epoch, step) of the batch it will return next."""
+
+    def __init__(self, it, chunk: dict, epoch: int, step: int):
+        self.it, self.chunk, self.epoch, self.step = it, chunk, epoch, step
+
+    def at(self, epoch: int, step: int) -> bool:
+        return (self.epoch, self.step) == (epoch, step)
 
 
 class MultimodalLoader(ImageLoader):
@@ -405,7 +447,6 @@ class MultimodalLoader(ImageLoader):
             pos = self._lookup(ids)
             labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
             text = self.tokens.gather(ids)  # pinned on CUDA machines, so the copies below are asynchronous
-            self.step += 1
             yield {
                 "image": images.to(self.device, non_blocking=True),
                 "input_ids": text["input_ids"].to(self.device, non_blocking=True),
@@ -413,4 +454,3 @@ class MultimodalLoader(ImageLoader):
                 "label": torch.from_numpy(labels).to(self.device, non_blocking=True),
                 "id": torch.from_numpy(ids).to(self.device, non_blocking=True),
             }
-        self._end_epoch()

@@ -405,8 +405,7 @@ def evaluate(accelerator, model, loader) -> dict:
     """Loss and accuracy over the whole split, all processes together (padding samples excluded)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss_sum, correct, count
-    loader.set_epoch(0)
-    for batch in loader:
+    for batch in loader:  # no set_epoch: the eval order is fixed, and the loader keeps its pipeline
         logits = model(batch)
         labels = batch["label"]
         keep = labels != IGNORE_LABEL

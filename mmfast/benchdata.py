@@ -1,0 +1,64 @@
+"""Benchmark material made from real photos (scikit-image's sample images), nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mmfast.fsutil import atomic_dir, file_lock
+
+_PHOTOS = (
+    "rocket.jpg",
+    "hubble_deep_field.jpg",
+    "retina.jpg",
+    "chelsea.png",
+    "astronaut.png",
+    "coffee.png",
+    "motorcycle_left.png",
+    "immunohistochemistry.png",
+    "logo.png",
+)
+
+
+def photo_manifest(
+    root: str | os.PathLike, n: int = 512, width: int = 800, height: int = 600, seed: int = 0
+) -> Path:
+    """Write ``n`` JPEGs of width x height cut from real photos (random crops, scales and flips) and a
+    manifest with captions; returns the manifest path. Reused when it already exists."""
+    import skimage
+    from PIL import Image
+
+    root = Path(root)
+    final = root / f"photos-n{n}-{width}x{height}-s{seed}"
+    manifest = final / "manifest.jsonl"
+    with file_lock(root / f".{final.name}.lock"):
+        if manifest.exists():
+            return manifest
+        src = [Path(skimage.data_dir) / p for p in _PHOTOS if (Path(skimage.data_dir) / p).exists()]
+        photos = [Image.open(p).convert("RGB") for p in src]
+        rng = np.random.default_rng(seed)
+        with atomic_dir(final) as tmp:
+            rows = []
+            for i in range(n):
+                k = int(rng.integers(len(photos)))
+                im = photos[k]
+                scale = rng.uniform(0.6, 1.0)
+                cw, ch = int(im.width * scale), int(im.height * scale)
+                x, y = int(rng.integers(0, im.width - cw + 1)), int(rng.integers(0, im.height - ch + 1))
+                out = im.crop((x, y, x + cw, y + ch)).resize((width, height), Image.BICUBIC)
+                if rng.random() < 0.5:
+                    out = out.transpose(Image.FLIP_LEFT_RIGHT)
+                rel = f"{i:05d}.jpg"
+                out.save(tmp / rel, quality=90)
+                rows.append(
+                    {
+                        "image": rel,
+                        "text": f"a photo of {src[k].stem.replace('_', ' ')} number {i}",
+                        "label": src[k].stem,
+                    }
+                )
+            (tmp / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest

@@ -1,0 +1,204 @@
+"""Loader throughput: mmfast's MultimodalLoader vs a bare DALI iterator vs torch DataLoader + PIL.
+
+    python tools/bench_loader.py [--data PREPARED_DIR] [--batch-size 64] [--size 224] [--epochs 5] [--json OUT]
+
+Without --data it cuts 512 real 800x600 JPEGs from scikit-image's photos and prepares them. Every variant
+reads the same images with the same batch size, the same augmentation (random resized crop + flip +
+normalize) and the same output dtype; the first epoch is warm-up; the figure is the median of the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help="prepared dataset directory (default: 512 real 800x600 photos)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--epochs", type=int, default=5, help="timed epochs (after one warm-up epoch)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads and DataLoader workers")
+    p.add_argument("--only", nargs="*", help="run only these variants")
+    p.add_argument("--json", default="bench_out/bench_loader.json")
+    return p.parse_args(argv)
+
+
+def default_data() -> Path:
+    from mmfast.benchdata import photo_manifest
+    from mmfast.demo import default_cache_dir
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    manifest = photo_manifest(default_cache_dir() / "bench")
+    out = default_cache_dir() / "bench" / "prepared-photos"
+    prepare_dataset(PrepareConfig(source=str(manifest), out=str(out), val_fraction=0.0, progress=False))
+    return out
+
+
+def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
+    """Images/s of each epoch after a warm-up epoch. ``make_iter()`` returns one epoch's batches."""
+    rates = []
+    for e in range(epochs + 1):
+        n, t0 = 0, time.perf_counter()
+        for images in make_iter():
+            n += images.shape[0]
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # note: count the GPU work of the last batch
+        if e > 0:
+            rates.append(n / (time.perf_counter() - t0))
+    return rates
+
+
+def mmfast_variant(data, args, device):
+    from mmfast.loader import MultimodalLoader
+
+    loader = MultimodalLoader(
+        data, "train", args.batch_size, size=args.size, num_workers=args.threads, device=device, fp16=True
+    )
+    return lambda: (b["image"] for b in loader)
+
+
+def bare_dali_variant(data, args, device):
+    """DALI's own iterator over the same graph and file list, built once, reset each epoch."""
+    from mmfast.pipelines import image_pipeline
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    cuda = device.type == "cuda"
+    pipe = image_pipeline(
+        source="files",
+        files=[r["image"] for r in rows],
+        ids=[r["id"] for r in rows],
+        train=True,
+        size=args.size,
+        decode_device="mixed" if cuda else "cpu",
+        fp16=True,
+        batch_size=args.batch_size,
+        num_threads=args.threads,
+        device_id=device.index if cuda else None,
+        seed=0,
+    )
+    it = DALIGenericIterator(
+        pipe, ["image", "id"], reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP
+    )
+    return lambda: (out[0]["image"] for out in it)
+
+
+class _PilDataset(torch.utils.data.Dataset):
+    def __init__(self, rows, transform):
+        self.rows, self.transform = rows, transform
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        with Image.open(self.rows[i]["image"]) as im:
+            return self.transform(im.convert("RGB")), self.rows[i]["label"]
+
+
+def dataloader_variant(data, args, device):
+    """What most users run: DataLoader workers decoding with PIL and torchvision.transforms.v2."""
+    from torchvision.transforms import v2
+
+    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    tf = v2.Compose(
+        [
+            v2.RandomResizedCrop(args.size, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToImage(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize([m / 255 for m in IMAGENET_MEAN], [s / 255 for s in IMAGENET_STD]),
+            v2.ToDtype(torch.float16),
+        ]
+    )
+    loader = torch.utils.data.DataLoader(
+        _PilDataset(rows, tf),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.threads,
+        pin_memory=device.type == "cuda",
+        drop_last=True,
+        persistent_workers=True,
+    )
+    return lambda: (images.to(device, non_blocking=True) for images, _ in loader)
+
+
+def gpu_decode_variant(data, args, device):
+    """torchvision.io.decode_jpeg on the GPU + v2 transforms on the GPU (CUDA only)."""
+    from torchvision.io import decode_jpeg, read_file
+    from torchvision.transforms import v2
+
+    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    tf = v2.Compose([v2.RandomResizedCrop(args.size, antialias=True), v2.RandomHorizontalFlip()])
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+
+    def epoch():
+        perm = torch.randperm(len(rows)).tolist()
+        for s in range(0, len(rows) - args.batch_size + 1, args.batch_size):
+            data_ = [read_file(rows[i]["image"]) for i in perm[s : s + args.batch_size]]
+            imgs = decode_jpeg(data_, device=device)
+            batch = torch.stack([tf(im) for im in imgs]).float()
+            yield ((batch - mean) / std).half()
+
+    return epoch
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    data = Path(args.data) if args.data else default_data()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    variants = {
+        "mmfast MultimodalLoader": mmfast_variant,
+        "bare DALIGenericIterator": bare_dali_variant,
+        "DataLoader + PIL + v2 (baseline)": dataloader_variant,
+    }
+    if device.type == "cuda":
+        variants["decode_jpeg(cuda) + v2 on GPU"] = gpu_decode_variant
+    results = {}
+    for name, make in variants.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        rates = time_epochs(make(data, args, device), args.epochs, device)
+        results[name] = {"images_per_s_median": statistics.median(rates), "epochs": rates}
+        print(f"  {name}: {statistics.median(rates):.1f} img/s", file=sys.stderr)
+    base = results.get("DataLoader + PIL + v2 (baseline)", {}).get("images_per_s_median")
+    bare = results.get("bare DALIGenericIterator", {}).get("images_per_s_median")
+    print(f"\n{'variant':<36}{'img/s':>10}{'vs baseline':>14}{'vs bare DALI':>14}")
+    for name, r in results.items():
+        m = r["images_per_s_median"]
+        r["ratio_vs_baseline"] = m / base if base else None
+        r["ratio_vs_bare_dali"] = m / bare if bare else None
+        fmt = lambda x: f"{x:.2f}x" if x else "-"
+        print(f"{name:<36}{m:>10.1f}{fmt(r['ratio_vs_baseline']):>14}{fmt(r['ratio_vs_bare_dali']):>14}")
+    report = {
+        "device": str(device),
+        "cpu_count": os.cpu_count(),
+        "batch_size": args.batch_size,
+        "size": args.size,
+        "epochs": args.epochs,
+        "threads": args.threads,
+        "data": str(data),
+        "images": sum(1 for _ in open(Path(data) / "train.jsonl")),
+        "results": results,
+        "torch": torch.__version__,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
