@@ -62,3 +62,14 @@ def photo_manifest(
                 )
             (tmp / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return manifest
+
+
+def prepared_photos(n: int = 512) -> Path:
+    """The benchmark photos, prepared (all in the train split) under the mmfast cache folder."""
+    from mmfast.demo import default_cache_dir
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    manifest = photo_manifest(default_cache_dir() / "bench", n)
+    out = default_cache_dir() / "bench" / f"prepared-photos-n{n}"
+    prepare_dataset(PrepareConfig(source=str(manifest), out=str(out), val_fraction=0.0, progress=False))
+    return out

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
+from mmfast.benchdata import prepared_photos
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,17 +33,6 @@ def parse_args(argv):
     p.add_argument("--only", nargs="*", help="run only these variants")
     p.add_argument("--json", default="bench_out/bench_loader.json")
     return p.parse_args(argv)
-
-
-def default_data() -> Path:
-    from mmfast.benchdata import photo_manifest
-    from mmfast.demo import default_cache_dir
-    from mmfast.prepare import PrepareConfig, prepare_dataset
-
-    manifest = photo_manifest(default_cache_dir() / "bench")
-    out = default_cache_dir() / "bench" / "prepared-photos"
-    prepare_dataset(PrepareConfig(source=str(manifest), out=str(out), val_fraction=0.0, progress=False))
-    return out
 
 
 def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
@@ -93,45 +84,12 @@ def bare_dali_variant(data, args, device):
     return lambda: (out[0]["image"] for out in it)
 
 
-class _PilDataset(torch.utils.data.Dataset):
-    def __init__(self, rows, transform):
-        self.rows, self.transform = rows, transform
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        from PIL import Image
-
-        with Image.open(self.rows[i]["image"]) as im:
-            return self.transform(im.convert("RGB")), self.rows[i]["label"]
-
-
 def dataloader_variant(data, args, device):
     """What most users run: DataLoader workers decoding with PIL and torchvision.transforms.v2."""
-    from torchvision.transforms import v2
+    from mmfast.baseline import baseline_loader
 
-    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
-    tf = v2.Compose(
-        [
-            v2.RandomResizedCrop(args.size, antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToImage(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize([m / 255 for m in IMAGENET_MEAN], [s / 255 for s in IMAGENET_STD]),
-            v2.ToDtype(torch.float16),
-        ]
-    )
-    loader = torch.utils.data.DataLoader(
-        _PilDataset(rows, tf),
-        batch_size=args.batch_size,
-        shuffle=True,
-        num_workers=args.threads,
-        pin_memory=device.type == "cuda",
-        drop_last=True,
-        persistent_workers=True,
-    )
-    return lambda: (images.to(device, non_blocking=True) for images, _ in loader)
+    loader = baseline_loader(data, args.batch_size, args.size, num_workers=args.threads)
+    return lambda: (b["image"].to(device, non_blocking=True) for b in loader)
 
 
 def gpu_decode_variant(data, args, device):
@@ -157,7 +115,7 @@ def gpu_decode_variant(data, args, device):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    data = Path(args.data) if args.data else default_data()
+    data = Path(args.data) if args.data else prepared_photos()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     variants = {
         "mmfast MultimodalLoader": mmfast_variant,

@@ -13,6 +13,7 @@ RANDOM_TEXT_CONFIGS = {
     # name: (hidden, layers, heads, intermediate); random init, for offline and CPU runs
     "bert-tiny": (128, 2, 2, 512),
     "bert-mini": (256, 4, 4, 1024),
+    "bert-base-random": (768, 12, 12, 3072),  # BERT-base's shape, for offline speed measurements
 }
 
 

@@ -185,7 +185,7 @@ def _train(cfg: TrainConfig) -> dict:
                 "total_steps": total_steps,
             },
         )
-    ctx = _RunContext(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
+    ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
     with _StopFlag() as stop:
         ctx.stop = stop
         last_metrics = ctx.fit(val_loader)
@@ -225,8 +225,13 @@ def _write_weights_digest(accelerator, model, run_dir: Path) -> None:
     (run_dir / f"weights.rank{accelerator.process_index}.sha256").write_text(h.hexdigest())
 
 
-class _RunContext:
-    """Holds what one run's epochs share, so the loop below reads as a list of steps."""
+class EpochRunner:
+    """Holds what one run's epochs share, so the loop below reads as a list of steps.
+
+    ``loader`` is anything with ``__len__``, ``__iter__`` (one epoch of batch dicts), ``step``,
+    ``set_epoch`` and ``state_dict`` (a MultimodalLoader in training; tools/bench_train.py replays
+    batches held in memory to measure the loop alone).
+    """
 
     def __init__(self, cfg, accelerator, model, optimizer, scheduler, loader, run_dir, total_steps, state):
         self.cfg, self.acc, self.model, self.opt, self.sched = cfg, accelerator, model, optimizer, scheduler
