@@ -47,7 +47,8 @@ class TrainConfig:
     demo_size: int = 2000
     tokenizer: str | None = None  # used when --data is raw (prepared on the fly)
     max_length: int = 32
-    profile: bool = False
+    profile: bool = False  # time phases with honest GPU syncs, sample utilization, write profile.json/png
+    profile_interval: float = 0.2  # seconds between utilization samples
     tensorboard: bool = False
     progress: bool = True
     record_ids: bool = False  # write the sample ids each process trained on (seen_ids.rank<R>.jsonl)

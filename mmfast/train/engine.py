@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from mmfast.fsutil import atomic_write_json
 from mmfast.loader import IGNORE_LABEL, MultimodalLoader
 from mmfast.models import build_model, get_preset
-from mmfast.profiler import StepTimer
+from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from mmfast.train.config import TrainConfig, config_dict
@@ -186,9 +186,12 @@ def _train(cfg: TrainConfig) -> dict:
             },
         )
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
-    with _StopFlag() as stop:
-        ctx.stop = stop
+    sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
+    with _StopFlag() as stop, sampler:
+        ctx.stop, ctx.sampler = stop, (sampler if cfg.profile else None)
         last_metrics = ctx.fit(val_loader)
+    if cfg.profile and accelerator.is_main_process:
+        _write_profile(run_dir, ctx, train_loader, cfg, accelerator)
     summary = {
         "val_acc": last_metrics.get("val_acc"),
         "best_val_acc": state["best_val_acc"],
@@ -213,6 +216,30 @@ def _train(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _write_profile(
+    run_dir: Path, ctx: EpochRunner, loader: MultimodalLoader, cfg: TrainConfig, accelerator
+) -> None:
+    """profile.json (phases, throughput, utilization, settings, verdict) and profile.png of this process."""
+    settings = {
+        "decode_device": "mixed" if loader.device.type == "cuda" else "cpu",
+        "dali_threads": loader.num_threads,
+        "prefetch": loader.prefetch,
+        "batch_size": cfg.batch_size,
+        "image_size": cfg.image_size,
+        "mixed_precision": accelerator.mixed_precision,
+        "channels_last": cfg.channels_last,
+        "num_processes": accelerator.num_processes,
+        "model": cfg.model,
+        "grad_accum": cfg.grad_accum,
+    }
+    report = build_report(ctx.timer, ctx.sampler, extra={"settings": settings})
+    atomic_write_json(run_dir / "profile.json", {**report, "timeline": ctx.sampler.samples})
+    try:
+        plot_report(report, ctx.sampler.samples, str(run_dir / "profile.png"))
+    except ImportError:
+        log.warning("matplotlib is not installed: no profile.png")
 
 
 def _write_weights_digest(accelerator, model, run_dir: Path) -> None:
@@ -240,6 +267,7 @@ class EpochRunner:
         self.interrupted = False
         self.consecutive_bad = 0
         self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile)
+        self.sampler = None  # a running UtilizationSampler when profiling
 
     def fit(self, val_loader) -> dict:
         metrics = {}
@@ -248,11 +276,13 @@ class EpochRunner:
             train_stats = self.train_epoch(epoch)
             if self.interrupted:
                 break
+            with self.timer.phase("eval"):
+                val_metrics = evaluate(self.acc, self.model, val_loader)
             metrics = {
                 "epoch": epoch,
                 "step": self.state["global_step"],
                 **train_stats,
-                **evaluate(self.acc, self.model, val_loader),
+                **val_metrics,
                 "lr": self.sched.get_last_lr()[0],
                 "skipped_steps": self.state["skipped_steps"],
             }
@@ -284,7 +314,8 @@ class EpochRunner:
                 dynamic_ncols=True,
                 disable=None,
             )  # None: no bar when stderr is not a terminal
-        self.timer.reset()
+        start = dict(self.timer.totals)  # the run-level timer keeps counting; this epoch is the difference
+        n_samples = len(self.sampler.samples) if self.sampler is not None else 0
         t0 = time.perf_counter()
         i = loader.step  # micro-batch index in the epoch (not 0 after a mid-epoch resume)
         batches = iter(loader)
@@ -301,6 +332,7 @@ class EpochRunner:
             loss = self.micro_step(batch, window, sync=window_end)
             s["loss_sum"] += loss * int(batch["label"].shape[0])
             s["samples"] += int(batch["label"].shape[0])
+            self.timer.end_step(int(batch["label"].shape[0]))
             if self.cfg.record_ids:
                 self.record_ids(epoch, batch["id"])
             i += 1
@@ -315,7 +347,7 @@ class EpochRunner:
                 s_now = {
                     **s,
                     "time": s["time"] + time.perf_counter() - t0,
-                    "data_wait": s["data_wait"] + self.timer.total("data"),
+                    "data_wait": s["data_wait"] + self.timer.total("data") - start.get("data", 0.0),
                 }
                 self.state.update(epoch_stats=s_now, loader=self.loader_states())
                 self.checkpoint()
@@ -330,7 +362,7 @@ class EpochRunner:
         if bar is not None:
             bar.close()
         s["time"] += time.perf_counter() - t0
-        s["data_wait"] += self.timer.total("data")
+        s["data_wait"] += self.timer.total("data") - start.get("data", 0.0)
         totals = self.acc.reduce(
             torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64, device=acc.device), reduction="sum"
         )
@@ -339,7 +371,20 @@ class EpochRunner:
             "train_loss": loss_sum / max(1, samples),
             "images_per_s": samples / max(1e-9, s["time"]),
             "data_wait_frac": s["data_wait"] / max(1e-9, s["time"]),
-            "phase_s": self.timer.summary(),
+            "phase_s": {k: round(v - start.get(k, 0.0), 4) for k, v in self.timer.totals.items()},
+            **self.epoch_utilization(n_samples),
+        }
+
+    def epoch_utilization(self, first_sample: int) -> dict:
+        """Mean GPU and CPU utilization over this epoch's samples (profiling only)."""
+        if self.sampler is None:
+            return {}
+        new = self.sampler.samples[first_sample:]
+        gpu = [x["gpu_util"] for x in new if "gpu_util" in x]
+        cpu = [sum(x["cpu_util"]) / len(x["cpu_util"]) for x in new]
+        return {
+            "gpu_util_mean": sum(gpu) / len(gpu) if gpu else None,
+            "cpu_util_mean": sum(cpu) / len(cpu) if cpu else None,
         }
 
     def micro_step(self, batch: dict, window: int, sync: bool) -> float:

@@ -1,0 +1,129 @@
+"""The profiler: data-wait accuracy against known sleeps, verdicts, NVML degradation, report files."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from mmfast.profiler import StepTimer, UtilizationSampler, build_report, verdict
+from tools import profile as profile_tool
+from tools import train as train_tool
+
+
+def _slow_loader(n: int, sleep: float):
+    for i in range(n):
+        time.sleep(sleep)  # decoding that takes `sleep` seconds per batch
+        yield i
+
+
+def _run(n: int, data_sleep: float, compute: float) -> dict:
+    timer = StepTimer(cuda_sync=torch.cuda.is_available())
+    with UtilizationSampler(0.05) as sampler:
+        for _ in timer.iterate(_slow_loader(n, data_sleep)):
+            with timer.phase("forward"):
+                time.sleep(compute * 0.4)
+            with timer.phase("backward"):
+                time.sleep(compute * 0.5)
+            with timer.phase("optimizer"):
+                time.sleep(compute * 0.1)
+            timer.end_step(8)
+    return build_report(timer, sampler)
+
+
+def test_data_wait_fraction_matches_known_sleeps_and_the_verdict_flips():
+    slow = _run(20, data_sleep=0.03, compute=0.01)
+    assert slow["data_wait_frac"] == pytest.approx(0.03 / 0.04, abs=0.05)
+    assert slow["steps"] == 20 and slow["samples"] == 160
+    assert slow["verdict"]["bound"] == "input" and "waits for data" in slow["verdict"]["summary"]
+    fast = _run(20, data_sleep=0.0, compute=0.03)
+    assert fast["data_wait_frac"] < 0.05
+    assert fast["verdict"]["bound"] == "compute"
+    assert fast["phase_s"]["backward"] == pytest.approx(20 * 0.015, rel=0.3)
+
+
+def test_verdict_rules():
+    gpu = {"gpu": {"gpu_util": {"mean": 35.0}}, "cpu_util_mean": 40.0}
+    host = verdict({"data_wait_frac": 0.05, "utilization": gpu})
+    assert host["bound"] == "host" and "35%" in host["summary"]
+    busy_cpu = verdict(
+        {
+            "data_wait_frac": 0.6,
+            "utilization": {"cpu_util_mean": 97.0, "gpu": {"gpu_util": {"mean": 20}}},
+            "settings": {"decode_device": "cpu"},
+        }
+    )
+    assert busy_cpu["bound"] == "input"
+    assert any("GPU" in s for s in busy_cpu["next_steps"]) and any(
+        "saturated" in s for s in busy_cpu["next_steps"]
+    )
+    fp32 = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": {"mixed_precision": "no"}})
+    assert fp32["bound"] == "compute" and any("mixed precision" in s for s in fp32["next_steps"])
+
+
+def test_sampler_reports_cpu_per_core_and_degrades_without_nvml():
+    with UtilizationSampler(0.05) as sampler:
+        time.sleep(0.3)
+    stats = sampler.stats()
+    assert stats["samples"] >= 3
+    assert len(stats["cpu_util_mean_per_core"]) == os.cpu_count()
+    if sampler.gpu_error is not None:  # no GPU or no NVML here
+        assert stats["gpu"] == {"available": False, "reason": sampler.gpu_error}
+        assert "no GPU" in sampler.gpu_error or "not installed" in sampler.gpu_error
+        assert sampler.read_gpu() == {}
+
+
+@pytest.mark.gpu
+def test_nvml_readings_are_parsed_from_the_real_library():
+    with UtilizationSampler(0.05) as sampler:
+        x = torch.randn(4096, 4096, device="cuda")
+        for _ in range(50):
+            x = x @ x.T / 4096
+        torch.cuda.synchronize()
+        reading = sampler.read_gpu()
+    assert 0 <= reading["gpu_util"] <= 100
+    assert 0 < reading["gpu_mem_used_mib"] <= reading["gpu_mem_total_mib"]
+    assert sampler.stats()["gpu"]["gpu_util"]["max"] >= 0
+
+
+def test_training_with_profile_writes_json_and_png(prepared, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert (
+        train_tool.main(
+            [
+                "--data",
+                str(prepared),
+                "--out",
+                str(out),
+                "--profile",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "32",
+                "--image-size",
+                "32",
+                "--hidden",
+                "32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    report = json.loads((out / "profile.json").read_text())
+    assert report["steps"] == 7 and report["samples"] == 7 * 32
+    assert {"data", "forward", "backward", "optimizer", "eval"} <= set(report["phase_s"])
+    assert 0 <= report["data_wait_frac"] < 1 and report["verdict"]["bound"] in ("input", "host", "compute")
+    assert report["settings"]["decode_device"] == ("mixed" if torch.cuda.is_available() else "cpu")
+    assert len(report["timeline"]) >= 1 and "cpu_util" in report["timeline"][0]
+    with Image.open(out / "profile.png") as im:
+        assert im.format == "PNG" and im.size[0] > 600
+    (metrics,) = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "data_wait_frac" in metrics and "cpu_util_mean" in metrics and "gpu_util_mean" in metrics
+    capsys.readouterr()
+    assert profile_tool.main(["--run", str(out)]) == 0
+    assert "verdict:" in capsys.readouterr().out
+    assert profile_tool.main(["--run", str(tmp_path)]) == 2

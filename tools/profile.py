@@ -1,0 +1,110 @@
+"""Profile a training configuration: where step time goes, how busy the devices are, and what to change.
+
+    python tools/profile.py [train.py flags ...] [--steps 30] [--trace] [--out runs/profile]
+    python tools/profile.py --run RUN_DIR        (report on a run trained with --profile)
+
+Runs a short training (``--max-steps``) with ``--profile``: phases timed with honest GPU syncs, GPU
+(NVML) and CPU utilization sampled in the background. Writes ``profile.json`` and ``profile.png`` in the
+run directory (plus ``trace.json``, a Chrome trace from torch.profiler, with --trace) and prints the
+verdict: input-bound / host-bound / compute-bound, with the next step to try.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file's name shadows the standard library's `profile` module (cProfile imports it, and torch imports
+# cProfile): run as a script, drop tools/ from the import path before anything imports torch.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", help="an existing run directory with profile.json (no training)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps to profile")
+    p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
+    p.add_argument("--out", default="runs/profile")
+    return p.parse_known_args(argv)
+
+
+def print_report(report: dict) -> None:
+    v = report["verdict"]
+    print(f"\n{'phase':<12}{'seconds':>10}{'share':>8}")
+    for name, sec in report["phase_s"].items():
+        share = (
+            f"{report['phase_frac'][name]:>8.1%}" if name in report["phase_frac"] else "   (not in training time)"
+        )
+        print(f"{name:<12}{sec:>10.3f}{share}")
+    print(f"{'other':<12}{report['other_s']:>10.3f}")
+    util = report.get("utilization") or {}
+    gpu = util.get("gpu", {})
+    gpu_line = (
+        f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {gpu.get('reason', 'n/a')}"
+    )
+    print(
+        f"\n{report['images_per_s']:.1f} images/s, data wait {report['data_wait_frac']:.0%}, "
+        f"CPU {util.get('cpu_util_mean', float('nan')):.0f}% mean, {gpu_line}"
+    )
+    print(f"\nverdict: {v['summary']}")
+    for s in v["next_steps"]:
+        print(f"  - {s}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_flags = parse_args(argv)
+    if args.run:
+        path = Path(args.run) / "profile.json"
+        if not path.is_file():
+            print(f"error: {path} not found; train with --profile first", file=sys.stderr)
+            return 2
+        report = json.loads(path.read_text())
+        print_report(report)
+        return 0
+    from mmfast.train.config import parse_config
+    from mmfast.train.engine import train
+
+    try:
+        cfg = parse_config(
+            [
+                *train_flags,
+                "--profile",
+                "--max-steps",
+                str(args.steps),
+                "--out",
+                args.out,
+                "--no-progress",
+                "--checkpoint-every",
+                "0",
+            ]
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.trace:
+        import torch
+
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            summary = train(cfg)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.out) / "trace.json"))
+    else:
+        summary = train(cfg)
+    if not summary["is_main_process"]:
+        return 0
+    report = json.loads((Path(args.out) / "profile.json").read_text())
+    print_report(report)
+    print(f"\nwrote {args.out}/profile.json, {args.out}/profile.png" + (", trace.json" if args.trace else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
