@@ -102,6 +102,11 @@ class ImageLoader:
             beside it) instead of ``files``; ``files``/``labels``/``ids`` still describe the samples. DALI
             then shuffles (a buffer, re-seeded per epoch) and shards; the last eval batch is partial
             instead of padded.
+        on_bad_image: what to do with an image that is missing or cannot be decoded: "skip" (log it, count
+            it in ``skipped``, and serve a masked sample in its place: id -1, label -100, so batch sizes and
+            the other samples' order stay the same on every rank) or "error" (raise, naming the file).
+        file_stats: (size, mtime_ns) of each file when it was validated; files that differ now are decoded
+            again at start-up (MultimodalLoader passes what tools/prepare_data.py recorded).
         pipeline_kwargs: more keyword arguments of ``mmfast.pipelines.image_pipeline`` (scale, ratio,
             flip, color_jitter, crop_ratio, mean, std, hw_decoder_load, ...).
     """
@@ -125,6 +130,8 @@ class ImageLoader:
         fp16: bool = True,
         prefetch: int = 2,
         wds_shards: Sequence[str] | None = None,
+        on_bad_image: str = "skip",
+        file_stats: Sequence[tuple[int, int]] | None = None,
         **pipeline_kwargs,
     ):
         if batch_size < 1:
@@ -158,6 +165,11 @@ class ImageLoader:
         self.fp16 = fp16
         self.prefetch = prefetch
         self.pipeline_kwargs = pipeline_kwargs
+        if on_bad_image not in ("skip", "error"):
+            raise ValueError(f"on_bad_image must be 'skip' or 'error', got '{on_bad_image}'")
+        self.on_bad_image = on_bad_image
+        self.bad: dict[int, str] = {}  # position in files -> why it is skipped
+        self._check_files(file_stats)
         self.wds_shards = [str(p) for p in wds_shards] if wds_shards else None
         for tar in self.wds_shards or []:
             if not Path(tar).is_file() or not Path(tar).with_suffix(".idx").is_file():
@@ -293,11 +305,11 @@ class ImageLoader:
             }
             policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
         else:
-            pad_file = self.files[0]
+            pad_file = self._pad_file()
             source = {
                 "source": "files",
-                "files": [self.files[p] if p >= 0 else pad_file for p in positions],
-                "ids": [int(self.ids[p]) if p >= 0 else PAD_ID for p in positions],
+                "files": [self.files[p] if p >= 0 and p not in self.bad else pad_file for p in positions],
+                "ids": [int(self.ids[p]) if p >= 0 and p not in self.bad else PAD_ID for p in positions],
             }
             policy = LastBatchPolicy.DROP  # never used: the lists are whole batches
         cuda = self.device.type == "cuda"
@@ -325,6 +337,70 @@ class ImageLoader:
             prepare_first_batch=False,
         )
 
+    @property
+    def skipped(self) -> list[dict]:
+        """The samples served masked because their image is missing or undecodable."""
+        return [{"id": int(self.ids[p]), "image": self.files[p], "reason": r} for p, r in sorted(self.bad.items())]
+
+    def _mark_bad(self, positions: list[int], reasons: list[str]) -> None:
+        for p, reason in zip(positions, reasons, strict=True):
+            if self.on_bad_image == "error":
+                raise ValueError(
+                    f"{self.files[p]}: {reason}. Fix or remove it and re-run tools/prepare_data.py, "
+                    "or pass on_bad_image='skip'"
+                )
+            log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
+            self.bad[p] = reason
+        if len(self.bad) == len(self.files):
+            raise ValueError("every image is missing or undecodable; nothing to load")
+
+    def _check_files(self, file_stats: Sequence[tuple[int, int]] | None) -> None:
+        """At start-up: stat every file; decode again the ones that changed since they were validated."""
+        from mmfast.validate import check_images
+
+        suspects = []
+        for p, path in enumerate(self.files):
+            try:
+                st = os.stat(path)
+            except OSError:
+                suspects.append(p)
+                continue
+            if file_stats is not None and (st.st_size, st.st_mtime_ns) != tuple(file_stats[p]):
+                suspects.append(p)
+            elif st.st_size == 0:
+                suspects.append(p)
+        if suspects:
+            checks = check_images([self.files[p] for p in suspects], self.num_threads)
+            bad = [(p, c.reason) for p, c in zip(suspects, checks, strict=True) if not c.ok]
+            if bad:
+                self._mark_bad(*map(list, zip(*bad, strict=True)))
+
+    def _pad_file(self) -> str:
+        """A decodable file to stand in for padding and skipped samples (their ids are -1)."""
+        return next(f for p, f in enumerate(self.files) if p not in self.bad)
+
+    def _recover(self, error: RuntimeError) -> _Stream:
+        """DALI failed on a batch: find the file(s) it could not read among the next batches, mark them,
+        and reopen the stream at the same position. Re-raises when no file is to blame."""
+        from mmfast.validate import check_images
+
+        if self.wds_shards:
+            raise RuntimeError(
+                f"DALI failed reading the WebDataset shards ({error}); re-export them with "
+                "tools/prepare_data.py --format wds"
+            ) from error
+        window = self._positions(self.epoch)[self.step * self.batch_size :][
+            : (self.prefetch + 2) * self.batch_size
+        ]
+        todo = [int(p) for p in window if p >= 0 and p not in self.bad]
+        checks = check_images([self.files[p] for p in todo], self.num_threads)
+        bad = [(p, c.reason) for p, c in zip(todo, checks, strict=True) if not c.ok]
+        if not bad:
+            raise error
+        self._mark_bad(*map(list, zip(*bad, strict=True)))
+        self._stream = None
+        return self._open_stream(self.epoch, self.step)
+
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         """Positions in ``files`` of the given sample ids (-1 stays -1)."""
         found = self._id_sorter[np.searchsorted(self.ids, ids, sorter=self._id_sorter).clip(0, len(self.ids) - 1)]
@@ -344,7 +420,11 @@ class ImageLoader:
             self._stream = self._open_stream(self.epoch, self.step)
         stream = self._stream
         while self.step < n:
-            out = next(stream.it)  # DALI's iterator returns one dict per pipeline; we run one pipeline
+            try:
+                out = next(stream.it)  # DALI's iterator returns one dict per pipeline; we run one pipeline
+            except RuntimeError as e:  # DALI aborts the whole pipeline on one file it cannot read
+                stream = self._stream = self._recover(e)
+                continue
             images = out[0]["image"]  # (B, 3, S, S)
             ids = out[0]["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
             stream.step += 1
@@ -429,6 +509,8 @@ class MultimodalLoader(ImageLoader):
         elif source != "files":
             raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
         is_train = split == "train"
+        if all("size" in r and "mtime_ns" in r for r in rows):
+            kwargs.setdefault("file_stats", [(r["size"], r["mtime_ns"]) for r in rows])
         super().__init__(
             [r["image"] for r in rows],
             [r["label"] for r in rows],

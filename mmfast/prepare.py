@@ -197,7 +197,16 @@ def _split(rows: list[Candidate], label_map: dict[str, int], val_fraction: float
 
 
 def _row(c: Candidate, sample_id: int, label_map: dict[str, int]) -> dict:
-    return {"id": sample_id, "image": c.image, "text": c.text, "label": label_map[str(c.label)], "line": c.line}
+    st = os.stat(c.image)  # recorded so the loader can tell a file that changed after validation
+    return {
+        "id": sample_id,
+        "image": c.image,
+        "text": c.text,
+        "label": label_map[str(c.label)],
+        "line": c.line,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
 
 
 def _input_fingerprint(cfg: PrepareConfig) -> str:

@@ -247,7 +247,9 @@ def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["global_step"] == 2 * (240 // 32)
     metrics = _jsonl(out / "metrics.jsonl")
+    assert len(metrics) == 2  # only rank 0 writes run files: one line per epoch, not one per process
     assert metrics[-1]["val_samples"] == 60  # evaluation gathered from both ranks, padding excluded
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000007", "step-00000014"]
 
 
 @pytest.mark.slow

@@ -14,10 +14,22 @@ from __future__ import annotations
 import os
 import sys
 
-# This file's name shadows the standard library's `profile` module (cProfile imports it, and torch imports
-# cProfile): run as a script, drop tools/ from the import path before anything imports torch.
+# This file's name shadows the standard library's `profile` module whenever tools/ is on the import path
+# (any `python tools/X.py`), and cProfile, which torch imports, does `import profile`. Imported under that
+# name, this file hands over the standard module; run as a script, it first drops tools/ from the path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+if __name__ == "profile":
+    import importlib.util
+    import sysconfig
+
+    _spec = importlib.util.spec_from_file_location(
+        "profile", os.path.join(sysconfig.get_paths()["stdlib"], "profile.py")
+    )
+    _std = importlib.util.module_from_spec(_spec)
+    sys.modules["profile"] = _std
+    _spec.loader.exec_module(_std)
+else:
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402

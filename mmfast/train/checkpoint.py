@@ -68,7 +68,7 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_
                     with open(p, "rb") as fh:
                         os.fsync(fh.fileno())
         ok = 1
-    except OSError as e:
+    except Exception as e:  # OSError, and serializers' own errors (safetensors reports EFBIG as SafetensorError)
         ok, err = 0, e
     ok = _all_ok(accelerator, ok)
     if not ok:

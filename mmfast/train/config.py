@@ -43,6 +43,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # optimizer steps; 0: at the end of each epoch only
     keep_checkpoints: int = 2
     resume: str | None = None  # PATH or "latest"
+    on_bad_image: str = "skip"  # skip: log, count and mask a missing/undecodable image; error: stop
     max_nan_steps: int = 20  # consecutive non-finite losses before the run stops
     demo_size: int = 2000
     tokenizer: str | None = None  # used when --data is raw (prepared on the fly)
@@ -64,6 +65,10 @@ class TrainConfig:
                 f"--mixed-precision must be auto, fp16, bf16 or no, got '{self.mixed_precision}'",
             ),
             (self.combine in ("mean", "learned"), f"--combine must be mean or learned, got '{self.combine}'"),
+            (
+                self.on_bad_image in ("skip", "error"),
+                f"--on-bad-image must be skip or error, got '{self.on_bad_image}'",
+            ),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),

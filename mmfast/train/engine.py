@@ -34,6 +34,11 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+def compute_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy in fp32; masked samples (label -100: eval padding, skipped images) count for nothing."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction=reduction)
+
+
 def warmup_cosine(optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup for ``warmup`` optimizer steps, then cosine decay to 0 at ``total``."""
 
@@ -108,6 +113,7 @@ def _train(cfg: TrainConfig) -> dict:
     data_dir = resolve_data(cfg, accelerator)
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, accelerator.num_processes))
     loader_args = dict(
+        on_bad_image=cfg.on_bad_image,
         accelerator=accelerator,
         size=cfg.image_size,
         seed=cfg.seed,
@@ -285,6 +291,7 @@ class EpochRunner:
                 **val_metrics,
                 "lr": self.sched.get_last_lr()[0],
                 "skipped_steps": self.state["skipped_steps"],
+                "skipped_samples": len(self.loader.bad),
             }
             self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics["val_acc"])
             self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
@@ -330,8 +337,9 @@ class EpochRunner:
             window_start = (i // cfg.grad_accum) * cfg.grad_accum
             window = min(cfg.grad_accum, n_batches - window_start)
             loss = self.micro_step(batch, window, sync=window_end)
-            s["loss_sum"] += loss * int(batch["label"].shape[0])
-            s["samples"] += int(batch["label"].shape[0])
+            if math.isfinite(loss):  # a non-finite step is skipped and counted, not averaged in
+                s["loss_sum"] += loss * int(batch["label"].shape[0])
+                s["samples"] += int(batch["label"].shape[0])
             self.timer.end_step(int(batch["label"].shape[0]))
             if self.cfg.record_ids:
                 self.record_ids(epoch, batch["id"])
@@ -393,7 +401,7 @@ class EpochRunner:
         with ctx:
             with self.timer.phase("forward"):
                 logits = self.model(batch)  # (B, num_classes); autocast applied by Accelerate
-                loss = F.cross_entropy(logits.float(), batch["label"], ignore_index=IGNORE_LABEL)
+                loss = compute_loss(logits, batch["label"])
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
         return loss.item()  # note: a CPU-GPU sync point per micro-batch (keeps NaN detection exact)
@@ -459,7 +467,7 @@ def evaluate(accelerator, model, loader) -> dict:
         logits = model(batch)
         labels = batch["label"]
         keep = labels != IGNORE_LABEL
-        totals[0] += F.cross_entropy(logits.float()[keep], labels[keep], reduction="sum")
+        totals[0] += compute_loss(logits[keep], labels[keep], reduction="sum")
         totals[1] += (logits.argmax(1)[keep] == labels[keep]).sum()
         totals[2] += keep.sum()
     model.train()
