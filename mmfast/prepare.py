@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
@@ -220,13 +221,19 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
         raise ManifestError(f"{src}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     if src.is_file():
         h.update(src.read_bytes())
-    out = Path(cfg.out).resolve()
+    out = os.path.abspath(cfg.out)
     base = src if src.is_dir() else src.parent
     for p in sorted(base.rglob("*")):
-        if p.resolve() == out or out in p.resolve().parents or not p.is_file():
+        path = os.path.abspath(p)
+        if path == out or path.startswith(out + os.sep):
             continue
-        st = p.stat()
-        h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode())
+        try:
+            st = p.stat()
+        except OSError:  # dangling link, symlink loop: part of the input as it is
+            h.update(f"{p}|unreadable".encode())
+            continue
+        if stat.S_ISREG(st.st_mode):
+            h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()
 
 

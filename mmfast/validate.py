@@ -8,10 +8,11 @@ cannot decode: a file is accepted only when the decoder that will read it at tra
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import stat
 import warnings
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +89,10 @@ def check_images(paths: list[str], workers: int, progress: bool = False) -> list
         total=len(paths), desc="validating images", unit="img", disable=None if progress else True, leave=False
     )
     if workers > 1 and len(paths) > 64:
-        with ProcessPoolExecutor(workers) as pool:
+        # A daemonic process (a multiprocessing.Pool worker) may not start children: use threads there
+        # (PIL releases the GIL while decoding).
+        executor = ThreadPoolExecutor if multiprocessing.current_process().daemon else ProcessPoolExecutor
+        with executor(workers) as pool:
             chunk = max(1, min(64, len(paths) // (workers * 8)))
             checks = list(tqdm(pool.map(check_image, paths, chunksize=chunk), **bar))
     else:

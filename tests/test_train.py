@@ -294,3 +294,40 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_
         ids = [i for r in rows if r["epoch"] == epoch for i in r["ids"]]
         assert len(ids) == len(set(ids)) == (240 // 16) * 16  # nothing lost, nothing repeated
     assert json.loads((out / "summary.json").read_text())["global_step"] == 2 * 15
+
+
+def test_training_without_a_val_split(demo_manifest, tmp_path, capsys):
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    data = tmp_path / "p"
+    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(data), val_fraction=0.0, progress=False))
+    assert train_tool.main(["--data", str(data), "--out", str(tmp_path / "r"), *FAST]) == 0
+    assert "no val split" in capsys.readouterr().out
+    (m,) = _jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert "val_acc" not in m and m["step"] == 300 // 32
+
+
+@pytest.mark.gpu
+def test_gpu_training_end_to_end_in_fp16(prepared, tmp_path):
+    out = tmp_path / "run"
+    assert (
+        train_tool.main(
+            [
+                "--data",
+                str(prepared),
+                "--out",
+                str(out),
+                "--epochs",
+                "2",
+                "--batch-size",
+                "32",
+                "--channels-last",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"].startswith("cuda") and summary["mixed_precision"] == "fp16"
+    metrics = _jsonl(out / "metrics.jsonl")
+    assert len(metrics) == 2 and all(m["train_loss"] == m["train_loss"] for m in metrics)

@@ -20,7 +20,12 @@ def print_table(summary: dict) -> None:
     rows = [
         ("model", f"{summary['model']} ({summary['image_backbone']} + {summary['text_model']})"),
         ("device", f"{summary['device']} x {summary['num_processes']}, {summary['mixed_precision']}"),
-        ("val_acc", f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})"),
+        (
+            "val_acc",
+            "no val split"
+            if summary["val_acc"] is None
+            else f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})",
+        ),
         ("images/s", f"{summary['images_per_s']:.0f}"),
         ("optimizer steps", str(summary["global_step"])),
         ("skipped steps", str(summary["skipped_steps"])),
@@ -41,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("interrupted"):
         print("interrupted; resume with --resume latest", file=sys.stderr)
         return 130
-    if summary["is_main_process"] and summary.get("val_acc") is not None:
+    if summary["is_main_process"] and summary.get("images_per_s") is not None:
         print_table(summary)
     return 0
 

@@ -129,7 +129,9 @@ def _train(cfg: TrainConfig) -> dict:
         color_jitter=cfg.color_jitter,
         **loader_args,
     )
-    val_loader = MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **loader_args)
+    # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
+    has_val = (data_dir / "val.jsonl").stat().st_size > 0
+    val_loader = MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **loader_args) if has_val else None
 
     vocab_size = len(load_tokenizer(data_dir / "tokenizer"))
     model = build_model(
@@ -283,7 +285,7 @@ class EpochRunner:
             if self.interrupted:
                 break
             with self.timer.phase("eval"):
-                val_metrics = evaluate(self.acc, self.model, val_loader)
+                val_metrics = evaluate(self.acc, self.model, val_loader) if val_loader is not None else {}
             metrics = {
                 "epoch": epoch,
                 "step": self.state["global_step"],
@@ -293,7 +295,7 @@ class EpochRunner:
                 "skipped_steps": self.state["skipped_steps"],
                 "skipped_samples": len(self.loader.bad),
             }
-            self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics["val_acc"])
+            self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics.get("val_acc", 0.0))
             self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
             self.log_metrics(metrics)
             self.checkpoint()
@@ -449,9 +451,11 @@ class EpochRunner:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        val = (
+            f" val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f}" if "val_acc" in metrics else ""
+        )
         self.acc.print(
-            f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f} val_loss "
-            f"{metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f} "
+            f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f}{val} "
             f"{metrics['images_per_s']:.0f} img/s data_wait {metrics['data_wait_frac']:.0%}"
         )
         if self.cfg.tensorboard:
