@@ -91,6 +91,14 @@ def _split_lines(raw: bytes) -> list[tuple[int, bytes]]:
     return [(i + 1, ln.rstrip(b"\r")) for i, ln in enumerate(raw.split(b"\n"))]
 
 
+def _not_utf8(line: int, raw: bytes, e: UnicodeDecodeError) -> Reject:
+    return Reject(
+        line,
+        f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
+        raw[:200].decode("utf-8", "replace"),
+    )
+
+
 def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
     rows, rejects = [], []
     for line, raw in _split_lines(path.read_bytes()):
@@ -102,13 +110,7 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            rejects.append(
-                Reject(
-                    line,
-                    f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
-                    raw[:200].decode("utf-8", "replace"),
-                )
-            )
+            rejects.append(_not_utf8(line, raw, e))
             continue
         try:
             row = json.loads(text)
@@ -128,13 +130,7 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
         try:
             good_lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            rejects.append(
-                Reject(
-                    line,
-                    f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
-                    raw[:200].decode("utf-8", "replace"),
-                )
-            )
+            rejects.append(_not_utf8(line, raw, e))
             good_lines.append("")  # keep line numbers aligned; an empty line is skipped by csv
     csv.field_size_limit(MAX_LINE_BYTES)
     reader = csv.DictReader(io.StringIO("\n".join(good_lines), newline=""), delimiter=delimiter)

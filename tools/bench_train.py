@@ -157,7 +157,7 @@ def loop_overhead(args, data: Path, device) -> dict:
     from mmfast.loader import MultimodalLoader
     from mmfast.tokenizer import load_tokenizer
     from mmfast.train.config import TrainConfig
-    from mmfast.train.engine import EpochRunner, param_groups, warmup_cosine
+    from mmfast.train.engine import EpochRunner, initial_state, param_groups, warmup_cosine
     from mmfast.train.setup import make_accelerator
 
     # grad_clip=0: the same arithmetic as the minimal loop, so the difference is the loop's machinery
@@ -187,14 +187,7 @@ def loop_overhead(args, data: Path, device) -> dict:
             _Replay(batches),
             Path(cfg.out),
             10 * len(batches),
-            {
-                "epoch": 0,
-                "global_step": 0,
-                "best_val_acc": 0.0,
-                "epoch_stats": None,
-                "loader": None,
-                "skipped_steps": 0,
-            },
+            initial_state(),
         )
         runner.train_epoch(0)  # warm-up epoch
         t = time.perf_counter()

@@ -50,6 +50,18 @@ def warmup_cosine(optimizer, warmup: int, total: int) -> torch.optim.lr_schedule
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def initial_state() -> dict:
+    """The trainer state of a run that has not taken a step (what a checkpoint's trainer_state.json holds)."""
+    return {
+        "epoch": 0,
+        "global_step": 0,
+        "best_val_acc": 0.0,
+        "epoch_stats": None,
+        "loader": None,
+        "skipped_steps": 0,
+    }
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases and norm weights (1-d parameters)."""
     decay, no_decay = [], []
@@ -162,14 +174,7 @@ def _train(cfg: TrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    state = {
-        "epoch": 0,
-        "global_step": 0,
-        "best_val_acc": 0.0,
-        "epoch_stats": None,
-        "loader": None,
-        "skipped_steps": 0,
-    }
+    state = initial_state()
     resume_from = resolve_resume(cfg.resume, run_dir) if cfg.resume else None
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
