@@ -69,6 +69,10 @@ def make_accelerator(cfg: TrainConfig):
         "project_config": ProjectConfiguration(project_dir=cfg.out, automatic_checkpoint_naming=False),
     }
     if cfg.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
         kwargs["log_with"] = "tensorboard"
     accelerator = Accelerator(**kwargs)
     check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
