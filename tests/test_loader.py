@@ -207,3 +207,40 @@ def test_gpu_loader_outputs_on_the_device_and_matches_cpu(prepared):
         assert torch.equal(g["id"].cpu(), c["id"])
         # nvJPEG and libjpeg-turbo differ by rounding: compare loosely
         assert (g["image"].cpu() - c["image"]).abs().mean() < 0.05
+
+
+def test_odd_formats_pass_preparation_and_load_in_train_and_eval(tmp_path, photos):
+    """Formats users bring: progressive JPEG, palette PNG with transparency, LA, 16-bit gray, RGBA TIFF and
+    WebP, palette BMP, CMYK and EXIF-rotated JPEG, a 1-pixel image, a 30x2000 panorama."""
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    d = tmp_path / "odd"
+    d.mkdir()
+    photo = Image.open(next(p for p in photos if p.name == "astronaut.png")).convert("RGB")
+    photo.resize((1600, 1200)).save(d / "progressive.jpg", progressive=True, quality=90)
+    photo.convert("P", palette=Image.ADAPTIVE).save(d / "palette_trns.png", transparency=0)
+    photo.convert("LA").save(d / "la.png")
+    Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257).save(d / "gray16.png")
+    photo.convert("RGBA").save(d / "rgba.tif")
+    photo.convert("RGBA").save(d / "rgba.webp", lossless=True)
+    photo.convert("P").save(d / "pal.bmp")
+    photo.convert("CMYK").save(d / "cmyk.jpg")
+    exif = photo.getexif()
+    exif[0x0112] = 6  # "rotate 90" orientation tag
+    photo.save(d / "exif_rot.jpg", exif=exif)
+    Image.new("RGB", (1, 1), (255, 0, 0)).save(d / "onepx.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 2000, 3), dtype=np.uint8)).save(d / "pano.jpg")
+    files = sorted(d.iterdir())
+    rows = [{"image": f.name, "text": f"légende {f.stem} 日本語", "label": f.suffix} for f in files]
+    (d / "m.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    summary = prepare_dataset(
+        PrepareConfig(source=str(d / "m.jsonl"), out=str(tmp_path / "p"), val_fraction=0, progress=False)
+    )
+    assert summary["counts"]["accepted"] == len(files) == 11 and summary["counts"]["rejected"] == 0
+    for train in (True, False):
+        loader = MultimodalLoader(tmp_path / "p", "train", 4, size=48, train=train, shuffle=train, drop_last=False)
+        ids = []
+        for batch in loader:
+            assert batch["image"].shape[1:] == (3, 48, 48) and torch.isfinite(batch["image"].float()).all()
+            ids += [i for i in batch["id"].tolist() if i >= 0]
+        assert sorted(ids) == list(range(11)) and not loader.skipped
