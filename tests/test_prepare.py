@@ -182,8 +182,15 @@ def test_tool_exit_codes_and_messages(tmp_path, capsys, demo_manifest):
         prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "o"), "--val-fraction", "abc"])
     assert prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "o"), "--val-fraction", "1.5"]) == 2
     assert "--val-fraction" in capsys.readouterr().err
-    assert prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "ok"), "--no-progress"]) == 0
+    assert (
+        prepare_data.main([str(demo_manifest), "--out", str(tmp_path / "ok"), "--no-progress", "--format", "wds"])
+        == 0
+    )
     assert "accepted" in capsys.readouterr().out
+    index = json.loads((tmp_path / "ok" / "wds" / "train.json").read_text())
+    assert index["samples"] == 240 and all(
+        (tmp_path / "ok" / "wds" / f"{s}.idx").is_file() for s in index["shards"]
+    )
 
 
 def test_real_photos_and_non_ascii_captions(photos, tmp_path):

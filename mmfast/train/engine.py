@@ -25,7 +25,7 @@ from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_re
 from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from mmfast.train.config import TrainConfig, config_dict
-from mmfast.train.setup import make_accelerator, resolve_data
+from mmfast.train.setup import make_accelerator, processes_per_machine, resolve_data
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _train(cfg: TrainConfig) -> dict:
 
     set_seed(cfg.seed)
     data_dir = resolve_data(cfg, accelerator)
-    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, accelerator.num_processes))
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
     loader_args = dict(
         on_bad_image=cfg.on_bad_image,
         accelerator=accelerator,
@@ -317,7 +317,7 @@ class EpochRunner:
         n_batches = len(loader)
         self.model.train()
         bar = None
-        if cfg.progress and acc.is_local_main_process:
+        if cfg.progress and acc.is_main_process:
             from tqdm import tqdm
 
             bar = tqdm(

@@ -57,6 +57,14 @@ def check_process_group(num_processes: int, launcher_world_size: str | None) -> 
         )
 
 
+def processes_per_machine(accelerator) -> int:
+    """How many processes share this machine's cores: one per visible GPU on GPU machines (the usual
+    launch), all of them on a CPU-only machine (multi-process CPU runs are single-machine)."""
+    if accelerator.device.type == "cuda":
+        return max(1, min(torch.cuda.device_count(), accelerator.num_processes))
+    return max(1, accelerator.num_processes)
+
+
 def make_accelerator(cfg: TrainConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
     from accelerate import Accelerator
@@ -78,7 +86,7 @@ def make_accelerator(cfg: TrainConfig):
     check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
     if not cuda:
         # Launchers set OMP_NUM_THREADS=1 per process; on a CPU run the cores are the compute: share them.
-        want = max(1, (os.cpu_count() or 1) // accelerator.num_processes)
+        want = max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
         if torch.get_num_threads() < want:
             torch.set_num_threads(want)
     if cfg.tensorboard:
