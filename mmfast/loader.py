@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
 IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
 MAX_CHUNK_EPOCHS = 16  # epochs one file-reader pipeline serves
-MAX_CHUNK_ENTRIES = 2_000_000  # ... as long as its file list stays below this many entries
+MAX_CHUNK_ENTRIES = 1_000_000  # ... as long as its file list stays below this many entries
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -95,13 +95,14 @@ class ImageLoader:
         size: output side in pixels.
         device: where batches go: "cpu" or "cuda[:N]" (default: the current CUDA device, else CPU).
         seed: seed of the order and of the augmentations.
-        shard_id, num_shards: this process's rank and the number of processes (see ``for_accelerator``).
+        shard_id, num_shards: this process's rank and the number of processes (``MultimodalLoader`` takes
+            them from an Accelerator).
         fp16: float16 images (else float32).
         prefetch: DALI prefetch queue depth.
         wds_shards: read these WebDataset tars (written by ``mmfast.wds.write_wds``; each with a ``.idx``
             beside it) instead of ``files``; ``files``/``labels``/``ids`` still describe the samples. DALI
-            then shuffles (a buffer, re-seeded per epoch) and shards; the last eval batch is partial
-            instead of padded.
+            then shards and shuffles (a shuffle buffer that runs on across epochs; ``set_epoch`` does not
+            re-seed it); the last eval batch is partial instead of padded.
         on_bad_image: what to do with an image that is missing or cannot be decoded: "skip" (log it, count
             it in ``skipped``, and serve a masked sample in its place: id -1, label -100, so batch sizes and
             the other samples' order stay the same on every rank) or "error" (raise, naming the file).
