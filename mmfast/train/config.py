@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 
@@ -145,3 +145,18 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
 
 def config_dict(cfg: TrainConfig) -> dict:
     return asdict(cfg)
+
+
+def resolve_preset(cfg: TrainConfig) -> TrainConfig:
+    """The configuration with every "from the preset" field (None) filled in: what config.json records."""
+    from mmfast.models import get_preset
+
+    preset = get_preset(cfg.preset)
+    return replace(
+        cfg,
+        image_backbone=cfg.image_backbone or preset.image_backbone,
+        text_model=cfg.text_model or preset.text_model,
+        image_size=cfg.image_size or preset.image_size,
+        hidden=cfg.hidden or preset.hidden,
+        eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
+    )

@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,11 +19,11 @@ import torch.nn.functional as F
 
 from mmfast.fsutil import atomic_write_json
 from mmfast.loader import IGNORE_LABEL, MultimodalLoader
-from mmfast.models import build_model, get_preset
+from mmfast.models import build_model
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from mmfast.train.config import TrainConfig, config_dict
+from mmfast.train.config import TrainConfig, config_dict, resolve_preset
 from mmfast.train.setup import make_accelerator, processes_per_machine, resolve_data
 
 log = logging.getLogger(__name__)
@@ -106,25 +105,12 @@ def train(cfg: TrainConfig) -> dict:
         GradientState._reset_state()
 
 
-def _train(cfg: TrainConfig) -> dict:
-    t_start = time.perf_counter()
-    accelerator = make_accelerator(cfg)
-    run_dir = Path(cfg.out)
-    preset = get_preset(cfg.preset)
-    cfg = replace(
-        cfg,
-        image_backbone=cfg.image_backbone or preset.image_backbone,
-        text_model=cfg.text_model or preset.text_model,
-        image_size=cfg.image_size or preset.image_size,
-        hidden=cfg.hidden or preset.hidden,
-        eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
-    )
-    from accelerate.utils import set_seed
-
-    set_seed(cfg.seed)
-    data_dir = resolve_data(cfg, accelerator)
+def build_loaders(
+    cfg: TrainConfig, accelerator, data_dir: Path
+) -> tuple[MultimodalLoader, MultimodalLoader | None]:
+    """This process's train loader (its shard, augmented) and val loader (None without a val split)."""
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
-    loader_args = dict(
+    common = dict(
         on_bad_image=cfg.on_bad_image,
         accelerator=accelerator,
         size=cfg.image_size,
@@ -139,19 +125,29 @@ def _train(cfg: TrainConfig) -> dict:
         train=cfg.augment,
         scale=(cfg.crop_scale_min, 1.0),
         color_jitter=cfg.color_jitter,
-        **loader_args,
+        **common,
     )
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = (data_dir / "val.jsonl").stat().st_size > 0
-    val_loader = MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **loader_args) if has_val else None
+    return train_loader, MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **common) if has_val else None
 
-    vocab_size = len(load_tokenizer(data_dir / "tokenizer"))
+
+def _train(cfg: TrainConfig) -> dict:
+    t_start = time.perf_counter()
+    accelerator = make_accelerator(cfg)
+    run_dir = Path(cfg.out)
+    cfg = resolve_preset(cfg)
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)
+    data_dir = resolve_data(cfg, accelerator)
+    train_loader, val_loader = build_loaders(cfg, accelerator, data_dir)
     model = build_model(
         cfg.model,
         train_loader.num_classes,
         image_backbone=cfg.image_backbone,
         text_model=cfg.text_model,
-        vocab_size=vocab_size,
+        vocab_size=len(load_tokenizer(data_dir / "tokenizer")),
         image_weights=cfg.image_weights,
         freeze_image=cfg.freeze_image,
         freeze_text=cfg.freeze_text,
