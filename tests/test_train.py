@@ -331,3 +331,31 @@ def test_gpu_training_end_to_end_in_fp16(prepared, tmp_path):
     assert summary["device"].startswith("cuda") and summary["mixed_precision"] == "fp16"
     metrics = _jsonl(out / "metrics.jsonl")
     assert len(metrics) == 2 and all(m["train_loss"] == m["train_loss"] for m in metrics)
+
+
+def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, tmp_path, capsys, minilm_dir):
+    # the demo set was tokenized with its own small WordPiece vocabulary: refuse MiniLM on it
+    assert (
+        train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "a"), "--text-model", "minilm", *FAST])
+        == 2
+    )
+    assert f"prepare it with --tokenizer {minilm_dir}" in capsys.readouterr().err
+    # a raw manifest is prepared on the fly with the model's own tokenizer, so this trains
+    assert (
+        train_tool.main(
+            [
+                "--data",
+                str(demo_manifest),
+                "--out",
+                str(tmp_path / "b"),
+                "--text-model",
+                "minilm",
+                "--max-steps",
+                "2",
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    prep = json.loads((tmp_path / "b" / "prepared" / "prepare.json").read_text())
+    assert prep["tokenizer"] == minilm_dir and prep["vocab_size"] == 30522

@@ -24,7 +24,7 @@ from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_re
 from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from mmfast.train.config import TrainConfig, config_dict, resolve_preset
-from mmfast.train.setup import make_accelerator, processes_per_machine, resolve_data
+from mmfast.train.setup import check_tokenizer_matches, make_accelerator, processes_per_machine, resolve_data
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ def _train(cfg: TrainConfig) -> dict:
 
     set_seed(cfg.seed)
     data_dir = resolve_data(cfg, accelerator)
+    check_tokenizer_matches(cfg.text_model, data_dir)
     train_loader, val_loader = build_loaders(cfg, accelerator, data_dir)
     model = build_model(
         cfg.model,

@@ -114,10 +114,39 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             PrepareConfig(
                 source=str(source),
                 out=str(out),
-                tokenizer=cfg.tokenizer,
+                tokenizer=cfg.tokenizer or pretrained_tokenizer(cfg.text_model),
                 max_length=cfg.max_length,
                 seed=0,
                 progress=cfg.progress and accelerator.is_local_main_process,
             )
         )
     return out
+
+
+def pretrained_tokenizer(text_model: str | None) -> str | None:
+    """The tokenizer that goes with a pretrained text model (its own directory or hub name); None for the
+    randomly initialized configs, which train on the dataset's own WordPiece vocabulary."""
+    from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, resolve_text_model
+
+    if text_model is None or text_model in RANDOM_TEXT_CONFIGS:
+        return None
+    return resolve_text_model(text_model)
+
+
+def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
+    """Refuse to feed a pretrained text model token ids from another vocabulary (it would train, badly)."""
+    from mmfast.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    own = pretrained_tokenizer(text_model)
+    if own is None:
+        return
+    try:
+        model_tok = load_tokenizer(own)
+    except ValueError:
+        return  # the model ships no tokenizer: nothing to compare with
+    data_tok = load_tokenizer(data_dir / "tokenizer")
+    if tokenizer_fingerprint(model_tok) != tokenizer_fingerprint(data_tok):
+        raise ValueError(
+            f"{data_dir} was tokenized with another vocabulary than text model '{text_model}' "
+            f"uses; prepare it with --tokenizer {own}"
+        )
