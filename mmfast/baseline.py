@@ -46,6 +46,12 @@ class PilDataset(torch.utils.data.Dataset):
             return self.transform(im.convert("RGB")), row["text"], row["label"]
 
 
+def images_collate(items):
+    """Stack images and labels only (the images-only baseline: no text)."""
+    images, _, labels = zip(*items, strict=True)
+    return {"image": torch.stack(images), "label": torch.tensor(labels)}
+
+
 class TokenizingCollate:
     """Stack images and tokenize the batch's captions on the fly (padded to the longest)."""
 
@@ -72,8 +78,10 @@ def baseline_loader(
     num_workers: int | None = None,
     scale: tuple[float, float] = (0.08, 1.0),
     max_length: int = 32,
+    text: bool = True,
 ):
-    """DataLoader over a prepared train split with num_workers = cores and pin_memory on CUDA."""
+    """DataLoader over a prepared train split with num_workers = cores and pin_memory on CUDA; ``text``
+    tokenizes the captions in the collate function (else images and labels only)."""
     from mmfast.tokenizer import load_tokenizer
 
     data_dir = Path(data_dir)
@@ -87,5 +95,5 @@ def baseline_loader(
         pin_memory=torch.cuda.is_available(),
         drop_last=True,
         persistent_workers=True,
-        collate_fn=TokenizingCollate(tok, max_length),
+        collate_fn=TokenizingCollate(tok, max_length) if text else images_collate,
     )
