@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_RUN = ["--batch-size", "16", "--image-size", "32", "--hidden", "32", "--no-progress"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -84,3 +88,9 @@ def save_image(path: Path, size=(40, 30), mode="RGB", fmt=None, seed=0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path, format=fmt)
     return path
+
+
+def train_cmd(data: Path, out: Path, *flags: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    """argv of a real ``tools/train.py`` process on a small, fast configuration (batch 16, 32 px)."""
+    script = str(ROOT / "tools" / "train.py")
+    return [sys.executable, *launcher, script, "--data", str(data), "--out", str(out), *SMALL_RUN, *flags]

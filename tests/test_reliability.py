@@ -11,22 +11,19 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import SMALL_RUN as SMALL
+from conftest import train_cmd, write_jsonl
 
 from mmfast.demo import demo_dataset
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.train import engine
 from tools import prepare_data
 from tools import train as train_tool
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--batch-size", "16", "--image-size", "32", "--hidden", "32", "--no-progress"]
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -143,7 +140,7 @@ def test_a_run_that_only_produces_nan_stops_with_a_clear_message(prepared, tmp_p
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(prepared, tmp_path):
     out = tmp_path / "run"
-    base = [sys.executable, str(ROOT / "tools" / "train.py"), "--data", str(prepared), "--out", str(out), *SMALL]
+    base = train_cmd(prepared, out)
     first = subprocess.run([*base, "--epochs", "1"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     ckpt = out / "checkpoints" / "step-00000015"
@@ -175,13 +172,9 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(prepared, tmp_path
 def test_sigkill_at_random_points_then_resume_sees_each_sample_once(prepared, tmp_path):
     out = tmp_path / "run"
     log = out / "seen_ids.rank0.jsonl"
-    base = [
-        sys.executable,
-        str(ROOT / "tools" / "train.py"),
-        "--data",
-        str(prepared),
-        "--out",
-        str(out),
+    base = train_cmd(
+        prepared,
+        out,
         "--epochs",
         "2",
         "--checkpoint-every",
@@ -191,8 +184,7 @@ def test_sigkill_at_random_points_then_resume_sees_each_sample_once(prepared, tm
         "--record-ids",
         "--mixed-precision",
         "no",
-        *SMALL,
-    ]
+    )
     rng = random.Random(7)
     killed_during_write = False
     for attempt in range(3):

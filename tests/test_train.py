@@ -6,19 +6,18 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, train_cmd
 from safetensors.torch import load_file
 
 from mmfast.train.config import parse_config
 from mmfast.train.setup import LaunchError, check_process_group
 from tools import train as train_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--epochs", "1", "--batch-size", "32", "--no-progress", "--image-size", "32", "--hidden", "32"]
 
 
@@ -208,30 +207,8 @@ def test_unconnected_launch_is_refused():
 @pytest.mark.slow
 def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29531",
-        str(ROOT / "tools" / "train.py"),
-        "--data",
-        str(prepared),
-        "--out",
-        str(out),
-        "--epochs",
-        "2",
-        "--batch-size",
-        "16",
-        "--no-progress",
-        "--image-size",
-        "32",
-        "--hidden",
-        "32",
-        "--record-ids",
-    ]
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531")
+    cmd = train_cmd(prepared, out, "--epochs", "2", "--record-ids", launcher=torchrun)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = _seen(out, 0), _seen(out, 1)
@@ -255,26 +232,7 @@ def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_path):
     out = tmp_path / "run"
-    base = [
-        sys.executable,
-        str(ROOT / "tools" / "train.py"),
-        "--data",
-        str(prepared),
-        "--out",
-        str(out),
-        "--epochs",
-        "2",
-        "--batch-size",
-        "16",
-        "--no-progress",
-        "--image-size",
-        "32",
-        "--hidden",
-        "32",
-        "--record-ids",
-        "--mixed-precision",
-        "no",
-    ]
+    base = train_cmd(prepared, out, "--epochs", "2", "--record-ids", "--mixed-precision", "no")
     proc = subprocess.Popen(base, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = out / "seen_ids.rank0.jsonl"
     deadline = time.time() + 300
