@@ -84,9 +84,6 @@ class StepTimer:
     def total(self, name: str) -> float:
         return self.totals.get(name, 0.0)
 
-    def summary(self) -> dict[str, float]:
-        return {k: round(v, 4) for k, v in self.totals.items()}
-
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
@@ -218,6 +215,7 @@ def build_report(timer: StepTimer, sampler: UtilizationSampler | None = None, ex
         "train_wall_s": round(wall, 3),
         "images_per_s": timer.samples / wall,
         "phase_s": phases,
+        "phase_calls": dict(timer.counts),
         "phase_frac": {k: round(v / wall, 4) for k, v in phases.items() if k != "eval"},
         "other_s": round(max(0.0, wall - accounted), 4),
         "data_wait_frac": phases.get("data", 0.0) / wall,

@@ -12,6 +12,7 @@ the meta (truncated, missing); each build goes to a temp name and is renamed int
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -193,8 +194,6 @@ def _write_split(
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     atomic_write_bytes(directory / f"{split}.ids.bin", flat.tobytes())
-    import io
-
     buf = io.BytesIO()
     np.save(buf, offsets)
     atomic_write_bytes(directory / f"{split}.offsets.npy", buf.getvalue())
