@@ -26,6 +26,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path) -> None:
+    """Flush every file below ``root`` to disk (before a rename makes the tree visible)."""
+    for p in Path(root).rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same directory and a rename."""
     path = Path(path)
@@ -70,10 +78,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
+        fsync_tree(tmp)
         if final.exists():
             # A directory cannot be replaced by rename in one step: move the old one aside first.
             old = final.with_name(f".{final.name}.old")

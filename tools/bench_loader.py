@@ -119,6 +119,8 @@ def gpu_decode_variant(data, args, device):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmfast.fsutil import atomic_write_json
+
     args = parse_args(argv)
     data = Path(args.data) if args.data else prepared_photos()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -163,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "torch": torch.__version__,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
+    atomic_write_json(args.json, report)
     print(f"\nwrote {args.json}")
     return 0
 

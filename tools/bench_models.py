@@ -9,11 +9,9 @@ steps after --warmup steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -35,6 +33,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmfast.fsutil import atomic_write_json
     from mmfast.models import MODELS, build_model, get_preset
     from mmfast.train.setup import resolve_mixed_precision
 
@@ -101,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "results": rows,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    atomic_write_json(args.json, out)
     return 0
 
 

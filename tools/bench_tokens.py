@@ -10,7 +10,6 @@ padded to the longest, as a collate function would). Medians of repeated runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmfast.fsutil import atomic_write_json
     from mmfast.models.encoders import resolve_text_model
     from mmfast.token_cache import TokenCache
     from mmfast.tokenizer import load_tokenizer
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{f'TokenCache.gather {args.batch} rows':<36}{gather_s:>12.5f}{gather_s / fly_s:>9.4f}x"
         f"   ({fly_s / gather_s:.0f}x faster)"
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=2))
+    atomic_write_json(args.json, res)
     print(f"wrote {args.json}")
     return 0
 

@@ -231,6 +231,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mmfast.benchdata import prepared_photos
+    from mmfast.fsutil import atomic_write_json
     from mmfast.train.setup import resolve_mixed_precision
 
     args = parse_args(argv)
@@ -258,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{lo['mmfast_loop_images_per_s']:.1f} img/s, minimal {lo['minimal_loop_images_per_s']:.1f} img/s, "
         f"overhead {lo['overhead']:.1%}"
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    atomic_write_json(args.json, out)
     print(f"wrote {args.json}" + ("" if args.skip_claims else f" and {args.png}"))
     return 0
 

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mmfast.fsutil import fsync_dir
+from mmfast.fsutil import fsync_dir, fsync_tree
 
 STATE_FILE = "trainer_state.json"
 
@@ -56,6 +56,7 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     accelerator.wait_for_everyone()
+    err: Exception | None = None
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
         if accelerator.is_main_process:
@@ -63,18 +64,14 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_
                 json.dump(trainer_state, f, indent=2)
                 f.flush()
                 os.fsync(f.fileno())
-            for p in tmp.rglob("*"):
-                if p.is_file():
-                    with open(p, "rb") as fh:
-                        os.fsync(fh.fileno())
-        ok = 1
+            fsync_tree(tmp)
     except Exception as e:  # OSError, and serializers' own errors (safetensors reports EFBIG as SafetensorError)
-        ok, err = 0, e
-    ok = _all_ok(accelerator, ok)
+        err = e
+    ok = _all_ok(accelerator, int(err is None))
     if not ok:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        msg = f"writing checkpoint {final} failed" + (f": {err}" if "err" in locals() else " on another process")
+        msg = f"writing checkpoint {final} failed" + (f": {err}" if err is not None else " on another process")
         raise OSError(msg + "; the previous checkpoint is intact. Free disk space and --resume latest")
     if accelerator.is_main_process:
         if final.exists():

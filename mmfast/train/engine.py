@@ -329,12 +329,7 @@ class EpochRunner:
         n_samples = len(self.sampler.samples) if self.sampler is not None else 0
         t0 = time.perf_counter()
         i = loader.step  # micro-batch index in the epoch (not 0 after a mid-epoch resume)
-        batches = iter(loader)
-        while True:
-            with self.timer.phase("data"):
-                batch = next(batches, None)
-            if batch is None:
-                break
+        for batch in self.timer.iterate(loader):  # the wait for each batch is the "data" phase
             window_end = (i + 1) % cfg.grad_accum == 0 or i + 1 == n_batches
             # The last window of an epoch may be shorter: divide by its real length so the gradient is
             # the mean over the samples it saw.
