@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.pipelines.image import READER_NAME, image_pipeline
+from mmfast.host_finish import HostFinisher
+from mmfast.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.token_cache import TokenCache
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ def shard_positions(
     return np.concatenate([mine, np.full(per_rank - len(mine), -1, dtype=order.dtype)])
 
 
+def default_threads(host_finish: bool) -> int:
+    """DALI CPU threads: every core, less the one the consuming thread needs when it finishes the batches."""
+    cores = os.cpu_count() or 1
+    return max(1, cores - 1) if host_finish else cores
+
+
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return (
@@ -90,7 +97,8 @@ class ImageLoader:
         batch_size: samples per batch on this process.
         shuffle: a fresh seeded order each epoch (the same on every rank).
         drop_last: drop the incomplete last global batch; if False, pad it (id -1, label -100).
-        num_workers: DALI CPU threads (default: all cores).
+        num_workers: DALI CPU threads (default: all cores, less one when the consuming thread finishes the
+            train batches on the CPU: measured fastest on 2 cores, 1.1x over all cores).
         train: random resized crop + flip (train) or resize + center crop (eval); default: ``shuffle``.
         size: output side in pixels.
         device: where batches go: "cpu" or "cuda[:N]" (default: the current CUDA device, else CPU).
@@ -108,6 +116,9 @@ class ImageLoader:
             the other samples' order stay the same on every rank) or "error" (raise, naming the file).
         file_stats: (size, mtime_ns) of each file when it was validated; files that differ now are decoded
             again at start-up (MultimodalLoader passes what tools/prepare_data.py recorded).
+        cpu_resize: who resizes, flips and normalizes train crops when decoding on the CPU: "torch" (on
+            the consuming thread, ``mmfast.host_finish``; the faster) or "dali" (in the graph). The GPU
+            path and the eval graph always do it in DALI.
         pipeline_kwargs: more keyword arguments of ``mmfast.pipelines.image_pipeline`` (scale, ratio,
             flip, color_jitter, crop_ratio, mean, std, hw_decoder_load, ...).
     """
@@ -133,6 +144,7 @@ class ImageLoader:
         wds_shards: Sequence[str] | None = None,
         on_bad_image: str = "skip",
         file_stats: Sequence[tuple[int, int]] | None = None,
+        cpu_resize: str = "torch",
         **pipeline_kwargs,
     ):
         if batch_size < 1:
@@ -160,12 +172,18 @@ class ImageLoader:
         self.train = shuffle if train is None else train
         self.size = size
         self.device = _resolve_device(device)
-        self.num_threads = num_workers or os.cpu_count() or 1
         self.seed = seed
         self.shard_id, self.num_shards = shard_id, num_shards
         self.fp16 = fp16
         self.prefetch = prefetch
         self.pipeline_kwargs = pipeline_kwargs
+        if cpu_resize not in ("torch", "dali"):
+            raise ValueError(f"cpu_resize must be 'torch' or 'dali', got '{cpu_resize}'")
+        self._finisher = None
+        if self.train and self.device.type != "cuda" and cpu_resize == "torch":
+            mean = pipeline_kwargs.get("mean", IMAGENET_MEAN)
+            self._finisher = HostFinisher(size, mean, pipeline_kwargs.get("std", IMAGENET_STD), fp16)
+        self.num_threads = num_workers or default_threads(self._finisher is not None)
         if on_bad_image not in ("skip", "error"):
             raise ValueError(f"on_bad_image must be 'skip' or 'error', got '{on_bad_image}'")
         self.on_bad_image = on_bad_image
@@ -293,7 +311,7 @@ class ImageLoader:
         return _Stream(it, chunk, epoch, step)
 
     def _build_iterator(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator, LastBatchPolicy
 
         if self.wds_shards:
             source = {
@@ -320,6 +338,7 @@ class ImageLoader:
             size=self.size,
             decode_device="mixed" if cuda else "cpu",
             fp16=self.fp16,
+            finish_on_host=self._finisher is not None,
             **self.pipeline_kwargs,
             batch_size=self.batch_size,
             num_threads=self.num_threads,
@@ -329,6 +348,16 @@ class ImageLoader:
             enable_checkpointing=True,
             checkpoint=checkpoint,
         )
+        if self._finisher is not None:  # ragged crops, finished on the host in _batches
+            return DALIRaggedIterator(
+                pipe,
+                ["crops", "flips", "id"],
+                output_types=[DALIRaggedIterator.SPARSE_LIST_TAG] + [DALIRaggedIterator.DENSE_TAG] * 2,
+                reader_name=READER_NAME,
+                auto_reset=False,
+                last_batch_policy=policy,
+                prepare_first_batch=False,
+            )
         return DALIGenericIterator(
             pipe,
             ["image", "id"],
@@ -426,8 +455,12 @@ class ImageLoader:
             except RuntimeError as e:  # DALI aborts the whole pipeline on one file it cannot read
                 stream = self._stream = self._recover(e)
                 continue
-            images = out[0]["image"]  # (B, 3, S, S)
-            ids = out[0]["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
+            out = out[0]
+            if self._finisher is not None:
+                images = self._finisher(out["crops"], out["flips"].view(-1).numpy())  # (B, 3, S, S)
+            else:
+                images = out["image"]  # (B, 3, S, S)
+            ids = out["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
             stream.step += 1
             self.step += 1
             yield images, ids

@@ -52,6 +52,7 @@ def image_pipeline(
     hw_decoder_load: float = 0.65,
     memory_padding: int = 64 << 20,
     size_hint: int = 1024,
+    finish_on_host: bool = False,
 ):
     """The image graph.
 
@@ -65,9 +66,13 @@ def image_pipeline(
         color_jitter: strength of brightness/contrast/saturation jitter (0: off).
         crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
         fp16: emit float16 (else float32).
+        finish_on_host: train graph only: stop after decode + random crop (+ jitter) and return the crops
+            with the flip draws; ``mmfast.host_finish`` resizes, flips and normalizes them (the fast way on
+            the CPU, where DALI's resize and normalize cost more than the decode).
 
     Returns:
-        images (B, 3, size, size) normalized, and sample ids (B, 1) int32.
+        images (B, 3, size, size) normalized, and sample ids (B, 1) int32; with ``finish_on_host``:
+        crops (B x (h, w, 3) uint8, ragged), flip draws (B,) int32 and sample ids (B, 1) int32.
     """
     if source == "files":
         encoded, sample_ids = fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
@@ -99,10 +104,12 @@ def image_pipeline(
             num_attempts=10,
             **dec,
         )
-        images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
+        if not finish_on_host:
+            images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
         if flip:
-            mirror = fn.random.coin_flip(probability=0.5)
+            mirror = fn.random.coin_flip(probability=0.5, dtype=types.INT32)
         if color_jitter > 0:
+            # per-pixel ops: on the host path they run on the crop, before the resize
             lo, hi = 1.0 - color_jitter, 1.0 + color_jitter
             images = fn.color_twist(
                 images,
@@ -111,6 +118,9 @@ def image_pipeline(
                 saturation=fn.random.uniform(range=[lo, hi]),
             )
         crop = None
+        if finish_on_host:
+            flips = mirror if flip else fn.random.coin_flip(probability=0.0, dtype=types.INT32)
+            return images, flips, sample_ids
     else:
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
         images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True)

@@ -52,6 +52,38 @@ def test_fp16_train_output_shape_and_range(photos):
     assert -2.2 < float(img.min()) and float(img.max()) < 2.7  # normalized with ImageNet statistics
 
 
+def _pil_resize_reference(path: Path, size: int) -> np.ndarray:
+    """The whole image resized to size x size (bilinear, antialiased), normalized: (3, S, S)."""
+    a = np.asarray(Image.open(path).convert("RGB").resize((size, size), Image.BILINEAR), dtype=np.float32)
+    return ((a - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)).transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("cpu_resize", ["torch", "dali"])
+def test_train_output_matches_a_pil_reference_with_the_crop_fixed_to_the_whole_image(photos, tmp_path, cpu_resize):
+    """With the random crop pinned to the whole image (area 1, the images' aspect ratio), the train path is
+    resize + random flip + normalize: each output must equal PIL's resize of the file, mirrored or not."""
+    files = []
+    for k in range(3):  # 4:3 copies of each photo, so one aspect ratio pins every crop
+        for p in photos:
+            files.append(tmp_path / f"{k}_{p.stem}.jpg")
+            Image.open(p).convert("RGB").resize((160 + 40 * k, 120 + 30 * k)).save(files[-1], quality=95)
+    loader = ImageLoader(
+        [str(f) for f in files], batch_size=6, shuffle=True, size=48, fp16=False, cpu_resize=cpu_resize,
+        scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3),
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    flipped = []
+    for batch in loader:
+        assert batch["image"].shape == (6, 3, 48, 48) and batch["image"].dtype == torch.float32
+        for img, i in zip(batch["image"].numpy(), batch["id"].tolist(), strict=True):
+            ref = _pil_resize_reference(files[i], 48)
+            plain, mirrored = np.abs(img - ref).mean(), np.abs(img - ref[:, :, ::-1]).mean()
+            assert min(plain, mirrored) < 0.03, (files[i].name, plain, mirrored)  # one 8-bit level: 0.017
+            flipped.append(mirrored < plain)
+    assert torch.get_num_threads() == threads  # the host finishing leaves the caller's setting alone
+    assert len(flipped) == len(files) and 0 < sum(flipped) < len(flipped)  # random flips, both ways
+
+
 def test_ids_join_images_with_their_captions_and_labels(prepared):
     rows = {r["id"]: r for r in _rows(prepared, "val")}
     loader = MultimodalLoader(prepared, "val", batch_size=16, size=32, fp16=False)

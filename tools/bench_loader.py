@@ -29,7 +29,11 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--epochs", type=int, default=5, help="timed epochs (after one warm-up epoch)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads and DataLoader workers")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="DALI threads and DataLoader workers (default: the loader's own default; DataLoader workers = cores)",
+    )
     p.add_argument("--only", nargs="*", help="run only these variants")
     p.add_argument("--json", default="bench_out/bench_loader.json")
     return p.parse_args(argv)
@@ -49,22 +53,39 @@ def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
     return rates
 
 
-def mmfast_variant(data, args, device):
+def mmfast_variant(data, args, device, cpu_resize: str = "torch"):
     from mmfast.loader import MultimodalLoader
 
     loader = MultimodalLoader(
-        data, "train", args.batch_size, size=args.size, num_workers=args.threads, device=device, fp16=True
+        data,
+        "train",
+        args.batch_size,
+        size=args.size,
+        num_workers=args.threads,
+        device=device,
+        fp16=True,
+        cpu_resize=cpu_resize,
     )
     return lambda: (b["image"] for b in loader)
 
 
-def bare_dali_variant(data, args, device):
-    """DALI's own iterator over the same graph and file list, built once, reset each epoch."""
+def mmfast_dali_resize_variant(data, args, device):
+    """The loader with the whole train graph in DALI on the CPU too (resize + normalize included)."""
+    return mmfast_variant(data, args, device, cpu_resize="dali")
+
+
+def bare_dali_variant(data, args, device, host: bool | None = None):
+    """DALI's own iterator over the same graph and file list, built once, reset each epoch; on the CPU the
+    same host finishing as the loader (``host``), so the difference is the loader's own overhead."""
     from mmfast.pipelines import image_pipeline
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator, LastBatchPolicy
+
+    from mmfast.host_finish import HostFinisher
+    from mmfast.loader import default_threads
 
     rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
     cuda = device.type == "cuda"
+    host = not cuda if host is None else host
     pipe = image_pipeline(
         source="files",
         files=[r["image"] for r in rows],
@@ -73,15 +94,31 @@ def bare_dali_variant(data, args, device):
         size=args.size,
         decode_device="mixed" if cuda else "cpu",
         fp16=True,
+        finish_on_host=host,
         batch_size=args.batch_size,
-        num_threads=args.threads,
+        num_threads=args.threads or default_threads(host),
         device_id=device.index if cuda else None,
         seed=0,
     )
-    it = DALIGenericIterator(
-        pipe, ["image", "id"], reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP
+    if not host:
+        it = DALIGenericIterator(
+            pipe, ["image", "id"], reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP
+        )
+        return lambda: (out[0]["image"] for out in it)
+    finish = HostFinisher(args.size, IMAGENET_MEAN, IMAGENET_STD, fp16=True)
+    it = DALIRaggedIterator(
+        pipe,
+        ["crops", "flips", "id"],
+        output_types=[DALIRaggedIterator.SPARSE_LIST_TAG] + [DALIRaggedIterator.DENSE_TAG] * 2,
+        reader_name="Reader",
+        auto_reset=True,
+        last_batch_policy=LastBatchPolicy.DROP,
     )
-    return lambda: (out[0]["image"] for out in it)
+    return lambda: (finish(out[0]["crops"], out[0]["flips"].view(-1).numpy()) for out in it)
+
+
+def bare_dali_graph_variant(data, args, device):
+    return bare_dali_variant(data, args, device, host=False)
 
 
 def dataloader_variant(data, args, device, text: bool = True):
@@ -89,7 +126,8 @@ def dataloader_variant(data, args, device, text: bool = True):
     image+text data, tokenizing the batch's captions in the collate function)."""
     from mmfast.baseline import baseline_loader
 
-    loader = baseline_loader(data, args.batch_size, args.size, num_workers=args.threads, text=text)
+    workers = args.threads or os.cpu_count()
+    loader = baseline_loader(data, args.batch_size, args.size, num_workers=workers, text=text)
     return lambda: (b["image"].to(device, non_blocking=True) for b in loader)
 
 
@@ -126,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     variants = {
         "mmfast MultimodalLoader": mmfast_variant,
-        "bare DALIGenericIterator": bare_dali_variant,
+        "bare DALI iterator": bare_dali_variant,
         "DataLoader + PIL + v2 + tokenize (baseline)": dataloader_variant,
         "DataLoader + PIL + v2, images only": dataloader_images_variant,
     }
     if device.type == "cuda":
         variants["decode_jpeg(cuda) + v2 on GPU"] = gpu_decode_variant
+    else:  # the CPU alternatives: resize + normalize inside the DALI graph
+        variants["mmfast, cpu_resize='dali'"] = mmfast_dali_resize_variant
+        variants["bare DALIGenericIterator, all in graph"] = bare_dali_graph_variant
     results = {}
     for name, make in variants.items():
         if args.only and not any(o in name for o in args.only):
@@ -140,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"images_per_s_median": statistics.median(rates), "epochs": rates}
         print(f"  {name}: {statistics.median(rates):.1f} img/s", file=sys.stderr)
     base = results.get("DataLoader + PIL + v2 + tokenize (baseline)", {}).get("images_per_s_median")
-    bare = results.get("bare DALIGenericIterator", {}).get("images_per_s_median")
+    bare = results.get("bare DALI iterator", {}).get("images_per_s_median")
     img_only = results.get("DataLoader + PIL + v2, images only", {}).get("images_per_s_median")
     print(f"\n{'variant':<46}{'img/s':>9}{'vs baseline':>13}{'vs images-only':>16}{'vs bare DALI':>14}")
     for name, r in results.items():
@@ -159,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "size": args.size,
         "epochs": args.epochs,
-        "threads": args.threads,
+        "threads": args.threads or "defaults",
         "data": str(data),
         "images": sum(1 for _ in open(Path(data) / "train.jsonl")),
         "results": results,

@@ -1,0 +1,56 @@
+"""The end of the CPU train path, on the host: antialiased resize, flip and normalize of DALI's crops.
+
+Why not in the DALI graph: on the CPU, DALI's antialiased resize costs about as much as the ROI decode
+itself and its crop_mirror_normalize half as much again, while torch's uint8 antialiased bilinear kernel
+(the one torchvision uses, close to PIL's) and a per-channel normalize pass do the same work several
+times faster (figures in BENCHMARKS.md). So when decoding on the CPU the train graph stops after the fused
+decode + random crop (``image_pipeline(finish_on_host=True)``) and ``HostFinisher`` completes the batch in
+the thread that consumes it, with one intra-op thread: the DALI threads are decoding the next batches on
+the other cores. The GPU path keeps everything in the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class HostFinisher:
+    """Turns a batch of uint8 HWC crops into normalized (B, 3, S, S) images.
+
+    Args:
+        size: output side in pixels.
+        mean, std: per-channel statistics in 0..255 units (as given to the DALI graph).
+        fp16: float16 output (else float32).
+    """
+
+    def __init__(self, size: int, mean: Sequence[float], std: Sequence[float], fp16: bool = True):
+        self.size = size
+        self.scale = [1.0 / s for s in std]
+        self.shift = [-m / s for m, s in zip(mean, std, strict=True)]
+        self.dtype = torch.float16 if fp16 else torch.float32
+
+    def __call__(self, crops: Sequence[torch.Tensor], flips: np.ndarray) -> torch.Tensor:
+        """crops: B tensors (h, w, 3) uint8; flips: (B,) nonzero = mirror horizontally.
+
+        Returns (B, 3, S, S) contiguous, ``self.dtype``."""
+        s = self.size
+        threads = torch.get_num_threads()  # per calling thread: the caller's own setting is restored below
+        torch.set_num_threads(1)
+        try:
+            pixels = torch.empty((len(crops), s, s, 3), dtype=torch.uint8)  # (B, S, S, 3)
+            for i, crop in enumerate(crops):
+                x = crop.permute(2, 0, 1).unsqueeze(0)  # (1, 3, h, w), channels-last strides: no copy
+                if x.shape[-2:] != (s, s):
+                    x = F.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
+                hwc = x[0].permute(1, 2, 0)  # (S, S, 3)
+                pixels[i] = hwc.flip(1) if flips[i] else hwc
+            out = torch.empty((len(crops), 3, s, s), dtype=self.dtype)  # (B, 3, S, S)
+            for c in range(3):  # one channel at a time: contiguous float work, ~4x faster than broadcasting
+                out[:, c] = pixels[..., c].float().mul_(self.scale[c]).add_(self.shift[c])
+        finally:
+            torch.set_num_threads(threads)
+        return out
