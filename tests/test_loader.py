@@ -84,6 +84,22 @@ def test_train_output_matches_a_pil_reference_with_the_crop_fixed_to_the_whole_i
     assert len(flipped) == len(files) and 0 < sum(flipped) < len(flipped)  # random flips, both ways
 
 
+@pytest.mark.parametrize("cpu_resize", ["torch", "dali"])
+def test_color_jitter_changes_colors_but_not_geometry(photos, tmp_path, cpu_resize):
+    files = []
+    for p in photos:
+        files.append(tmp_path / f"{p.stem}.jpg")
+        Image.open(p).convert("RGB").resize((160, 120)).save(files[-1], quality=95)
+    kw = dict(batch_size=len(files), shuffle=True, size=32, fp16=False, cpu_resize=cpu_resize, flip=False)
+    pinned = dict(scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3))
+    jittered = next(iter(ImageLoader([str(f) for f in files], color_jitter=0.4, **kw, **pinned)))
+    for img, i in zip(jittered["image"].numpy(), jittered["id"].tolist(), strict=True):
+        ref = _pil_resize_reference(files[i], 32)
+        # brightness/contrast/saturation move values, but the picture stays where it was
+        assert np.abs(img - ref).mean() > 0.03
+        assert np.corrcoef(img.ravel(), ref.ravel())[0, 1] > 0.8
+
+
 def test_ids_join_images_with_their_captions_and_labels(prepared):
     rows = {r["id"]: r for r in _rows(prepared, "val")}
     loader = MultimodalLoader(prepared, "val", batch_size=16, size=32, fp16=False)
@@ -195,6 +211,8 @@ def test_bad_arguments_give_clear_errors(prepared, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             MultimodalLoader(prepared, "train", batch_size=8, device="cuda")
+    with pytest.raises(ValueError, match="cpu_resize must be 'torch' or 'dali'"):
+        MultimodalLoader(prepared, "train", batch_size=8, cpu_resize="pil")
     with pytest.raises(ValueError, match="unknown source"):
         MultimodalLoader(prepared, "train", batch_size=8, source="tfrecord")
     with pytest.raises(FileNotFoundError, match="--format wds"):

@@ -36,6 +36,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 0
     num_threads: int | None = None  # DALI threads per process (default: cores / processes)
+    cpu_resize: str = "torch"  # CPU train path: resize + normalize on the consuming thread (torch) or in DALI
     dropout: float = 0.1
     augment: bool = True  # random resized crop + flip on the train split (else resize + center crop)
     crop_scale_min: float = 0.35
@@ -68,6 +69,10 @@ class TrainConfig:
             (
                 self.on_bad_image in ("skip", "error"),
                 f"--on-bad-image must be skip or error, got '{self.on_bad_image}'",
+            ),
+            (
+                self.cpu_resize in ("torch", "dali"),
+                f"--cpu-resize must be torch or dali, got '{self.cpu_resize}'",
             ),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),

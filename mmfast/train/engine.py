@@ -125,6 +125,7 @@ def build_loaders(
         train=cfg.augment,
         scale=(cfg.crop_scale_min, 1.0),
         color_jitter=cfg.color_jitter,
+        cpu_resize=cfg.cpu_resize,
         **common,
     )
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
