@@ -1,10 +1,14 @@
 """Loader throughput: mmfast's MultimodalLoader vs a bare DALI iterator vs torch DataLoader + PIL.
 
-    python tools/bench_loader.py [--data PREPARED_DIR] [--batch-size 64] [--size 224] [--epochs 5] [--json OUT]
+    python tools/bench_loader.py [--data PREPARED_DIR] [--batch-size 64] [--size 224] [--rounds 3]
+        [--epochs 3] [--json OUT]
 
 Without --data it cuts 512 real 800x600 JPEGs from scikit-image's photos and prepares them. Every variant
 reads the same images with the same batch size, the same augmentation (random resized crop + flip +
-normalize) and the same output dtype; the first epoch is warm-up; the figure is the median of the rest.
+normalize) and the same output dtype. The variants take turns: each round runs every variant for one
+warm-up epoch (it absorbs what a variant prefetched while it waited) and ``--epochs`` timed epochs, so a
+drift of the machine's speed during the run hits every variant alike; the figure is the median of all
+timed epochs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ def parse_args(argv):
     p.add_argument("--data", help="prepared dataset directory (default: 512 real 800x600 photos)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=224)
-    p.add_argument("--epochs", type=int, default=5, help="timed epochs (after one warm-up epoch)")
+    p.add_argument("--rounds", type=int, default=3, help="turns every variant takes")
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs per turn (after one warm-up epoch)")
     p.add_argument(
         "--threads",
         type=int,
@@ -81,7 +86,6 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator, LastBatchPolicy
 
     from mmfast.host_finish import HostFinisher
-    from mmfast.loader import default_threads
 
     rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
     cuda = device.type == "cuda"
@@ -96,7 +100,7 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
         fp16=True,
         finish_on_host=host,
         batch_size=args.batch_size,
-        num_threads=args.threads or default_threads(host),
+        num_threads=args.threads or os.cpu_count(),
         device_id=device.index if cuda else None,
         seed=0,
     )
@@ -173,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     else:  # the CPU alternatives: resize + normalize inside the DALI graph
         variants["mmfast, cpu_resize='dali'"] = mmfast_dali_resize_variant
         variants["bare DALIGenericIterator, all in graph"] = bare_dali_graph_variant
-    results = {}
-    for name, make in variants.items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        rates = time_epochs(make(data, args, device), args.epochs, device)
-        results[name] = {"images_per_s_median": statistics.median(rates), "epochs": rates}
-        print(f"  {name}: {statistics.median(rates):.1f} img/s", file=sys.stderr)
+    variants = {k: v for k, v in variants.items() if not args.only or any(o in k for o in args.only)}
+    iters = {name: make(data, args, device) for name, make in variants.items()}
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name, make_iter in iters.items():
+            rates[name] += time_epochs(make_iter, args.epochs, device)
+            last = statistics.median(rates[name][-args.epochs :])
+            print(f"  round {r + 1}: {name}: {last:.1f} img/s", file=sys.stderr)
+    results = {name: {"images_per_s_median": statistics.median(v), "epochs": v} for name, v in rates.items()}
     base = results.get("DataLoader + PIL + v2 + tokenize (baseline)", {}).get("images_per_s_median")
     bare = results.get("bare DALI iterator", {}).get("images_per_s_median")
     img_only = results.get("DataLoader + PIL + v2, images only", {}).get("images_per_s_median")
@@ -199,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "batch_size": args.batch_size,
         "size": args.size,
-        "epochs": args.epochs,
-        "threads": args.threads or "defaults",
+        "rounds": args.rounds,
+        "epochs_per_round": args.epochs,
+        "threads": args.threads or os.cpu_count(),
         "data": str(data),
         "images": sum(1 for _ in open(Path(data) / "train.jsonl")),
         "results": results,
