@@ -6,7 +6,8 @@
 Part 1, the write-up's claims: images/s of one model trained by the same hand-written loop under
   (a) torch DataLoader + PIL + fp32 (the baseline)     (b) DataLoader + mixed precision
   (c) mmfast loader + fp32                             (d) mmfast loader + mixed precision
-and (d) for early / concat / late fusion. Ratios are against (a).
+and (d) for early / concat / late fusion. Ratios are against (a). The variants take turns (``--rounds``) so a
+drift of the machine's speed hits all alike; each figure is the median of its turns.
 Part 2, loop overhead: mmfast's training loop (Accelerate, accumulation bookkeeping, clipping, scheduler,
 NaN checks, timers) vs a minimal loop, both over the same batches held in memory: overhead = 1 - ratio.
 Without --data it uses 512 real 800x600 photos (see tools/bench_loader.py).
@@ -34,6 +35,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=24, help="timed steps per variant (after --warmup)")
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="turns every claims variant takes (median)")
     p.add_argument("--repeats", type=int, default=3, help="loop-overhead repeats (median)")
     p.add_argument("--skip-claims", action="store_true")
     p.add_argument("--grad-clip", type=float, default=0.0, help="mmfast loop's clipping in the overhead run")
@@ -112,16 +114,21 @@ def claims(args, data: Path, device, mp: str) -> dict:
         ("d mmfast " + mp + " early", mm, mp, "early"),
         ("d mmfast " + mp + " late", mm, mp, "late"),
     ]
+    rates: dict[str, list[float]] = {v[0]: [] for v in variants}
+    for r in range(args.rounds):
+        for name, loader, prec, model_name in variants:
+            model = _model(args, model_name, num_classes, vocab, device)
+            batches = _endless(lambda ld=loader: iter(ld))
+            rates[name].append(minimal_loop(model, batches, device, prec, args.steps, args.warmup))
+            print(f"  round {r + 1}: {name}: {rates[name][-1]:.1f} img/s", file=sys.stderr)
     for name, loader, prec, model_name in variants:
-        model = _model(args, model_name, num_classes, vocab, device)
-        rate = minimal_loop(model, _endless(lambda ld=loader: iter(ld)), device, prec, args.steps, args.warmup)
         res[name] = {
-            "images_per_s": rate,
+            "images_per_s": statistics.median(rates[name]),
+            "rounds": rates[name],
             "loader": "mmfast" if loader is mm else "DataLoader",
             "mixed_precision": prec,
             "model": model_name,
         }
-        print(f"  {name}: {rate:.1f} img/s", file=sys.stderr)
     base = res["a DataLoader+PIL fp32"]["images_per_s"]
     for r in res.values():
         r["ratio_vs_a"] = r["images_per_s"] / base

@@ -22,7 +22,7 @@ timeout 240 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -n 3
 
 DATA=$("$PY" -c "from mmfast.benchdata import prepared_photos; print(prepared_photos())")
 step "loader benchmark (512 real 800x600 photos, 224 px, batch 64)"
-timeout 150 "$PY" tools/bench_loader.py --data "$DATA" --epochs 3 --json "$OUT/bench_loader.json" 2>&1 | tail -n 8 \
+timeout 150 "$PY" tools/bench_loader.py --data "$DATA" --rounds 2 --epochs 2 --json "$OUT/bench_loader.json" 2>&1 | tail -n 8 \
   | tee -a "$OUT/log.txt"
 
 step "model step times (ResNet-50 + BERT-base shape, 224 px, batch 64, fp16)"
@@ -30,7 +30,7 @@ timeout 90 "$PY" tools/bench_models.py --preset resnet50-bert --text-model bert-
   --steps 10 --json "$OUT/bench_models.json" 2>&1 | tail -n 5 | tee -a "$OUT/log.txt"
 
 step "training benchmark (DataLoader vs mmfast, fp32 vs fp16)"
-timeout 150 "$PY" tools/bench_train.py --data "$DATA" --preset minilm --image-size 224 --batch-size 64 --steps 20 \
+timeout 150 "$PY" tools/bench_train.py --data "$DATA" --preset minilm --image-size 224 --batch-size 64 --steps 20 --rounds 1 \
   --json "$OUT/bench_train.json" --png "$OUT/bench_train.png" 2>&1 | tail -n 12 | tee -a "$OUT/log.txt"
 
 step "profiler"
