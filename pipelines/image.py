@@ -12,6 +12,7 @@ from nvidia.dali import fn, pipeline_def, types
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 READER_NAME = "Reader"
+EVAL_CROP_RATIO = 0.875  # eval: resize the shorter side to size / ratio, keep the centre size x size
 
 
 def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: int, size_hint: int) -> dict:
@@ -45,7 +46,7 @@ def image_pipeline(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     flip: bool = True,
     color_jitter: float = 0.0,
-    crop_ratio: float = 0.875,
+    crop_ratio: float = EVAL_CROP_RATIO,
     fp16: bool = True,
     mean: tuple[float, float, float] = IMAGENET_MEAN,
     std: tuple[float, float, float] = IMAGENET_STD,
@@ -66,13 +67,14 @@ def image_pipeline(
         color_jitter: strength of brightness/contrast/saturation jitter (0: off).
         crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
         fp16: emit float16 (else float32).
-        finish_on_host: train graph only: stop after decode + random crop (+ jitter) and return the crops
-            with the flip draws; ``mmfast.host_finish`` resizes, flips and normalizes them (the fast way on
-            the CPU, where DALI's resize and normalize cost more than the decode).
+        finish_on_host: stop after the decode (train: of the random crop, + jitter) and return the decoded
+            images with the flip draws; ``mmfast.host_finish`` resizes (eval: and centre-crops), flips and
+            normalizes them (the fast way on the CPU, where DALI's resize and normalize cost more than the
+            decode).
 
     Returns:
         images (B, 3, size, size) normalized, and sample ids (B, 1) int32; with ``finish_on_host``:
-        crops (B x (h, w, 3) uint8, ragged), flip draws (B,) int32 and sample ids (B, 1) int32.
+        images (B x (h, w, 3) uint8, ragged), flip draws (B,) int32 and sample ids (B, 1) int32.
     """
     if source == "files":
         encoded, sample_ids = fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
@@ -123,6 +125,8 @@ def image_pipeline(
             return images, flips, sample_ids
     else:
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
+        if finish_on_host:
+            return images, fn.random.coin_flip(probability=0.0, dtype=types.INT32), sample_ids
         images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True)
         crop = (size, size)
     images = fn.crop_mirror_normalize(

@@ -32,12 +32,15 @@ def _rows(prepared: Path, split: str) -> list[dict]:
     return [json.loads(ln) for ln in (prepared / f"{split}.jsonl").read_text().splitlines()]
 
 
-def test_eval_output_matches_a_pil_reference_on_real_photos(photos):
-    loader = ImageLoader([str(p) for p in photos], batch_size=4, size=64, fp16=False)
+@pytest.mark.parametrize("cpu_resize", ["torch", "dali"])
+def test_eval_output_matches_a_pil_reference_on_real_photos(photos, cpu_resize):
+    loader = ImageLoader([str(p) for p in photos], batch_size=4, size=64, fp16=False, cpu_resize=cpu_resize)
     out = torch.cat([b["image"] for b in loader])[: len(photos)]
     assert out.shape == (len(photos), 3, 64, 64) and out.dtype == torch.float32
     for i, p in enumerate(photos):
         diff = np.abs(out[i].numpy() - _pil_eval_reference(p, 64))
+        if cpu_resize == "torch":  # torch's uint8 antialiased bilinear kernel is PIL's, up to rare rounding
+            assert diff.max() < 0.018 and diff.mean() < 1e-3, (p.name, diff.max(), diff.mean())
         # one 8-bit level is 1 / (255 * 0.226) = 0.017 in normalized units
         assert diff.mean() < 0.02, (p.name, diff.mean())
         assert np.percentile(diff, 99) < 0.25, (p.name, np.percentile(diff, 99))
@@ -78,7 +81,9 @@ def test_train_output_matches_a_pil_reference_with_the_crop_fixed_to_the_whole_i
         for img, i in zip(batch["image"].numpy(), batch["id"].tolist(), strict=True):
             ref = _pil_resize_reference(files[i], 48)
             plain, mirrored = np.abs(img - ref).mean(), np.abs(img - ref[:, :, ::-1]).mean()
-            assert min(plain, mirrored) < 0.03, (files[i].name, plain, mirrored)  # one 8-bit level: 0.017
+            # one 8-bit level is 0.017; torch's kernel is PIL's up to rare rounding (measured ~5e-5)
+            tolerance = 1e-3 if cpu_resize == "torch" else 0.03
+            assert min(plain, mirrored) < tolerance, (files[i].name, plain, mirrored)
             flipped.append(mirrored < plain)
     assert torch.get_num_threads() == threads  # the host finishing leaves the caller's setting alone
     assert len(flipped) == len(files) and 0 < sum(flipped) < len(flipped)  # random flips, both ways
