@@ -18,6 +18,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+OUTPUTS = ["crops", "flips", "id"]  # what image_pipeline(finish_on_host=True) returns, in order
+
+
+def ragged_iterator(pipe, **kwargs):
+    """DALI's iterator for a ``finish_on_host`` graph: the crops as a list of tensors (they differ in
+    size), flips and ids as dense tensors. ``kwargs`` go to ``DALIRaggedIterator``."""
+    from nvidia.dali.plugin.pytorch import DALIRaggedIterator
+
+    types = [DALIRaggedIterator.SPARSE_LIST_TAG, DALIRaggedIterator.DENSE_TAG, DALIRaggedIterator.DENSE_TAG]
+    return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)
+
 
 class HostFinisher:
     """Turns a batch of uint8 HWC images into normalized (B, 3, S, S) images.
@@ -65,6 +76,10 @@ class HostFinisher:
         finally:
             torch.set_num_threads(threads)
         return out
+
+    def finish(self, out: dict) -> torch.Tensor:
+        """The finished images of one ``ragged_iterator`` output dict: (B, 3, S, S)."""
+        return self(out["crops"], out["flips"].view(-1).numpy())
 
     def _resize(self, x: torch.Tensor) -> torch.Tensor:
         """(1, 3, h, w) uint8 -> (1, 3, S, S): the train crop resized, or the eval resize + centre crop."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.host_finish import HostFinisher
+from mmfast.host_finish import HostFinisher, ragged_iterator
 from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.token_cache import TokenCache
 
@@ -305,7 +305,7 @@ class ImageLoader:
         return _Stream(it, chunk, epoch, step)
 
     def _build_iterator(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator, LastBatchPolicy
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         if self.wds_shards:
             source = {
@@ -342,24 +342,15 @@ class ImageLoader:
             enable_checkpointing=True,
             checkpoint=checkpoint,
         )
+        kwargs = {
+            "reader_name": READER_NAME,
+            "auto_reset": False,
+            "last_batch_policy": policy,
+            "prepare_first_batch": False,
+        }
         if self._finisher is not None:  # ragged crops, finished on the host in _batches
-            return DALIRaggedIterator(
-                pipe,
-                ["crops", "flips", "id"],
-                output_types=[DALIRaggedIterator.SPARSE_LIST_TAG] + [DALIRaggedIterator.DENSE_TAG] * 2,
-                reader_name=READER_NAME,
-                auto_reset=False,
-                last_batch_policy=policy,
-                prepare_first_batch=False,
-            )
-        return DALIGenericIterator(
-            pipe,
-            ["image", "id"],
-            reader_name=READER_NAME,
-            auto_reset=False,
-            last_batch_policy=policy,
-            prepare_first_batch=False,
-        )
+            return ragged_iterator(pipe, **kwargs)
+        return DALIGenericIterator(pipe, ["image", "id"], **kwargs)
 
     @property
     def skipped(self) -> list[dict]:
@@ -451,7 +442,7 @@ class ImageLoader:
                 continue
             out = out[0]
             if self._finisher is not None:
-                images = self._finisher(out["crops"], out["flips"].view(-1).numpy())  # (B, 3, S, S)
+                images = self._finisher.finish(out)  # (B, 3, S, S)
             else:
                 images = out["image"]  # (B, 3, S, S)
             ids = out["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host

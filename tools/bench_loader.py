@@ -83,9 +83,9 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
     """DALI's own iterator over the same graph and file list, built once, reset each epoch; on the CPU the
     same host finishing as the loader (``host``), so the difference is the loader's own overhead."""
     from mmfast.pipelines import image_pipeline
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator, LastBatchPolicy
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from mmfast.host_finish import HostFinisher
+    from mmfast.host_finish import HostFinisher, ragged_iterator
 
     rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
     cuda = device.type == "cuda"
@@ -109,16 +109,9 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
             pipe, ["image", "id"], reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP
         )
         return lambda: (out[0]["image"] for out in it)
-    finish = HostFinisher(args.size, IMAGENET_MEAN, IMAGENET_STD, fp16=True)
-    it = DALIRaggedIterator(
-        pipe,
-        ["crops", "flips", "id"],
-        output_types=[DALIRaggedIterator.SPARSE_LIST_TAG] + [DALIRaggedIterator.DENSE_TAG] * 2,
-        reader_name="Reader",
-        auto_reset=True,
-        last_batch_policy=LastBatchPolicy.DROP,
-    )
-    return lambda: (finish(out[0]["crops"], out[0]["flips"].view(-1).numpy()) for out in it)
+    finisher = HostFinisher(args.size, IMAGENET_MEAN, IMAGENET_STD, fp16=True)
+    it = ragged_iterator(pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP)
+    return lambda: (finisher.finish(out[0]) for out in it)
 
 
 def bare_dali_graph_variant(data, args, device):
