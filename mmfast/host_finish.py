@@ -1,4 +1,4 @@
-"""The end of the CPU train path, on the host: antialiased resize, flip and normalize of DALI's crops.
+"""The end of the CPU image path, on the host: antialiased resize, flip and normalize of DALI's output.
 
 Why not in the DALI graph: on the CPU, DALI's antialiased resize costs about as much as the ROI decode
 itself and its crop_mirror_normalize half as much again, while torch's uint8 antialiased bilinear kernel

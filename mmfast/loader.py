@@ -165,6 +165,7 @@ class ImageLoader:
         self.train = shuffle if train is None else train
         self.size = size
         self.device = _resolve_device(device)
+        self.num_threads = num_workers or os.cpu_count() or 1
         self.seed = seed
         self.shard_id, self.num_shards = shard_id, num_shards
         self.fp16 = fp16
@@ -177,7 +178,6 @@ class ImageLoader:
             mean, std = pipeline_kwargs.get("mean", IMAGENET_MEAN), pipeline_kwargs.get("std", IMAGENET_STD)
             shorter = None if self.train else round(size / pipeline_kwargs.get("crop_ratio", EVAL_CROP_RATIO))
             self._finisher = HostFinisher(size, mean, std, fp16, resize_shorter=shorter)
-        self.num_threads = num_workers or os.cpu_count() or 1
         if on_bad_image not in ("skip", "error"):
             raise ValueError(f"on_bad_image must be 'skip' or 'error', got '{on_bad_image}'")
         self.on_bad_image = on_bad_image

@@ -34,11 +34,7 @@ def parse_args(argv):
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3, help="turns every variant takes")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per turn (after one warm-up epoch)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="DALI threads and DataLoader workers (default: the loader's own default; DataLoader workers = cores)",
-    )
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads and DataLoader workers")
     p.add_argument("--only", nargs="*", help="run only these variants")
     p.add_argument("--json", default="bench_out/bench_loader.json")
     return p.parse_args(argv)
@@ -100,7 +96,7 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
         fp16=True,
         finish_on_host=host,
         batch_size=args.batch_size,
-        num_threads=args.threads or os.cpu_count(),
+        num_threads=args.threads,
         device_id=device.index if cuda else None,
         seed=0,
     )
@@ -123,8 +119,7 @@ def dataloader_variant(data, args, device, text: bool = True):
     image+text data, tokenizing the batch's captions in the collate function)."""
     from mmfast.baseline import baseline_loader
 
-    workers = args.threads or os.cpu_count()
-    loader = baseline_loader(data, args.batch_size, args.size, num_workers=workers, text=text)
+    loader = baseline_loader(data, args.batch_size, args.size, num_workers=args.threads, text=text)
     return lambda: (b["image"].to(device, non_blocking=True) for b in loader)
 
 
@@ -200,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "size": args.size,
         "rounds": args.rounds,
         "epochs_per_round": args.epochs,
-        "threads": args.threads or os.cpu_count(),
+        "threads": args.threads,
         "data": str(data),
         "images": sum(1 for _ in open(Path(data) / "train.jsonl")),
         "results": results,

@@ -36,7 +36,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 0
     num_threads: int | None = None  # DALI threads per process (default: cores / processes)
-    cpu_resize: str = "torch"  # CPU train path: resize + normalize on the consuming thread (torch) or in DALI
+    cpu_resize: str = "torch"  # without a GPU: resize + normalize on the consuming thread (torch) or in DALI
     dropout: float = 0.1
     augment: bool = True  # random resized crop + flip on the train split (else resize + center crop)
     crop_scale_min: float = 0.35
