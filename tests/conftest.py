@@ -19,13 +19,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=os.environ.get("MMFAST_SLOW") == "1",
+        help="also run the slow end-to-end tests (marked 'slow'); MMFAST_SLOW=1 does the same",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Plain ``pytest`` is the fast lane: slow end-to-end tests need --run-slow; GPU tests need CUDA."""
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_slow = pytest.mark.skip(reason="slow end-to-end test: run with --run-slow (CI does)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(scope="session")
