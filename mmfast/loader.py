@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmfast.dataset import PreparedDataset
 from mmfast.host_finish import HostFinisher, ragged_iterator
 from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.token_cache import TokenCache
@@ -486,7 +487,7 @@ class MultimodalLoader(ImageLoader):
     last eval batch have id -1, label -100 and an all-zero attention mask.
 
     Args:
-        data_dir: a directory written by tools/prepare_data.py.
+        data_dir: a directory written by tools/prepare_data.py, or a ``PreparedDataset`` of one.
         split: "train" or "val".
         batch_size: per process, as in Accelerate.
         shuffle, drop_last, train: default True for "train", False otherwise.
@@ -497,7 +498,7 @@ class MultimodalLoader(ImageLoader):
 
     def __init__(
         self,
-        data_dir: str | os.PathLike,
+        data_dir: str | os.PathLike | PreparedDataset,
         split: str = "train",
         batch_size: int = 64,
         *,
@@ -507,23 +508,22 @@ class MultimodalLoader(ImageLoader):
         source: str = "files",
         **kwargs,
     ):
-        data_dir = Path(data_dir)
-        rows_path = data_dir / f"{split}.jsonl"
-        if not rows_path.exists():
-            raise FileNotFoundError(f"{rows_path}: not a prepared dataset split; run tools/prepare_data.py first")
-        rows = [json.loads(ln) for ln in rows_path.read_text().splitlines() if ln.strip()]
+        # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
+        # share one verification between the train and val loaders).
+        dataset = data_dir if isinstance(data_dir, PreparedDataset) else PreparedDataset(data_dir)
+        rows = dataset.rows(split)
         if not rows:
-            raise ValueError(f"{rows_path}: split '{split}' is empty")
+            raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         if accelerator is not None:
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
         if source == "wds":
-            index = data_dir / "wds" / f"{split}.json"
+            index = dataset.root / "wds" / f"{split}.json"
             if not index.is_file():
                 raise FileNotFoundError(f"{index}: no WebDataset shards; run tools/prepare_data.py --format wds")
             kwargs["wds_shards"] = [
-                str(data_dir / "wds" / f"{s}.tar") for s in json.loads(index.read_text())["shards"]
+                str(dataset.root / "wds" / f"{s}.tar") for s in json.loads(index.read_text())["shards"]
             ]
         elif source != "files":
             raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
@@ -539,9 +539,16 @@ class MultimodalLoader(ImageLoader):
             drop_last=is_train if drop_last is None else drop_last,
             **kwargs,
         )
-        self.tokens = TokenCache(data_dir / "tokens", split)
+        self.dataset = dataset
+        self.tokens = TokenCache(dataset.tokens_dir, split)
+        if len(self.tokens) != len(rows) or self.tokens.first_id != rows[0]["id"]:
+            raise ValueError(
+                f"token cache {dataset.tokens_dir}/{split} (rows {len(self.tokens)}, first id "
+                f"{self.tokens.first_id}) does not match {split}.jsonl (rows {len(rows)}, first id "
+                f"{rows[0]['id']}); re-run tools/prepare_data.py"
+            )
         self.texts = [r["text"] for r in rows]
-        self.num_classes = len(json.loads((data_dir / "labels.json").read_text()))
+        self.num_classes = dataset.num_classes
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for images, ids in self._batches():

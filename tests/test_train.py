@@ -155,6 +155,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(prepared, tmp_path):
     # A run that "died" after step 3 (mid-epoch 0): its directory holds only the step-3 checkpoint.
     part = tmp_path / "part"
     (part / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / ".mmfast-run", part / ".mmfast-run")
     shutil.copytree(full / "checkpoints" / "step-00000003", part / "checkpoints" / "step-00000003")
     state = json.loads((part / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
     assert state["epoch"] == 0 and state["loader"][0]["step"] == 3
@@ -182,8 +183,8 @@ def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
     with pytest.raises(SystemExit):
         train_tool.main(["--epochs", "two"])
     assert train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "r"), "--resume", str(tmp_path)]) == 2
-    assert "not a complete mmfast checkpoint" in capsys.readouterr().err
-    assert train_tool.main(["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path)]) == (
+    assert "not an intact mmfast checkpoint" in capsys.readouterr().err
+    assert train_tool.main(["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path / "h")]) == (
         0 if torch.cuda.is_available() else 2
     )
     m = tmp_path / "m.jsonl"

@@ -8,12 +8,8 @@ With no flags it generates the built-in demo dataset and trains the tiny preset 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
-
-from mmfast.manifest import ManifestError
-from mmfast.train.config import parse_config
-from mmfast.train.engine import NonFiniteLossError, train
-from mmfast.train.setup import LaunchError
 
 
 def print_table(summary: dict) -> None:
@@ -35,12 +31,35 @@ def print_table(summary: dict) -> None:
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM before training starts ends the start-up like Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # Once the loop runs, SIGTERM/SIGINT only set a flag and the run checkpoints at the next step.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted before training started; nothing to resume", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
+    from mmfast.manifest import ManifestError
+    from mmfast.train.config import parse_config
+    from mmfast.train.engine import NonFiniteLossError, train
+    from mmfast.train.heartbeat import PeerFailure
+    from mmfast.train.setup import LaunchError
+
     try:
         cfg = parse_config(argv)
         summary = train(cfg)
-    except (ValueError, ManifestError, FileNotFoundError, NonFiniteLossError, OSError, LaunchError) as e:
+    except (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if summary.get("interrupted"):

@@ -1,21 +1,31 @@
-"""Atomic, resumable checkpoints: accelerator state + trainer state + loader position.
+"""Atomic, verified, resumable checkpoints: accelerator state + trainer state + loader position.
 
 A checkpoint is written by every process into ``checkpoints/.step-XXXXXXXX.tmp`` and renamed to
 ``checkpoints/step-XXXXXXXX`` by the main process only after all of them finished, so a directory
 without the leading dot is always complete; a crash mid-write leaves a dot-directory that is never
-picked up and is cleaned on the next save.
+picked up and is cleaned on the next save. ``checksums.json`` records the SHA-256 of every other file;
+a resume verifies them and falls back to the newest intact checkpoint when the latest one was damaged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
-from mmfast.fsutil import fsync_dir, fsync_tree
+from mmfast.dataset import file_sha256
+from mmfast.fsutil import atomic_write_json, fsync_dir, fsync_tree
+from mmfast.train.setup import all_processes_ok
 
+log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
+CHECKSUMS_FILE = "checksums.json"
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint: the one named is damaged, or every one of the run is."""
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -31,18 +41,66 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
+def verify_checkpoint(path: Path) -> str:
+    """Check every file of a checkpoint against checksums.json; "" when intact, else what is wrong."""
+    try:
+        sums = json.loads((path / CHECKSUMS_FILE).read_text())
+    except FileNotFoundError:
+        return f"no {CHECKSUMS_FILE} (incomplete, or written by an mmfast without checksums)"
+    except (OSError, ValueError) as e:
+        return f"{CHECKSUMS_FILE} unreadable ({e})"
+    if not isinstance(sums, dict) or STATE_FILE not in sums:
+        return f"{CHECKSUMS_FILE} does not list {STATE_FILE}"
+    for rel, want in sorted(sums.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if file_sha256(f) != want:
+            return f"{rel} differs from what was written (SHA-256 mismatch)"
+    return ""
+
+
 def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint named by ``--resume`` ("latest" or a path); None when "latest" finds none."""
-    if resume == "latest":
-        ckpts = list_checkpoints(run_dir)
-        return ckpts[-1] if ckpts else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise ValueError(
-            f"--resume {path}: not a complete mmfast checkpoint (no {STATE_FILE}); "
-            f"use --resume latest or one of {checkpoint_dir(run_dir)}/step-*"
+    """The checkpoint named by ``--resume`` ("latest" or a path), verified; None when "latest" finds none.
+
+    "latest" skips damaged checkpoints (each is reported) and takes the newest intact one.
+
+    Raises:
+        CheckpointError: the named checkpoint is damaged, or the run has checkpoints and all are damaged.
+    """
+    if resume != "latest":
+        path = Path(resume)
+        problem = verify_checkpoint(path) if (path / STATE_FILE).is_file() else f"no {STATE_FILE}"
+        if problem:
+            raise CheckpointError(
+                f"--resume {path}: not an intact mmfast checkpoint ({problem}); "
+                f"use --resume latest or another of {checkpoint_dir(run_dir)}/step-*"
+            )
+        return path
+    ckpts = list_checkpoints(run_dir)
+    for path in reversed(ckpts):
+        problem = verify_checkpoint(path)
+        if not problem:
+            return path
+        log.warning("checkpoint %s is damaged (%s); trying the one before it", path, problem)
+    if ckpts:
+        raise CheckpointError(
+            f"every checkpoint in {checkpoint_dir(run_dir)} is damaged (see above); cannot resume. Start "
+            "afresh with --overwrite (the old run is moved aside, not deleted)"
         )
-    return path
+    return None
+
+
+def read_trainer_state(path: Path) -> dict:
+    """The trainer state saved with a checkpoint (epoch, step, loader positions, the run's config)."""
+    f = path / STATE_FILE
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e}); resume from another checkpoint") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f}: expected a JSON object")
+    return state
 
 
 def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_state: dict, keep: int) -> Path:
@@ -59,15 +117,20 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_
     err: Exception | None = None
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
-        if accelerator.is_main_process:
-            with open(tmp / STATE_FILE, "w") as f:
-                json.dump(trainer_state, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_tree(tmp)
     except Exception as e:  # OSError, and serializers' own errors (safetensors reports EFBIG as SafetensorError)
         err = e
-    ok = _all_ok(accelerator, int(err is None))
+    ok = all_processes_ok(accelerator, err is None)  # every process's files are written (or one failed)
+    if ok and accelerator.is_main_process:
+        try:
+            atomic_write_json(tmp / STATE_FILE, trainer_state)
+            sums = {
+                p.relative_to(tmp).as_posix(): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()
+            }
+            atomic_write_json(tmp / CHECKSUMS_FILE, sums)
+            fsync_tree(tmp)
+        except Exception as e:
+            err = e
+    ok = all_processes_ok(accelerator, err is None) if ok else ok
     if not ok:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -84,14 +147,7 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_
     return final
 
 
-def _all_ok(accelerator, ok: int) -> bool:
-    import torch
-
-    flag = torch.tensor([ok], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
-
-
 def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore accelerator state (model, optimizer, scaler, scheduler, RNG) and return the trainer state."""
     accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+    return read_trainer_state(path)

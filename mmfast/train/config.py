@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class TrainConfig:
     data: str | None = None  # prepared dir, raw manifest / image folder, or None for the built-in demo set
-    out: str = "runs/latest"
+    out: str | None = None  # None: runs/latest, an earlier run there is moved aside (runs/latest.old-<time>)
+    overwrite: bool = False  # --out holds an earlier run: move it aside (never deleted) and start afresh
     model: str = "concat"  # early | concat | late
     preset: str = "tiny"
     image_backbone: str | None = None  # None: from the preset
@@ -54,8 +56,25 @@ class TrainConfig:
     tensorboard: bool = False
     progress: bool = True
     record_ids: bool = False  # write the sample ids each process trained on (seen_ids.rank<R>.jsonl)
+    dist_timeout: float = 600.0  # seconds a process waits for the others in a collective before it stops
 
     def __post_init__(self):
+        floats = ("lr", "weight_decay", "warmup_frac", "grad_clip", "dropout", "crop_scale_min", "color_jitter",
+                  "profile_interval", "dist_timeout")
+        for name in floats:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{_flag(name)} must be a finite number, got {value!r}")
+        positive_ints = ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size",
+                         "max_length")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{_flag(name)} must be an integer, got {value!r}")
+        for name in ("max_steps", "image_size", "hidden", "eval_batch_size", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
         checks = [
             (
                 self.model in ("early", "concat", "late"),
@@ -77,7 +96,17 @@ class TrainConfig:
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0: no clipping), got {self.grad_clip}"),
+            (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
+            (0 <= self.color_jitter <= 1, f"--color-jitter must be in [0, 1], got {self.color_jitter}"),
+            (self.profile_interval > 0, f"--profile-interval must be > 0, got {self.profile_interval}"),
+            (self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}"),
+            (self.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {self.max_nan_steps}"),
+            (self.demo_size >= 10, f"--demo-size must be >= 10, got {self.demo_size}"),
+            (self.max_length >= 3, f"--max-length must be >= 3, got {self.max_length}"),
+            (self.image_size is None or self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}"),
             (0 <= self.warmup_frac < 1, f"--warmup-frac must be in [0, 1), got {self.warmup_frac}"),
             (0 < self.crop_scale_min <= 1, f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}"),
@@ -150,6 +179,41 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
 
 def config_dict(cfg: TrainConfig) -> dict:
     return asdict(cfg)
+
+
+# Settings a resumed run may change (applied from the resume on, and recorded in config.json's segments).
+# Every other field must equal the checkpoint's, or the resumed run would not continue the same training.
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "data",  # the path may move; the data's fingerprint must match (checked separately)
+        "out",
+        "resume",
+        "overwrite",
+        "epochs",
+        "max_steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "profile",
+        "profile_interval",
+        "tensorboard",
+        "progress",
+        "record_ids",
+        "num_threads",
+        "eval_batch_size",
+        "max_nan_steps",
+        "on_bad_image",
+        "compile",
+        "dist_timeout",
+        "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written
+    }
+)
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """The must-match settings in which ``now`` differs from the checkpoint's ``saved`` run, as
+    "name: saved -> now" lines (empty when the run may resume)."""
+    keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
 def resolve_preset(cfg: TrainConfig) -> TrainConfig:

@@ -12,21 +12,38 @@ import math
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from mmfast.dataset import PreparedDataset
 from mmfast.fsutil import atomic_write_json
 from mmfast.loader import IGNORE_LABEL, MultimodalLoader
 from mmfast.models import build_model
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.tokenizer import load_tokenizer
-from mmfast.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from mmfast.train.config import TrainConfig, config_dict, resolve_preset
-from mmfast.train.setup import check_tokenizer_matches, make_accelerator, processes_per_machine, resolve_data
+from mmfast.train.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_resume,
+    save_checkpoint,
+)
+from mmfast.train.heartbeat import Heartbeat
+from mmfast.train.config import TrainConfig, config_dict, resolve_preset, resume_differences
+from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir
+from mmfast.train.setup import (
+    all_processes_ok,
+    check_tokenizer_matches,
+    make_accelerator,
+    processes_per_machine,
+    resolve_data,
+)
 
 log = logging.getLogger(__name__)
+DEFAULT_OUT = "runs/latest"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -106,7 +123,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def build_loaders(
-    cfg: TrainConfig, accelerator, data_dir: Path
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset
 ) -> tuple[MultimodalLoader, MultimodalLoader | None]:
     """This process's train loader (its shard, augmented) and val loader (None without a val split)."""
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
@@ -119,7 +136,7 @@ def build_loaders(
         fp16=accelerator.device.type == "cuda",
     )
     train_loader = MultimodalLoader(
-        data_dir,
+        dataset,
         "train",
         cfg.batch_size,
         train=cfg.augment,
@@ -129,27 +146,99 @@ def build_loaders(
         **common,
     )
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
-    has_val = (data_dir / "val.jsonl").stat().st_size > 0
-    return train_loader, MultimodalLoader(data_dir, "val", cfg.eval_batch_size, **common) if has_val else None
+    has_val = dataset.split_size("val") > 0
+    return train_loader, MultimodalLoader(dataset, "val", cfg.eval_batch_size, **common) if has_val else None
+
+
+def run_identity(cfg: TrainConfig, accelerator, dataset: PreparedDataset) -> dict:
+    """What a checkpoint must agree with to be resumed: the config, the process layout, the data."""
+    return {
+        **config_dict(cfg),
+        "num_processes": accelerator.num_processes,
+        "mixed_precision_resolved": accelerator.mixed_precision,
+        "data_fingerprint": dataset.fingerprint,
+    }
+
+
+def _claim(cfg: TrainConfig, accelerator, default_out: bool):
+    """Plan (every process, read-only) and claim (main process) the run directory; find the checkpoint.
+
+    Returns:
+        (the run dir lock or None on other processes, the checkpoint to resume or None).
+    """
+    run_dir = Path(cfg.out)
+    plan = plan_run_dir(run_dir, resume=cfg.resume is not None, overwrite=cfg.overwrite, default_out=default_out)
+    # An explicit --resume PATH is always resolved (and verified); "latest" only looks in an earlier run.
+    explicit = cfg.resume is not None and cfg.resume != "latest"
+    resume_from = resolve_resume(cfg.resume, run_dir) if plan.action == "resume" or explicit else None
+    if plan.action == "resume" and resume_from is None:
+        # --resume latest on a run that never wrote a checkpoint: nothing to continue; keep it, aside.
+        plan = RunDirPlan("move-aside", run_dir)
+    lock, err = None, None
+    if accelerator.is_main_process:
+        try:
+            lock, moved_to = claim_run_dir(plan)
+            if moved_to is not None:
+                accelerator.print(f"the earlier run in {run_dir} was moved to {moved_to}")
+        except (RunDirError, OSError) as e:
+            err = e
+    if not all_processes_ok(accelerator, err is None):
+        if err is not None:
+            raise err
+        raise RunDirError(f"the main process could not claim --out {run_dir} (see its message)")
+    return lock, resume_from
 
 
 def _train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
+    default_out = cfg.out is None
+    cfg = replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
+    heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
+    lock = None
+    try:
+        lock, resume_from = _claim(cfg, accelerator, default_out)
+        return _run(cfg, accelerator, resume_from, t_start)
+    except RuntimeError as e:
+        if accelerator.num_processes > 1 and _is_collective_failure(e):
+            raise heartbeat.explain(e, cfg.dist_timeout) from e
+        raise
+    finally:
+        heartbeat.close()
+        if lock is not None:
+            lock.release()
+
+
+def _is_collective_failure(e: RuntimeError) -> bool:
+    """gloo/NCCL errors of a collective whose peer died or timed out (they carry no exception type)."""
+    msg = str(e).lower()
+    return any(w in msg for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl"))
+
+
+def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float) -> dict:
     run_dir = Path(cfg.out)
-    cfg = resolve_preset(cfg)
     from accelerate.utils import set_seed
 
     set_seed(cfg.seed)
-    data_dir = resolve_data(cfg, accelerator)
-    check_tokenizer_matches(cfg.text_model, data_dir)
-    train_loader, val_loader = build_loaders(cfg, accelerator, data_dir)
+    dataset = PreparedDataset(resolve_data(cfg, accelerator))
+    identity = run_identity(cfg, accelerator, dataset)
+    saved = read_trainer_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        diffs = resume_differences(saved.get("run", {}), identity)
+        if diffs:
+            raise CheckpointError(
+                f"cannot resume from {resume_from}: these settings differ from the run that wrote it:\n  "
+                + "\n  ".join(diffs)
+                + "\nresume with the same settings, or start afresh with --overwrite (the old run is moved aside)"
+            )
+    check_tokenizer_matches(cfg.text_model, dataset.root)
+    train_loader, val_loader = build_loaders(cfg, accelerator, dataset)
     model = build_model(
         cfg.model,
-        train_loader.num_classes,
+        dataset.num_classes,
         image_backbone=cfg.image_backbone,
         text_model=cfg.text_model,
-        vocab_size=len(load_tokenizer(data_dir / "tokenizer")),
+        vocab_size=len(load_tokenizer(dataset.tokenizer_dir)),
         image_weights=cfg.image_weights,
         freeze_image=cfg.freeze_image,
         freeze_text=cfg.freeze_text,
@@ -172,30 +261,14 @@ def _train(cfg: TrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    state = initial_state()
-    resume_from = resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+    state = {**initial_state(), "run": identity}
     if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from)
-        loaders = state["loader"]  # one state per process: each has its own shard and DALI checkpoint
-        if len(loaders) != accelerator.num_processes:
-            raise ValueError(
-                f"checkpoint {resume_from} was written by {len(loaders)} processes, this run has "
-                f"{accelerator.num_processes}; resume with the same process count"
-            )
-        train_loader.load_state_dict(loaders[accelerator.process_index])
+        state = {**load_checkpoint(accelerator, resume_from), "run": identity}
+        check_finite_weights(model, f"the weights loaded from {resume_from}")
+        train_loader.load_state_dict(state["loader"][accelerator.process_index])
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(
-            run_dir / "config.json",
-            {
-                **config_dict(cfg),
-                "data_dir": str(data_dir),
-                "num_processes": accelerator.num_processes,
-                "mixed_precision": accelerator.mixed_precision,
-                "total_steps": total_steps,
-            },
-        )
+        _write_config(run_dir, identity, dataset, total_steps, resume_from, state["global_step"])
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
     sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
     with _StopFlag() as stop, sampler:
@@ -227,6 +300,49 @@ def _train(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _write_config(
+    run_dir: Path, identity: dict, dataset: PreparedDataset, total_steps: int, resumed_from: Path | None, step: int
+) -> None:
+    """config.json: this segment's resolved configuration on top, and every segment of the run in order."""
+    segments = []
+    if resumed_from is not None:
+        try:
+            segments = json.loads((run_dir / "config.json").read_text()).get("segments", [])
+        except (OSError, ValueError, AttributeError):
+            log.warning("%s unreadable: its earlier segments are not carried over", run_dir / "config.json")
+    segment = {
+        **identity,
+        "data_dir": str(dataset.root),
+        "total_steps": total_steps,
+        "started_at_step": step,
+        "resumed_from": str(resumed_from) if resumed_from is not None else None,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    atomic_write_json(run_dir / "config.json", {**segment, "segments": [*segments, segment]})
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one line whole or not at all: a failed write (disk full) is cut back off the file."""
+    with open(path, "ab") as f:
+        size = f.seek(0, os.SEEK_END)
+        try:
+            f.write(line.encode() + b"\n")
+            f.flush()
+        except OSError:
+            f.truncate(size)
+            raise
+
+
+def check_finite_weights(model: torch.nn.Module, what: str) -> None:
+    """Raise NonFiniteLossError when any parameter holds NaN or inf (a CPU-GPU sync: checkpoints only)."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise NonFiniteLossError(
+            f"{what}: {len(bad)} parameter tensors hold NaN/inf (first: {bad[0]}); refusing to use or save "
+            "them. Lower --lr, or resume from an earlier checkpoint"
+        )
 
 
 def _write_profile(
@@ -283,6 +399,8 @@ class EpochRunner:
     def fit(self, val_loader) -> dict:
         metrics = {}
         for epoch in range(self.state["epoch"], self.cfg.epochs):
+            if self.done():  # resumed at or past --max-steps: nothing left to train
+                break
             self.loader.set_epoch(epoch)
             train_stats = self.train_epoch(epoch)
             if self.interrupted:
@@ -299,7 +417,10 @@ class EpochRunner:
                 "skipped_samples": len(self.loader.bad),
             }
             self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics.get("val_acc", 0.0))
-            self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
+            if train_stats["epoch_complete"]:
+                self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
+            # else: --max-steps stopped the epoch; train_epoch saved its position, so a resume with a
+            # larger --max-steps continues this same epoch.
             self.log_metrics(metrics)
             self.checkpoint()
             if self.done():
@@ -349,23 +470,25 @@ class EpochRunner:
             if not window_end:
                 continue
             self.optimizer_step()
-            self.interrupted = self.stop is not None and self.stop.signum is not None
+            self.interrupted = self.stop_requested()
             periodic = cfg.checkpoint_every and self.state["global_step"] % cfg.checkpoint_every == 0
-            if self.interrupted or (periodic and i < n_batches):  # the epoch's end has its own checkpoint
+            stop_mid_epoch = self.done() and i < n_batches  # --max-steps reached inside the epoch
+            if self.interrupted or stop_mid_epoch or (periodic and i < n_batches):
                 s_now = {
                     **s,
                     "time": s["time"] + time.perf_counter() - t0,
                     "data_wait": s["data_wait"] + self.timer.total("data") - start.get("data", 0.0),
                 }
                 self.state.update(epoch_stats=s_now, loader=self.loader_states())
-                self.checkpoint()
+                if not stop_mid_epoch:  # fit() writes that one after the evaluation
+                    self.checkpoint()
             if self.interrupted:
                 acc.print(
-                    f"signal {self.stop.signum}: checkpoint written at step {self.state['global_step']}; "
+                    f"stop signal: checkpoint written at step {self.state['global_step']}; "
                     "resume with --resume latest"
                 )
                 break
-            if self.done() and i < n_batches:  # max_steps reached mid-epoch
+            if stop_mid_epoch:
                 break
         if bar is not None:
             bar.close()
@@ -376,7 +499,9 @@ class EpochRunner:
         )
         loss_sum, samples = totals.tolist()  # note: a CPU-GPU sync point, once per epoch
         return {
-            "train_loss": loss_sum / max(1, samples),
+            "epoch_complete": i == n_batches,
+            # An epoch whose every loss was non-finite has no mean: say NaN, never a reassuring 0.
+            "train_loss": loss_sum / samples if samples else float("nan"),
             "images_per_s": samples / max(1e-9, s["time"]),
             "data_wait_frac": s["data_wait"] / max(1e-9, s["time"]),
             "phase_s": {k: round(v - start.get(k, 0.0), 4) for k, v in self.timer.totals.items()},
@@ -429,6 +554,17 @@ class EpochRunner:
             self.sched.step()
         self.state["global_step"] += 1
 
+    def stop_requested(self) -> bool:
+        """Whether any process got SIGTERM/SIGINT; all processes agree, so all stop at this same step.
+
+        A collective call at every optimizer step of a multi-process run (one small all-reduce).
+        """
+        local = self.stop is not None and self.stop.signum is not None
+        if self.acc.num_processes == 1:
+            return local
+        flag = torch.tensor([int(local)], device=self.acc.device)
+        return bool(self.acc.reduce(flag, reduction="sum").item())  # note: a sync point per optimizer step
+
     def loader_states(self) -> list[dict]:
         """Every process's loader position (a collective call): the main process saves them all."""
         from accelerate.utils import gather_object
@@ -436,6 +572,7 @@ class EpochRunner:
         return gather_object([self.loader.state_dict()])
 
     def checkpoint(self) -> None:
+        check_finite_weights(self.model, f"step {self.state['global_step']}")
         save_checkpoint(self.acc, self.run_dir, self.state["global_step"], self.state, self.cfg.keep_checkpoints)
 
     def record_ids(self, epoch: int, ids: torch.Tensor) -> None:
@@ -447,8 +584,7 @@ class EpochRunner:
     def log_metrics(self, metrics: dict) -> None:
         if not self.acc.is_main_process:
             return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        _append_line(self.run_dir / "metrics.jsonl", json.dumps(metrics))
         val = (
             f" val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f}" if "val_acc" in metrics else ""
         )

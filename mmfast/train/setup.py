@@ -4,6 +4,7 @@ prepared dataset (demo, raw input prepared on the fly, or a prepared directory).
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ def processes_per_machine(accelerator) -> int:
 def make_accelerator(cfg: TrainConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     cuda = torch.cuda.is_available()
     kwargs = {
@@ -82,6 +83,9 @@ def make_accelerator(cfg: TrainConfig):
         if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
             raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
         kwargs["log_with"] = "tensorboard"
+    # A collective that waits longer than this for another process raises instead of hanging forever
+    # (gloo on CPUs; NCCL's watchdog on GPUs): a rank that died, stopped or stalls cannot block the rest.
+    kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))]
     accelerator = Accelerator(**kwargs)
     check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
     if not cuda:
@@ -100,8 +104,8 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     from mmfast.demo import default_cache_dir, demo_dataset
     from mmfast.prepare import PrepareConfig, prepare_dataset
 
-    if cfg.data is not None and (Path(cfg.data) / "prepare.json").is_file():
-        return Path(cfg.data)
+    if cfg.data is not None and _looks_prepared(Path(cfg.data)):
+        return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
     with accelerator.main_process_first():
         if cfg.data is None:
             source = demo_dataset(n=cfg.demo_size, seed=0)
@@ -121,6 +125,18 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             )
         )
     return out
+
+
+def _looks_prepared(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in ("prepare.json", "train.jsonl", "tokens"))
+
+
+def all_processes_ok(accelerator, ok: bool) -> bool:
+    """True when ``ok`` holds on every process (a collective call: every process must make it)."""
+    if accelerator.num_processes == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
 
 
 def pretrained_tokenizer(text_model: str | None) -> str | None:

@@ -1,0 +1,144 @@
+"""Who may write a run directory: one run at a time, and never over what the user owns.
+
+A run directory carries a marker (``.mmfast-run``) from its first moment. A new run goes into an absent
+or empty directory; an earlier run there is continued (``--resume``), moved aside whole (``--overwrite``,
+or the default ``runs/latest``), or refused. A directory without the marker that holds anything is never
+written, moved or deleted. While a run lives, its main process holds an exclusive lock on
+``<run>/.mmfast-run.lock`` (with its pid inside), so a second process on the same directory stops at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_MARKER = ".mmfast-run"
+LOCK_FILE = ".mmfast-run.lock"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (holds other files, another run, or is in use)."""
+
+
+def is_run_dir(path: Path) -> bool:
+    """True when mmfast wrote ``path`` as a run directory (marker, or an older run's config.json)."""
+    if (path / RUN_MARKER).is_file():
+        return True
+    try:  # runs written before the marker existed: config.json with mmfast's own keys
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and {"model", "preset", "grad_accum"} <= set(cfg)
+
+
+@dataclass(frozen=True)
+class RunDirPlan:
+    """What to do with the run directory: "new" (absent or empty), "resume" or "move-aside"."""
+
+    action: str
+    run_dir: Path
+
+
+def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, default_out: bool) -> RunDirPlan:
+    """Decide, without touching anything, how this run may use ``run_dir``.
+
+    Args:
+        run_dir: the --out directory.
+        resume: --resume was given.
+        overwrite: --overwrite was given (move an earlier run aside).
+        default_out: --out was not given (the default location rotates earlier runs aside).
+
+    Raises:
+        RunDirError: the directory holds files mmfast did not write, or an earlier run and neither
+            --resume nor --overwrite says what to do with it.
+    """
+    if not run_dir.exists():
+        return RunDirPlan("new", run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"--out {run_dir} is a file, not a directory; choose another --out")
+    if not any(run_dir.iterdir()):
+        return RunDirPlan("new", run_dir)
+    if not is_run_dir(run_dir):
+        raise RunDirError(
+            f"--out {run_dir} holds files that mmfast did not write (no {RUN_MARKER} marker); mmfast never "
+            "writes into, moves or deletes such a directory: choose an empty or new --out"
+        )
+    if resume:
+        return RunDirPlan("resume", run_dir)
+    if overwrite or default_out:
+        return RunDirPlan("move-aside", run_dir)
+    raise RunDirError(
+        f"--out {run_dir} holds an earlier run; pass --resume latest to continue it, --overwrite to move it "
+        "aside (nothing is deleted) and start afresh, or choose another --out"
+    )
+
+
+class RunDirLock:
+    """An exclusive, non-blocking lock on a run directory, held for the life of the run (main process)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock and write this pid into the lock file.
+
+        Raises:
+            RunDirError: another live process holds it (its pid is named).
+        """
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirError(
+                f"--out {self.path.parent} is in use by another mmfast run (pid {holder}); wait for it to "
+                "finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def claim_run_dir(plan: RunDirPlan) -> tuple[RunDirLock, Path | None]:
+    """Carry out ``plan`` on the main process: lock, move an earlier run aside if planned, mark the directory.
+
+    Returns:
+        (the held lock, where an earlier run was moved to or None).
+    """
+    run_dir = plan.run_dir
+    moved_to = None
+    if plan.action == "move-aside":
+        # Lock the old run first: a run that is still going must not be moved from under it.
+        old_lock = RunDirLock(run_dir)
+        old_lock.acquire()
+        moved_to = _aside_name(run_dir)
+        os.rename(run_dir, moved_to)
+        old_lock.release()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir)
+    lock.acquire()
+    marker = run_dir / RUN_MARKER
+    if not marker.exists():
+        marker.write_text(json.dumps({"kind": "mmfast run", "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+    return lock, moved_to
+
+
+def _aside_name(run_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        cand = run_dir.with_name(f"{run_dir.name}.old-{stamp}" + (f"-{n}" if n else ""))
+        if not cand.exists():
+            return cand
+    raise RunDirError(f"cannot find a free name to move {run_dir} aside; choose another --out")
