@@ -370,12 +370,15 @@ def with_suppress_kill(pid: int) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(prepared, tmp_path):
+@pytest.mark.parametrize("target", ["rank 1", "launcher"])
+def test_sigterm_to_one_rank_or_the_launcher_stops_both_at_the_same_step_with_one_checkpoint(
+    prepared, tmp_path, target
+):
     out = tmp_path / "ddp"
     flags = ("--epochs", "2", "--record-ids", "--mixed-precision", "no", "--dist-timeout", "60")
     proc = _torchrun(prepared, out, *flags)
     _wait_for_steps(out / "seen_ids.rank0.jsonl", 2, proc)
-    os.kill(_rank_pids(proc.pid)[1], signal.SIGTERM)
+    os.kill(_rank_pids(proc.pid)[1] if target == "rank 1" else proc.pid, signal.SIGTERM)
     out_text, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "stop signal: checkpoint written at step" in out_text, err[-3000:]
     (ckpt,) = list((out / "checkpoints").glob("step-*"))

@@ -175,6 +175,7 @@ def _claim(cfg: TrainConfig, accelerator, default_out: bool):
         # --resume latest on a run that never wrote a checkpoint: nothing to continue; keep it, aside.
         plan = RunDirPlan("move-aside", run_dir)
     lock, err = None, None
+    accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
     if accelerator.is_main_process:
         try:
             lock, moved_to = claim_run_dir(plan)
@@ -202,6 +203,10 @@ def _train(cfg: TrainConfig) -> dict:
     except RuntimeError as e:
         if accelerator.num_processes > 1 and _is_collective_failure(e):
             raise heartbeat.explain(e, cfg.dist_timeout) from e
+        heartbeat.report_failure(e)
+        raise
+    except Exception as e:  # tell the other processes why this one stops, then stop
+        heartbeat.report_failure(e)
         raise
     finally:
         heartbeat.close()

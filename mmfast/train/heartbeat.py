@@ -13,6 +13,7 @@ import threading
 import time
 
 KEY = "mmfast/heartbeat/{rank}"
+FAILED_KEY = "mmfast/failed/{rank}"
 
 
 class PeerFailure(RuntimeError):
@@ -60,14 +61,39 @@ class Heartbeat:
             return None
         return quiet
 
+    def report_failure(self, error: BaseException) -> None:
+        """Leave this rank's error in the store, so the others can name it when their collective fails."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(FAILED_KEY.format(rank=self.rank), f"{type(error).__name__}: {error}"[:300])
+        except Exception:  # the store is gone: the others will name this rank as quiet instead
+            pass
+
+    def failed_ranks(self) -> dict[int, str]:
+        """{rank: its error} of the ranks that reported a failure; empty when none or unknown."""
+        if self._store is None:
+            return {}
+        found = {}
+        try:
+            for r in range(self.world_size):
+                key = FAILED_KEY.format(rank=r)
+                if r != self.rank and self._store.check([key]):
+                    found[r] = self._store.get(key).decode(errors="replace")
+        except Exception:
+            return found
+        return found
+
     def explain(self, error: BaseException, timeout_s: float) -> PeerFailure:
-        """A PeerFailure that says which rank(s) went quiet, for a failed collective's ``error``."""
-        quiet = self.quiet_ranks()
-        who = (
-            f"rank(s) {', '.join(map(str, quiet))} stopped responding (died, stopped or stalled)"
-            if quiet
-            else "another process failed or stalls (see its own message)"
-        )
+        """A PeerFailure that says which rank(s) failed or went quiet, for a failed collective's ``error``."""
+        failed = self.failed_ranks()
+        quiet = [r for r in (self.quiet_ranks() or []) if r not in failed]
+        if failed:
+            who = "; ".join(f"rank {r} failed ({msg})" for r, msg in sorted(failed.items()))
+        elif quiet:
+            who = f"rank(s) {', '.join(map(str, quiet))} stopped responding (died, stopped or stalled)"
+        else:
+            who = "another process failed or stalls (see its own message)"
         return PeerFailure(
             f"rank {self.rank}: waiting for the other processes failed after at most {timeout_s:g} s: {who}. "
             f"Stopping this process too. Resume with --resume latest once the cause is fixed "
