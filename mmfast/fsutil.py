@@ -1,4 +1,4 @@
-"""Filesystem helpers: atomic writes and an inter-process lock.
+"""Filesystem helpers: atomic writes and directories, ownership markers, and an inter-process lock.
 
 Everything mmfast writes that another process (or a later run) reads goes through here, so that a
 crash or a full disk leaves either the old file or the new one, never half of one.
@@ -7,14 +7,57 @@ crash or a full disk leaves either the old file or the new one, never half of on
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
+import functools
+import glob
+import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+# Every directory mmfast builds with atomic_dir carries this file; only such a directory (or an empty one)
+# is ever replaced or deleted. Its content: {"kind": what the directory is, "version": MARKER_VERSION}.
+MARKER = ".mmfast-prepared"
+MARKER_VERSION = 2
+_AT_FDCWD = -100  # <fcntl.h>: paths relative to the current directory
+_RENAME_EXCHANGE = 2  # <linux/fs.h>
+# What a full disk looks like to a writer: no space, over quota, over RLIMIT_FSIZE, read-only filesystem.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+class OutputDirError(ValueError):
+    """An output directory mmfast must not touch (not its own, or holding the input), or cannot write."""
+
+
+@contextlib.contextmanager
+def write_errors(out: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn a full disk (or quota, file-size limit, read-only filesystem) while writing ``what`` into ``out``
+    into one clear ``OutputDirError``; the writers below leave no partial file, so ``out`` is as it was."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        cause = f"{e.strerror} ({e.filename})" if e.strerror and e.filename else str(e)
+        raise OutputDirError(
+            f"writing {what} to {out} failed: {cause}; {out} was left as it was; "
+            "free disk space (or raise the quota / file-size limit) and re-run"
+        ) from e
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes, read in chunks (no whole-file copy in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
@@ -45,9 +88,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a failed write() names no file; the caller's message should
         raise
     fsync_dir(path.parent)
 
@@ -63,35 +108,165 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def atomic_write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
-    """Atomically write one JSON object per line."""
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    """Atomically write one JSON object per line (UTF-8; a row holding text that UTF-8 cannot encode, such
+    as a lone surrogate from a ``"\\ud800"`` escape, is written with ASCII escapes instead)."""
+    atomic_write_bytes(path, b"".join(_jsonl_line(r) for r in rows))
+
+
+def _jsonl_line(row: dict) -> bytes:
+    try:
+        return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(row) + "\n").encode("ascii")
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp directory beside ``final``; on success it replaces ``final`` in one rename.
+def atomic_dir(
+    final: str | os.PathLike,
+    kind: str = "mmfast output",
+    replaceable: Callable[[Path], bool] | None = None,
+) -> Iterator[Path]:
+    """Yield a temp directory beside ``final``; on success it takes ``final``'s place in one atomic step.
 
-    On any error the temp directory is removed and ``final`` is left as it was.
+    The caller holds a lock for ``final`` (``file_lock``). The temp directory carries the ``MARKER`` file
+    from its first instant, so what a killed run leaves behind is recognisably mmfast's and is removed by
+    the next run (``recover_dir``). A kill at any instant leaves ``final`` either old or new, complete:
+    the swap is one ``renameat2(RENAME_EXCHANGE)``; where the kernel or filesystem lacks it, two renames,
+    and the next run moves the old directory back if the kill fell between them.
+
+    Args:
+        final: the directory to create or replace.
+        kind: what the directory is, recorded in its marker.
+        replaceable: whether an existing ``final`` may be replaced (default: it carries the marker or is
+            an empty directory).
+
+    Raises:
+        OutputDirError: ``final`` exists and is not replaceable (checked again just before the swap).
     """
     final = Path(final)
+    replaceable = replaceable or is_replaceable
     final.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(final, replaceable)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        write_marker(tmp, kind)
         yield tmp
         fsync_tree(tmp)
-        if final.exists():
-            # A directory cannot be replaced by rename in one step: move the old one aside first.
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
+        if os.path.lexists(final):
+            if not replaceable(final):
+                raise OutputDirError(f"{final} exists and was not written by mmfast; it is left untouched")
+            # Mark the old directory before it moves to a temp name, so that a kill before its removal
+            # leaves a leftover the next run recognises (a directory of an older mmfast has no marker).
+            if marker_kind(final) is None:
+                write_marker(final, kind)
+            if _exchange(tmp, final):
+                fsync_dir(final.parent)
+                remove_ours(tmp)  # the old directory, now under the temp name
+                return
+            old = _old_name(final)
+            os.replace(final, old)  # a kill here leaves only `old`: recover_dir moves it back
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            fsync_dir(final.parent)
+            remove_ours(old)
         else:
             os.replace(tmp, final)
-        fsync_dir(final.parent)
+            fsync_dir(final.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():
+            remove_ours(tmp)
         raise
+
+
+def recover_dir(final: str | os.PathLike, replaceable: Callable[[Path], bool] | None = None) -> None:
+    """Undo what a killed ``atomic_dir`` left beside ``final``; call it under ``final``'s lock.
+
+    Moves ``.NAME.old`` back to ``final`` when ``final`` is missing (a kill between the two renames of the
+    fallback swap), and removes mmfast's leftovers: ``.NAME.old`` and ``.NAME.*.tmp`` directories that
+    carry the marker or are empty. Anything else is left alone.
+    """
+    final = Path(final)
+    replaceable = replaceable or is_replaceable
+    old = _old_name(final)
+    if old.is_dir() and not old.is_symlink() and replaceable(old):
+        if not os.path.lexists(final):
+            os.replace(old, final)
+            fsync_dir(final.parent)
+        else:
+            remove_ours(old)
+    if not final.parent.is_dir():
+        return
+    for p in final.parent.glob(f".{glob.escape(final.name)}.*.tmp"):
+        if p.is_dir() and not p.is_symlink() and is_replaceable(p):
+            remove_ours(p)
+
+
+def remove_ours(path: Path) -> None:
+    """Delete a directory that carries mmfast's marker (or is empty); the marker goes last, so that a
+    kill part-way leaves a directory that is still recognisably mmfast's."""
+    if not is_replaceable(path):
+        raise OutputDirError(f"{path}: not mmfast's (no {MARKER}); refusing to delete it")
+    for child in path.iterdir():
+        if child.name == MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    (path / MARKER).unlink(missing_ok=True)
+    path.rmdir()
+
+
+def write_marker(directory: Path, kind: str) -> None:
+    """Mark ``directory`` as written by mmfast (see ``MARKER``)."""
+    (Path(directory) / MARKER).write_text(json.dumps({"kind": kind, "version": MARKER_VERSION}) + "\n")
+
+
+def marker_kind(directory: Path) -> str | None:
+    """The ``kind`` in ``directory``'s marker; None without a readable marker."""
+    try:
+        data = json.loads((Path(directory) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("kind") if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
+
+
+def is_replaceable(directory: Path) -> bool:
+    """True for a real directory (not a symlink) that carries mmfast's marker or is empty."""
+    directory = Path(directory)
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    # The marker's presence is what counts: a run killed (or out of disk) while writing it leaves it empty.
+    return (directory / MARKER).is_file() or not any(directory.iterdir())
+
+
+def _old_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.old")
+
+
+@functools.cache
+def _renameat2() -> Callable | None:
+    """libc's renameat2 (glibc >= 2.28), or None where there is none (other libcs, other systems)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); False when the kernel or the filesystem
+    cannot, so the caller falls back to two renames."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 @contextlib.contextmanager
