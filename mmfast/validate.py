@@ -7,10 +7,14 @@ cannot decode: a file is accepted only when the decoder that will read it at tra
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import multiprocessing
 import os
+import signal
 import stat
+import sys
 import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +23,11 @@ import numpy as np
 
 # PIL format names DALI's CPU decoder reads (libjpeg-turbo, libpng, libtiff, libwebp, OpenJPEG, PNM, BMP).
 DALI_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
-MAX_PIXELS = 16384 * 16384
+# Decoded pixels (width x height) allowed per image: the loader decodes whole images, so this bounds its
+# memory by construction (64 MP is 192 MB of RGB). A small file can declare a huge image (a 9400x9400 1-bit
+# PNG is 11 KB on disk), so the bound is checked from the header, before anything is decoded.
+DEFAULT_MAX_PIXELS = 64_000_000
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -31,8 +39,44 @@ class ImageCheck:
     format: str = ""
 
 
-def check_image(path: str) -> ImageCheck:
-    """Open and fully decode one image with PIL; say why it is unusable if it is."""
+def pixel_budget_reason(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
+    """Why an image is over the decoded-pixel budget, read from its header only (nothing is decoded).
+
+    Returns:
+        "" when the image fits (or its header cannot be read: that is for the decoders to report), else a
+        reason such as "image is 9400x9400 = 88.4 MP, over the 64 MP budget (--max-pixels); downscale it".
+    """
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            # PIL's own decompression-bomb warning is superseded by the budget checked here.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                w, h = im.size
+    except Image.DecompressionBombError as e:
+        return f"image is over PIL's decompression-bomb limit ({e}); downscale it"
+    except (OSError, ValueError, SyntaxError):
+        return ""
+    return _budget_reason(w, h, max_pixels)
+
+
+def _budget_reason(w: int, h: int, max_pixels: int) -> str:
+    if w * h <= max_pixels:
+        return ""
+    return (
+        f"image is {w}x{h} = {w * h / 1e6:.1f} MP, over the {max_pixels / 1e6:g} MP budget (--max-pixels); "
+        "downscale it"
+    )
+
+
+def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
+    """Open and fully decode one image with PIL; say why it is unusable if it is.
+
+    Args:
+        path: the image file.
+        max_pixels: decoded-pixel budget; checked from the header, before decoding.
+    """
     from PIL import Image
 
     try:
@@ -51,18 +95,21 @@ def check_image(path: str) -> ImageCheck:
         return ImageCheck(False, "zero size file")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the budget below decides
             with Image.open(path) as im:
                 fmt = im.format or "?"
                 w, h = im.size
                 if fmt not in DALI_FORMATS:
                     return ImageCheck(False, f"unsupported image format {fmt}; convert it to JPEG or PNG")
-                if w * h > MAX_PIXELS:
-                    return ImageCheck(False, f"image too large ({w}x{h})")
+                over = _budget_reason(w, h, max_pixels)
+                if over:
+                    return ImageCheck(False, over)
                 im.load()  # full decode: raises on truncated or corrupt data
     except (Image.UnidentifiedImageError, SyntaxError):
         return ImageCheck(False, "not an image (unrecognised content)")
-    except (OSError, ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:
+        return ImageCheck(False, f"image is over PIL's decompression-bomb limit ({e}); downscale it")
+    except (OSError, ValueError) as e:
         msg = str(e)
         if any(w in msg.lower() for w in ("truncated", "broken data stream", "premature end")):
             return ImageCheck(False, f"truncated image: {msg}")
@@ -72,13 +119,16 @@ def check_image(path: str) -> ImageCheck:
     return ImageCheck(True, "", w, h, fmt)
 
 
-def check_images(paths: list[str], workers: int, progress: bool = False) -> list[ImageCheck]:
+def check_images(
+    paths: list[str], workers: int, progress: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> list[ImageCheck]:
     """Check many images with PIL in ``workers`` processes, then confirm survivors with DALI's decoder.
 
     Args:
         paths: image file paths.
         workers: processes for the PIL pass and threads for the DALI pass.
         progress: show a progress bar.
+        max_pixels: decoded-pixel budget per image.
 
     Returns:
         one ImageCheck per path, in order.
@@ -88,19 +138,33 @@ def check_images(paths: list[str], workers: int, progress: bool = False) -> list
     bar = dict(
         total=len(paths), desc="validating images", unit="img", disable=None if progress else True, leave=False
     )
+    check = functools.partial(check_image, max_pixels=max_pixels)
     if workers > 1 and len(paths) > 64:
-        # A daemonic process (a multiprocessing.Pool worker) may not start children: use threads there
-        # (PIL releases the GIL while decoding).
-        executor = ThreadPoolExecutor if multiprocessing.current_process().daemon else ProcessPoolExecutor
-        with executor(workers) as pool:
+        if multiprocessing.current_process().daemon:
+            # A daemonic process (a multiprocessing.Pool worker) may not start children: use threads there
+            # (PIL releases the GIL while decoding).
+            pool = ThreadPoolExecutor(workers)
+        else:
+            pool = ProcessPoolExecutor(workers, initializer=_die_with_parent, initargs=(os.getpid(),))
+        with pool:
             chunk = max(1, min(64, len(paths) // (workers * 8)))
-            checks = list(tqdm(pool.map(check_image, paths, chunksize=chunk), **bar))
+            checks = list(tqdm(pool.map(check, paths, chunksize=chunk), **bar))
     else:
-        checks = [check_image(p) for p in tqdm(paths, **bar)]
+        checks = [check(p) for p in tqdm(paths, **bar)]
     good = [i for i, c in enumerate(checks) if c.ok]
     for i, reason in _dali_rejects([paths[i] for i in good], workers).items():
         checks[good[i]] = ImageCheck(False, reason)
     return checks
+
+
+def _die_with_parent(parent: int) -> None:
+    """Pool worker initializer: have the kernel SIGKILL this worker when its parent dies (a parent killed
+    with SIGKILL cannot shut its pool down, and the workers would run on over the rest of their chunks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the prctl call: nobody would signal us
+        os._exit(1)
 
 
 def _dali_rejects(paths: list[str], threads: int, batch: int = 64) -> dict[int, str]:
