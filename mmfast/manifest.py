@@ -60,6 +60,7 @@ def read_input(path: str | Path, confine: bool = False) -> tuple[list[Candidate]
     if not path.exists():
         raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     if path.is_dir():
+        _refuse_prepared_dir(path)
         cands, rejects = _read_folder(path)
         kind = "folder"
     else:
@@ -85,6 +86,41 @@ def read_input(path: str | Path, confine: bool = False) -> tuple[list[Candidate]
     return cands, rejects, kind
 
 
+def _refuse_prepared_dir(path: Path) -> None:
+    """A prepared dataset directory is not an image folder: say what it is instead of reading its files as
+    classes of images."""
+    if (path / "prepare.json").is_file():
+        raise ManifestError(
+            f"{path} is a prepared dataset, not an image folder; pass it to tools/train.py --data, or prepare "
+            "the original manifest again"
+        )
+    if (path / "train.jsonl").exists() or (path / "tokens").is_dir():
+        raise ManifestError(
+            f"{path} looks like an incomplete prepared dataset (no prepare.json); re-run "
+            "tools/prepare_data.py on the original manifest"
+        )
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read the manifest: {e.strerror or e}") from e
+
+
+def _encoding_problem(what: str, value: str) -> str:
+    """Why ``value`` cannot be written as UTF-8 (a lone surrogate from a JSON ``"\\ud800"`` escape, or a file
+    name that is not UTF-8); "" when it can. Such text would fail later in the tokenizer, DALI or a writer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"{what} cannot be encoded as UTF-8 (lone surrogate {value[e.start]!r} at character {e.start}); "
+            "fix the text"
+        )
+    return ""
+
+
 def _split_lines(raw: bytes) -> list[tuple[int, bytes]]:
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
@@ -101,7 +137,7 @@ def _not_utf8(line: int, raw: bytes, e: UnicodeDecodeError) -> Reject:
 
 def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
     rows, rejects = [], []
-    for line, raw in _split_lines(path.read_bytes()):
+    for line, raw in _split_lines(_read_bytes(path)):
         if not raw.strip():
             continue
         if len(raw) > MAX_LINE_BYTES:
@@ -126,7 +162,7 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
 
 def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[Reject]]:
     rejects, good_lines = [], []
-    for line, raw in _split_lines(path.read_bytes()):
+    for line, raw in _split_lines(_read_bytes(path)):
         try:
             good_lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -173,6 +209,9 @@ def _check_row(row: dict, line: int, root: Path, confine: bool, from_csv: bool) 
             return None, "empty label"
         if from_csv and _INT_RE.match(label):
             label = int(label)
+    for what, value in (("image path", image), ("text", text), ("label", label)):
+        if isinstance(value, str) and (problem := _encoding_problem(what, value)):
+            return None, problem
     p = Path(image)
     full = p if p.is_absolute() else root / p
     if confine:
@@ -208,16 +247,21 @@ def _drop_mixed_labels_and_duplicates(cands: list[Candidate]) -> tuple[list[Cand
 
 def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
     cands, rejects = [], []
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = sorted(d.name for d in _listdir(root) if d.is_dir() and not d.name.startswith("."))
     if not classes:
         raise ManifestError(f"{root}: image folder has no class sub-folders; expected root/<class>/<image>")
     n = 0
     for cls in classes:
-        for f in sorted((root / cls).iterdir()):
+        for f in sorted(_listdir(root / cls)):
             if f.name.startswith(".") or f.suffix.lower() == ".txt":
                 continue
             n += 1
             src = {"image": f"{cls}/{f.name}", "label": cls}
+            # A name that is not UTF-8 comes back with surrogate escapes: DALI and the writers cannot take it.
+            problem = _encoding_problem("image path", src["image"])
+            if problem:
+                rejects.append(Reject(n, f"{problem} (rename the file or folder)", src))
+                continue
             if f.suffix.lower() not in IMAGE_SUFFIXES:
                 rejects.append(Reject(n, f"not an image file name ('{f.suffix}')", src))
                 continue
@@ -227,7 +271,11 @@ def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
                 try:
                     text = side.read_bytes().decode("utf-8-sig").strip()
                 except UnicodeDecodeError as e:
-                    rejects.append(Reject(n, f"caption {side.name} is not UTF-8 ({e.reason})", src))
+                    reason = f"caption {side.name} is not UTF-8 ({e.reason} at byte {e.start})"
+                    rejects.append(Reject(n, reason, src))
+                    continue
+                except OSError as e:
+                    rejects.append(Reject(n, f"caption {side.name} cannot be read: {e.strerror or e}", src))
                     continue
                 if not text:
                     rejects.append(Reject(n, f"caption {side.name} is empty", src))
@@ -235,3 +283,10 @@ def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
             src["text"] = text
             cands.append(Candidate(n, str(f), text, cls, src))
     return cands, rejects
+
+
+def _listdir(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError as e:
+        raise ManifestError(f"{folder}: cannot list the image folder: {e.strerror or e}") from e
