@@ -7,10 +7,12 @@ never see half of it; a second run with the same inputs and settings reuses it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import time
 from collections import Counter, defaultdict
@@ -19,14 +21,27 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.fsutil import atomic_dir, atomic_write_jsonl, file_lock
+from mmfast.fsutil import (
+    MARKER,
+    OutputDirError,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_jsonl,
+    file_lock,
+    file_sha256,
+    marker_kind,
+    recover_dir,
+    write_errors,
+)
 from mmfast.manifest import Candidate, ManifestError, Reject, read_input
 from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer, train_wordpiece
-from mmfast.validate import check_images
+from mmfast.validate import DEFAULT_MAX_PIXELS, check_images
 
 log = logging.getLogger(__name__)
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels
+PREPARED_KIND = "mmfast prepared dataset"  # the "kind" in the marker of a prepared directory
+_SPLIT_FILES = ("train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl")
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,7 @@ class PrepareConfig:
     workers: int = 0  # 0: all cores
     vocab_size: int = 4000
     confine: bool = False
+    max_pixels: int = DEFAULT_MAX_PIXELS  # decoded-pixel budget per image (width x height)
     progress: bool = True
 
     def __post_init__(self):
@@ -51,30 +67,94 @@ class PrepareConfig:
             raise ValueError(f"--max-length must be at least 3 (room for [CLS] x [SEP]), got {self.max_length}")
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if self.max_pixels < 1:
+            raise ValueError(f"--max-pixels must be at least 1, got {self.max_pixels}")
 
 
 def prepare_dataset(cfg: PrepareConfig) -> dict:
-    """Prepare ``cfg.source`` into ``cfg.out`` (or reuse it when inputs and settings are unchanged).
+    """Prepare ``cfg.source`` into ``cfg.out`` (or reuse it when inputs, settings and files are unchanged).
+
+    ``cfg.out`` is replaced only when mmfast prepared it (its marker file, or a prepare.json of an older
+    mmfast) or it is an empty directory; the replacement is atomic (see ``fsutil.atomic_dir``).
 
     Returns:
         the contents of prepare.json.
 
     Raises:
         ManifestError: the input cannot be read or leaves no usable rows.
+        OutputDirError: ``cfg.out`` is not mmfast's, holds the input, or cannot be written (disk full).
     """
     out = Path(cfg.out)
-    with file_lock(out.parent / f".{out.name}.lock"):
+    _check_input_outside(cfg)
+    with file_lock(out.parent / f".{out.name}.lock"), write_errors(out, "the prepared dataset"):
+        recover_dir(out, _replaceable)
+        _check_out(out)
         fp = _input_fingerprint(cfg)
-        done = out / "prepare.json"
-        if done.exists():
-            summary = json.loads(done.read_text())
-            if summary.get("input_fingerprint") == fp:
-                _refresh_token_cache(out, summary)
-                log.info("%s is up to date; reusing it", out)
-                return summary
-        with atomic_dir(out) as tmp:
+        summary = _reuse(out, fp)
+        if summary is not None:
+            log.info("%s is up to date; reusing it", out)
+            return summary
+        with atomic_dir(out, PREPARED_KIND, _replaceable) as tmp:
             summary = _prepare_into(cfg, tmp, fp)
     return summary
+
+
+def _replaceable(directory: Path) -> bool:
+    """A directory prepare may replace: mmfast's prepared directory (marker, or the prepare.json of an
+    older mmfast that wrote no marker), an empty directory, or a leftover of a killed run."""
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    if not any(directory.iterdir()):
+        return True
+    if (directory / MARKER).is_file():
+        # An unreadable marker is one a killed (or out of disk) run was writing into its temp dir.
+        return marker_kind(directory) in (PREPARED_KIND, None)
+    return _is_legacy(directory)
+
+
+def _is_legacy(directory: Path) -> bool:
+    try:
+        summary = json.loads((directory / "prepare.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and "input_fingerprint" in summary and "counts" in summary
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out that exists and is not a directory mmfast prepared."""
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink():
+        raise OutputDirError(
+            f"--out {out} is a symbolic link; pass a new or empty directory (nothing was changed)"
+        )
+    if not out.is_dir():
+        raise OutputDirError(f"--out {out} is a file, not a directory; pass a new or empty directory")
+    if not _replaceable(out):
+        raise OutputDirError(
+            f"--out {out} already exists and was not prepared by mmfast (it has no {MARKER} file); "
+            f"nothing in it was changed. Pass a new or empty directory to --out, or move {out} away yourself"
+        )
+
+
+def _check_input_outside(cfg: PrepareConfig) -> None:
+    """Refuse an --out that holds the input (replacing it would delete it) or that sits inside the image
+    folder being prepared (the next run would read it as a class)."""
+    out, src = Path(cfg.out).resolve(), Path(cfg.source).resolve()
+    if _inside(src, out):
+        raise OutputDirError(
+            f"--out {cfg.out} contains the input {cfg.source}; preparing replaces --out, which would delete "
+            "the input. Pass an --out outside the input's folder"
+        )
+    if src.is_dir() and _inside(out, src):
+        raise OutputDirError(
+            f"--out {cfg.out} is inside the image folder {cfg.source}, where it would be read as a class; "
+            "pass an --out outside it"
+        )
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
 
 
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
@@ -84,7 +164,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     n_input = len(cands) + len(rejects)
     t_read = time.perf_counter()
 
-    checks = check_images([c.image for c in cands], workers, progress=cfg.progress)
+    checks = check_images([c.image for c in cands], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
     good: list[Candidate] = []
     for c, chk in zip(cands, checks, strict=True):
         if chk.ok:
@@ -92,9 +172,9 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         else:
             rejects.append(Reject(c.line, chk.reason, c.source))
     t_validate = time.perf_counter()
+    _check_images_outside(good, cfg)
 
-    good, label_map, more = _label_map(good)
-    rejects.extend(more)
+    label_map = _label_map(good)
     if not good:
         reasons = Counter(r.reason.split(":")[0] for r in rejects).most_common(3)
         raise ManifestError(
@@ -110,7 +190,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         if cfg.tokenizer
         else train_wordpiece([r["text"] for r in train_rows], cfg.vocab_size)
     )
-    tok.save_pretrained(tmp / "tokenizer")
+    _save_tokenizer(tok, tmp / "tokenizer")
     t_tok = time.perf_counter()
     caches = {}
     for split, rows in (("train", train_rows), ("val", val_rows)):
@@ -124,7 +204,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     atomic_write_jsonl(tmp / "train.jsonl", train_rows)
     atomic_write_jsonl(tmp / "val.jsonl", val_rows)
     atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in rejects])
-    (tmp / "labels.json").write_text(json.dumps(label_map, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_json(tmp / "labels.json", label_map)
     summary = {
         "version": PREPARE_VERSION,
         "source": str(Path(cfg.source).resolve()),
@@ -156,7 +236,8 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         },
     }
     assert n_input == len(good) + len(rejects), "every input row is either kept or rejected"
-    (tmp / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["files"] = _files_map(tmp)
+    atomic_write_json(tmp / "prepare.json", summary)  # last: its presence means the directory is complete
     return summary
 
 
@@ -164,19 +245,43 @@ def _reason_kind(reason: str) -> str:
     return reason.split(":")[0].split(" (")[0]
 
 
-def _label_map(rows: list[Candidate]) -> tuple[list[Candidate], dict[str, int], list[Reject]]:
-    if not rows:
-        return rows, {}, []
-    if isinstance(rows[0].label, str):
-        names = sorted({c.label for c in rows})
-        return rows, {n: i for i, n in enumerate(names)}, []
-    kept = [c for c in rows if c.label >= 0]
-    rejects = [
-        Reject(c.line, f"negative integer label {c.label}; labels are class indices >= 0", c.source)
-        for c in rows
-        if c.label < 0
-    ]
-    return kept, {str(v): v for v in sorted({c.label for c in kept})}, rejects
+def _label_map(rows: list[Candidate]) -> dict[str, int]:
+    """Class ids 0..C-1 for the sorted distinct labels: {str(original label): class id}.
+
+    Integer labels are names like any other, so 1-based (1..4), sparse ({0, 5, 17, 42}) and negative
+    labels all get contiguous ids in numeric order; labels.json keeps the originals as keys.
+    """
+    distinct = sorted({c.label for c in rows})  # one type per manifest (read_input rejects a mix)
+    return {str(v): i for i, v in enumerate(distinct)}
+
+
+def _check_images_outside(good: list[Candidate], cfg: PrepareConfig) -> None:
+    out = Path(cfg.out).resolve()
+    inside = [c for c in good if _inside(Path(c.image).resolve(), out)]
+    if inside:
+        raise OutputDirError(
+            f"{cfg.source}, line {inside[0].line}: image {inside[0].image} is inside --out {cfg.out} "
+            f"({len(inside)} images are); preparing replaces --out, which would delete them. Pass an --out "
+            "that holds none of the input"
+        )
+
+
+def _save_tokenizer(tok, path: Path) -> None:
+    try:
+        tok.save_pretrained(path)
+    except OSError:
+        raise
+    except Exception as e:  # the tokenizers library reports a failed write as a bare Exception
+        code = re.search(r"os error (\d+)", str(e))
+        raise OSError(int(code.group(1)) if code else errno.EIO, f"saving the tokenizer: {e}", str(path)) from e
+
+
+def _files_map(root: Path) -> dict[str, dict]:
+    """{relative posix path: {"size", "sha256"}} of every file the training side verifies."""
+    paths = [root / name for name in _SPLIT_FILES]
+    for sub in ("tokens", "tokenizer"):
+        paths += sorted(p for p in (root / sub).rglob("*") if p.is_file() and p.suffix != ".lock")
+    return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
 
 
 def _split(rows: list[Candidate], label_map: dict[str, int], val_fraction: float, seed: int):
@@ -214,7 +319,7 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
     """Hash of the input (manifest bytes or folder listing, with image sizes and mtimes) and the settings."""
     h = hashlib.sha256(
         f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
-        f"{cfg.vocab_size}|{cfg.confine}".encode()
+        f"{cfg.vocab_size}|{cfg.confine}|{cfg.max_pixels}".encode()
     )
     src = Path(cfg.source)
     if not src.exists():
@@ -230,19 +335,53 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
         try:
             st = p.stat()
         except OSError:  # dangling link, symlink loop: part of the input as it is
-            h.update(f"{p}|unreadable".encode())
+            h.update(os.fsencode(p) + b"|unreadable")
             continue
-        if stat.S_ISREG(st.st_mode):
-            h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode())
+        if stat.S_ISREG(st.st_mode):  # fsencode: a file name need not be UTF-8
+            h.update(os.fsencode(p) + f"|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()
 
 
-def _refresh_token_cache(out: Path, summary: dict) -> None:
-    """Rebuild a damaged or stale token cache of an otherwise up-to-date prepared directory."""
+def _reuse(out: Path, fp: str) -> dict | None:
+    """prepare.json of ``out`` when it was prepared from the same input and settings and its files are as
+    recorded; a changed token cache is rebuilt (it follows from the verified rows and tokenizer). None when
+    ``out`` must be prepared again."""
+    try:
+        summary = json.loads((out / "prepare.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("input_fingerprint") != fp:
+        return None
+    if not isinstance(summary.get("files"), dict) or not summary["files"]:
+        return None
+    changed = _changed_files(out, summary["files"])
+    if not changed:
+        return summary
+    if any(not rel.startswith("tokens/") for rel in changed):
+        log.info("%s: %s changed since preparation; preparing again", out, changed[0])
+        return None
+    log.info("%s: token cache changed since preparation (%s); rebuilding it", out, changed[0])
+    _rebuild_token_cache(out, summary, {rel.split("/")[1].split(".")[0] for rel in changed})
+    summary["files"] = _files_map(out)
+    atomic_write_json(out / "prepare.json", summary)
+    return summary
+
+
+def _changed_files(root: Path, files: dict) -> list[str]:
+    changed = []
+    for rel, want in sorted(files.items()):
+        p = root / rel
+        if not p.is_file() or p.stat().st_size != want.get("size") or file_sha256(p) != want.get("sha256"):
+            changed.append(rel)
+    return changed
+
+
+def _rebuild_token_cache(out: Path, summary: dict, splits: set[str]) -> None:
     tok = load_tokenizer(out / "tokenizer")
-    for split in ("train", "val"):
+    for split in sorted(splits & {"train", "val"}):
         rows = [json.loads(ln) for ln in (out / f"{split}.jsonl").read_text().splitlines() if ln]
         first = rows[0]["id"] if rows else summary["counts"]["train"]
+        (out / "tokens" / f"{split}.meta.json").unlink(missing_ok=True)  # forces the rebuild
         TokenCache.build(
             out / "tokens", split, [r["text"] for r in rows], tok, summary["max_length"], first_id=first
         )

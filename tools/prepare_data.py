@@ -1,7 +1,9 @@
 """Prepare a manifest (JSONL/CSV) or image folder for training.
 
 python tools/prepare_data.py MANIFEST_OR_FOLDER --out DIR [--tokenizer X] [--max-length N]
-    [--val-fraction F] [--seed S] [--workers N] [--confine] [--format files|wds]
+    [--val-fraction F] [--seed S] [--workers N] [--confine] [--max-pixels N] [--format files|wds]
+
+--out is created, or replaced when it is a directory prepared by mmfast (or empty); anything else is refused.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import argparse
 import logging
 import sys
 
+from mmfast.fsutil import write_errors
 from mmfast.manifest import ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.validate import DEFAULT_MAX_PIXELS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,6 +33,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="processes for image validation (0: all cores)")
     p.add_argument("--vocab-size", type=int, default=4000, help="size of the trained WordPiece vocabulary")
     p.add_argument("--confine", action="store_true", help="reject image paths outside the manifest's folder")
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        default=DEFAULT_MAX_PIXELS,
+        help="reject images over this many pixels, w x h (read from the header; bounds the loader memory)",
+    )
     p.add_argument(
         "--format",
         choices=["files", "wds"],
@@ -67,14 +77,16 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             vocab_size=args.vocab_size,
             confine=args.confine,
+            max_pixels=args.max_pixels,
             progress=not args.no_progress,
         )
         summary = prepare_dataset(cfg)
         if args.format == "wds":
             from mmfast.wds import write_wds
 
-            write_wds(args.out)
-    except (ManifestError, ValueError) as e:
+            with write_errors(args.out, "the WebDataset shards"):
+                write_wds(args.out)
+    except (ManifestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_summary(summary)
