@@ -168,6 +168,8 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
         except UnicodeDecodeError as e:
             rejects.append(_not_utf8(line, raw, e))
             good_lines.append("")  # keep line numbers aligned; an empty line is skipped by csv
+    if rejects and rejects[0].line == 1:
+        raise ManifestError(f"{path}:1: the header is {rejects[0].reason} (as UTF-8)")
     csv.field_size_limit(MAX_LINE_BYTES)
     reader = csv.DictReader(io.StringIO("\n".join(good_lines), newline=""), delimiter=delimiter)
     if reader.fieldnames is None:
@@ -178,13 +180,19 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
             f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; name the columns image,text,label"
         )
     rows = []
+    end = reader.line_num  # the header's last line
     try:
         for row in reader:
+            # A quoted field may span lines (or an unclosed quote swallow some): a row is named by its first
+            # line, where the problem starts, not by reader.line_num, its last.
+            start, end = end + 1, reader.line_num
+            while start < end and not good_lines[start - 1].strip():
+                start += 1
             extra = row.pop(None, None)
             if extra:
-                rejects.append(Reject(reader.line_num, f"{len(extra)} more fields than the header", row))
+                rejects.append(Reject(start, f"{len(extra)} more fields than the header", row))
                 continue
-            rows.append((reader.line_num, row))
+            rows.append((start, row))
     except csv.Error as e:
         raise ManifestError(f"{path}:{reader.line_num}: CSV cannot be parsed: {e}") from e
     return rows, rejects

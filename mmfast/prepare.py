@@ -325,7 +325,10 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
     if not src.exists():
         raise ManifestError(f"{src}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     if src.is_file():
-        h.update(src.read_bytes())
+        try:
+            h.update(src.read_bytes())
+        except OSError as e:
+            raise ManifestError(f"{src}: cannot read the manifest: {e.strerror or e}") from e
     out = os.path.abspath(cfg.out)
     base = src if src.is_dir() else src.parent
     for p in sorted(base.rglob("*")):

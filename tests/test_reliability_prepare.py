@@ -464,3 +464,16 @@ def test_a_prepared_directory_is_not_read_as_an_image_folder(tmp_path, capsys):
         f"{out} looks like an incomplete prepared dataset (no prepare.json); re-run tools/prepare_data.py "
         "on the original manifest"
     )
+
+
+def test_csv_problems_name_the_line_where_they_start(tmp_path):
+    save_image(tmp_path / "a.jpg")
+    (tmp_path / "m.csv").write_text(
+        'image,text,label\n\na.jpg,"two\nlines",cat\na.jpg,x,\na.jpg,"unclosed,dog\na.jpg,swallowed,dog\n'
+    )
+    cands, rejects, _ = read_input(tmp_path / "m.csv")
+    assert [(c.line, c.text) for c in cands] == [(3, "two\nlines")]
+    assert [(r.line, r.reason) for r in rejects] == [(5, "empty label"), (6, "missing field 'label'")]
+    (tmp_path / "u.csv").write_bytes("image,text,label\n".encode("utf-16"))
+    with pytest.raises(ManifestError, match=r"u\.csv:1: the header is not UTF-8 \(invalid start byte at byte 0\)"):
+        read_input(tmp_path / "u.csv")
