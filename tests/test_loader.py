@@ -209,7 +209,7 @@ def test_bad_arguments_give_clear_errors(prepared, tmp_path):
         MultimodalLoader(prepared, "train", batch_size=0)
     with pytest.raises(ValueError, match="shard_id must be in"):
         MultimodalLoader(prepared, "train", batch_size=8, shard_id=2, num_shards=2)
-    with pytest.raises(FileNotFoundError, match="not a prepared dataset split"):
+    with pytest.raises(ValueError, match="not a prepared dataset"):
         MultimodalLoader(tmp_path, "train")
     with pytest.raises(ValueError, match="cannot fill one batch"):
         MultimodalLoader(prepared, "train", batch_size=1000)

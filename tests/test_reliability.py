@@ -64,6 +64,7 @@ def _damage(rows: list[dict]) -> dict[int, str]:
     return victims
 
 
+@pytest.mark.slow
 def test_images_damaged_after_preparation_are_skipped_counted_and_never_mis_joined(own_dataset, tmp_path):
     rows = _jsonl(own_dataset / "train.jsonl")
     victims = _damage(rows)
@@ -102,6 +103,7 @@ def test_on_bad_image_error_stops_naming_the_file(own_dataset, tmp_path, capsys)
     assert rc == 2 and rows[5]["image"] in err and "re-run tools/prepare_data.py" in err
 
 
+@pytest.mark.slow
 def test_nan_losses_are_skipped_and_counted(prepared, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = engine.compute_loss
@@ -138,6 +140,7 @@ def test_a_run_that_only_produces_nan_stops_with_a_clear_message(prepared, tmp_p
     assert not (tmp_path / "r" / "checkpoints").exists()  # nothing trained, nothing saved
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(prepared, tmp_path):
     out = tmp_path / "run"
     base = train_cmd(prepared, out)
@@ -259,6 +262,7 @@ def _prepare_in_process(args):
     ]
 
 
+@pytest.mark.slow
 def test_two_processes_preparing_the_same_dataset_at_once(tmp_path):
     manifest = demo_dataset(n=300, seed=5, root=tmp_path / "demo")
     out = tmp_path / "prepared"

@@ -66,6 +66,14 @@ def test_out_holding_user_files_is_refused_and_left_untouched(prepared, tmp_path
         assert _tree(out) == before
 
 
+def test_out_inside_a_prepared_dataset_is_refused(own_prepared, capsys):
+    before = _tree(own_prepared)
+    assert (own_prepared / ".mmfast-prepared").is_file()
+    assert _run(own_prepared, own_prepared / "runs" / "a", "--max-steps", "1") == 2
+    assert "inside the prepared dataset" in capsys.readouterr().err
+    assert _tree(own_prepared) == before
+
+
 def test_an_earlier_run_needs_resume_or_overwrite_and_overwrite_moves_it_aside(prepared, tmp_path, capsys):
     out = tmp_path / "run"
     assert _run(prepared, out, "--max-steps", "2", "--model", "concat") == 0
@@ -132,6 +140,7 @@ def test_resume_with_other_must_match_settings_is_refused_listing_them(prepared,
     assert _tree(out) == before  # a refused resume changes nothing
 
 
+@pytest.mark.slow
 def test_max_steps_then_a_larger_max_steps_continues_the_same_epoch(prepared, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     flags = ["--epochs", "1", "--record-ids"]
@@ -150,6 +159,7 @@ def test_max_steps_then_a_larger_max_steps_continues_the_same_epoch(prepared, tm
 # --- 3. checkpoints are verified -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(prepared, tmp_path, capsys, caplog):
     out = tmp_path / "run"
     assert _run(prepared, out, "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "3") == 0
@@ -179,7 +189,7 @@ def test_non_finite_weights_are_never_saved(prepared, tmp_path, monkeypatch, cap
             next(self.model.parameters()).fill_(float("nan"))
 
     monkeypatch.setattr(engine.EpochRunner, "optimizer_step", poison)
-    assert _run(prepared, tmp_path / "run", "--epochs", "1") == 2
+    assert _run(prepared, tmp_path / "run", "--max-steps", "2") == 2
     assert "hold NaN/inf" in capsys.readouterr().err
     assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
 
@@ -247,9 +257,9 @@ def test_an_epoch_of_only_non_finite_losses_reports_nan_not_zero(prepared, tmp_p
         engine, "compute_loss", lambda logits, labels, reduction="mean": logits.float().sum() * float("nan")
     )
     out = tmp_path / "run"
-    assert _run(prepared, out, "--epochs", "1", "--max-nan-steps", "100") == 0
+    assert _run(prepared, out, "--max-steps", "3", "--max-nan-steps", "100") == 0
     (m,) = _jsonl(out / "metrics.jsonl")
-    assert m["train_loss"] != m["train_loss"] and m["skipped_steps"] == 15  # NaN
+    assert m["train_loss"] != m["train_loss"] and m["skipped_steps"] == 3  # NaN
 
 
 # --- 7. signals and multi-process runs ------------------------------------------------------------------
@@ -288,6 +298,7 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_checkpoint_write_keeps_the_previous_one_and_resume_is_exact(prepared, tmp_path):
     wrapper = tmp_path / "pausing_train.py"
     wrapper.write_text(PAUSING_TRAIN.format(root=str(ROOT)))
@@ -372,7 +383,7 @@ def with_suppress_kill(pid: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["rank 1", "launcher"])
 def test_sigterm_to_one_rank_or_the_launcher_stops_both_at_the_same_step_with_one_checkpoint(
-    prepared, tmp_path, target
+    prepared, tmp_path, target, capsys
 ):
     out = tmp_path / "ddp"
     flags = ("--epochs", "2", "--record-ids", "--mixed-precision", "no", "--dist-timeout", "60")
@@ -385,6 +396,9 @@ def test_sigterm_to_one_rank_or_the_launcher_stops_both_at_the_same_step_with_on
     state = json.loads((ckpt / "trainer_state.json").read_text())
     r0, r1 = _jsonl(out / "seen_ids.rank0.jsonl"), _jsonl(out / "seen_ids.rank1.jsonl")
     assert len(r0) == len(r1) == state["global_step"]  # both ranks stopped after the same optimizer step
+    # Another number of processes cannot continue the same shards: refused, listing it
+    assert train_tool.main([*train_cmd(prepared, out, *flags)[2:], "--resume", "latest"]) == 2
+    assert "num_processes: 2 -> 1" in capsys.readouterr().err
     resumed = subprocess.run(
         train_cmd(prepared, out, *flags, "--resume", "latest",
                   launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))),

@@ -118,6 +118,7 @@ def test_accumulating_4x16_equals_one_step_of_64(prepared, tmp_path):
     assert differs > 1e-3, differs
 
 
+@pytest.mark.slow
 def test_last_partial_accumulation_window_of_an_epoch_is_stepped(prepared, tmp_path):
     # 240 train samples / 32 = 7 micro-batches; with accumulation 3 the windows are 3 + 3 + 1.
     out = tmp_path / "run"
@@ -131,6 +132,7 @@ def test_last_partial_accumulation_window_of_an_epoch_is_stepped(prepared, tmp_p
     assert json.loads((out / "config.json").read_text())["total_steps"] == 6
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_reproduces_the_uninterrupted_run(prepared, tmp_path):
     args = [
         "--data",

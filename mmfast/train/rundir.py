@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmfast.dataset import PREPARED_MARKER
+
 RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
 
@@ -56,6 +58,12 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, default_out: bool
         RunDirError: the directory holds files mmfast did not write, or an earlier run and neither
             --resume nor --overwrite says what to do with it.
     """
+    for parent in [run_dir.resolve(), *run_dir.resolve().parents]:
+        if (parent / PREPARED_MARKER).exists():
+            raise RunDirError(
+                f"--out {run_dir} is inside the prepared dataset {parent}, which preparing it again replaces "
+                "whole; choose an --out outside it"
+            )
     if not run_dir.exists():
         return RunDirPlan("new", run_dir)
     if not run_dir.is_dir():
