@@ -22,21 +22,16 @@ import json
 import os
 from pathlib import Path
 
-PREPARED_MARKER = ".mmfast-prepared"
+from mmfast.fsutil import MARKER as PREPARED_MARKER
+from mmfast.fsutil import file_sha256
+from mmfast.validate import DEFAULT_MAX_PIXELS
+
+__all__ = ["DatasetError", "PREPARED_MARKER", "PreparedDataset", "file_sha256", "read_json_file"]
 MIN_VERSION = 2  # the first prepare.json format that records file fingerprints
 
 
 class DatasetError(ValueError):
     """A prepared dataset directory is missing, incomplete, changed since preparation or unreadable."""
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes, read in chunks (no whole-file copy in memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_json_file(path: Path, what: str) -> object:
@@ -132,6 +127,11 @@ class PreparedDataset:
     @property
     def tokens_dir(self) -> Path:
         return self.root / "tokens"
+
+    @property
+    def max_pixels(self) -> int:
+        """The decoded-pixel budget the images were validated against."""
+        return int(self.summary.get("config", {}).get("max_pixels") or DEFAULT_MAX_PIXELS)
 
     def split_size(self, split: str) -> int:
         """Rows in a split, from prepare.json's counts (0 for an empty or absent split)."""

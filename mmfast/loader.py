@@ -31,6 +31,7 @@ from mmfast.dataset import PreparedDataset
 from mmfast.host_finish import HostFinisher, ragged_iterator
 from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.token_cache import TokenCache
+from mmfast.validate import DEFAULT_MAX_PIXELS
 
 log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
@@ -110,6 +111,8 @@ class ImageLoader:
             the other samples' order stay the same on every rank) or "error" (raise, naming the file).
         file_stats: (size, mtime_ns) of each file when it was validated; files that differ now are decoded
             again at start-up (MultimodalLoader passes what tools/prepare_data.py recorded).
+        max_pixels: decoded-pixel budget per image, checked from the header of every file that is checked
+            again at start-up (one over it is a bad image): what bounds the decoder's memory.
         cpu_resize: who resizes, flips and normalizes the decoded crops when decoding on the CPU: "torch"
             (the consuming thread, ``mmfast.host_finish``; about 2x faster) or "dali" (in the graph). The
             GPU path always does it in DALI.
@@ -138,6 +141,7 @@ class ImageLoader:
         wds_shards: Sequence[str] | None = None,
         on_bad_image: str = "skip",
         file_stats: Sequence[tuple[int, int]] | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
         **pipeline_kwargs,
     ):
@@ -183,6 +187,7 @@ class ImageLoader:
             raise ValueError(f"on_bad_image must be 'skip' or 'error', got '{on_bad_image}'")
         self.on_bad_image = on_bad_image
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
+        self.max_pixels = max_pixels
         self._check_files(file_stats)
         self.wds_shards = [str(p) for p in wds_shards] if wds_shards else None
         for tar in self.wds_shards or []:
@@ -386,7 +391,7 @@ class ImageLoader:
             elif st.st_size == 0:
                 suspects.append(p)
         if suspects:
-            checks = check_images([self.files[p] for p in suspects], self.num_threads)
+            checks = check_images([self.files[p] for p in suspects], self.num_threads, max_pixels=self.max_pixels)
             bad = [(p, c.reason) for p, c in zip(suspects, checks, strict=True) if not c.ok]
             if bad:
                 self._mark_bad(*map(list, zip(*bad, strict=True)))
@@ -528,6 +533,7 @@ class MultimodalLoader(ImageLoader):
         elif source != "files":
             raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
         is_train = split == "train"
+        kwargs.setdefault("max_pixels", dataset.max_pixels)
         if all("size" in r and "mtime_ns" in r for r in rows):
             kwargs.setdefault("file_stats", [(r["size"], r["mtime_ns"]) for r in rows])
         super().__init__(

@@ -15,8 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mmfast.dataset import file_sha256
-from mmfast.fsutil import atomic_write_json, fsync_dir, fsync_tree
+from mmfast.fsutil import atomic_write_json, file_sha256, fsync_dir, fsync_tree
 from mmfast.train.setup import all_processes_ok
 
 log = logging.getLogger(__name__)
