@@ -141,7 +141,7 @@ def test_real_minilm_weights_load_offline(minilm_dir):
 
 
 def test_unknown_names_and_mismatched_weights_fail_clearly(tmp_path):
-    with pytest.raises(ValueError, match="unknown model 'mid'; choose from early, concat, late"):
+    with pytest.raises(ValueError, match="unknown model 'mid'; choose from early, concat, late, image, text"):
         build_model("mid", 3)
     with pytest.raises(ValueError, match="unknown image backbone 'vgg16'"):
         build_model("concat", 3, image_backbone="vgg16", vocab_size=VOCAB)
@@ -175,3 +175,77 @@ def test_models_under_fp16_autocast_on_gpu(name):
     with torch.autocast("cuda", dtype=torch.float16):
         out = model(batch)
     assert out.dtype == torch.float16 and torch.isfinite(out.float()).all()
+
+
+# ImageNet class indices: 281 tabby, 282 tiger cat, 285 Egyptian cat; 967 espresso, 968 cup, 504 coffee mug
+CAT, COFFEE = {281, 282, 285}, {967, 968, 504}
+
+
+def test_packaged_efficientnet_lite0_weights_recognise_real_photos(photos):
+    """The pretrained preset's image tower is real: ImageNet's own head on its features names a cat a cat."""
+    import numpy as np
+    from PIL import Image
+
+    from mmfast.models.encoders import lite0_weights_path
+
+    enc = ImageEncoder("efficientnet-lite0").eval()
+    assert enc.pretrained and enc.width == 1280 and enc.mean == enc.std == (0.5, 0.5, 0.5)
+    head = torch.load(lite0_weights_path(), weights_only=True)  # the ImageNet classifier mmfast leaves out
+    by_name = {p.name: p for p in photos}
+    for name, expected in (("chelsea.png", CAT), ("coffee.png", COFFEE)):
+        img = Image.open(by_name[name]).convert("RGB").resize((224, 224), Image.BILINEAR)
+        x = (torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255 - 0.5) / 0.5
+        with torch.no_grad():
+            pooled, fmap = enc(x[None])
+        logits = pooled @ head["_fc.weight"].T + head["_fc.bias"]
+        assert fmap.shape == (1, 1280, 7, 7)
+        assert set(logits.topk(3).indices[0].tolist()) & expected, name
+
+
+def test_unimodal_baselines_see_only_their_modality():
+    image = build_model("image", 3, image_backbone="resnet10", hidden=16).eval()
+    text = build_model("text", 3, text_model="bert-tiny", vocab_size=VOCAB, hidden=16).eval()
+    assert not hasattr(image, "text") and not hasattr(text, "image")  # the unused encoder is never built
+    a, b = _batch(seed=0), _batch(seed=1)
+    with torch.no_grad():
+        assert torch.equal(image(a), image({**b, "image": a["image"]}))  # other captions: same logits
+        assert not torch.equal(image(a), image(b))
+        assert torch.equal(text(a), text({**b, "input_ids": a["input_ids"], "attention_mask": a["attention_mask"]}))
+        assert not torch.equal(text(a), text(b))
+
+
+def test_pretrained_encoders_get_their_own_learning_rate_and_a_probe_warm_start(minilm_dir):
+    from mmfast.train.engine import make_scheduler, param_groups
+
+    model = build_model("concat", 3, image_backbone="resnet10", text_model="minilm", hidden=16)
+    groups = param_groups(model, weight_decay=0.05, lr=1e-3, encoder_lr=3e-5)
+    text_ids = {id(p) for p in model.text.parameters()}
+    for g in groups:
+        in_text = {id(p) in text_ids for p in g["params"]}
+        assert len(in_text) == 1  # a group is all pretrained-encoder or all new
+        assert g["pretrained"] == in_text.pop()
+        assert g["lr"] == (3e-5 if g["pretrained"] else 1e-3)
+        assert g["weight_decay"] == (0.05 if all(p.ndim > 1 for p in g["params"]) else 0.0)
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    opt = torch.optim.AdamW(groups)
+    sched = make_scheduler(opt, "cosine", warmup=2, total=10, probe=4)
+    lrs = []
+    for _ in range(10):
+        lrs.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    pre = [i for i, g in enumerate(opt.param_groups) if g["pretrained"]]
+    new = [i for i, g in enumerate(opt.param_groups) if not g["pretrained"]]
+    assert all(lrs[s][i] == 0.0 for s in range(4) for i in pre)  # encoders still during the probe
+    assert all(lrs[s][i] > 0 for s in range(4, 9) for i in pre)
+    assert all(lrs[s][i] > 0 for s in range(1, 9) for i in new) and lrs[2][new[0]] == pytest.approx(1e-3)
+    assert lrs[1][new[0]] == pytest.approx(0.5e-3)  # linear warmup over 2 steps
+
+
+def test_frozen_pretrained_image_encoder_has_no_optimizer_group():
+    from mmfast.train.engine import param_groups
+
+    model = build_model("image", 3, image_backbone="efficientnet-lite0", freeze_image=True, hidden=16)
+    groups = param_groups(model, 0.05, 1e-3, 1e-5)
+    assert not any(g["pretrained"] for g in groups)
+    assert sum(len(g["params"]) for g in groups) == len(list(model.head.parameters()))

@@ -322,3 +322,44 @@ def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, 
     )
     prep = json.loads((tmp_path / "b" / "prepared" / "prepare.json").read_text())
     assert prep["tokenizer"] == minilm_dir and prep["vocab_size"] == 30522
+
+
+def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):
+    from mmfast.train import engine
+
+    accs = iter([0.5, 0.9, 0.7])
+    real = engine.evaluate
+
+    def scripted(*args, **kwargs):  # the real evaluation, with the accuracy of a run that peaks at epoch 1
+        return {**real(*args, **kwargs), "val_acc": next(accs)}
+
+    monkeypatch.setattr(engine, "evaluate", scripted)
+    out = tmp_path / "run"
+    flags = ["--epochs", "3", "--keep-checkpoints", "1", *FAST[2:]]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["val_acc"], summary["best_val_acc"], summary["best_epoch"]) == (0.7, 0.9, 1)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000014", "step-00000021"]
+    assert summary["best_checkpoint"].endswith("step-00000014")
+    m = _jsonl(out / "metrics.jsonl")[-1]
+    assert 0 <= m["val_macro_f1"] <= 1 and set(m["val_per_class"]) == set(
+        json.loads((prepared / "labels.json").read_text())
+    )
+    assert sum(c["support"] for c in m["val_per_class"].values()) == 60
+
+
+def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path, monkeypatch):
+    from mmfast.train import engine
+
+    seen = []
+
+    class Spy(engine.MultimodalLoader):
+        def __init__(self, *args, **kwargs):
+            seen.append((kwargs.get("mean"), kwargs.get("std")))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "MultimodalLoader", Spy)
+    out = tmp_path / "run"
+    flags = ["--image-backbone", "efficientnet-lite0", "--freeze-image", "--max-steps", "1", *FAST[2:]]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
+    assert seen and all(m == (127.5,) * 3 and s == (127.5,) * 3 for m, s in seen)  # Lite0's 0.5 / 0.5, in 0..255

@@ -164,7 +164,7 @@ def loop_overhead(args, data: Path, device) -> dict:
     from mmfast.loader import MultimodalLoader
     from mmfast.tokenizer import load_tokenizer
     from mmfast.train.config import TrainConfig
-    from mmfast.train.engine import EpochRunner, initial_state, param_groups, warmup_cosine
+    from mmfast.train.engine import EpochRunner, initial_state, make_scheduler, param_groups
     from mmfast.train.setup import make_accelerator
 
     # grad_clip=0: the same arithmetic as the minimal loop, so the difference is the loop's machinery
@@ -182,8 +182,8 @@ def loop_overhead(args, data: Path, device) -> dict:
         model = _model(args, "concat", num_classes, vocab, acc.device)
         minimal.append(minimal_loop(model, iter(batches * 2), acc.device, mp, len(batches), len(batches)))
         model = _model(args, "concat", num_classes, vocab, acc.device)
-        opt = torch.optim.AdamW(param_groups(model, 0.05), lr=1e-3)
-        sched = warmup_cosine(opt, 2, 10 * len(batches))
+        opt = torch.optim.AdamW(param_groups(model, 0.05, 1e-3), lr=1e-3)
+        sched = make_scheduler(opt, "cosine", 2, 10 * len(batches))
         model, opt = acc.prepare(model, opt)
         runner = EpochRunner(
             cfg,

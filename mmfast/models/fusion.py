@@ -1,4 +1,7 @@
-"""Three fusion families, each taking the loader's batch dict and returning logits (B, num_classes).
+"""Three fusion families and the two single-modality baselines, each taking the loader's batch dict and
+returning logits (B, num_classes).
+
+- ImageOnly / TextOnly: one encoder + MLP head, the baselines every fusion result is compared with.
 
 - ConcatFusion (feature level): pooled image ++ pooled text -> MLP.
 - LateFusion (decision level): one classifier per modality, logits combined (mean or learned weights).
@@ -16,6 +19,30 @@ from mmfast.models.encoders import ImageEncoder, TextEncoder
 
 def _mlp(d_in: int, hidden: int, num_classes: int, dropout: float) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+
+
+class ImageOnly(nn.Module):
+    """The image alone: MLP over the pooled image features (the caption is ignored)."""
+
+    def __init__(self, image: ImageEncoder, text: None, num_classes: int, hidden: int = 512, dropout: float = 0.1):
+        super().__init__()
+        self.image = image
+        self.head = _mlp(image.width, hidden, num_classes, dropout)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.image(batch["image"])[0])
+
+
+class TextOnly(nn.Module):
+    """The caption alone: MLP over the pooled text features (the image is ignored)."""
+
+    def __init__(self, image: None, text: TextEncoder, num_classes: int, hidden: int = 512, dropout: float = 0.1):
+        super().__init__()
+        self.text = text
+        self.head = _mlp(text.width, hidden, num_classes, dropout)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.text(batch["input_ids"], batch["attention_mask"]))
 
 
 class ConcatFusion(nn.Module):

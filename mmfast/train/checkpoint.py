@@ -102,8 +102,11 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
-def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_state: dict, keep: int) -> Path:
-    """Write a checkpoint atomically on all processes (a collective call); keep the newest ``keep``."""
+def save_checkpoint(
+    accelerator, run_dir: str | os.PathLike, step: int, trainer_state: dict, keep: int, protect: int | None = None
+) -> Path:
+    """Write a checkpoint atomically on all processes (a collective call); keep the newest ``keep`` and the
+    one of step ``protect`` (the best so far)."""
     d = checkpoint_dir(run_dir)
     final = d / f"step-{step:08d}"
     tmp = d / f".step-{step:08d}.tmp"
@@ -141,7 +144,8 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, trainer_
         os.replace(tmp, final)
         fsync_dir(d)
         for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if protect is None or old.name != f"step-{protect:08d}":
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 

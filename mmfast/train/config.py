@@ -14,7 +14,7 @@ class TrainConfig:
     data: str | None = None  # prepared dir, raw manifest / image folder, or None for the built-in demo set
     out: str | None = None  # None: runs/latest, an earlier run there is moved aside (runs/latest.old-<time>)
     overwrite: bool = False  # --out holds an earlier run: move it aside (never deleted) and start afresh
-    model: str = "concat"  # early | concat | late
+    model: str = "concat"  # early | concat | late, or a single-modality baseline: image | text
     preset: str = "tiny"
     image_backbone: str | None = None  # None: from the preset
     image_weights: str | None = None
@@ -22,16 +22,19 @@ class TrainConfig:
     image_size: int | None = None  # None: from the preset
     hidden: int | None = None
     combine: str = "mean"  # late fusion: mean | learned
-    freeze_image: bool = False
+    freeze_image: bool | None = None  # None: from the preset
     freeze_text: bool = False
-    epochs: int = 6
+    epochs: int | None = None  # None: from the preset
     max_steps: int | None = None  # optimizer steps; stops early when reached
-    batch_size: int = 64  # per process
+    batch_size: int | None = None  # per process; None: from the preset
     eval_batch_size: int | None = None
     grad_accum: int = 1
-    lr: float = 2e-3
+    lr: float | None = None  # new layers and encoders trained from scratch; None: from the preset
+    encoder_lr: float | None = None  # pretrained encoders; None: from the preset
     weight_decay: float = 0.05
-    warmup_frac: float = 0.1
+    warmup_frac: float | None = None  # None: from the preset
+    probe_frac: float | None = None  # share of steps with pretrained encoders still; None: from the preset
+    scheduler: str = "cosine"  # a transformers.get_scheduler name: cosine | linear | constant_with_warmup | ...
     grad_clip: float = 1.0
     mixed_precision: str = "auto"  # auto | fp16 | bf16 | no
     channels_last: bool = False
@@ -59,26 +62,27 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds a process waits for the others in a collective before it stops
 
     def __post_init__(self):
-        floats = ("lr", "weight_decay", "warmup_frac", "grad_clip", "dropout", "crop_scale_min", "color_jitter",
-                  "profile_interval", "dist_timeout")
+        floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout",
+                  "crop_scale_min", "color_jitter", "profile_interval", "dist_timeout")
         for name in floats:
             value = getattr(self, name)
+            if value is None:  # filled from the preset by resolve_preset
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{_flag(name)} must be a finite number, got {value!r}")
-        positive_ints = ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size",
-                         "max_length")
+        positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length")
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{_flag(name)} must be an integer, got {value!r}")
-        for name in ("max_steps", "image_size", "hidden", "eval_batch_size", "num_threads"):
+        for name in ("epochs", "batch_size", "max_steps", "image_size", "hidden", "eval_batch_size", "num_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
         checks = [
             (
-                self.model in ("early", "concat", "late"),
-                f"--model must be early, concat or late, got '{self.model}'",
+                self.model in ("early", "concat", "late", "image", "text"),
+                f"--model must be early, concat, late, image or text, got '{self.model}'",
             ),
             (
                 self.mixed_precision in ("auto", "fp16", "bf16", "no"),
@@ -93,10 +97,16 @@ class TrainConfig:
                 self.cpu_resize in ("torch", "dali"),
                 f"--cpu-resize must be torch or dali, got '{self.cpu_resize}'",
             ),
-            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
-            (0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
+            (self.lr is None or 0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
+            (
+                self.encoder_lr is None or 0 <= self.encoder_lr <= 10,
+                f"--encoder-lr must be in [0, 10], got {self.encoder_lr}",
+            ),
+            (
+                self.probe_frac is None or 0 <= self.probe_frac < 1,
+                f"--probe-frac must be in [0, 1), got {self.probe_frac}",
+            ),
             (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
             (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0: no clipping), got {self.grad_clip}"),
             (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
@@ -108,7 +118,10 @@ class TrainConfig:
             (self.max_length >= 3, f"--max-length must be >= 3, got {self.max_length}"),
             (self.image_size is None or self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}"),
-            (0 <= self.warmup_frac < 1, f"--warmup-frac must be in [0, 1), got {self.warmup_frac}"),
+            (
+                self.warmup_frac is None or 0 <= self.warmup_frac < 1,
+                f"--warmup-frac must be in [0, 1), got {self.warmup_frac}",
+            ),
             (0 < self.crop_scale_min <= 1, f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}"),
             (self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
@@ -132,14 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags (flags win)")
     for f in fields(TrainConfig):
         default = None if f.default is MISSING else f.default
-        help_ = f"(default: {default})"
-        if f.type in ("bool",) or isinstance(default, bool):
+        help_ = f"(default: {'from the preset' if default is None and f.name in PRESET_FIELDS else default})"
+        kind = str(f.type)
+        if "bool" in kind:
             p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
-        elif isinstance(default, int) and not isinstance(default, bool):
-            p.add_argument(_flag(f.name), dest=f.name, type=int, help=help_)
-        elif isinstance(default, float):
+        elif "float" in kind:
             p.add_argument(_flag(f.name), dest=f.name, type=float, help=help_)
-        elif "int" in str(f.type):
+        elif "int" in kind:
             p.add_argument(_flag(f.name), dest=f.name, type=int, help=help_)
         else:
             p.add_argument(_flag(f.name), dest=f.name, help=help_)
@@ -216,16 +228,19 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
+PRESET_FIELDS = (
+    "image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs", "warmup_frac",
+    "freeze_image", "probe_frac", "batch_size",
+)
+
+
 def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     """The configuration with every "from the preset" field (None) filled in: what config.json records."""
     from mmfast.models import get_preset
 
     preset = get_preset(cfg.preset)
-    return replace(
-        cfg,
-        image_backbone=cfg.image_backbone or preset.image_backbone,
-        text_model=cfg.text_model or preset.text_model,
-        image_size=cfg.image_size or preset.image_size,
-        hidden=cfg.hidden or preset.hidden,
-        eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
-    )
+    filled = {name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS}
+    if filled["encoder_lr"] is None:
+        filled["encoder_lr"] = filled["lr"]
+    resolved = replace(cfg, **filled)
+    return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)

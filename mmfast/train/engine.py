@@ -21,11 +21,13 @@ import torch.nn.functional as F
 from mmfast.dataset import PreparedDataset
 from mmfast.fsutil import atomic_write_json
 from mmfast.loader import IGNORE_LABEL, MultimodalLoader
+from mmfast.metrics import confusion_figures
 from mmfast.models import build_model
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import (
     CheckpointError,
+    checkpoint_dir,
     load_checkpoint,
     read_trainer_state,
     resolve_resume,
@@ -55,15 +57,26 @@ def compute_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "m
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction=reduction)
 
 
-def warmup_cosine(optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup for ``warmup`` optimizer steps, then cosine decay to 0 at ``total``."""
+def make_scheduler(optimizer, name: str, warmup: int, total: int, probe: int = 0):
+    """A transformers schedule (``get_scheduler``: linear warmup, then cosine/linear/... decay) per optimizer
+    step; parameter groups marked ``"pretrained"`` stay at lr 0 for the first ``probe`` steps (a linear-probe
+    warm start: the new layers learn on fixed features before the encoders move)."""
+    from transformers import get_scheduler
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    try:
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    except ValueError as e:
+        raise ValueError(f"--scheduler {name}: {e}") from None
+    if probe > 0:
+        for i, group in enumerate(optimizer.param_groups):
+            if group.get("pretrained"):
+                base = scheduler.lr_lambdas[i]
+                scheduler.lr_lambdas[i] = lambda step, base=base: 0.0 if step < probe else base(step)
+        # The constructor already applied step 0's factors, before the probe existed: apply them again.
+        for group, factor, base in zip(optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return scheduler
 
 
 def initial_state() -> dict:
@@ -72,19 +85,38 @@ def initial_state() -> dict:
         "epoch": 0,
         "global_step": 0,
         "best_val_acc": 0.0,
+        "best_val_macro_f1": None,
+        "best_epoch": None,
+        "best_step": None,
         "epoch_stats": None,
         "loader": None,
         "skipped_steps": 0,
     }
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-d parameters)."""
-    decay, no_decay = [], []
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float, encoder_lr: float | None = None) -> list[dict]:
+    """Optimizer groups: pretrained encoders at ``encoder_lr``, everything else (heads, fusion layers, encoders
+    trained from scratch) at ``lr``; no weight decay on biases and norm weights (1-d parameters). Empty groups
+    (a frozen encoder) are left out."""
+    pretrained = {
+        id(p)
+        for enc in (getattr(model, "image", None), getattr(model, "text", None))
+        if enc is not None and getattr(enc, "pretrained", False)
+        for p in enc.parameters()
+    }
+    groups: dict[tuple[bool, bool], list] = {}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim > 1 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups.setdefault((id(p) in pretrained, p.ndim > 1), []).append(p)
+    return [
+        {
+            "params": params,
+            "lr": (encoder_lr if encoder_lr is not None else lr) if is_pre else lr,
+            "weight_decay": weight_decay if decays else 0.0,
+            "pretrained": is_pre,
+        }
+        for (is_pre, decays), params in sorted(groups.items())
+    ]
 
 
 class _StopFlag:
@@ -123,11 +155,16 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def build_loaders(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None = None
 ) -> tuple[MultimodalLoader, MultimodalLoader | None]:
-    """This process's train loader (its shard, augmented) and val loader (None without a val split)."""
+    """This process's train loader (its shard, augmented) and val loader (None without a val split).
+
+    ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
+    """
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+    extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
     common = dict(
+        **extra,
         on_bad_image=cfg.on_bad_image,
         accelerator=accelerator,
         size=cfg.image_size,
@@ -237,7 +274,6 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
                 + "\nresume with the same settings, or start afresh with --overwrite (the old run is moved aside)"
             )
     check_tokenizer_matches(cfg.text_model, dataset.root)
-    train_loader, val_loader = build_loaders(cfg, accelerator, dataset)
     model = build_model(
         cfg.model,
         dataset.num_classes,
@@ -252,16 +288,22 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         channels_last=cfg.channels_last,
         **({"combine": cfg.combine} if cfg.model == "late" else {}),
     )
+    # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
+    image = getattr(model, "image", None)
+    norm = (image.mean, image.std) if image is not None else None
+    train_loader, val_loader = build_loaders(cfg, accelerator, dataset, norm)
     if cfg.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.encoder_lr), lr=cfg.lr)
     # The schedule counts optimizer steps: micro-batches / accumulation, per process (each process takes
     # the same number of steps), never multiplied by the process count.
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
-    scheduler = warmup_cosine(optimizer, int(total_steps * cfg.warmup_frac), total_steps)
+    scheduler = make_scheduler(
+        optimizer, cfg.scheduler, int(total_steps * cfg.warmup_frac), total_steps, int(total_steps * cfg.probe_frac)
+    )
     # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -275,15 +317,21 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if accelerator.is_main_process:
         _write_config(run_dir, identity, dataset, total_steps, resume_from, state["global_step"])
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
+    ctx.class_names = sorted(dataset.labels, key=dataset.labels.get)
     sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
     with _StopFlag() as stop, sampler:
         ctx.stop, ctx.sampler = stop, (sampler if cfg.profile else None)
         last_metrics = ctx.fit(val_loader)
     if cfg.profile and accelerator.is_main_process:
         _write_profile(run_dir, ctx, train_loader, cfg, accelerator)
+    best = state.get("best_step")
     summary = {
-        "val_acc": last_metrics.get("val_acc"),
+        "val_acc": last_metrics.get("val_acc"),  # the last evaluation's
+        "val_macro_f1": last_metrics.get("val_macro_f1"),
         "best_val_acc": state["best_val_acc"],
+        "best_val_macro_f1": state.get("best_val_macro_f1"),
+        "best_epoch": state.get("best_epoch"),
+        "best_checkpoint": str(checkpoint_dir(run_dir) / f"step-{best:08d}") if best is not None else None,
         "images_per_s": last_metrics.get("images_per_s"),
         "wall_s": time.perf_counter() - t_start,
         "device": str(accelerator.device),
@@ -396,6 +444,7 @@ class EpochRunner:
         self.cfg, self.acc, self.model, self.opt, self.sched = cfg, accelerator, model, optimizer, scheduler
         self.loader, self.run_dir, self.total_steps, self.state = loader, run_dir, total_steps, state
         self.stop = None
+        self.class_names = None  # names of class ids 0..C-1, for the per-class metrics
         self.interrupted = False
         self.consecutive_bad = 0
         self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile)
@@ -411,7 +460,9 @@ class EpochRunner:
             if self.interrupted:
                 break
             with self.timer.phase("eval"):
-                val_metrics = evaluate(self.acc, self.model, val_loader) if val_loader is not None else {}
+                val_metrics = (
+                    evaluate(self.acc, self.model, val_loader, self.class_names) if val_loader is not None else {}
+                )
             metrics = {
                 "epoch": epoch,
                 "step": self.state["global_step"],
@@ -421,7 +472,14 @@ class EpochRunner:
                 "skipped_steps": self.state["skipped_steps"],
                 "skipped_samples": len(self.loader.bad),
             }
-            self.state["best_val_acc"] = max(self.state["best_val_acc"], metrics.get("val_acc", 0.0))
+            if metrics.get("val_acc", 0.0) > self.state["best_val_acc"] or self.state.get("best_step") is None:
+                # This step's checkpoint (written just below) is the best one: retention never removes it.
+                self.state.update(
+                    best_val_acc=metrics.get("val_acc", 0.0),
+                    best_val_macro_f1=metrics.get("val_macro_f1"),
+                    best_epoch=epoch,
+                    best_step=self.state["global_step"],
+                )
             if train_stats["epoch_complete"]:
                 self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
             # else: --max-steps stopped the epoch; train_epoch saved its position, so a resume with a
@@ -578,7 +636,14 @@ class EpochRunner:
 
     def checkpoint(self) -> None:
         check_finite_weights(self.model, f"step {self.state['global_step']}")
-        save_checkpoint(self.acc, self.run_dir, self.state["global_step"], self.state, self.cfg.keep_checkpoints)
+        save_checkpoint(
+            self.acc,
+            self.run_dir,
+            self.state["global_step"],
+            self.state,
+            self.cfg.keep_checkpoints,
+            protect=self.state.get("best_step"),
+        )
 
     def record_ids(self, epoch: int, ids: torch.Tensor) -> None:
         path = self.run_dir / f"seen_ids.rank{self.acc.process_index}.jsonl"
@@ -591,7 +656,10 @@ class EpochRunner:
             return
         _append_line(self.run_dir / "metrics.jsonl", json.dumps(metrics))
         val = (
-            f" val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f}" if "val_acc" in metrics else ""
+            f" val_loss {metrics['val_loss']:.4f} val_acc {metrics['val_acc']:.4f} "
+            f"macro-F1 {metrics['val_macro_f1']:.4f}"
+            if "val_acc" in metrics
+            else ""
         )
         self.acc.print(
             f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f}{val} "
@@ -602,17 +670,28 @@ class EpochRunner:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader) -> dict:
-    """Loss and accuracy over the whole split, all processes together (padding samples excluded)."""
+def evaluate(accelerator, model, loader, class_names: list[str] | None = None) -> dict:
+    """Loss, accuracy, macro-F1 and per-class precision/recall over the whole split, all processes together
+    (padding samples excluded)."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss_sum, correct, count
+    c = loader.num_classes
+    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss_sum, count
+    confusion = torch.zeros(c * c, dtype=torch.int64, device=accelerator.device)  # (true, predicted), flat
     for batch in loader:  # no set_epoch: the eval order is fixed, and the loader keeps its pipeline
         logits = model(batch)
         labels = batch["label"]
         keep = labels != IGNORE_LABEL
         totals[0] += compute_loss(logits[keep], labels[keep], reduction="sum")
-        totals[1] += (logits.argmax(1)[keep] == labels[keep]).sum()
-        totals[2] += keep.sum()
+        totals[1] += keep.sum()
+        confusion += torch.bincount(labels[keep] * c + logits.argmax(1)[keep], minlength=c * c)
     model.train()
-    loss_sum, correct, count = accelerator.reduce(totals, reduction="sum").tolist()
-    return {"val_loss": loss_sum / max(1, count), "val_acc": correct / max(1, count), "val_samples": int(count)}
+    loss_sum, count = accelerator.reduce(totals, reduction="sum").tolist()
+    cm = accelerator.reduce(confusion, reduction="sum").cpu().numpy().reshape(c, c)  # note: a sync point
+    figures = confusion_figures(cm, class_names)
+    return {
+        "val_loss": loss_sum / max(1, count),
+        "val_acc": figures["acc"],
+        "val_macro_f1": figures["macro_f1"],
+        "val_samples": int(count),
+        "val_per_class": figures["per_class"],
+    }
