@@ -43,7 +43,9 @@ def read_json_file(path: Path, what: str) -> object:
     except UnicodeDecodeError as e:
         raise DatasetError(f"{path}: not UTF-8 at byte {e.start} ({what})") from None
     except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg} ({what})") from None
+        raise DatasetError(
+            f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg} ({what})"
+        ) from None
 
 
 class PreparedDataset:
@@ -154,7 +156,9 @@ class PreparedDataset:
                 try:
                     row = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise DatasetError(f"{path}, line {line_no}: not a JSON row ({e}); re-run preparation") from None
+                    raise DatasetError(
+                        f"{path}, line {line_no}: not a JSON row ({e}); re-run preparation"
+                    ) from None
                 problem = self._row_problem(row)
                 if problem:
                     raise DatasetError(f"{path}, line {line_no}: {problem}; re-run tools/prepare_data.py")

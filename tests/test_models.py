@@ -210,7 +210,9 @@ def test_unimodal_baselines_see_only_their_modality():
     with torch.no_grad():
         assert torch.equal(image(a), image({**b, "image": a["image"]}))  # other captions: same logits
         assert not torch.equal(image(a), image(b))
-        assert torch.equal(text(a), text({**b, "input_ids": a["input_ids"], "attention_mask": a["attention_mask"]}))
+        assert torch.equal(
+            text(a), text({**b, "input_ids": a["input_ids"], "attention_mask": a["attention_mask"]})
+        )
         assert not torch.equal(text(a), text(b))
 
 

@@ -190,7 +190,7 @@ def test_sigkill_at_random_points_then_resume_sees_each_sample_once(prepared, tm
     )
     rng = random.Random(7)
     # Random kill points between steps; a kill inside a checkpoint write is hit deterministically by
-    # tests/test_reliability_train.py::test_sigkill_inside_a_checkpoint_write_keeps_the_previous_one_and_resume_is_exact
+    # test_reliability_train.py::test_sigkill_inside_a_checkpoint_write_keeps_the_previous_one_and_resume_is_exact
     for attempt in range(3):
         args = base + (["--resume", "latest"] if attempt else [])
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

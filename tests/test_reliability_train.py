@@ -134,7 +134,9 @@ def test_resume_with_other_must_match_settings_is_refused_listing_them(prepared,
         err = capsys.readouterr().err
         assert "cannot resume from" in err and expect in err and "Traceback" not in err
     other = tmp_path / "other"  # the same images split differently: another data fingerprint
-    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(other), max_length=32, seed=1, progress=False))
+    prepare_dataset(
+        PrepareConfig(source=str(demo_manifest), out=str(other), max_length=32, seed=1, progress=False)
+    )
     assert train_tool.main(["--data", str(other), "--out", str(out), *SMALL_RUN, "--resume", "latest"]) == 2
     assert "data_fingerprint" in capsys.readouterr().err
     assert _tree(out) == before  # a refused resume changes nothing
@@ -197,7 +199,9 @@ def test_non_finite_weights_are_never_saved(prepared, tmp_path, monkeypatch, cap
 # --- 4. the prepared directory is verified ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fault", ["truncate-train", "edit-labels", "edit-caption", "swap-tokens", "cut-last-line"])
+@pytest.mark.parametrize(
+    "fault", ["truncate-train", "edit-labels", "edit-caption", "swap-tokens", "cut-last-line"]
+)
 def test_prepared_files_changed_after_preparation_stop_the_run_naming_them(
     own_prepared, tmp_path, capsys, fault, demo_manifest
 ):
@@ -243,8 +247,16 @@ def test_a_directory_without_prepare_json_is_not_read_as_an_image_folder(own_pre
 
 @pytest.mark.parametrize(
     "flags",
-    [["--lr", "inf"], ["--lr", "nan"], ["--weight-decay", "-1"], ["--grad-clip", "nan"], ["--dropout", "1.5"],
-     ["--warmup-frac", "nan"], ["--dist-timeout", "0"], ["--image-size", "0"]],
+    [
+        ["--lr", "inf"],
+        ["--lr", "nan"],
+        ["--weight-decay", "-1"],
+        ["--grad-clip", "nan"],
+        ["--dropout", "1.5"],
+        ["--warmup-frac", "nan"],
+        ["--dist-timeout", "0"],
+        ["--image-size", "0"],
+    ],
 )
 def test_non_finite_or_out_of_range_numbers_are_refused(flags, tmp_path, capsys, prepared):
     assert _run(prepared, tmp_path / "run", *flags) == 2
@@ -400,9 +412,18 @@ def test_sigterm_to_one_rank_or_the_launcher_stops_both_at_the_same_step_with_on
     assert train_tool.main([*train_cmd(prepared, out, *flags)[2:], "--resume", "latest"]) == 2
     assert "num_processes: 2 -> 1" in capsys.readouterr().err
     resumed = subprocess.run(
-        train_cmd(prepared, out, *flags, "--resume", "latest",
-                  launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))),
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        train_cmd(
+            prepared,
+            out,
+            *flags,
+            "--resume",
+            "latest",
+            launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())),
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in (0, 1):

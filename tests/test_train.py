@@ -186,9 +186,9 @@ def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
         train_tool.main(["--epochs", "two"])
     assert train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "r"), "--resume", str(tmp_path)]) == 2
     assert "not an intact mmfast checkpoint" in capsys.readouterr().err
-    assert train_tool.main(["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path / "h")]) == (
-        0 if torch.cuda.is_available() else 2
-    )
+    assert train_tool.main(
+        ["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path / "h")]
+    ) == (0 if torch.cuda.is_available() else 2)
     m = tmp_path / "m.jsonl"
     m.write_bytes(b"\xff\xfe garbage\n")
     assert train_tool.main(["--data", str(m), "--out", str(tmp_path / "r2"), "--no-progress"]) == 2

@@ -52,8 +52,15 @@ def _entries(emoji_test: Path) -> list[dict]:
             name = m.group(4)
             if "skin tone" in name or group == "Component":
                 continue
-            rows.append({"code": m.group(1).strip().replace(" ", "-"), "char": m.group(2), "name": name,
-                         "group": group, "subgroup": sub})
+            rows.append(
+                {
+                    "code": m.group(1).strip().replace(" ", "-"),
+                    "char": m.group(2),
+                    "name": name,
+                    "group": group,
+                    "subgroup": sub,
+                }
+            )
     return rows
 
 
@@ -90,8 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             dst = out / "img" / slug / f"{e['code']}.png"
             dst.parent.mkdir(parents=True, exist_ok=True)
             tile.resize((a.size, a.size), Image.LANCZOS).save(dst)
-            rows.append({"image": f"img/{slug}/{e['code']}.png", "text": _caption(e["name"]),
-                         "label": e["group"], "subgroup": e["subgroup"]})
+            rows.append(
+                {
+                    "image": f"img/{slug}/{e['code']}.png",
+                    "text": _caption(e["name"]),
+                    "label": e["group"],
+                    "subgroup": e["subgroup"],
+                }
+            )
     with open(out / "manifest.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")

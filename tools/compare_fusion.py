@@ -12,7 +12,6 @@ macro-F1, the best epoch's accuracy, wall time, images/s) and writes compare.jso
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -114,17 +113,33 @@ def table(results: dict[str, list[dict]], baseline: dict | None) -> list[dict]:
         acc, acc_sd = _mean_std([r["val_acc"] for r in runs])
         f1, f1_sd = _mean_std([r["val_macro_f1"] for r in runs])
         best, _ = _mean_std([r["best_val_acc"] for r in runs])
-        rows.append({
-            "model": model, "val_acc": acc, "val_acc_std": acc_sd, "val_macro_f1": f1, "val_macro_f1_std": f1_sd,
-            "best_val_acc": best, "wall_s": statistics.fmean(r["wall_s"] for r in runs),
-            "images_per_s": statistics.fmean(r["images_per_s"] for r in runs), "seeds": len(runs),
-        })
+        rows.append(
+            {
+                "model": model,
+                "val_acc": acc,
+                "val_acc_std": acc_sd,
+                "val_macro_f1": f1,
+                "val_macro_f1_std": f1_sd,
+                "best_val_acc": best,
+                "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+                "images_per_s": statistics.fmean(r["images_per_s"] for r in runs),
+                "seeds": len(runs),
+            }
+        )
     if baseline is not None:
-        rows.append({
-            "model": "tfidf+logreg (captions)", "val_acc": baseline["val_acc"], "val_acc_std": 0.0,
-            "val_macro_f1": baseline["val_macro_f1"], "val_macro_f1_std": 0.0, "best_val_acc": None,
-            "wall_s": baseline["wall_s"], "images_per_s": None, "seeds": 1,
-        })
+        rows.append(
+            {
+                "model": "tfidf+logreg (captions)",
+                "val_acc": baseline["val_acc"],
+                "val_acc_std": 0.0,
+                "val_macro_f1": baseline["val_macro_f1"],
+                "val_macro_f1_std": 0.0,
+                "best_val_acc": None,
+                "wall_s": baseline["wall_s"],
+                "images_per_s": None,
+                "seeds": 1,
+            }
+        )
     return rows
 
 
@@ -150,8 +165,13 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["model"] for r in rows]
-    ax.bar(names, [r["val_acc"] for r in rows], yerr=[r["val_acc_std"] for r in rows], capsize=4,
-           color=["#888" if "tfidf" in n else "#4a7ebb" for n in names])
+    ax.bar(
+        names,
+        [r["val_acc"] for r in rows],
+        yerr=[r["val_acc_std"] for r in rows],
+        capsize=4,
+        color=["#888" if "tfidf" in n else "#4a7ebb" for n in names],
+    )
     ax.set_ylabel("val accuracy (mean ± std)")
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
@@ -177,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = table(results, baseline)
     print_table(rows)
-    atomic_write_json(out / "compare.json", {"data": str(data_dir), "preset": args.preset, "seeds": args.seeds,
-                                             "rows": rows, "runs": results})
+    atomic_write_json(
+        out / "compare.json",
+        {"data": str(data_dir), "preset": args.preset, "seeds": args.seeds, "rows": rows, "runs": results},
+    )
     plot(rows, f"{data_dir} — preset {args.preset}, seeds {args.seeds}", out / "compare.png")
     print(f"\nwrote {out / 'compare.json'} and {out / 'compare.png'}")
     return 0

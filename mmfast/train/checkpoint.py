@@ -125,9 +125,7 @@ def save_checkpoint(
     if ok and accelerator.is_main_process:
         try:
             atomic_write_json(tmp / STATE_FILE, trainer_state)
-            sums = {
-                p.relative_to(tmp).as_posix(): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()
-            }
+            sums = {p.relative_to(tmp).as_posix(): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             atomic_write_json(tmp / CHECKSUMS_FILE, sums)
             fsync_tree(tmp)
         except Exception as e:

@@ -62,8 +62,19 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds a process waits for the others in a collective before it stops
 
     def __post_init__(self):
-        floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout",
-                  "crop_scale_min", "color_jitter", "profile_interval", "dist_timeout")
+        floats = (
+            "lr",
+            "encoder_lr",
+            "weight_decay",
+            "warmup_frac",
+            "probe_frac",
+            "grad_clip",
+            "dropout",
+            "crop_scale_min",
+            "color_jitter",
+            "profile_interval",
+            "dist_timeout",
+        )
         for name in floats:
             value = getattr(self, name)
             if value is None:  # filled from the preset by resolve_preset
@@ -75,7 +86,15 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{_flag(name)} must be an integer, got {value!r}")
-        for name in ("epochs", "batch_size", "max_steps", "image_size", "hidden", "eval_batch_size", "num_threads"):
+        for name in (
+            "epochs",
+            "batch_size",
+            "max_steps",
+            "image_size",
+            "hidden",
+            "eval_batch_size",
+            "num_threads",
+        ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
@@ -229,8 +248,17 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
 
 
 PRESET_FIELDS = (
-    "image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs", "warmup_frac",
-    "freeze_image", "probe_frac", "batch_size",
+    "image_backbone",
+    "text_model",
+    "image_size",
+    "hidden",
+    "lr",
+    "encoder_lr",
+    "epochs",
+    "warmup_frac",
+    "freeze_image",
+    "probe_frac",
+    "batch_size",
 )
 
 
@@ -239,7 +267,9 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     from mmfast.models import get_preset
 
     preset = get_preset(cfg.preset)
-    filled = {name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS}
+    filled = {
+        name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS
+    }
     if filled["encoder_lr"] is None:
         filled["encoder_lr"] = filled["lr"]
     resolved = replace(cfg, **filled)

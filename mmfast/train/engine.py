@@ -33,8 +33,8 @@ from mmfast.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.config import TrainConfig, config_dict, resolve_preset, resume_differences
+from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir
 from mmfast.train.setup import (
     all_processes_ok,
@@ -73,7 +73,9 @@ def make_scheduler(optimizer, name: str, warmup: int, total: int, probe: int = 0
                 base = scheduler.lr_lambdas[i]
                 scheduler.lr_lambdas[i] = lambda step, base=base: 0.0 if step < probe else base(step)
         # The constructor already applied step 0's factors, before the probe existed: apply them again.
-        for group, factor, base in zip(optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True):
+        for group, factor, base in zip(
+            optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True
+        ):
             group["lr"] = base * factor(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return scheduler
@@ -94,7 +96,9 @@ def initial_state() -> dict:
     }
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, lr: float, encoder_lr: float | None = None) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, lr: float, encoder_lr: float | None = None
+) -> list[dict]:
     """Optimizer groups: pretrained encoders at ``encoder_lr``, everything else (heads, fusion layers, encoders
     trained from scratch) at ``lr``; no weight decay on biases and norm weights (1-d parameters). Empty groups
     (a frozen encoder) are left out."""
@@ -274,20 +278,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
                 + "\nresume with the same settings, or start afresh with --overwrite (the old run is moved aside)"
             )
     check_tokenizer_matches(cfg.text_model, dataset.root)
-    model = build_model(
-        cfg.model,
-        dataset.num_classes,
-        image_backbone=cfg.image_backbone,
-        text_model=cfg.text_model,
-        vocab_size=len(load_tokenizer(dataset.tokenizer_dir)),
-        image_weights=cfg.image_weights,
-        freeze_image=cfg.freeze_image,
-        freeze_text=cfg.freeze_text,
-        hidden=cfg.hidden,
-        dropout=cfg.dropout,
-        channels_last=cfg.channels_last,
-        **({"combine": cfg.combine} if cfg.model == "late" else {}),
-    )
+    model = _build_model(cfg, dataset)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
@@ -297,12 +288,15 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.encoder_lr), lr=cfg.lr)
     # The schedule counts optimizer steps: micro-batches / accumulation, per process (each process takes
     # the same number of steps), never multiplied by the process count.
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
-    total_steps = steps_per_epoch * cfg.epochs
+    total_steps = math.ceil(len(train_loader) / cfg.grad_accum) * cfg.epochs
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     scheduler = make_scheduler(
-        optimizer, cfg.scheduler, int(total_steps * cfg.warmup_frac), total_steps, int(total_steps * cfg.probe_frac)
+        optimizer,
+        cfg.scheduler,
+        int(total_steps * cfg.warmup_frac),
+        total_steps,
+        int(total_steps * cfg.probe_frac),
     )
     # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -353,6 +347,23 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _build_model(cfg: TrainConfig, dataset: PreparedDataset) -> torch.nn.Module:
+    return build_model(
+        cfg.model,
+        dataset.num_classes,
+        image_backbone=cfg.image_backbone,
+        text_model=cfg.text_model,
+        vocab_size=len(load_tokenizer(dataset.tokenizer_dir)),
+        image_weights=cfg.image_weights,
+        freeze_image=cfg.freeze_image,
+        freeze_text=cfg.freeze_text,
+        hidden=cfg.hidden,
+        dropout=cfg.dropout,
+        channels_last=cfg.channels_last,
+        **({"combine": cfg.combine} if cfg.model == "late" else {}),
+    )
 
 
 def _write_config(
