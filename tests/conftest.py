@@ -101,6 +101,15 @@ def save_image(path: Path, size=(40, 30), mode="RGB", fmt=None, seed=0) -> Path:
     return path
 
 
+def free_port() -> int:
+    """A TCP port no process listens on now (for a launcher's rendezvous; tests never share one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def train_cmd(data: Path, out: Path, *flags: str, launcher: tuple[str, ...] = ()) -> list[str]:
     """argv of a real ``tools/train.py`` process on a small, fast configuration (batch 16, 32 px)."""
     script = str(ROOT / "tools" / "train.py")

@@ -41,12 +41,8 @@ def test_generated_rows_meet_the_ceilings(demo_manifest):
         assert not any(s in r["text"] for s in demo.SHAPES)
 
 
-def test_generation_is_deterministic_and_quick(tmp_path):
-    import time
-
-    t = time.perf_counter()
+def test_generation_is_deterministic(tmp_path):
     a = demo.demo_dataset(n=200, seed=3, root=tmp_path / "a")
-    assert time.perf_counter() - t < 10
     b = demo.demo_dataset(n=200, seed=3, root=tmp_path / "b")
     assert a.read_text() == b.read_text()
     assert (a.parent / "images" / "00007.jpg").read_bytes() == (b.parent / "images" / "00007.jpg").read_bytes()

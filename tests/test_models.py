@@ -117,6 +117,27 @@ def test_late_fusion_combines_its_per_modality_logits(combine):
     assert torch.allclose(out, w[0] * parts["image"] + w[1] * parts["text"], atol=1e-6)
 
 
+def test_late_fusion_trains_each_branch_on_its_own_loss_too():
+    from mmfast.train.engine import compute_loss, training_loss
+
+    torch.manual_seed(0)
+    model = build_model("late", 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
+    model.train()
+    batch = _batch()
+    out = model(batch)
+    assert set(out) == {"logits", "aux", "aux_weight"} and out["aux_weight"] == 1.0
+    img, txt = out["aux"]
+    assert torch.allclose(out["logits"], (img + txt) / 2)
+    labels = batch["label"]
+    expected = compute_loss(out["logits"], labels) + compute_loss(img, labels) + compute_loss(txt, labels)
+    assert torch.allclose(training_loss(out, labels), expected)
+    training_loss(out, labels).backward()
+    assert model.text_head[0].weight.grad.abs().sum() > 0 and model.image_head[0].weight.grad.abs().sum() > 0
+    model.eval()
+    with torch.no_grad():
+        assert model(batch).shape == (3, 3)  # evaluation sees plain logits
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_models_run_under_autocast(dtype):
     for name in ("early", "concat", "late"):

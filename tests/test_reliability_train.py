@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_RUN, train_cmd
+from conftest import ROOT, SMALL_RUN, free_port, train_cmd
 
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.train import engine
@@ -34,12 +33,6 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 def _run(data: Path, out: Path, *flags: str) -> int:
     return train_tool.main(["--data", str(data), "--out", str(out), *SMALL_RUN, *flags])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -355,7 +348,7 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
 
 
 def _torchrun(prepared: Path, out: Path, *flags: str) -> subprocess.Popen:
-    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
     cmd = train_cmd(prepared, out, *flags, launcher=torchrun)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -418,7 +411,7 @@ def test_sigterm_to_one_rank_or_the_launcher_stops_both_at_the_same_step_with_on
             *flags,
             "--resume",
             "latest",
-            launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())),
+            launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())),
         ),
         cwd=ROOT,
         capture_output=True,

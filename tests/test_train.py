@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, train_cmd
+from conftest import ROOT, free_port, train_cmd
 from safetensors.torch import load_file
 
 from mmfast.train.config import parse_config
@@ -212,7 +212,7 @@ def test_unconnected_launch_is_refused():
 @pytest.mark.slow
 def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
     out = tmp_path / "ddp"
-    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531")
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
     cmd = train_cmd(prepared, out, "--epochs", "2", "--record-ids", launcher=torchrun)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -45,20 +45,43 @@ class TextOnly(nn.Module):
         return self.head(self.text(batch["input_ids"], batch["attention_mask"]))
 
 
+def _drop_modalities(img: torch.Tensor, txt: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Modality dropout (training only): each sample loses its image features with probability p/2, else its
+    text features with probability p/2 (never both), so the head cannot lean on one modality alone."""
+    u = torch.rand(img.shape[0], 1, device=img.device)  # (B, 1)
+    keep_img = (u >= p / 2).to(img.dtype)
+    keep_txt = ((u < p / 2) | (u >= p)).to(txt.dtype)
+    return img * keep_img, txt * keep_txt
+
+
 class ConcatFusion(nn.Module):
-    """Feature-level fusion: MLP over [pooled image (C_img) ; pooled text (D_txt)]."""
+    """Feature-level fusion: MLP over [LayerNorm(pooled image) (C_img) ; LayerNorm(pooled text) (D_txt)].
+
+    The per-modality LayerNorm puts both on one scale (a 1280-d CNN vector would otherwise drown a 384-d
+    sentence vector); ``modality_dropout`` trains the head to use either modality alone as well as both.
+    """
 
     def __init__(
-        self, image: ImageEncoder, text: TextEncoder, num_classes: int, hidden: int = 512, dropout: float = 0.1
+        self,
+        image: ImageEncoder,
+        text: TextEncoder,
+        num_classes: int,
+        hidden: int = 512,
+        dropout: float = 0.1,
+        modality_dropout: float = 0.0,
     ):
         super().__init__()
         self.image, self.text = image, text
+        self.image_norm, self.text_norm = nn.LayerNorm(image.width), nn.LayerNorm(text.width)
+        self.modality_dropout = modality_dropout
         self.head = _mlp(image.width + text.width, hidden, num_classes, dropout)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        img, _ = self.image(batch["image"])  # (B, C_img)
-        txt = self.text(batch["input_ids"], batch["attention_mask"])  # (B, D_txt)
-        return self.head(torch.cat([img, txt.to(img.dtype)], dim=1))
+        img = self.image_norm(self.image(batch["image"])[0])  # (B, C_img)
+        txt = self.text_norm(self.text(batch["input_ids"], batch["attention_mask"])).to(img.dtype)  # (B, D_txt)
+        if self.training and self.modality_dropout > 0:
+            img, txt = _drop_modalities(img, txt, self.modality_dropout)
+        return self.head(torch.cat([img, txt], dim=1))
 
 
 class LateFusion(nn.Module):
@@ -66,6 +89,10 @@ class LateFusion(nn.Module):
 
     combine="mean": (image_logits + text_logits) / 2; combine="learned": softmax(w) weighted sum with
     w learned end to end (starts at the mean).
+
+    In training, with ``aux_weight`` > 0, the forward returns {"logits": combined, "aux": [image_logits,
+    text_logits], "aux_weight": w}: the engine adds w x each branch's own cross-entropy, so each classifier
+    learns to decide alone (a branch trained only through the sum can lean on the other one).
     """
 
     def __init__(
@@ -76,6 +103,7 @@ class LateFusion(nn.Module):
         hidden: int = 512,
         dropout: float = 0.1,
         combine: str = "mean",
+        aux_weight: float = 1.0,
     ):
         super().__init__()
         if combine not in ("mean", "learned"):
@@ -84,6 +112,7 @@ class LateFusion(nn.Module):
         self.image_head = _mlp(image.width, hidden, num_classes, dropout)
         self.text_head = _mlp(text.width, hidden, num_classes, dropout)
         self.combine = combine
+        self.aux_weight = aux_weight
         self.weights = nn.Parameter(torch.zeros(2)) if combine == "learned" else None
 
     def modality_logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -97,9 +126,12 @@ class LateFusion(nn.Module):
         w = torch.softmax(self.weights.float(), dim=0)
         return w[0] * image_logits + w[1] * text_logits
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | dict:
         parts = self.modality_logits(batch)
-        return self.combine_logits(parts["image"], parts["text"])
+        logits = self.combine_logits(parts["image"], parts["text"])
+        if self.training and self.aux_weight > 0:
+            return {"logits": logits, "aux": [parts["image"], parts["text"]], "aux_weight": self.aux_weight}
+        return logits
 
 
 class EarlyFusion(nn.Module):

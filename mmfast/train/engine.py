@@ -57,6 +57,15 @@ def compute_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "m
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction=reduction)
 
 
+def training_loss(out: torch.Tensor | dict, labels: torch.Tensor) -> torch.Tensor:
+    """The loss of a model's training output: its logits (B, C), or a dict with the logits plus auxiliary
+    per-branch logits and their weight (late fusion's branches each learn to decide alone)."""
+    if not isinstance(out, dict):
+        return compute_loss(out, labels)
+    aux = sum(compute_loss(a, labels) for a in out["aux"])
+    return compute_loss(out["logits"], labels) + out["aux_weight"] * aux
+
+
 def make_scheduler(optimizer, name: str, warmup: int, total: int, probe: int = 0):
     """A transformers schedule (``get_scheduler``: linear warmup, then cosine/linear/... decay) per optimizer
     step; parameter groups marked ``"pretrained"`` stay at lr 0 for the first ``probe`` steps (a linear-probe
@@ -599,8 +608,8 @@ class EpochRunner:
         ctx = self.acc.no_sync(self.model) if not sync and self.acc.num_processes > 1 else contextlib.nullcontext()
         with ctx:
             with self.timer.phase("forward"):
-                logits = self.model(batch)  # (B, num_classes); autocast applied by Accelerate
-                loss = compute_loss(logits, batch["label"])
+                out = self.model(batch)  # (B, num_classes); autocast applied by Accelerate
+                loss = training_loss(out, batch["label"])
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
         return loss.item()  # note: a CPU-GPU sync point per micro-batch (keeps NaN detection exact)
