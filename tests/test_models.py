@@ -29,10 +29,12 @@ def _batch(b=3, t=7, size=64, seed=0):
 @pytest.mark.parametrize("backbone", ["resnet10", "resnet18"])
 def test_output_shapes_and_gradients_reach_both_encoders(name, backbone):
     torch.manual_seed(0)
+    from mmfast.train.engine import training_loss
+
     model = build_model(name, 5, image_backbone=backbone, text_model="bert-tiny", vocab_size=VOCAB, hidden=32)
-    logits = model(_batch())
-    assert logits.shape == (3, 5)
-    torch.nn.functional.cross_entropy(logits, _batch()["label"]).backward()
+    out = model(_batch())  # late fusion in training: logits + its branches' logits
+    assert (out["logits"] if isinstance(out, dict) else out).shape == (3, 5)
+    training_loss(out, _batch()["label"]).backward()
     img_grad = model.image.net.conv1.weight.grad
     txt_grad = model.text.model.get_input_embeddings().weight.grad
     assert img_grad is not None and img_grad.abs().sum() > 0
@@ -43,7 +45,14 @@ def test_output_shapes_and_gradients_reach_both_encoders(name, backbone):
 
 def test_feature_widths_come_from_the_encoders():
     widths = {b: ImageEncoder(b).width for b in IMAGE_BACKBONES}
-    assert widths == {"resnet10": 512, "resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
+    assert widths == {
+        "resnet10": 512,
+        "resnet18": 512,
+        "resnet34": 512,
+        "resnet50": 2048,
+        "resnet101": 2048,
+        "efficientnet-lite0": 1280,
+    }
     model = build_model(
         "concat", 4, image_backbone="resnet50", text_model="bert-mini", vocab_size=VOCAB, hidden=16
     )
@@ -145,7 +154,7 @@ def test_models_run_under_autocast(dtype):
             name, 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16
         )
         with torch.autocast("cpu", dtype=dtype):
-            out = model(_batch())
+            out = model.eval()(_batch())
         assert out.dtype == dtype and torch.isfinite(out.float()).all()
 
 
@@ -194,7 +203,7 @@ def test_models_under_fp16_autocast_on_gpu(name):
     ).cuda()
     batch = {k: v.cuda() for k, v in _batch().items()}
     with torch.autocast("cuda", dtype=torch.float16):
-        out = model(batch)
+        out = model.eval()(batch)
     assert out.dtype == torch.float16 and torch.isfinite(out.float()).all()
 
 

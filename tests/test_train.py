@@ -173,7 +173,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(prepared, tmp_path):
 
 def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
     assert train_tool.main(["--model", "mid", "--out", str(tmp_path)]) == 2
-    assert "--model must be early, concat or late" in capsys.readouterr().err
+    assert "--model must be early, concat, late, image or text" in capsys.readouterr().err
     assert train_tool.main(["--cpu-resize", "opencv", "--out", str(tmp_path)]) == 2
     assert "--cpu-resize must be torch or dali" in capsys.readouterr().err
     assert train_tool.main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "r"), "--no-progress"]) == 2

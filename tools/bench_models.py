@@ -35,6 +35,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     from mmfast.fsutil import atomic_write_json
     from mmfast.models import MODELS, build_model, get_preset
+    from mmfast.train.engine import training_loss
     from mmfast.train.setup import resolve_mixed_precision
 
     args = parse_args(argv)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = torch.nn.functional.cross_entropy(model(batch).float(), batch["label"])
+                loss = training_loss(model(batch), batch["label"])
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()

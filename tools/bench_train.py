@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 def parse_args(argv):
@@ -66,6 +65,8 @@ def _autocast(device, mp: str):
 
 def minimal_loop(model, batches, device, mp: str, steps: int, warmup: int) -> float:
     """The plainest correct loop; returns images/s over ``steps`` steps after ``warmup``."""
+    from mmfast.train.engine import training_loss  # late fusion also trains each branch on its own loss
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(enabled=mp == "fp16")
     model.train()
@@ -79,7 +80,7 @@ def minimal_loop(model, batches, device, mp: str, steps: int, warmup: int) -> fl
             break
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with _autocast(device, mp):
-            loss = F.cross_entropy(model(batch).float(), batch["label"])
+            loss = training_loss(model(batch), batch["label"])
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
