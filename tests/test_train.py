@@ -110,11 +110,13 @@ def test_accumulating_4x16_equals_one_step_of_64(prepared, tmp_path):
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert train_tool.main([*common, "--out", str(tmp_path / "c"), "--batch-size", "16", "--grad-accum", "1"]) == 0
     init = _weights(tmp_path / "c")
-    moved = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    diff = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in a])
     differs = max((a[k].float() - init[k].float()).abs().max().item() for k in a)
-    # Adam's first step is about lr * sign(grad): float rounding moves near-zero gradient entries by a
-    # fraction of lr; a different batch moves weights by about lr (0.01).
-    assert moved < 1e-4, moved
+    # Adam's first step is about lr * sign(grad): float rounding can flip the update of the rare entries whose
+    # gradient is near zero (up to lr); every other entry must agree. A different batch, or a step per
+    # micro-batch, moves most weights by about lr (0.01).
+    off = (diff > 1e-4).float().mean().item()
+    assert off < 1e-3 and diff.median().item() < 1e-6, (off, diff.max().item())
     assert differs > 1e-3, differs
 
 
