@@ -45,20 +45,11 @@ class TextOnly(nn.Module):
         return self.head(self.text(batch["input_ids"], batch["attention_mask"]))
 
 
-def _drop_modalities(img: torch.Tensor, txt: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Modality dropout (training only): each sample loses its image features with probability p/2, else its
-    text features with probability p/2 (never both), so the head cannot lean on one modality alone."""
-    u = torch.rand(img.shape[0], 1, device=img.device)  # (B, 1)
-    keep_img = (u >= p / 2).to(img.dtype)
-    keep_txt = ((u < p / 2) | (u >= p)).to(txt.dtype)
-    return img * keep_img, txt * keep_txt
-
-
 class ConcatFusion(nn.Module):
     """Feature-level fusion: MLP over [LayerNorm(pooled image) (C_img) ; LayerNorm(pooled text) (D_txt)].
 
     The per-modality LayerNorm puts both on one scale (a 1280-d CNN vector would otherwise drown a 384-d
-    sentence vector); ``modality_dropout`` trains the head to use either modality alone as well as both.
+    sentence vector).
     """
 
     def __init__(
@@ -68,19 +59,15 @@ class ConcatFusion(nn.Module):
         num_classes: int,
         hidden: int = 512,
         dropout: float = 0.1,
-        modality_dropout: float = 0.0,
     ):
         super().__init__()
         self.image, self.text = image, text
         self.image_norm, self.text_norm = nn.LayerNorm(image.width), nn.LayerNorm(text.width)
-        self.modality_dropout = modality_dropout
         self.head = _mlp(image.width + text.width, hidden, num_classes, dropout)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         img = self.image_norm(self.image(batch["image"])[0])  # (B, C_img)
         txt = self.text_norm(self.text(batch["input_ids"], batch["attention_mask"])).to(img.dtype)  # (B, D_txt)
-        if self.training and self.modality_dropout > 0:
-            img, txt = _drop_modalities(img, txt, self.modality_dropout)
         return self.head(torch.cat([img, txt], dim=1))
 
 
