@@ -313,6 +313,27 @@ class ImageLoader:
     def _build_iterator(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
+        pipe = self._pipeline(positions, seed_epoch, checkpoint)
+        if self.wds_shards:
+            policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
+        else:
+            policy = LastBatchPolicy.DROP  # never used: the lists are whole batches
+        kwargs = {
+            "reader_name": READER_NAME,
+            "auto_reset": False,
+            "last_batch_policy": policy,
+            "prepare_first_batch": False,
+        }
+        if self._finisher is not None:  # ragged crops, finished on the host in _batches
+            return ragged_iterator(pipe, **kwargs)
+        return DALIGenericIterator(pipe, ["image", "id"], **kwargs)
+
+    def _pipeline(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
+        """The DALI graph reading ``positions`` (None: the WebDataset shards), defined but not built.
+
+        Defining checks every operator's argument names without touching CUDA, so tests define the GPU
+        ("mixed") graph on machines without a GPU.
+        """
         if self.wds_shards:
             source = {
                 "source": "wds",
@@ -322,7 +343,6 @@ class ImageLoader:
                 "wds_num_shards": self.num_shards,
                 "wds_shuffle": self.shuffle,
             }
-            policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
         else:
             pad_file = self._pad_file()
             source = {
@@ -330,9 +350,8 @@ class ImageLoader:
                 "files": [self.files[p] if p >= 0 and p not in self.bad else pad_file for p in positions],
                 "ids": [int(self.ids[p]) if p >= 0 and p not in self.bad else PAD_ID for p in positions],
             }
-            policy = LastBatchPolicy.DROP  # never used: the lists are whole batches
         cuda = self.device.type == "cuda"
-        pipe = image_pipeline(
+        return image_pipeline(
             **source,
             train=self.train,
             size=self.size,
@@ -348,15 +367,6 @@ class ImageLoader:
             enable_checkpointing=True,
             checkpoint=checkpoint,
         )
-        kwargs = {
-            "reader_name": READER_NAME,
-            "auto_reset": False,
-            "last_batch_policy": policy,
-            "prepare_first_batch": False,
-        }
-        if self._finisher is not None:  # ragged crops, finished on the host in _batches
-            return ragged_iterator(pipe, **kwargs)
-        return DALIGenericIterator(pipe, ["image", "id"], **kwargs)
 
     @property
     def skipped(self) -> list[dict]:
