@@ -30,6 +30,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data")
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--text-model", help="override the preset's text model (e.g. bert-base-random)")
+    p.add_argument("--image-backbone", help="override the preset's backbone")
+    p.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16"], help="variants b and d")
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=24, help="timed steps per variant (after --warmup)")
@@ -51,8 +54,8 @@ def _model(args, name: str, num_classes: int, vocab: int, device):
     return build_model(
         name,
         num_classes,
-        image_backbone=preset.image_backbone,
-        text_model=preset.text_model,
+        image_backbone=args.image_backbone or preset.image_backbone,
+        text_model=args.text_model or preset.text_model,
         vocab_size=vocab,
         hidden=preset.hidden,
     ).to(device)
@@ -245,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     data = Path(args.data) if args.data else prepared_photos()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    mp = resolve_mixed_precision("auto", device.type == "cuda") or "no"
+    mp = resolve_mixed_precision(args.mixed_precision, device.type == "cuda") or "no"
     out = {
         "device": str(device),
         "preset": args.preset,
+        "image_backbone": args.image_backbone,
+        "text_model": args.text_model,
         "image_size": args.image_size,
         "batch_size": args.batch_size,
         "steps": args.steps,
