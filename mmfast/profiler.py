@@ -34,14 +34,24 @@ from collections.abc import Iterable, Iterator
 import torch
 
 PHASES = ("data", "h2d", "forward", "backward", "optimizer")
+OUTSIDE_TRAINING = ("eval", "checkpoint")  # timed, reported, but not training time
 
 
 class StepTimer:
-    """Accumulates wall time per named phase and counts steps and samples."""
+    """Accumulates wall time per named phase and counts steps and samples.
 
-    def __init__(self, enabled: bool = True, cuda_sync: bool = False):
+    Args:
+        enabled: off, a phase costs one branch.
+        cuda_sync: synchronize the GPU at each phase boundary (honest phase times, slightly slower).
+        warmup_steps: the report describes the steady state after this many steps (CUDA and cuDNN
+            initialization, autotuning and the first prefetch land in the first steps); ``steady`` holds
+            the counters as they were then. Runs no longer than that are reported whole.
+    """
+
+    def __init__(self, enabled: bool = True, cuda_sync: bool = False, warmup_steps: int = 0):
         self.enabled = enabled
         self.cuda_sync = cuda_sync and torch.cuda.is_available()
+        self.warmup_steps = warmup_steps
         self.reset()
 
     def reset(self) -> None:
@@ -50,6 +60,8 @@ class StepTimer:
         self.steps = 0
         self.samples = 0
         self.started = time.perf_counter()
+        self.steady: dict | None = None  # the counters at the end of the warm-up
+        self.outside: list[tuple[float, float]] = []  # (start, end) of each eval / checkpoint phase
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -64,8 +76,11 @@ class StepTimer:
         finally:
             if self.cuda_sync:
                 torch.cuda.synchronize()  # note: a CPU-GPU sync point, only when profiling
-            self.totals[name] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.totals[name] += t1 - t0
             self.counts[name] += 1
+            if name in OUTSIDE_TRAINING:
+                self.outside.append((t0, t1))
 
     def iterate(self, iterable: Iterable) -> Iterator:
         """Yield from ``iterable``, charging the time spent waiting for each item to the "data" phase."""
@@ -80,6 +95,14 @@ class StepTimer:
     def end_step(self, samples: int) -> None:
         self.steps += 1
         self.samples += samples
+        if self.steps == self.warmup_steps:
+            self.steady = {
+                "started": time.perf_counter(),
+                "totals": dict(self.totals),
+                "counts": dict(self.counts),
+                "steps": self.steps,
+                "samples": self.samples,
+            }
 
     def total(self, name: str) -> float:
         return self.totals.get(name, 0.0)
@@ -148,7 +171,7 @@ class UtilizationSampler:
         import psutil
 
         psutil.cpu_percent(percpu=True)  # the first call only starts the measurement window
-        t0 = time.perf_counter()
+        self.t0 = t0 = time.perf_counter()
         while not self._stop.wait(self.interval):
             sample = {"t": time.perf_counter() - t0, "cpu_util": psutil.cpu_percent(percpu=True)}
             with contextlib.suppress(Exception):
@@ -171,18 +194,29 @@ class UtilizationSampler:
                 self._nvml.nvmlShutdown()
             self._nvml = None
 
-    def stats(self) -> dict:
-        """Mean / median / p95 of every sampled quantity; ``gpu`` says why it is missing when it is."""
-        out: dict = {"samples": len(self.samples), "interval_s": self.interval}
-        if self.samples:
-            per_core = [s["cpu_util"] for s in self.samples]
+    def stats(self, since: float | None = None, outside: list[tuple[float, float]] = ()) -> dict:
+        """Mean / median / p95 of every sampled quantity; ``gpu`` says why it is missing when it is.
+
+        Args:
+            since: a ``time.perf_counter()`` value: only samples taken after it count (the steady state).
+            outside: (start, end) ``perf_counter`` intervals whose samples do not count (evaluation,
+                checkpoint writes): a sample covers the ``interval`` before it, so one that overlaps
+                such an interval is left out.
+        """
+        base = getattr(self, "t0", 0.0)
+        lo = -float("inf") if since is None else since - base + self.interval
+        spans = [(a - base, b - base + self.interval) for a, b in outside]
+        samples = [s for s in self.samples if s["t"] >= lo and not any(a <= s["t"] <= b for a, b in spans)]
+        out: dict = {"samples": len(samples), "interval_s": self.interval}
+        if samples:
+            per_core = [s["cpu_util"] for s in samples]
             cores = len(per_core[0])
             out["cpu_util_mean_per_core"] = [
                 round(sum(s[i] for s in per_core) / len(per_core), 1) for i in range(cores)
             ]
             out["cpu_util_mean"] = round(sum(out["cpu_util_mean_per_core"]) / cores, 1)
         keys = ("gpu_util", "gpu_mem_used_mib", "sm_clock_mhz", "power_w")
-        gpu = {k: _describe([s[k] for s in self.samples if k in s]) for k in keys}
+        gpu = {k: _describe([s[k] for s in samples if k in s]) for k in keys}
         gpu = {k: v for k, v in gpu.items() if v}
         out["gpu"] = gpu if gpu else {"available": False, "reason": self.gpu_error or "no GPU samples"}
         return out
@@ -203,24 +237,32 @@ def _describe(values: list[float]) -> dict:
 def build_report(timer: StepTimer, sampler: UtilizationSampler | None = None, extra: dict | None = None) -> dict:
     """Phase times, throughput and utilization as one JSON-able dict, with the verdict.
 
-    A phase named "eval" (evaluation between epochs) is reported but left out of the training wall time
-    that the fractions and images/s refer to.
+    Phases named "eval" and "checkpoint" are reported but left out of the training wall time that the
+    fractions and images/s refer to, and so are the utilization samples taken during them. After a
+    warm-up (``StepTimer(warmup_steps=...)``) the figures are those of the steady state that followed;
+    ``warmup`` says what was left out.
     """
-    phases = {k: round(v, 4) for k, v in timer.totals.items()}
-    wall = max(1e-9, timer.elapsed() - phases.get("eval", 0.0))
-    accounted = sum(v for k, v in phases.items() if k != "eval")
+    base = timer.steady or {"started": timer.started, "totals": {}, "counts": {}, "steps": 0, "samples": 0}
+    phases = {k: round(v - base["totals"].get(k, 0.0), 4) for k, v in timer.totals.items()}
+    outside = sum(phases.get(k, 0.0) for k in OUTSIDE_TRAINING)
+    wall = max(1e-9, time.perf_counter() - base["started"] - outside)
+    accounted = sum(v for k, v in phases.items() if k not in OUTSIDE_TRAINING)
+    samples = timer.samples - base["samples"]
     report = {
-        "steps": timer.steps,
-        "samples": timer.samples,
+        "steps": timer.steps - base["steps"],
+        "samples": samples,
+        "warmup": {"steps": base["steps"], "seconds": round(base["started"] - timer.started, 3)},
         "train_wall_s": round(wall, 3),
-        "images_per_s": timer.samples / wall,
+        "images_per_s": samples / wall,
         "phase_s": phases,
-        "phase_calls": dict(timer.counts),
-        "phase_frac": {k: round(v / wall, 4) for k, v in phases.items() if k != "eval"},
+        "phase_calls": {k: v - base["counts"].get(k, 0) for k, v in timer.counts.items()},
+        "phase_frac": {k: round(v / wall, 4) for k, v in phases.items() if k not in OUTSIDE_TRAINING},
         "other_s": round(max(0.0, wall - accounted), 4),
         "data_wait_frac": phases.get("data", 0.0) / wall,
         "synchronized": timer.cuda_sync,
-        "utilization": sampler.stats() if sampler is not None else None,
+        "utilization": sampler.stats(since=base["started"], outside=timer.outside)
+        if sampler is not None
+        else None,
         **(extra or {}),
     }
     report["verdict"] = verdict(report)

@@ -59,9 +59,11 @@ def print_report(report: dict) -> None:
     gpu_line = (
         f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {gpu.get('reason', 'n/a')}"
     )
+    warm = report.get("warmup") or {}
+    after = f" (steady state, after {warm['steps']} warm-up steps)" if warm.get("steps") else ""
     print(
         f"\n{report['images_per_s']:.1f} images/s, data wait {report['data_wait_frac']:.0%}, "
-        f"CPU {util.get('cpu_util_mean', float('nan')):.0f}% mean, {gpu_line}"
+        f"CPU {util.get('cpu_util_mean', float('nan')):.0f}% mean, {gpu_line}{after}"
     )
     print(f"\nverdict: {v['summary']}")
     for s in v["next_steps"]:

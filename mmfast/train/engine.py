@@ -45,6 +45,7 @@ from mmfast.train.setup import (
 )
 
 log = logging.getLogger(__name__)
+PROFILE_WARMUP_STEPS = 5  # micro-batches left out of a profile's figures (when the run has more)
 DEFAULT_OUT = "runs/latest"
 
 
@@ -467,7 +468,8 @@ class EpochRunner:
         self.class_names = None  # names of class ids 0..C-1, for the per-class metrics
         self.interrupted = False
         self.consecutive_bad = 0
-        self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile)
+        # profiling reports the steady state: the first steps carry CUDA / cuDNN start-up and the first prefetch
+        self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile, warmup_steps=PROFILE_WARMUP_STEPS)
         self.sampler = None  # a running UtilizationSampler when profiling
 
     def fit(self, val_loader) -> dict:
@@ -655,15 +657,16 @@ class EpochRunner:
         return gather_object([self.loader.state_dict()])
 
     def checkpoint(self) -> None:
-        check_finite_weights(self.model, f"step {self.state['global_step']}")
-        save_checkpoint(
-            self.acc,
-            self.run_dir,
-            self.state["global_step"],
-            self.state,
-            self.cfg.keep_checkpoints,
-            protect=self.state.get("best_step"),
-        )
+        with self.timer.phase("checkpoint"):  # reported apart from training time when profiling
+            check_finite_weights(self.model, f"step {self.state['global_step']}")
+            save_checkpoint(
+                self.acc,
+                self.run_dir,
+                self.state["global_step"],
+                self.state,
+                self.cfg.keep_checkpoints,
+                protect=self.state.get("best_step"),
+            )
 
     def record_ids(self, epoch: int, ids: torch.Tensor) -> None:
         path = self.run_dir / f"seen_ids.rank{self.acc.process_index}.jsonl"
