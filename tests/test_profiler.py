@@ -158,3 +158,15 @@ def test_training_with_profile_writes_json_and_png(prepared, tmp_path, capsys):
     assert profile_tool.main(["--run", str(out)]) == 0
     assert "verdict:" in capsys.readouterr().out
     assert profile_tool.main(["--run", str(tmp_path)]) == 2
+
+
+def test_the_profile_tool_writes_no_checkpoints_and_reports_the_steady_state(prepared, tmp_path, capsys):
+    out = tmp_path / "prof"
+    flags = ["--data", str(prepared), "--out", str(out), "--steps", "8", "--batch-size", "16"]
+    assert profile_tool.main([*flags, "--image-size", "32", "--hidden", "32"]) == 0
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    report = json.loads((out / "profile.json").read_text())
+    assert report["warmup"]["steps"] == 5 and report["steps"] == 3  # 8 optimizer steps, 5 of warm-up
+    assert "checkpoint" not in report["phase_s"]
+    assert json.loads((out / "summary.json").read_text())["best_checkpoint"] is None
+    assert "(steady state, after 5 warm-up steps)" in capsys.readouterr().out

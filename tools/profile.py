@@ -59,11 +59,14 @@ def print_report(report: dict) -> None:
     gpu_line = (
         f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {gpu.get('reason', 'n/a')}"
     )
+    if util and not util.get("samples"):
+        gpu_line = "no utilization samples in the steady state: profile more --steps"
     warm = report.get("warmup") or {}
     after = f" (steady state, after {warm['steps']} warm-up steps)" if warm.get("steps") else ""
     print(
         f"\n{report['images_per_s']:.1f} images/s, data wait {report['data_wait_frac']:.0%}, "
-        f"CPU {util.get('cpu_util_mean', float('nan')):.0f}% mean, {gpu_line}{after}"
+        + (f"CPU {util['cpu_util_mean']:.0f}% mean, " if "cpu_util_mean" in util else "")
+        + f"{gpu_line}{after}"
     )
     print(f"\nverdict: {v['summary']}")
     for s in v["next_steps"]:
@@ -93,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--out",
                 args.out,
                 "--no-progress",
-                "--checkpoint-every",
-                "0",
+                "--no-checkpoints",  # a profile is thrown away: no gigabytes of optimizer state written
             ]
         )
     except ValueError as e:

@@ -48,6 +48,7 @@ class TrainConfig:
     color_jitter: float = 0.0
     checkpoint_every: int = 0  # optimizer steps; 0: at the end of each epoch only
     keep_checkpoints: int = 2
+    checkpoints: bool = True  # off: no checkpoint is written (a throwaway run, e.g. tools/profile.py)
     resume: str | None = None  # PATH or "latest"
     on_bad_image: str = "skip"  # skip: log, count and mask a missing/undecodable image; error: stop
     max_nan_steps: int = 20  # consecutive non-finite losses before the run stops
@@ -224,6 +225,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "max_steps",
         "checkpoint_every",
         "keep_checkpoints",
+        "checkpoints",
         "profile",
         "profile_interval",
         "tensorboard",

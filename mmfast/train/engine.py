@@ -335,7 +335,9 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         "best_val_acc": state["best_val_acc"],
         "best_val_macro_f1": state.get("best_val_macro_f1"),
         "best_epoch": state.get("best_epoch"),
-        "best_checkpoint": str(checkpoint_dir(run_dir) / f"step-{best:08d}") if best is not None else None,
+        "best_checkpoint": (
+            str(checkpoint_dir(run_dir) / f"step-{best:08d}") if best is not None and cfg.checkpoints else None
+        ),
         "images_per_s": last_metrics.get("images_per_s"),
         "wall_s": time.perf_counter() - t_start,
         "device": str(accelerator.device),
@@ -657,6 +659,8 @@ class EpochRunner:
         return gather_object([self.loader.state_dict()])
 
     def checkpoint(self) -> None:
+        if not self.cfg.checkpoints:
+            return
         with self.timer.phase("checkpoint"):  # reported apart from training time when profiling
             check_finite_weights(self.model, f"step {self.state['global_step']}")
             save_checkpoint(
