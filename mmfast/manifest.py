@@ -16,10 +16,30 @@ from pathlib import Path
 MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
 _INT_RE = re.compile(r"^[+-]?\d+$")
+NO_LABEL = "unlabeled"  # the one label of every row of an input read with Columns(label=None) (--no-labels)
 
 
 class ManifestError(ValueError):
     """The manifest as a whole cannot be used (unreadable, unparseable, or no usable rows)."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which columns of a table hold the image, the text and the label.
+
+    Args:
+        image, text, label: column names; ``label=None`` reads an input without labels (every row gets
+            ``NO_LABEL``).
+        names: the column names of a CSV/TSV without a header line (its first line is then a row).
+    """
+
+    image: str = "image"
+    text: str = "text"
+    label: str | None = "label"
+    names: tuple[str, ...] | None = None
+
+    def required(self) -> list[str]:
+        return [c for c in (self.image, self.text, self.label) if c is not None]
 
 
 @dataclass
@@ -31,6 +51,7 @@ class Candidate:
     text: str
     label: str | int
     source: dict = field(default_factory=dict)  # the row as given, for rejected.jsonl
+    file: str = ""  # the input file the row came from, when an input has several (else the source)
 
 
 @dataclass
@@ -38,17 +59,25 @@ class Reject:
     line: int
     reason: str
     row: dict | str
+    file: str = ""  # the input file the row came from, when an input has several (else the source)
 
     def to_json(self) -> dict:
-        return {"line": self.line, "reason": self.reason, "row": self.row}
+        out = {"line": self.line, "reason": self.reason, "row": self.row}
+        if self.file:
+            out["file"] = self.file
+        return out
 
 
-def read_input(path: str | Path, confine: bool = False) -> tuple[list[Candidate], list[Reject], str]:
+def read_input(
+    path: str | Path, confine: bool = False, columns: Columns | None = None
+) -> tuple[list[Candidate], list[Reject], str]:
     """Read a JSONL/CSV manifest or an image folder.
 
     Args:
         path: the manifest file or the image folder (``root/<class>/<image>``).
         confine: reject image paths that resolve outside the manifest's folder (for untrusted manifests).
+        columns: the manifest's image/text/label columns (default: named image, text, label); a folder's
+            labels are its class folders whatever this says.
 
     Returns:
         (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
@@ -57,6 +86,7 @@ def read_input(path: str | Path, confine: bool = False) -> tuple[list[Candidate]
         ManifestError: the path does not exist or its format is unknown.
     """
     path = Path(path)
+    columns = columns or Columns()
     if not path.exists():
         raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     if path.is_dir():
@@ -66,24 +96,52 @@ def read_input(path: str | Path, confine: bool = False) -> tuple[list[Candidate]
     else:
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json", ".ndjson"):
+            if columns.names is not None:
+                raise ManifestError(f"{path}: --columns names the columns of a CSV/TSV without a header line")
             rows, rejects = _jsonl_rows(path)
             kind = "jsonl"
         elif suffix in (".csv", ".tsv"):
-            rows, rejects = _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",")
+            rows, rejects = _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",", columns=columns)
             kind = "csv"
         else:
             raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
-        cands = []
-        for line, row in rows:
-            cand, reason = _check_row(row, line, path.parent.resolve(), confine, from_csv=kind == "csv")
-            if cand is None:
-                rejects.append(Reject(line, reason, row))
-            else:
-                cands.append(cand)
-    cands, more = _drop_mixed_labels_and_duplicates(cands)
-    rejects.extend(more)
-    rejects.sort(key=lambda r: r.line)
+        cands, more = check_rows(rows, path.parent.resolve(), confine, from_csv=kind == "csv", columns=columns)
+        rejects.extend(more)
+    cands, rejects = finish_rows(cands, rejects)
     return cands, rejects, kind
+
+
+def check_rows(
+    rows: list[tuple[int, dict]], root: Path, confine: bool, from_csv: bool, columns: Columns, file: str = ""
+) -> tuple[list[Candidate], list[Reject]]:
+    """Check parsed table rows ``(line, row)``: each becomes a Candidate or a Reject with its reason.
+
+    Args:
+        rows: (1-based line or row number, the row as a dict of column name -> value).
+        root: the folder relative image paths are resolved against.
+        confine: reject image paths that resolve outside ``root``.
+        from_csv: the values are CSV text (an integer-looking label is read as an integer).
+        columns: which columns hold the image, text and label.
+        file: the input file, recorded with each row when an input has several files.
+    """
+    cands, rejects = [], []
+    for line, row in rows:
+        cand, reason = _check_row(row, line, root, confine, from_csv, columns)
+        if cand is None:
+            rejects.append(Reject(line, reason, row, file))
+        else:
+            cand.file = file
+            cands.append(cand)
+    return cands, rejects
+
+
+def finish_rows(cands: list[Candidate], rejects: list[Reject]) -> tuple[list[Candidate], list[Reject]]:
+    """Drop rows whose label type differs from the first row's and exact duplicates (same image, text and
+    label) into the rejects, and order the rejects by file and line."""
+    cands, more = _drop_mixed_labels_and_duplicates(cands)
+    rejects = rejects + more
+    rejects.sort(key=lambda r: (r.file, r.line))
+    return cands, rejects
 
 
 def _refuse_prepared_dir(path: Path) -> None:
@@ -160,7 +218,10 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
     return rows, rejects
 
 
-def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[Reject]]:
+def _csv_rows(
+    path: Path, delimiter: str, columns: Columns | None = None
+) -> tuple[list[tuple[int, dict]], list[Reject]]:
+    columns = columns or Columns()
     rejects, good_lines = [], []
     for line, raw in _split_lines(_read_bytes(path)):
         try:
@@ -168,16 +229,32 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
         except UnicodeDecodeError as e:
             rejects.append(_not_utf8(line, raw, e))
             good_lines.append("")  # keep line numbers aligned; an empty line is skipped by csv
-    if rejects and rejects[0].line == 1:
+    headerless = columns.names is not None
+    if rejects and rejects[0].line == 1 and not headerless:
         raise ManifestError(f"{path}:1: the header is {rejects[0].reason} (as UTF-8)")
     csv.field_size_limit(MAX_LINE_BYTES)
-    reader = csv.DictReader(io.StringIO("\n".join(good_lines), newline=""), delimiter=delimiter)
+    reader = csv.DictReader(
+        io.StringIO("\n".join(good_lines), newline=""),
+        fieldnames=list(columns.names) if headerless else None,
+        delimiter=delimiter,
+        # A headerless TSV (CC3M's caption<TAB>url) quotes nothing: a caption may hold a '"'.
+        quoting=csv.QUOTE_NONE if headerless and delimiter == "\t" else csv.QUOTE_MINIMAL,
+    )
     if reader.fieldnames is None:
-        raise ManifestError(f"{path}: empty CSV; the first line must name the columns image,text,label")
-    missing = {"image", "text", "label"} - set(reader.fieldnames)
+        raise ManifestError(
+            f"{path}: empty CSV; the first line must name the columns image,text,label (or pass --columns)"
+        )
+    missing = set(columns.required()) - set(reader.fieldnames)
+    if missing and headerless:
+        raise ManifestError(
+            f"--columns {','.join(columns.names)} lacks {sorted(missing)}; name the image, text and label "
+            "columns (or map them with --image-column/--text-column/--label-column, --no-labels)"
+        )
     if missing:
         raise ManifestError(
-            f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; name the columns image,text,label"
+            f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; name the columns "
+            "image,text,label, map yours with --image-column/--text-column/--label-column, or pass --columns "
+            "for a file without a header line"
         )
     rows = []
     end = reader.line_num  # the header's last line
@@ -198,15 +275,19 @@ def _csv_rows(path: Path, delimiter: str) -> tuple[list[tuple[int, dict]], list[
     return rows, rejects
 
 
-def _check_row(row: dict, line: int, root: Path, confine: bool, from_csv: bool) -> tuple[Candidate | None, str]:
-    for key in ("image", "text", "label"):
+def _check_row(
+    row: dict, line: int, root: Path, confine: bool, from_csv: bool, columns: Columns | None = None
+) -> tuple[Candidate | None, str]:
+    columns = columns or Columns()
+    for key in columns.required():
         if key not in row or row[key] is None:
             return None, f"missing field '{key}'"
-    image, text, label = row["image"], row["text"], row["label"]
+    image, text = row[columns.image], row[columns.text]
+    label = NO_LABEL if columns.label is None else row[columns.label]
     if not isinstance(image, str) or not image.strip():
-        return None, f"field 'image' must be a non-empty string path, got {type(image).__name__}"
+        return None, f"field '{columns.image}' must be a non-empty string path, got {type(image).__name__}"
     if not isinstance(text, str):
-        return None, f"field 'text' must be a string, got {type(text).__name__}"
+        return None, f"field '{columns.text}' must be a string, got {type(text).__name__}"
     if not text.strip():
         return None, "empty text"
     if isinstance(label, bool) or not isinstance(label, str | int):
@@ -241,14 +322,16 @@ def _drop_mixed_labels_and_duplicates(cands: list[Candidate]) -> tuple[list[Cand
                     f"mixed label types: {type(c.label).__name__} label among "
                     f"{first_type.__name__} labels; use one type",
                     c.source,
+                    c.file,
                 )
             )
             continue
         key = (c.image, c.text, c.label)
         if key in seen:
-            rejects.append(Reject(c.line, f"duplicate of line {seen[key]}", c.source))
+            where = f"{seen[key][0]}:{seen[key][1]}" if seen[key][0] != c.file else f"line {seen[key][1]}"
+            rejects.append(Reject(c.line, f"duplicate of {where}", c.source, c.file))
             continue
-        seen[key] = c.line
+        seen[key] = (c.file, c.line)
         kept.append(c)
     return kept, rejects
 

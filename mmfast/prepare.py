@@ -33,7 +33,8 @@ from mmfast.fsutil import (
     recover_dir,
     write_errors,
 )
-from mmfast.manifest import Candidate, ManifestError, Reject, read_input
+from mmfast.inputs import InputOptions, read_source
+from mmfast.manifest import Candidate, ManifestError, Reject
 from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer, train_wordpiece
 from mmfast.validate import DEFAULT_MAX_PIXELS, check_images
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 PREPARE_VERSION = 2  # 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels
 PREPARED_KIND = "mmfast prepared dataset"  # the "kind" in the marker of a prepared directory
 _SPLIT_FILES = ("train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl")
+IMAGES_DIR = "images"  # images an input stores as bytes (Parquet/Arrow), written out into the prepared dir
+_SHOWN_REASONS = 10  # rejects printed when no row is usable (all of them go to OUT.rejected.jsonl)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class PrepareConfig:
     confine: bool = False
     max_pixels: int = DEFAULT_MAX_PIXELS  # decoded-pixel budget per image (width x height)
     progress: bool = True
+    inputs: InputOptions = InputOptions()  # how to read the source (kind, column mapping, COCO options)
 
     def __post_init__(self):
         if not 0.0 <= self.val_fraction < 1.0:
@@ -93,9 +97,10 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
         summary = _reuse(out, fp)
         if summary is not None:
             log.info("%s is up to date; reusing it", out)
-            return summary
-        with atomic_dir(out, PREPARED_KIND, _replaceable) as tmp:
-            summary = _prepare_into(cfg, tmp, fp)
+        else:
+            with atomic_dir(out, PREPARED_KIND, _replaceable) as tmp:
+                summary = _prepare_into(cfg, tmp, fp)
+        _remove_failure_report(cfg)
     return summary
 
 
@@ -160,7 +165,7 @@ def _inside(path: Path, folder: Path) -> bool:
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     t0 = time.perf_counter()
     workers = cfg.workers or os.cpu_count() or 1
-    cands, rejects, kind = read_input(cfg.source, confine=cfg.confine)
+    cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (tmp / IMAGES_DIR).resolve())
     n_input = len(cands) + len(rejects)
     t_read = time.perf_counter()
 
@@ -170,20 +175,19 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         if chk.ok:
             good.append(c)
         else:
-            rejects.append(Reject(c.line, chk.reason, c.source))
+            rejects.append(Reject(c.line, chk.reason, c.source, c.file))
     t_validate = time.perf_counter()
     _check_images_outside(good, cfg)
+    rejects.sort(key=lambda r: (r.file, r.line))
+    if not good:
+        raise ManifestError(_no_usable_rows(cfg, n_input, rejects))
 
     label_map = _label_map(good)
-    if not good:
-        reasons = Counter(r.reason.split(":")[0] for r in rejects).most_common(3)
-        raise ManifestError(
-            f"{cfg.source}: no usable rows out of {n_input} (most common reasons: {reasons}); "
-            "see the reasons above and fix the manifest"
-        )
     train, val = _split(good, label_map, cfg.val_fraction, cfg.seed)
-    train_rows = [_row(c, i, label_map) for i, c in enumerate(train)]
-    val_rows = [_row(c, len(train) + i, label_map) for i, c in enumerate(val)]
+    # Images written into the temp directory are recorded at the place they will have once it is renamed.
+    final = (Path(cfg.out).resolve(), tmp.resolve())
+    train_rows = [_row(c, i, label_map, final) for i, c in enumerate(train)]
+    val_rows = [_row(c, len(train) + i, label_map, final) for i, c in enumerate(val)]
 
     tok = (
         load_tokenizer(cfg.tokenizer)
@@ -200,7 +204,6 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         )
     t_cache = time.perf_counter()
 
-    rejects.sort(key=lambda r: r.line)
     atomic_write_jsonl(tmp / "train.jsonl", train_rows)
     atomic_write_jsonl(tmp / "val.jsonl", val_rows)
     atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in rejects])
@@ -239,6 +242,54 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     summary["files"] = _files_map(tmp)
     atomic_write_json(tmp / "prepare.json", summary)  # last: its presence means the directory is complete
     return summary
+
+
+def failure_report_path(out: str | os.PathLike) -> Path:
+    """Where the rejects of a preparation that found no usable row are kept: beside --out, as
+    OUT.rejected.jsonl (--out itself is left as it was)."""
+    out = Path(out)
+    return out.parent / f"{out.name}.rejected.jsonl"
+
+
+def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> str:
+    """Write every reject to ``failure_report_path`` and return the error: the first reasons with their
+    file and line, and where the rest are."""
+    src = Path(cfg.source)
+    base = src if src.is_dir() else src.parent  # a reject's file is relative to the input's folder
+    lines = [f"{cfg.source}: no usable rows out of {n_input}; the first reasons:"]
+    for r in rejects[:_SHOWN_REASONS]:
+        lines.append(f"  {base / r.file if r.file else src}:{r.line}: {r.reason}")
+    if len(rejects) > _SHOWN_REASONS:
+        common = Counter(_reason_kind(r.reason) for r in rejects[_SHOWN_REASONS:]).most_common(3)
+        more = ", ".join(f"{why} ({n})" for why, n in common)
+        lines.append(f"  ... and {len(rejects) - _SHOWN_REASONS} more ({more})")
+    report = failure_report_path(cfg.out)
+    if _ours_or_absent(report):
+        atomic_write_jsonl(report, [r.to_json() for r in rejects])
+        lines.append(f"every reason is in {report}; fix the input and re-run ({cfg.out} was not changed)")
+    else:
+        lines.append(f"(not written to {report}: a file of that name that mmfast did not write is in the way)")
+    return "\n".join(lines)
+
+
+def _remove_failure_report(cfg: PrepareConfig) -> None:
+    """A successful run removes the failure report an earlier run left beside --out (only if it is one)."""
+    report = failure_report_path(cfg.out)
+    if report.is_file() and not report.is_symlink() and _ours_or_absent(report):
+        report.unlink()
+
+
+def _ours_or_absent(report: Path) -> bool:
+    """Whether ``report`` is absent or a rejects file mmfast wrote (every line a {line, reason, row} object)."""
+    if not os.path.lexists(report):
+        return True
+    if report.is_symlink() or not report.is_file():
+        return False
+    try:
+        rows = [json.loads(ln) for ln in report.read_text(encoding="utf-8").splitlines() if ln]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(r, dict) and {"line", "reason", "row"} <= set(r) for r in rows)
 
 
 def _reason_kind(reason: str) -> str:
@@ -302,11 +353,17 @@ def _split(rows: list[Candidate], label_map: dict[str, int], val_fraction: float
     return train, val
 
 
-def _row(c: Candidate, sample_id: int, label_map: dict[str, int]) -> dict:
+def _row(c: Candidate, sample_id: int, label_map: dict[str, int], final: tuple[Path, Path]) -> dict:
+    """The prepared row of ``c``; ``final`` is (the prepared directory's path, the temp directory it is built
+    in): an image inside the temp directory is recorded at its place inside the prepared directory."""
     st = os.stat(c.image)  # recorded so the loader can tell a file that changed after validation
+    out, tmp = final
+    image = Path(c.image)
+    if _inside(image, tmp):
+        image = out / image.relative_to(tmp)
     return {
         "id": sample_id,
-        "image": c.image,
+        "image": str(image),
         "text": c.text,
         "label": label_map[str(c.label)],
         "line": c.line,
@@ -319,7 +376,7 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
     """Hash of the input (manifest bytes or folder listing, with image sizes and mtimes) and the settings."""
     h = hashlib.sha256(
         f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
-        f"{cfg.vocab_size}|{cfg.confine}|{cfg.max_pixels}".encode()
+        f"{cfg.vocab_size}|{cfg.confine}|{cfg.max_pixels}|{cfg.inputs!r}".encode()
     )
     src = Path(cfg.source)
     if not src.exists():
@@ -330,8 +387,10 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
         except OSError as e:
             raise ManifestError(f"{src}: cannot read the manifest: {e.strerror or e}") from e
     out = os.path.abspath(cfg.out)
-    base = src if src.is_dir() else src.parent
-    for p in sorted(base.rglob("*")):
+    bases = [src if src.is_dir() else src.parent]
+    if cfg.inputs.image_root:
+        bases.append(Path(cfg.inputs.image_root))
+    for p in (p for base in bases for p in sorted(base.rglob("*"))):
         path = os.path.abspath(p)
         if path == out or path.startswith(out + os.sep):
             continue

@@ -1,7 +1,13 @@
-"""Prepare a manifest (JSONL/CSV) or image folder for training.
+"""Prepare a manifest (JSONL/CSV/TSV), image folder, HF imagefolder, COCO captions JSON, Parquet or a
+datasets.save_to_disk folder for training.
 
-python tools/prepare_data.py MANIFEST_OR_FOLDER --out DIR [--tokenizer X] [--max-length N]
+python tools/prepare_data.py SOURCE --out DIR [--tokenizer X] [--max-length N]
     [--val-fraction F] [--seed S] [--workers N] [--confine] [--max-pixels N] [--format files|wds]
+    [--input-kind K] [--image-column C] [--text-column C] [--label-column C | --no-labels]
+    [--columns A,B,..] [--coco-captions all|first] [--image-root DIR]
+
+SOURCE may also be given as --source SOURCE. When no row is usable, the first reasons are printed and all
+of them are kept beside --out as OUT.rejected.jsonl.
 
 --out is created, or replaced when it is a directory prepared by mmfast (or empty); anything else is refused.
 """
@@ -13,14 +19,21 @@ import logging
 import sys
 
 from mmfast.fsutil import write_errors
-from mmfast.manifest import ManifestError
+from mmfast.inputs import READERS, InputOptions
+from mmfast.manifest import NO_LABEL, ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="manifest .jsonl/.csv, or an image folder root/<class>/<image>")
+    p.add_argument(
+        "source",
+        nargs="?",
+        help="manifest .jsonl/.csv/.tsv, image folder root/<class>/<image>, HF imagefolder (folder or its "
+        "metadata.jsonl/.csv), COCO captions .json, .parquet file or folder, save_to_disk folder or .arrow",
+    )
+    p.add_argument("--source", dest="source_flag", metavar="SOURCE", help="the same as the positional SOURCE")
     p.add_argument("--out", required=True, help="prepared dataset directory to write")
     p.add_argument(
         "--tokenizer",
@@ -46,7 +59,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also write WebDataset tar shards + DALI index files (wds)",
     )
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    g = p.add_argument_group("input format (default: told from SOURCE)")
+    g.add_argument("--input-kind", default="auto", choices=["auto", *READERS], help="how to read SOURCE")
+    g.add_argument("--image-column", help="column of the image path (or bytes); default image (file_name, ...)")
+    g.add_argument("--text-column", help="column of the caption; default text (caption, ... when detected)")
+    g.add_argument("--label-column", help="column (COCO: field) of the label; default label (or a ClassLabel)")
+    g.add_argument("--no-labels", action="store_true", help=f"no labels: every row is class '{NO_LABEL}'")
+    g.add_argument(
+        "--columns", help="column names of a CSV/TSV without a header line, e.g. text,image (CC3M's TSV)"
+    )
+    g.add_argument(
+        "--coco-captions", choices=["all", "first"], default="all", help="COCO: a row per caption or per image"
+    )
+    g.add_argument("--image-root", help="COCO: folder of the images' file_name (default: the JSON's folder)")
+    args = p.parse_args(argv)
+    if (args.source is None) == (args.source_flag is None):
+        p.error("pass the input once: SOURCE or --source SOURCE")
+    return args
+
+
+def input_options(args: argparse.Namespace) -> InputOptions:
+    """The InputOptions of the parsed input-format flags."""
+    names = tuple(c.strip() for c in args.columns.split(",")) if args.columns else None
+    return InputOptions(
+        kind=args.input_kind,
+        image_column=args.image_column,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        no_labels=args.no_labels,
+        columns=names,
+        coco_captions=args.coco_captions,
+        image_root=args.image_root,
+    )
 
 
 def print_summary(summary: dict) -> None:
@@ -68,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         cfg = PrepareConfig(
-            source=args.source,
+            source=args.source or args.source_flag,
             out=args.out,
             tokenizer=args.tokenizer,
             max_length=args.max_length,
@@ -79,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             confine=args.confine,
             max_pixels=args.max_pixels,
             progress=not args.no_progress,
+            inputs=input_options(args),
         )
         summary = prepare_dataset(cfg)
         if args.format == "wds":

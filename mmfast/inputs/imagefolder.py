@@ -1,0 +1,77 @@
+"""Hugging Face "imagefolder" metadata: metadata.jsonl or metadata.csv beside the images.
+
+Each metadata file names its images in a ``file_name`` column, relative to the metadata file's folder;
+the other columns are features (the caption, the label). A dataset may keep one metadata file per split
+folder (train/metadata.jsonl, test/metadata.jsonl); all of them are read (mmfast splits on its own).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from mmfast.inputs import LABEL_NAMES, TEXT_NAMES, InputOptions, pick_column
+from mmfast.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
+
+
+def read_imagefolder(
+    path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None
+) -> tuple[list[Candidate], list[Reject]]:
+    """Read every metadata.jsonl / metadata.csv of an imagefolder (or the one metadata file given).
+
+    Rows are numbered by their line in their own metadata file; each row and reject records that file
+    (relative to the folder).
+    """
+    root = path if path.is_dir() else path.parent
+    files = _metadata_files(path)
+    if not files:
+        raise ManifestError(
+            f"{path}: no metadata.jsonl or metadata.csv (with a file_name column) in the folder or its split "
+            "sub-folders"
+        )
+    cands, rejects = [], []
+    for meta in files:
+        rel = meta.relative_to(root).as_posix()
+        if meta.suffix == ".csv":
+            columns = _columns(meta, _csv_header(meta), opts)
+            rows, bad = _csv_rows(meta, ",", columns)
+        else:
+            rows, bad = _jsonl_rows(meta)
+            keys = list(dict.fromkeys(k for _, r in rows[:1000] for k in r))
+            columns = _columns(meta, keys, opts)
+        for r in bad:
+            r.file = rel
+        more_cands, more_rejects = check_rows(
+            rows, meta.parent.resolve(), confine, from_csv=meta.suffix == ".csv", columns=columns, file=rel
+        )
+        cands += more_cands
+        rejects += bad + more_rejects
+    return cands, rejects
+
+
+def _metadata_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    found = []
+    for pattern in ("metadata.jsonl", "metadata.csv", "*/metadata.jsonl", "*/metadata.csv"):
+        found += sorted(path.glob(pattern))
+    return found
+
+
+def _csv_header(meta: Path) -> list[str]:
+    try:
+        first = meta.read_bytes().split(b"\n", 1)[0].decode("utf-8-sig").rstrip("\r")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{meta}:1: cannot read the header: {e}") from e
+    return next(csv.reader(io.StringIO(first)), [])
+
+
+def _columns(meta: Path, present: list[str], opts: InputOptions) -> Columns:
+    """file_name (or --image-column), the caption and the label columns of one metadata file."""
+    if not present:
+        return opts.table_columns(image="file_name")  # an empty file: no rows to check
+    image = pick_column(present, opts.image_column, ("file_name",), "image", str(meta))
+    text = pick_column(present, opts.text_column, TEXT_NAMES, "text", str(meta))
+    label = None if opts.no_labels else pick_column(present, opts.label_column, LABEL_NAMES, "label", str(meta))
+    return Columns(image=image, text=text, label=label)

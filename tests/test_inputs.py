@@ -1,0 +1,319 @@
+"""The data users already have, read as it comes: HF imagefolder metadata, a headerless CC3M-style TSV and
+mapped columns, COCO captions JSON, Parquet / save_to_disk written by ``datasets`` itself; and a failed
+preparation that says why. Each input is built from real photos and checked per sample after preparation:
+the image (its bytes), the caption (text and token cache) and the label are those of the same input row."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_RUN
+
+from mmfast.benchdata import photo_manifest
+from mmfast.dataset import PreparedDataset
+from mmfast.inputs import InputOptions, read_source
+from mmfast.manifest import NO_LABEL, ManifestError
+from mmfast.prepare import PrepareConfig, failure_report_path, prepare_dataset
+from mmfast.token_cache import TokenCache
+from mmfast.tokenizer import load_tokenizer
+from tools import prepare_data
+from tools import train as train_tool
+
+N = 12  # photos per input: enough for a train and a val split of every class
+
+
+@pytest.fixture(scope="session")
+def photos_set(tmp_path_factory) -> list[dict]:
+    """N small JPEGs cut from scikit-image's photos: [{"path", "text", "label", "sha"}] (captions unique)."""
+    manifest = photo_manifest(tmp_path_factory.mktemp("inputs"), n=N, width=64, height=48, seed=3)
+    rows = [json.loads(ln) for ln in manifest.read_text().splitlines()]
+    for r in rows:
+        r["path"] = manifest.parent / r["image"]
+        r["sha"] = hashlib.sha256(r["path"].read_bytes()).hexdigest()
+    return rows
+
+
+def _copy_images(rows: list[dict], folder: Path, by_label: bool = False) -> list[str]:
+    """Copy the photos into ``folder`` (in class sub-folders when ``by_label``); their relative names."""
+    names = []
+    for r in rows:
+        rel = f"{r['label']}/{r['path'].name}" if by_label else r["path"].name
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(r["path"], folder / rel)
+        names.append(rel)
+    return names
+
+
+def _prepare(source: Path, out: Path, **inputs) -> dict:
+    cfg = PrepareConfig(
+        source=str(source), out=str(out), progress=False, workers=1, max_length=24, inputs=InputOptions(**inputs)
+    )
+    return prepare_dataset(cfg)
+
+
+def _assert_joined(out: Path, rows: list[dict], label_of=lambda r: r["label"]) -> None:
+    """Every input row is one prepared sample whose image bytes, caption (and its cached tokens) and label
+    are the row's own."""
+    ds = PreparedDataset(out)
+    names = {i: name for name, i in ds.labels.items()}
+    tok = load_tokenizer(out / "tokenizer")
+    want = {r["text"]: r for r in rows}
+    seen = []
+    for split in ("train", "val"):
+        cache = TokenCache(ds.tokens_dir, split)
+        for s in ds.rows(split):
+            r = want[s["text"]]
+            assert hashlib.sha256(Path(s["image"]).read_bytes()).hexdigest() == r["sha"], s
+            assert names[s["label"]] == label_of(r), s
+            ids = cache.gather([s["id"]])["input_ids"][0].tolist()
+            assert ids == tok(s["text"], truncation=True, max_length=24)["input_ids"], s
+            seen.append(s["text"])
+    assert sorted(seen) == sorted(want)
+
+
+# -- 1. a preparation with no usable row says why ---------------------------------------------------------
+def test_no_usable_rows_prints_the_first_reasons_and_keeps_every_one(tmp_path, capsys, photos_set):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    rows = [{"file_name": f"missing{i}.jpg", "text": f"caption {i}", "label": "a"} for i in range(13)]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert prepare_data.main(["--source", str(folder), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no usable rows out of 13" in err
+    for i in range(10):  # the first ten with their file and line, then a count of the rest
+        assert f"{folder / 'metadata.jsonl'}:{i + 1}: missing file" in err
+    assert "metadata.jsonl:11:" not in err and "... and 3 more (missing file (3))" in err
+    report = failure_report_path(out)
+    assert report == tmp_path / "out.rejected.jsonl" and str(report) in err
+    kept = [json.loads(ln) for ln in report.read_text().splitlines()]
+    assert [(r["file"], r["line"], r["row"]["file_name"]) for r in kept] == [
+        ("metadata.jsonl", i + 1, f"missing{i}.jpg") for i in range(13)
+    ]
+    assert not out.exists() and {p.name for p in tmp_path.iterdir()} == {"hf", "out.rejected.jsonl", ".out.lock"}
+
+    # Fixed: the preparation succeeds and the stale report goes; a file of that name that is not mmfast's stays.
+    _copy_images(photos_set[:4], folder)
+    fixed = [{"file_name": r["path"].name, "text": r["text"], "label": r["label"]} for r in photos_set[:4]]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fixed))
+    assert prepare_data.main(["--source", str(folder), "--out", str(out), "--no-progress"]) == 0
+    assert not report.exists() and (out / "prepare.json").is_file()
+    other = tmp_path / "o2"
+    failure_report_path(other).write_text("my notes\n")
+    (folder / "metadata.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert prepare_data.main([str(folder), "--out", str(other), "--no-progress"]) == 2
+    assert "not written to" in capsys.readouterr().err
+    assert failure_report_path(other).read_text() == "my notes\n"
+
+
+# -- 2. Hugging Face imagefolder metadata ------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["jsonl-root", "csv-splits"])
+def test_hf_imagefolder_metadata(tmp_path, photos_set, layout):
+    folder = tmp_path / "hf"
+    if layout == "jsonl-root":  # metadata.jsonl with file_name, caption, label beside class folders
+        names = _copy_images(photos_set, folder, by_label=True)
+        meta = [
+            {"file_name": n, "caption": r["text"], "label": r["label"], "extra": 1}
+            for n, r in zip(names, photos_set, strict=True)
+        ]
+        meta.append({"file_name": "nope.jpg", "caption": "gone", "label": "x"})
+        (folder / "metadata.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meta))
+        sources = [folder, folder / "metadata.jsonl"]
+    else:  # one metadata.csv per split folder, HF's train/ + test/ layout
+        half = len(photos_set) // 2
+        for split, part in (("train", photos_set[:half]), ("test", photos_set[half:])):
+            names = _copy_images(part, folder / split)
+            with open(folder / split / "metadata.csv", "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["file_name", "text", "label"])
+                w.writerows([n, r["text"], r["label"]] for n, r in zip(names, part, strict=True))
+        sources = [folder]
+    for i, src in enumerate(sources):
+        cands, rejects, kind = read_source(src)
+        assert kind == "imagefolder" and not rejects  # nope.jpg is found missing when images are checked
+        assert len(cands) == N + (layout == "jsonl-root")
+        summary = _prepare(src, tmp_path / f"out{i}")
+        assert summary["input_kind"] == "imagefolder" and summary["counts"]["accepted"] == len(photos_set)
+        _assert_joined(tmp_path / f"out{i}", photos_set)
+        if layout == "jsonl-root":
+            (rej,) = [json.loads(ln) for ln in (tmp_path / f"out{i}" / "rejected.jsonl").read_text().splitlines()]
+            assert rej["line"] == N + 1 and rej["reason"] == "missing file" and rej["file"] == "metadata.jsonl"
+
+
+def test_imagefolder_without_a_caption_column_names_the_flag(tmp_path, photos_set):
+    folder = tmp_path / "hf"
+    _copy_images(photos_set[:1], folder)
+    (folder / "metadata.jsonl").write_text(
+        json.dumps({"file_name": photos_set[0]["path"].name, "what": "x"}) + "\n"
+    )
+    with pytest.raises(ManifestError, match=r"no text column among \['file_name', 'what'\]; pass --text-column"):
+        read_source(folder)
+    cands, _, _ = read_source(folder, InputOptions(text_column="what", no_labels=True))
+    assert [(c.text, c.label) for c in cands] == [("x", NO_LABEL)]
+
+
+# -- 3. column mapping and a headerless CC3M-style TSV ----------------------------------------------------
+def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
+    names = _copy_images(photos_set, tmp_path / "imgs")
+    tsv = tmp_path / "cc3m.tsv"
+    # CC3M: caption<TAB>path, no header, quotes are plain characters of a caption
+    lines = [f'{r["text"]} "quoted\t{"imgs/" + n}' for n, r in zip(names, photos_set, strict=True)]
+    tsv.write_text("\n".join(lines) + "\nonly a caption\n")
+    rows = [dict(r, text=r["text"] + ' "quoted') for r in photos_set]
+    with pytest.raises(ManifestError, match="lacks"):
+        read_source(tsv)
+    out = tmp_path / "out"
+    argv = [str(tsv), "--out", str(out), "--columns", "text,image", "--no-labels", "--no-progress"]
+    assert prepare_data.main([*argv, "--max-length", "24", "--workers", "1"]) == 0
+    _assert_joined(out, rows, label_of=lambda r: NO_LABEL)
+    (rej,) = [json.loads(ln) for ln in (out / "rejected.jsonl").read_text().splitlines()]
+    assert rej["line"] == N + 1 and rej["reason"] == "missing field 'image'"
+
+    # A CSV with its own column names, mapped with --image-column/--text-column/--label-column
+    with open(tmp_path / "m.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["caption", "url", "kind"])
+        w.writerows([r["text"], "imgs/" + n, r["label"]] for n, r in zip(names, photos_set, strict=True))
+    _prepare(tmp_path / "m.csv", tmp_path / "out2", image_column="url", text_column="caption", label_column="kind")
+    _assert_joined(tmp_path / "out2", photos_set)
+    with pytest.raises(ManifestError, match=r"--columns text lacks \['image'\]"):
+        read_source(tsv, InputOptions(columns=("text",), no_labels=True))
+
+
+# -- 4. COCO captions -------------------------------------------------------------------------------------
+def test_coco_captions(tmp_path, photos_set):
+    root = tmp_path / "val2017"
+    names = _copy_images(photos_set, root)
+    cats = sorted({r["label"] for r in photos_set})
+    images = [{"id": 100 + i, "file_name": n, "width": 64, "height": 48} for i, n in enumerate(names)]
+    anns, k = [], 1
+    for i, r in enumerate(photos_set):  # two captions per image, the first one is the row's own
+        for cap in (r["text"], r["text"] + " again"):
+            anns.append({"id": k, "image_id": 100 + i, "caption": cap, "category_id": cats.index(r["label"]) + 1})
+            k += 1
+    anns.append({"id": k, "image_id": 999, "caption": "no such image", "category_id": 1})
+    coco = {
+        "info": {},
+        "images": images,
+        "annotations": anns,
+        "categories": [{"id": i + 1, "name": c} for i, c in enumerate(cats)],
+    }
+    ann_dir = tmp_path / "annotations"
+    ann_dir.mkdir()
+    (ann_dir / "captions_val2017.json").write_text(json.dumps(coco))
+    src = ann_dir / "captions_val2017.json"
+    with pytest.raises(ManifestError, match="--label-column FIELD"):
+        read_source(src)
+    opts = {"image_root": str(root), "label_column": "category_id"}
+    summary = _prepare(src, tmp_path / "all", **opts)  # a row per caption, the category's name as label
+    assert summary["input_kind"] == "coco" and summary["counts"]["accepted"] == 2 * N
+    again = [dict(r, text=r["text"] + " again") for r in photos_set]
+    _assert_joined(tmp_path / "all", photos_set + again)
+    (rej,) = [json.loads(ln) for ln in (tmp_path / "all" / "rejected.jsonl").read_text().splitlines()]
+    assert rej["line"] == 2 * N + 1 and "image_id 999 is not an id in 'images'" in rej["reason"]
+
+    _prepare(src, tmp_path / "first", coco_captions="first", **opts)  # a row per image
+    _assert_joined(tmp_path / "first", photos_set)
+    _prepare(src, tmp_path / "nolabel", coco_captions="first", image_root=str(root), no_labels=True)
+    _assert_joined(tmp_path / "nolabel", photos_set, label_of=lambda r: NO_LABEL)
+
+
+# -- 5. Parquet and save_to_disk, written by datasets -----------------------------------------------------
+def _hf_dataset(rows: list[dict], embed: bool):
+    datasets = pytest.importorskip("datasets")
+    names = sorted({r["label"] for r in rows})[::-1]  # ClassLabel order is not the sorted order
+    features = datasets.Features(
+        image=datasets.Image(), caption=datasets.Value("string"), label=datasets.ClassLabel(names=names)
+    )
+    images = [{"bytes": r["path"].read_bytes(), "path": r["path"].name} if embed else str(r["path"]) for r in rows]
+    data = {
+        "image": images,
+        "caption": [r["text"] for r in rows],
+        "label": [names.index(r["label"]) for r in rows],
+    }
+    return datasets.Dataset.from_dict(data, features=features)
+
+
+def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
+    pq = pytest.importorskip("pyarrow.parquet")
+    ds = _hf_dataset(photos_set, embed=True)
+    data = tmp_path / "data"
+    data.mkdir()
+    ds.select(range(N // 2)).to_parquet(data / "train-00000-of-00002.parquet")
+    ds.select(range(N // 2, N)).to_parquet(data / "train-00001-of-00002.parquet")
+    assert b"huggingface" in pq.ParquetFile(data / "train-00000-of-00002.parquet").schema_arrow.metadata
+    summary = _prepare(data, tmp_path / "out")
+    assert summary["input_kind"] == "parquet" and summary["counts"]["accepted"] == N
+    _assert_joined(tmp_path / "out", photos_set)
+    for s in PreparedDataset(tmp_path / "out").rows("train"):  # the images live in the prepared directory
+        assert Path(s["image"]).parent.parent == (tmp_path / "out" / "images").resolve()
+    assert not list(tmp_path.glob(".out.*.tmp"))  # no temp directory left
+
+
+def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    good = photos_set[0]["path"].read_bytes()
+    image = [
+        {"bytes": good, "path": "a.jpg"},
+        {"bytes": b"not an image", "path": "b.jpg"},
+        {"bytes": None, "path": None},
+        {"bytes": photos_set[1]["path"].read_bytes(), "path": None},
+        {"bytes": good[: len(good) // 2], "path": "cut.jpg"},
+    ]
+    table = pa.table(
+        {"image": image, "text": ["fine", "text", "nothing", "", "cut"], "label": [0, 1, 0, 1, -1]},
+        metadata={
+            "huggingface": json.dumps(
+                {"info": {"features": {"label": {"_type": "ClassLabel", "names": ["x", "y"]}}}}
+            )
+        },
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    _prepare(tmp_path / "t.parquet", tmp_path / "out")
+    rej = {r["line"]: r for r in map(json.loads, (tmp_path / "out" / "rejected.jsonl").read_text().splitlines())}
+    assert sorted(rej) == [2, 3, 4, 5] and all(r["file"] == "t.parquet" for r in rej.values())
+    assert "not an image" in rej[2]["reason"] and rej[2]["row"]["image"] == {
+        "path": "b.jpg",
+        "bytes": "<12 bytes>",
+    }
+    assert rej[3]["reason"] == "field 'image' has no image bytes or path"
+    assert rej[4]["reason"] == "empty text"
+    assert rej[5]["reason"] == "field 'label': no label (-1)"
+    (row,) = PreparedDataset(tmp_path / "out").rows("train")
+    assert row["text"] == "fine" and Path(row["image"]).read_bytes() == good
+
+
+@pytest.mark.parametrize("embed", [True, False], ids=["bytes", "paths"])
+def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed):
+    ds = _hf_dataset(photos_set, embed=embed)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    summary = _prepare(tmp_path / "ds", tmp_path / "out")
+    assert summary["input_kind"] == "arrow"
+    _assert_joined(tmp_path / "out", photos_set)
+
+    import datasets
+
+    half = N // 2
+    dd = datasets.DatasetDict(train=ds.select(range(half)), test=ds.select(range(half, N)))
+    dd.save_to_disk(str(tmp_path / "dd"))
+    _prepare(tmp_path / "dd", tmp_path / "out-dd")
+    _assert_joined(tmp_path / "out-dd", photos_set)
+
+
+@pytest.mark.slow
+def test_train_from_parquet(tmp_path, photos_set):
+    """Prepare a Parquet file (images as bytes) with the tool and train two steps from it."""
+    ds = _hf_dataset(photos_set, embed=True)
+    ds.to_parquet(tmp_path / "train.parquet")
+    out = tmp_path / "prepared"
+    assert prepare_data.main([str(tmp_path / "train.parquet"), "--out", str(out), "--no-progress"]) == 0
+    run = tmp_path / "run"
+    argv = ["--data", str(out), "--out", str(run), *SMALL_RUN, "--batch-size", "4", "--max-steps", "2"]
+    assert train_tool.main(argv) == 0
+    assert json.loads((run / "summary.json").read_text())["model"]
