@@ -176,6 +176,8 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
             good.append(c)
         else:
             rejects.append(Reject(c.line, chk.reason, c.source, c.file))
+            if _inside(Path(c.image), tmp.resolve()):  # written from the input's bytes: not kept
+                Path(c.image).unlink(missing_ok=True)
     t_validate = time.perf_counter()
     _check_images_outside(good, cfg)
     rejects.sort(key=lambda r: (r.file, r.line))
@@ -383,7 +385,9 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
         raise ManifestError(f"{src}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     if src.is_file():
         try:
-            h.update(src.read_bytes())
+            with open(src, "rb") as f:  # in blocks: a Parquet source may be gigabytes
+                while block := f.read(1 << 20):
+                    h.update(block)
         except OSError as e:
             raise ManifestError(f"{src}: cannot read the manifest: {e.strerror or e}") from e
     out = os.path.abspath(cfg.out)

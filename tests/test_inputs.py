@@ -145,6 +145,20 @@ def test_hf_imagefolder_metadata(tmp_path, photos_set, layout):
             assert rej["line"] == N + 1 and rej["reason"] == "missing file" and rej["file"] == "metadata.jsonl"
 
 
+def test_imagefolder_labels_from_class_folders_when_no_label_column(tmp_path, photos_set):
+    folder = tmp_path / "hf"
+    names = _copy_images(photos_set, folder, by_label=True)  # <label>/<image>
+    meta = [{"file_name": n, "text": r["text"]} for n, r in zip(names, photos_set, strict=True)]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meta))
+    _prepare(folder, tmp_path / "out")
+    _assert_joined(tmp_path / "out", photos_set)
+    shutil.move(folder / names[0], folder / photos_set[0]["path"].name)  # one image beside the metadata
+    meta[0]["file_name"] = photos_set[0]["path"].name
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meta))
+    with pytest.raises(ManifestError, match=r"no label column among \['file_name', 'text'\]; pass --label-column"):
+        read_source(folder)
+
+
 def test_imagefolder_without_a_caption_column_names_the_flag(tmp_path, photos_set):
     folder = tmp_path / "hf"
     _copy_images(photos_set[:1], folder)
@@ -287,6 +301,9 @@ def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
     assert rej[5]["reason"] == "field 'label': no label (-1)"
     (row,) = PreparedDataset(tmp_path / "out").rows("train")
     assert row["text"] == "fine" and Path(row["image"]).read_bytes() == good
+    # The bytes of rejected rows are not kept: the prepared images are the samples' own.
+    kept = [p for p in (tmp_path / "out" / "images").rglob("*") if p.is_file()]
+    assert kept == [Path(row["image"])] and kept[0].suffix == ".jpg"
 
 
 @pytest.mark.parametrize("embed", [True, False], ids=["bytes", "paths"])

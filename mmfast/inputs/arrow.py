@@ -211,6 +211,13 @@ def _read_table(
             else:
                 source[columns.image] = _size(image)
                 data, name = image, None
+            label = row[columns.label] if columns.label else None
+            if names is not None and isinstance(label, int):
+                if not 0 <= label < len(names):
+                    why = "no label (-1)" if label == -1 else f"label {label} is not a class of the ClassLabel"
+                    rejects.append(Reject(line, f"field '{columns.label}': {why}", source, rel))
+                    continue
+                label = names[label]
             if data is None and name:
                 path = name  # a file on disk, checked like a manifest's path
             elif isinstance(data, bytes | bytearray) and data:
@@ -225,13 +232,6 @@ def _read_table(
             else:
                 rejects.append(Reject(line, f"field '{columns.image}' has no image bytes or path", source, rel))
                 continue
-            label = row[columns.label] if columns.label else None
-            if names is not None and isinstance(label, int):
-                if not 0 <= label < len(names):
-                    why = "no label (-1)" if label == -1 else f"label {label} is not a class of the ClassLabel"
-                    rejects.append(Reject(line, f"field '{columns.label}': {why}", source, rel))
-                    continue
-                label = names[label]
             checked = {columns.image: path, columns.text: row[columns.text]}
             if columns.label:
                 checked[columns.label] = label
@@ -240,6 +240,8 @@ def _read_table(
                 c.source = source
             for r in more[1]:
                 r.row = source
+                if data is not None:  # the bytes written above belong to no sample
+                    Path(path).unlink(missing_ok=True)
             cands += more[0]
             rejects += more[1]
     return cands, rejects

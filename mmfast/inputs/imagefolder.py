@@ -1,18 +1,23 @@
 """Hugging Face "imagefolder" metadata: metadata.jsonl or metadata.csv beside the images.
 
 Each metadata file names its images in a ``file_name`` column, relative to the metadata file's folder;
-the other columns are features (the caption, the label). A dataset may keep one metadata file per split
-folder (train/metadata.jsonl, test/metadata.jsonl); all of them are read (mmfast splits on its own).
+the other columns are features (the caption, the label). Without a label column, as in HF's imagefolder,
+the label is the folder each image is in (``file_name`` = "<class>/<image>"). A dataset may keep one
+metadata file per split folder (train/metadata.jsonl, test/metadata.jsonl); all of them are read (mmfast
+splits on its own).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+from dataclasses import replace
 from pathlib import Path
 
 from mmfast.inputs import LABEL_NAMES, TEXT_NAMES, InputOptions, pick_column
 from mmfast.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
+
+_FOLDER = "label (the image's folder)"  # the label column of metadata that has none: the class folders
 
 
 def read_imagefolder(
@@ -34,12 +39,15 @@ def read_imagefolder(
     for meta in files:
         rel = meta.relative_to(root).as_posix()
         if meta.suffix == ".csv":
-            columns = _columns(meta, _csv_header(meta), opts)
-            rows, bad = _csv_rows(meta, ",", columns)
+            present = _csv_header(meta)
+            rows, bad = _csv_rows(meta, ",", _columns(meta, present, opts, label=None))
         else:
             rows, bad = _jsonl_rows(meta)
-            keys = list(dict.fromkeys(k for _, r in rows[:1000] for k in r))
-            columns = _columns(meta, keys, opts)
+            present = list(dict.fromkeys(k for _, r in rows[:1000] for k in r))
+        columns = _columns(meta, present, opts, label=None)  # image and text first: their errors first
+        columns = replace(columns, label=_label_column(meta, present, rows, opts))
+        if columns.label == _FOLDER:
+            rows = [(line, {**row, _FOLDER: _folder(row.get(columns.image))}) for line, row in rows]
         for r in bad:
             r.file = rel
         more_cands, more_rejects = check_rows(
@@ -67,11 +75,29 @@ def _csv_header(meta: Path) -> list[str]:
     return next(csv.reader(io.StringIO(first)), [])
 
 
-def _columns(meta: Path, present: list[str], opts: InputOptions) -> Columns:
-    """file_name (or --image-column), the caption and the label columns of one metadata file."""
+def _columns(meta: Path, present: list[str], opts: InputOptions, label: str | None) -> Columns:
+    """file_name (or --image-column) and the caption column of one metadata file, and ``label``."""
     if not present:
         return opts.table_columns(image="file_name")  # an empty file: no rows to check
     image = pick_column(present, opts.image_column, ("file_name",), "image", str(meta))
     text = pick_column(present, opts.text_column, TEXT_NAMES, "text", str(meta))
-    label = None if opts.no_labels else pick_column(present, opts.label_column, LABEL_NAMES, "label", str(meta))
     return Columns(image=image, text=text, label=label)
+
+
+def _label_column(meta: Path, present: list[str], rows: list[tuple[int, dict]], opts: InputOptions) -> str | None:
+    """The label column; ``_FOLDER`` when there is none and every image is in a class folder."""
+    if opts.no_labels or not present:
+        return None
+    if opts.label_column is None and not any(n in present for n in LABEL_NAMES):
+        image = opts.image_column or "file_name"
+        if rows and all(_folder(row.get(image)) for _, row in rows):
+            return _FOLDER
+    return pick_column(present, opts.label_column, LABEL_NAMES, "label", str(meta))
+
+
+def _folder(file_name: object) -> str | None:
+    """The folder an image is in ("cat" of "cat/1.jpg"), None for an image beside its metadata file."""
+    if not isinstance(file_name, str):
+        return None
+    parent = Path(file_name).parent.name
+    return parent or None
