@@ -306,6 +306,20 @@ def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
     assert kept == [Path(row["image"])] and kept[0].suffix == ".jpg"
 
 
+def test_damaged_parquet_and_arrow_files_name_the_file(tmp_path, photos_set):
+    ds = _hf_dataset(photos_set[:2], embed=True)
+    ds.to_parquet(tmp_path / "t.parquet")
+    raw = (tmp_path / "t.parquet").read_bytes()
+    (tmp_path / "t.parquet").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ManifestError, match=r"t.parquet: cannot read the Parquet file"):
+        read_source(tmp_path / "t.parquet", image_dir=tmp_path / "img")
+    ds.save_to_disk(str(tmp_path / "ds"))
+    (arrow,) = (tmp_path / "ds").glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:300])
+    with pytest.raises(ManifestError, match=r"\.arrow: cannot read"):
+        read_source(tmp_path / "ds", image_dir=tmp_path / "img")
+
+
 @pytest.mark.parametrize("embed", [True, False], ids=["bytes", "paths"])
 def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed):
     ds = _hf_dataset(photos_set, embed=embed)

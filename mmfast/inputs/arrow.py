@@ -194,7 +194,17 @@ def _read_table(
     image_dir: Path | None,
 ) -> tuple[list[Candidate], list[Reject]]:
     """Check one file's rows; image bytes are written to ``image_dir`` as they are read."""
-    columns = _columns(f, schema, features, opts)
+    import pyarrow as pa
+
+    try:
+        return _read_rows(f, root, batches, features, _columns(f, schema, features, opts), confine, image_dir)
+    except pa.ArrowException as e:  # a damaged page or record batch, found while reading
+        raise ManifestError(f"{f}: cannot read the file past its first rows: {e}") from e
+
+
+def _read_rows(
+    f: Path, root: Path, batches: Iterator, features: dict, columns: Columns, confine: bool, image_dir: Path | None
+) -> tuple[list[Candidate], list[Reject]]:
     names = (features.get(columns.label) or {}).get("names") if columns.label else None
     rel = f.relative_to(root).as_posix()
     out_dir = None
