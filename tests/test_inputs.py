@@ -184,6 +184,7 @@ def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
     out = tmp_path / "out"
     argv = [str(tsv), "--out", str(out), "--columns", "text,image", "--no-labels", "--no-progress"]
     assert prepare_data.main([*argv, "--max-length", "24", "--workers", "1"]) == 0
+    assert "one class only" in capsys.readouterr().out
     _assert_joined(out, rows, label_of=lambda r: NO_LABEL)
     (rej,) = [json.loads(ln) for ln in (out / "rejected.jsonl").read_text().splitlines()]
     assert rej["line"] == N + 1 and rej["reason"] == "missing field 'image'"
@@ -267,6 +268,13 @@ def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
     for s in PreparedDataset(tmp_path / "out").rows("train"):  # the images live in the prepared directory
         assert Path(s["image"]).parent.parent == (tmp_path / "out" / "images").resolve()
     assert not list(tmp_path.glob(".out.*.tmp"))  # no temp directory left
+    stamp = (tmp_path / "out" / "train.jsonl").stat().st_mtime_ns
+    assert _prepare(data, tmp_path / "out") == summary  # unchanged input: reused, images and all
+    assert (tmp_path / "out" / "train.jsonl").stat().st_mtime_ns == stamp
+    _assert_joined(tmp_path / "out", photos_set)
+    from mmfast.wds import write_wds  # the WebDataset export reads the written-out images
+
+    assert write_wds(tmp_path / "out")["train"]["samples"] == summary["counts"]["train"]
 
 
 def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):

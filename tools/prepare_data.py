@@ -105,6 +105,11 @@ def print_summary(summary: dict) -> None:
         f"{summary['max_length']})"
     )
     print(f"{'time':<22}{summary['timings_s']['total']:.1f} s")
+    if c["classes"] < 2:
+        print(
+            "note: one class only (labels.json): the loader reads it, but tools/train.py's classifiers need at "
+            "least 2 classes (map a label with --label-column)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
