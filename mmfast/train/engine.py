@@ -22,6 +22,7 @@ from mmfast.dataset import PreparedDataset
 from mmfast.fsutil import atomic_write_json
 from mmfast.loader import IGNORE_LABEL, MultimodalLoader
 from mmfast.metrics import confusion_figures
+from mmfast.model_dir import write_run_models
 from mmfast.models import build_model
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.tokenizer import load_tokenizer
@@ -356,6 +357,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         _write_weights_digest(accelerator, model, run_dir)
     if accelerator.is_main_process:
         atomic_write_json(run_dir / "summary.json", summary)
+        # RUN/model (best) and RUN/model-last: what users load, predict with and export
+        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, summary["best_checkpoint"])
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
