@@ -69,7 +69,7 @@ class Reject:
 
 
 def read_input(
-    path: str | Path, confine: bool = False, columns: Columns | None = None
+    path: str | Path, confine: bool = False, columns: Columns | None = None, fmt: str | None = None
 ) -> tuple[list[Candidate], list[Reject], str]:
     """Read a JSONL/CSV manifest or an image folder.
 
@@ -78,6 +78,7 @@ def read_input(
         confine: reject image paths that resolve outside the manifest's folder (for untrusted manifests).
         columns: the manifest's image/text/label columns (default: named image, text, label); a folder's
             labels are its class folders whatever this says.
+        fmt: "jsonl", "csv" or "folder" (default: told from the path: a folder, or the file's suffix).
 
     Returns:
         (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
@@ -89,18 +90,23 @@ def read_input(
     columns = columns or Columns()
     if not path.exists():
         raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
-    if path.is_dir():
+    suffix = path.suffix.lower()
+    fmt = fmt or ("folder" if path.is_dir() else {".csv": "csv", ".tsv": "csv"}.get(suffix, suffix.lstrip(".")))
+    if fmt == "folder":
+        if not path.is_dir():
+            raise ManifestError(f"{path}: not a folder (an image folder is root/<class>/<image>)")
         _refuse_prepared_dir(path)
         cands, rejects = _read_folder(path)
         kind = "folder"
     else:
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json", ".ndjson"):
+        if path.is_dir():
+            raise ManifestError(f"{path}: a folder, not a {fmt} manifest")
+        if fmt in ("jsonl", "json", "ndjson"):
             if columns.names is not None:
                 raise ManifestError(f"{path}: --columns names the columns of a CSV/TSV without a header line")
             rows, rejects = _jsonl_rows(path)
             kind = "jsonl"
-        elif suffix in (".csv", ".tsv"):
+        elif fmt == "csv":
             rows, rejects = _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",", columns=columns)
             kind = "csv"
         else:

@@ -196,6 +196,13 @@ def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
         w.writerows([r["text"], "imgs/" + n, r["label"]] for n, r in zip(names, photos_set, strict=True))
     _prepare(tmp_path / "m.csv", tmp_path / "out2", image_column="url", text_column="caption", label_column="kind")
     _assert_joined(tmp_path / "out2", photos_set)
+    # --input-kind names the format of a file whose suffix does not
+    (tmp_path / "pairs.txt").write_text(
+        "".join(f"{r['text']},imgs/{n}\n" for n, r in zip(names, photos_set, strict=True))
+    )
+    opts = InputOptions(kind="csv", columns=("text", "image"), no_labels=True)
+    cands, rejects, kind = read_source(tmp_path / "pairs.txt", opts)
+    assert kind == "csv" and not rejects and [c.text for c in cands] == [r["text"] for r in photos_set]
     with pytest.raises(ManifestError, match=r"--columns text lacks \['image'\]"):
         read_source(tsv, InputOptions(columns=("text",), no_labels=True))
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmfast.manifest import Candidate, Columns, ManifestError, Reject, read_input
+from mmfast.manifest import Candidate, Columns, ManifestError, Reject, finish_rows, read_input
 
 # Column names tried, in order, when a reader that knows its columns is not told which holds what.
 TEXT_NAMES = ("text", "caption", "captions", "sentence", "description", "prompt", "title")
@@ -98,10 +98,6 @@ def read_source(
     if not path.exists():
         raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     kind = opts.kind if opts.kind != "auto" else detect_kind(path)
-    if kind in ("jsonl", "csv", "folder"):
-        return read_input(path, confine=confine, columns=opts.table_columns())
-    from mmfast.manifest import finish_rows
-
     cands, rejects = READERS[kind](path, opts, confine, image_dir)
     cands, rejects = finish_rows(cands, rejects)
     return cands, rejects, kind
@@ -171,15 +167,25 @@ def pick_column(present: list[str], given: str | None, names: tuple[str, ...], w
     raise ManifestError(f"{where}: no {what} column among {present}; {hint}")
 
 
-def _readers() -> dict[str, Reader | None]:
+def _manifest_reader(fmt: str) -> Reader:
+    """A reader of mmfast's own inputs (``manifest.read_input``) in format ``fmt``, whatever the file's suffix."""
+
+    def read(path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None):
+        cands, rejects, _ = read_input(path, confine=confine, columns=opts.table_columns(), fmt=fmt)
+        return cands, rejects
+
+    return read
+
+
+def _readers() -> dict[str, Reader]:
     from mmfast.inputs.arrow import read_arrow, read_parquet
     from mmfast.inputs.coco import read_coco
     from mmfast.inputs.imagefolder import read_imagefolder
 
     return {
-        "jsonl": None,  # manifest.read_input
-        "csv": None,
-        "folder": None,
+        "jsonl": _manifest_reader("jsonl"),
+        "csv": _manifest_reader("csv"),
+        "folder": _manifest_reader("folder"),
         "imagefolder": read_imagefolder,
         "coco": read_coco,
         "parquet": read_parquet,
@@ -187,4 +193,4 @@ def _readers() -> dict[str, Reader | None]:
     }
 
 
-READERS: dict[str, Reader | None] = _readers()
+READERS: dict[str, Reader] = _readers()
