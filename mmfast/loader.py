@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -461,7 +462,14 @@ class ShardSampler:
     """
 
     def __init__(self, loader: ImageLoader):
-        self._loader = loader  # (the loader creates one per access: no reference cycle keeps DALI alive)
+        self._ref = weakref.ref(loader)  # not a reference: a cycle would keep the loader's DALI pipeline alive
+
+    @property
+    def _loader(self) -> ImageLoader:
+        loader = self._ref()
+        if loader is None:
+            raise ReferenceError("the loader of this sampler no longer exists")
+        return loader
 
     num_replicas = property(lambda self: self._loader.num_shards)
     rank = property(lambda self: self._loader.shard_id)
@@ -740,6 +748,7 @@ class ImageLoader:
         self._restore: tuple | None = None  # (epoch, step, chunk, DALI checkpoint) set by load_state_dict
         self._keep_position = False  # a restored position the next iter() continues from
         self._generation = 0  # bumped by each iter(): an older, abandoned iterator stops
+        self._sampler: ShardSampler | None = None
 
     @classmethod
     def from_folder(
@@ -777,7 +786,15 @@ class ImageLoader:
     @property
     def sampler(self) -> ShardSampler:
         """This process's share of each epoch, as DataLoader code reads it (``len``, ``set_epoch``)."""
-        return ShardSampler(self)
+        if self._sampler is None:
+            self._sampler = ShardSampler(self)
+        return self._sampler
+
+    @property
+    def batch_sampler(self) -> torch.utils.data.BatchSampler:
+        """DataLoader's ``batch_sampler``: ``sampler`` cut into this loader's batches (code that inspects a
+        loader, like Lightning's, reads it)."""
+        return torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
 
     # -- the epoch protocol ------------------------------------------------------------------------------
     def __len__(self) -> int:

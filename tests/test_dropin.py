@@ -4,12 +4,17 @@ give the same validation results (tests/test_dropin.py::test_the_example_script_
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, free_port
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler, Subset
 from torchvision import datasets
@@ -333,3 +338,160 @@ def test_a_skipped_image_is_masked_and_labelled_minus_100(folder, tmp_path):
     batches = list(ImageLoader(files, [7] * 6, batch_size=4, size=32))
     assert [b.mask.tolist() for b in batches] == [[True, True, False, True], [True, True]]
     assert batches[0].labels.tolist() == [7, 7, -100, 7] and batches[0].ids.tolist() == [0, 1, -1, 3]
+
+
+# -- the examples: a torchvision-style script with only its loader swapped, Accelerate, Lightning ----------------
+EXAMPLES = ROOT / "examples"
+
+
+def _example(name: str):
+    """examples/<name>.py as a module (its main(argv) runs in this process)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """train/ (36 photos) and val/ (27) ImageFolder trees."""
+    root = tmp_path_factory.mktemp("data")
+    photo_folder(root / "train", {"cat": 14, "dog": 12, "eel": 10}, seed=1)
+    photo_folder(root / "val", {"cat": 11, "dog": 9, "eel": 7}, seed=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def weights(data, tmp_path_factory) -> Path:
+    """ResNet-18 weights whose predictions differ from image to image: a fresh network predicts one class for
+    all (its batch-norm statistics are 0 and 1), so its statistics are first measured on the train split."""
+    import torchvision
+
+    torch.manual_seed(5)  # a seed whose validation logits have no near tie (see _compare_validation)
+    model = torchvision.models.resnet18(num_classes=3)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = None  # a plain average over the batches
+    with torch.no_grad():
+        for images, _ in DataLoader(datasets.ImageFolder(data / "train", EVAL_TF), batch_size=12):
+            model(images)  # train mode: updates the running statistics only
+    path = tmp_path_factory.mktemp("weights") / "resnet18.pt"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def test_the_example_scripts_differ_only_in_the_loader_construction():
+    before = (EXAMPLES / "imagenet_dataloader.py").read_text().splitlines()
+    after = (EXAMPLES / "imagenet_mmfast.py").read_text().splitlines()
+    diff = [ln for ln in difflib.unified_diff(before, after, lineterm="", n=0) if ln[:3] not in ("+++", "---")]
+    added = [ln[1:] for ln in diff if ln.startswith("+") and ln[1:].strip()]
+    removed = [ln[1:] for ln in diff if ln.startswith("-") and ln[1:].strip()]
+    assert len(added) <= 4 and all("ImageLoader" in ln or "shard_id=rank" in ln for ln in added), added
+    assert all("DataLoader" in ln or "DistributedSampler" in ln for ln in removed), removed
+
+
+def _compare_validation(ref: dict, got: dict, count: int) -> None:
+    assert got["val"]["count"] == ref["val"]["count"] == count and got["val_batches"] == ref["val_batches"]
+    assert got["val"]["preds"] == ref["val"]["preds"]
+    assert got["val"]["acc1"] == ref["val"]["acc1"]
+    logits = np.array(ref["val"]["logits"])  # (N, classes)
+    diff = np.abs(np.array(got["val"]["logits"]) - logits).max()
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    # measured: diff 0.005 (pixels within one 8-bit level), smallest margin 0.2: equal predictions are no luck
+    assert diff < 0.01 and (top2[:, 1] - top2[:, 0]).min() > 10 * diff
+
+
+def test_the_example_script_on_one_process_gives_the_dataloader_versions_results(data, weights):
+    argv = [str(data), "--size", "64", "--batch-size", "8", "--workers", "0", "--weights", str(weights)]
+    ref = _example("imagenet_dataloader").main([*argv, "--evaluate"])
+    got = _example("imagenet_mmfast").main([*argv, "--evaluate"])
+    _compare_validation(ref, got, 27)
+    assert got["val_batches"] == 4 and len(set(got["val"]["preds"])) > 1  # 8 + 8 + 8 + 3; not one class for all
+
+
+@pytest.mark.slow
+def test_the_example_script_trains_on_one_process_like_the_dataloader_version(data, weights):
+    argv = [str(data), "--size", "64", "--batch-size", "8", "--workers", "0", "--weights", str(weights)]
+    ref = _example("imagenet_dataloader").main([*argv, "--epochs", "2"])
+    got = _example("imagenet_mmfast").main([*argv, "--epochs", "2"])
+    for r, g in zip(ref["epochs"], got["epochs"], strict=True):  # every training sample once per epoch
+        assert g["train_samples"] == r["train_samples"] == 36 and np.isfinite(g["train_loss"])
+        assert g["val"]["count"] == r["val"]["count"] == 27
+
+
+def _torchrun(script: str, *argv: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    proc = subprocess.run([*cmd, str(EXAMPLES / script), *argv], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_example_script_on_two_processes_gives_the_dataloader_versions_results(data, weights, tmp_path):
+    argv = [str(data), "--size", "64", "--batch-size", "8", "--weights", str(weights)]
+    for name in ("imagenet_dataloader", "imagenet_mmfast"):
+        _torchrun(f"{name}.py", *argv, "--evaluate", "--out", str(tmp_path / name))
+    preds = []
+    for rank in (0, 1):
+        ref = json.loads((tmp_path / f"imagenet_dataloader.rank{rank}.json").read_text())
+        got = json.loads((tmp_path / f"imagenet_mmfast.rank{rank}.json").read_text())
+        assert ref["world_size"] == got["world_size"] == 2
+        # 27 images on 2 processes: 14 each, one repeated (DistributedSampler's padding, counted by both)
+        _compare_validation(ref, got, 28)
+        assert len(got["val"]["preds"]) == 14 and got["val_batches"] == 2
+        preds += got["val"]["preds"]
+    assert len(set(preds)) > 1
+    # training under DDP: each process gets DistributedSampler's 18 of the 36 samples per epoch
+    _torchrun("imagenet_mmfast.py", *argv, "--epochs", "2", "--out", str(tmp_path / "train"))
+    for rank in (0, 1):
+        epochs = json.loads((tmp_path / f"train.rank{rank}.json").read_text())["epochs"]
+        assert [e["train_samples"] for e in epochs] == [18, 18] and all(
+            np.isfinite(e["train_loss"]) for e in epochs
+        )
+
+
+def test_the_accelerate_example_counts_every_image_once(data, weights):
+    from accelerate.state import AcceleratorState, GradientState
+
+    argv = [str(data), "--size", "64", "--batch-size", "8", "--weights", str(weights)]
+    try:
+        evaluated = _example("accelerate_imagefolder").main([*argv, "--epochs", "0"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert evaluated["val_count"] == 27 and evaluated["num_processes"] == 1
+    # the same weights through the DataLoader version of the torchvision-style script
+    ref = _example("imagenet_dataloader").main([*argv, "--workers", "0", "--evaluate"])
+    assert evaluated["val_acc"] == pytest.approx(ref["val"]["acc1"] / 100)
+
+
+@pytest.mark.slow
+def test_the_accelerate_example_on_two_processes_counts_every_image_once(data, weights, tmp_path):
+    argv = [str(data), "--size", "64", "--batch-size", "8", "--weights", str(weights)]
+    _torchrun("accelerate_imagefolder.py", *argv, "--epochs", "0", "--out", str(tmp_path / "eval.json"))
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    ref = _example("imagenet_dataloader").main([*argv, "--workers", "0", "--evaluate"])
+    # 14 + 14 served, the repeat masked: 27 counted, and the accuracy of one process
+    assert evaluated["num_processes"] == 2 and evaluated["val_count"] == 27
+    assert evaluated["val_acc"] == pytest.approx(ref["val"]["acc1"] / 100)
+    _torchrun("accelerate_imagefolder.py", *argv, "--epochs", "1", "--out", str(tmp_path / "train.json"))
+    assert json.loads((tmp_path / "train.json").read_text())["val_count"] == 27
+
+
+def test_the_lightning_example(data, tmp_path):
+    pytest.importorskip("lightning")
+    out = tmp_path / "metrics.json"
+    cmd = [sys.executable, str(EXAMPLES / "lightning_imagefolder.py"), str(data), "--epochs", "1"]
+    proc = subprocess.run(
+        [*cmd, "--size", "64", "--batch-size", "8", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(out.read_text())
+    assert metrics["val_count"] == 27 and 0 <= metrics["val_acc"] <= 1 and np.isfinite(metrics["train_loss"])
