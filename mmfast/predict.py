@@ -226,3 +226,55 @@ def prepared_rows(data_dir: str | os.PathLike, split: str) -> list[dict]:
         {"id": r["id"], "image": r["image"], "text": r["text"], "label": names[r["label"]]}
         for r in dataset.rows(split)
     ]
+
+
+def score(results: list[dict], class_names: list[str]) -> dict:
+    """Accuracy, macro-F1, per-class precision/recall and the confusion matrix of predicted rows with a label.
+
+    Returns:
+        ``confusion_figures``' dict plus "confusion" (C x C list, rows = true class), "samples" (scored rows)
+        and "errors" (rows not predicted, left out of the figures).
+    """
+    from mmfast.metrics import confusion_figures
+
+    index = {name: i for i, name in enumerate(class_names)}
+    c = len(class_names)
+    cm = np.zeros((c, c), dtype=np.int64)
+    scored = 0
+    for r in results:
+        if "class" in r and str(r.get("label")) in index:
+            cm[index[str(r["label"])], r["class_id"]] += 1
+            scored += 1
+    return {
+        **confusion_figures(cm, class_names),
+        "confusion": cm.tolist(),
+        "samples": scored,
+        "errors": sum(1 for r in results if r.get("error")),
+    }
+
+
+def plot_confusion(confusion: list[list[int]], class_names: list[str], path: str | os.PathLike) -> Path:
+    """A confusion-matrix PNG (rows: true class, columns: predicted), counts written in the cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cm = np.asarray(confusion)
+    n = len(class_names)
+    side = max(4.0, 0.5 * n + 2)
+    fig, ax = plt.subplots(figsize=(side, side))
+    ax.imshow(cm, cmap="Blues")
+    ax.set_xticks(range(n), class_names, rotation=90)
+    ax.set_yticks(range(n), class_names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    for i in range(n):
+        for j in range(n):
+            if cm[i, j]:
+                color = "white" if cm[i, j] > cm.max() / 2 else "black"
+                ax.text(j, i, str(cm[i, j]), ha="center", va="center", fontsize=8, color=color)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,104 @@
+"""Export a model directory's network: ONNX (``torch.onnx.export``) and ``torch.export`` programs, with the
+ONNX file checked against PyTorch in onnxruntime.
+
+Both take three tensors and return one: ``image`` (B, 3, S, S) float32, normalized as config.json says,
+``input_ids`` and ``attention_mask`` (B, L) int64 (the tokenizer's ids, padded to the longest caption) ->
+``logits`` (B, C). The batch size and caption length are dynamic.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmfast.model_dir import MmfastModel
+
+INPUT_NAMES = ["image", "input_ids", "attention_mask"]
+
+
+class LogitsModule(nn.Module):
+    """Positional tensors in, logits out: the batch dict the network takes, made exportable."""
+
+    def __init__(self, model: MmfastModel):
+        super().__init__()
+        self.model = model.model
+
+    def forward(self, image: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model({"image": image, "input_ids": input_ids, "attention_mask": attention_mask})
+
+
+def example_inputs(
+    model: MmfastModel, batch: int = 2, length: int = 12, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Random inputs of the right shapes: an image batch and captions of different lengths (padding included)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    size = cfg["image_size"]
+    image = torch.randn(batch, 3, size, size, generator=g)
+    ids = torch.randint(5, cfg["vocab_size"], (batch, length), generator=g)
+    lengths = torch.linspace(length, max(3, length // 2), batch).round().long()  # (B,): the first row is full
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()  # (B, L)
+    ids = torch.where(mask.bool(), ids, torch.zeros_like(ids))
+    return image, ids, mask
+
+
+def export_onnx(model: MmfastModel, path: str | os.PathLike, opset: int = 17) -> Path:
+    """Write an ONNX file with dynamic batch and caption length (TorchScript-based exporter: no onnxscript
+    needed at export time)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    net = LogitsModule(model).eval()
+    with torch.no_grad():
+        torch.onnx.export(
+            net,
+            example_inputs(model),
+            str(path),
+            input_names=INPUT_NAMES,
+            output_names=["logits"],
+            dynamic_axes={
+                "image": {0: "batch"},
+                "input_ids": {0: "batch", 1: "length"},
+                "attention_mask": {0: "batch", 1: "length"},
+                "logits": {0: "batch"},
+            },
+            opset_version=opset,
+            dynamo=False,
+        )
+    return path
+
+
+def export_program(model: MmfastModel, path: str | os.PathLike) -> Path:
+    """Write a ``torch.export`` program (``torch.export.load(path).module()(image, input_ids, mask)``) with a
+    dynamic batch (at least 2) and caption length."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=512)
+    program = torch.export.export(
+        LogitsModule(model).eval(),
+        example_inputs(model),
+        dynamic_shapes={
+            "image": {0: batch},
+            "input_ids": {0: batch, 1: length},
+            "attention_mask": {0: batch, 1: length},
+        },
+    )
+    torch.export.save(program, str(path))
+    return path
+
+
+@torch.no_grad()
+def onnx_parity(
+    model: MmfastModel, onnx_path: str | os.PathLike, inputs: tuple[torch.Tensor, ...] | None = None
+) -> float:
+    """Largest absolute difference between onnxruntime's and PyTorch's fp32 logits on the same inputs."""
+    import onnxruntime as ort
+
+    inputs = inputs if inputs is not None else example_inputs(model, batch=3, length=9, seed=1)
+    ref = LogitsModule(model).eval()(*inputs).float().numpy()
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(["logits"], {n: t.numpy() for n, t in zip(INPUT_NAMES, inputs, strict=True)})
+    return float(np.abs(got - ref).max())
