@@ -363,3 +363,41 @@ def test_train_from_parquet(tmp_path, photos_set):
     argv = ["--data", str(out), "--out", str(run), *SMALL_RUN, "--batch-size", "4", "--max-steps", "2"]
     assert train_tool.main(argv) == 0
     assert json.loads((run / "summary.json").read_text())["model"]
+
+
+def test_full_disk_while_writing_parquet_images_leaves_the_previous_directory(tmp_path, photos):
+    """The written-out images are part of the prepared directory's atomic swap: a write that fails (here
+    over RLIMIT_FSIZE, as on a full disk) exits 2 and leaves the previous directory as it was."""
+    import resource
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    big = max(photos, key=lambda p: p.stat().st_size)  # a photo of hundreds of KB
+    rows = [{"path": big, "text": f"big photo {i}", "label": "ab"[i % 2]} for i in range(4)]
+    _hf_dataset(rows, embed=True).to_parquet(tmp_path / "t.parquet")
+    out = tmp_path / "out"
+    base = [
+        sys.executable,
+        str(ROOT / "tools" / "prepare_data.py"),
+        str(tmp_path / "t.parquet"),
+        "--out",
+        str(out),
+    ]
+    prepare_dataset(PrepareConfig(source=str(tmp_path / "t.parquet"), out=str(out), seed=1, progress=False))
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert len([p for p in before if p.parent.parent.name == "images"]) == 4
+
+    def limit():  # Python ignores SIGXFSZ, so a write over the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (big.stat().st_size // 2,) * 2)
+
+    full = subprocess.run([*base, "--no-progress"], capture_output=True, text=True, cwd=ROOT, preexec_fn=limit)
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-2000:]
+    last = full.stderr.splitlines()[-1]
+    assert (
+        last.startswith(f"error: writing the prepared dataset to {out} failed: File too large")
+        and "/images/" in last
+    )
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

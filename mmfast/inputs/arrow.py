@@ -237,8 +237,7 @@ def _read_rows(
                     out_dir = image_dir / _safe(rel)
                     out_dir.mkdir(parents=True, exist_ok=True)
                 path = str(out_dir / f"{line:08d}{_extension(data, name)}")
-                with open(path, "wb") as fh:
-                    fh.write(data)
+                _write(path, data)
             else:
                 rejects.append(Reject(line, f"field '{columns.image}' has no image bytes or path", source, rel))
                 continue
@@ -255,6 +254,16 @@ def _read_rows(
             cands += more[0]
             rejects += more[1]
     return cands, rejects
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError as e:
+        if e.filename is None:
+            e.filename = path  # a failed write() names no file; the error (a full disk) should
+        raise
 
 
 def _size(data) -> str | None:
