@@ -133,6 +133,7 @@ def test_hf_imagefolder_metadata(tmp_path, photos_set, layout):
                 w.writerow(["file_name", "text", "label"])
                 w.writerows([n, r["text"], r["label"]] for n, r in zip(names, part, strict=True))
         sources = [folder]
+        _assert_hf_reads_the_same(folder, tmp_path / "hf-cache", photos_set)
     for i, src in enumerate(sources):
         cands, rejects, kind = read_source(src)
         assert kind == "imagefolder" and not rejects  # nope.jpg is found missing when images are checked
@@ -143,6 +144,23 @@ def test_hf_imagefolder_metadata(tmp_path, photos_set, layout):
         if layout == "jsonl-root":
             (rej,) = [json.loads(ln) for ln in (tmp_path / f"out{i}" / "rejected.jsonl").read_text().splitlines()]
             assert rej["line"] == N + 1 and rej["reason"] == "missing file" and rej["file"] == "metadata.jsonl"
+
+
+def _assert_hf_reads_the_same(folder: Path, cache: Path, rows: list[dict]) -> None:
+    """datasets' own imagefolder reader joins each caption to the same pixels and label as the input rows
+    (so the input is the ecosystem's format, not only mmfast's idea of it)."""
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.load_dataset("imagefolder", data_dir=str(folder), cache_dir=str(cache))
+    want = {r["text"]: (_pixels(r["path"]), r["label"]) for r in rows}
+    got = {s["text"]: (_pixels(s["image"]), s["label"]) for split in dd.values() for s in split}
+    assert got == want
+
+
+def _pixels(image) -> str:
+    from PIL import Image
+
+    im = image if isinstance(image, Image.Image) else Image.open(image)
+    return hashlib.sha256(im.convert("RGB").tobytes()).hexdigest()
 
 
 def test_imagefolder_labels_from_class_folders_when_no_label_column(tmp_path, photos_set):
