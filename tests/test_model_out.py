@@ -1,0 +1,201 @@
+"""The model a run leaves: RUN/model loads offline, predicts like the engine's evaluation, evaluates, exports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL_RUN
+from PIL import Image
+
+from mmfast.export import LogitsModule, example_inputs, export_onnx, onnx_parity
+from mmfast.loader import MultimodalLoader
+from mmfast.model_dir import MmfastModel, load_model, save_model_dir
+from mmfast.predict import predict_rows, read_rows
+from mmfast.tokenizer import load_tokenizer
+
+
+def _config(prepared: Path) -> dict:
+    labels = json.loads((prepared / "labels.json").read_text())
+    return {
+        "model": "concat",
+        "num_classes": len(labels),
+        "class_names": sorted(labels, key=labels.get),
+        "image_backbone": "resnet10",
+        "text_model": "bert-tiny",
+        "vocab_size": len(load_tokenizer(prepared / "tokenizer")),
+        "hidden": 32,
+        "dropout": 0.1,
+        "image_size": 32,
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+        "max_length": 32,
+        "eval_batch_size": 16,
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(prepared, tmp_path_factory) -> Path:
+    """An untrained model directory (random weights) with the prepared set's tokenizer."""
+    torch.manual_seed(0)
+    net = MmfastModel(_config(prepared))
+    out = tmp_path_factory.mktemp("model") / "model"
+    return save_model_dir(out, net.model.state_dict(), net.config, prepared / "tokenizer")
+
+
+def test_model_dir_loads_offline_without_the_data(model_dir, tmp_path):
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(model_dir, moved)  # the data dir's tokenizer is not reachable from here: the copy's is used
+    names = sorted(p.name for p in moved.iterdir() if not p.name.startswith("."))
+    assert names == ["README.md", "config.json", "model.safetensors", "tokenizer"]
+    assert not [p for p in model_dir.parent.iterdir() if p.name.endswith(".tmp")]  # the atomic swap left nothing
+    a, b = load_model(model_dir), load_model(moved)
+    assert a.class_names == b.class_names and len(a.class_names) == a.config["num_classes"]
+    assert b.tokenizer is not None and b.tokenizer("a red circle")["input_ids"][0] == b.tokenizer.cls_token_id
+    x = example_inputs(a)
+    batch = dict(zip(["image", "input_ids", "attention_mask"], x, strict=True))
+    assert not b.training
+    torch.testing.assert_close(a(batch), b(batch), rtol=0, atol=0)
+
+
+def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest, tmp_path):
+    import tools.predict as predict_tool
+
+    rows = [json.loads(line) for line in demo_manifest.read_text().splitlines()[:5]]
+    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    good = [{**r, "image": str(demo_manifest.parent / r["image"])} for r in rows]
+    manifest = tmp_path / "new.jsonl"
+    lines = [json.dumps(r) for r in good[:3]]
+    lines += [
+        json.dumps({"image": str(tmp_path / "missing.jpg"), "text": "x"}),
+        json.dumps({"image": str(tmp_path / "broken.jpg"), "text": "y"}),
+        json.dumps({"image": good[3]["image"], "text": 7}),
+        "{not json",
+        json.dumps(good[4]),
+    ]
+    manifest.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "pred.jsonl"
+    assert predict_tool.main(["--model", str(model_dir), "--input", str(manifest), "--out", str(out)]) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == 8
+    errors = [bool(r["error"]) for r in got]
+    assert errors == [False, False, False, True, True, True, True, False]
+    assert "not found" in got[3]["error"] and "unreadable" in got[4]["error"] and "not JSON" in got[6]["error"]
+    model = load_model(model_dir)
+    for r in [got[i] for i in (0, 1, 2, 7)]:
+        assert r["class"] in model.class_names and r["top_k"][0] == [r["class"], r["prob"]]
+        assert len(r["top_k"]) == 3 and r["top_k"][0][1] >= r["top_k"][1][1] >= r["top_k"][2][1]
+    # One image + text gives that image's prediction (one row, so padded to its own caption length).
+    single = predict_rows(model, [{"image": good[0]["image"], "text": good[0]["text"]}], batch_size=1)
+    alone = predict_rows(model, read_rows(manifest)[:1], batch_size=1)
+    assert single[0]["class"] == alone[0]["class"] and single[0]["prob"] == pytest.approx(alone[0]["prob"])
+    csv_out = tmp_path / "one.csv"
+    argv = [
+        "--model",
+        str(model_dir),
+        "--image",
+        good[0]["image"],
+        "--text",
+        good[0]["text"],
+        "--out",
+        str(csv_out),
+    ]
+    assert predict_tool.main(argv) == 0
+    lines = csv_out.read_text().splitlines()
+    assert lines[0].split(",")[:4] == ["image", "text", "label", "class"] and len(lines) == 2
+    assert single[0]["class"] in lines[1]
+
+
+def test_onnx_export_matches_pytorch(model_dir, tmp_path):
+    model = load_model(model_dir)
+    path = export_onnx(model, tmp_path / "model.onnx")
+    assert onnx_parity(model, path) <= 1e-4
+    # dynamic axes: another batch size and caption length than the export's example
+    assert onnx_parity(model, path, example_inputs(model, batch=5, length=20, seed=3)) <= 1e-4
+    assert LogitsModule(model)(*example_inputs(model)).shape == (2, model.config["num_classes"])
+
+
+def test_export_tool_writes_both_formats(model_dir, tmp_path):
+    import tools.export as export_tool
+
+    assert export_tool.main(["--model", str(model_dir), "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "export.json").read_text())
+    assert report["onnx_max_abs_diff"] <= 1e-4
+    model = load_model(model_dir)
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
+    x = example_inputs(model, batch=4, length=7, seed=2)
+    torch.testing.assert_close(program(*x), LogitsModule(model)(*x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, tmp_path_factory) -> Path:
+    import tools.train as train_tool
+
+    run = tmp_path_factory.mktemp("run") / "run"
+    argv = ["--data", str(prepared), "--out", str(run), *SMALL_RUN, "--epochs", "2", "--model", "concat"]
+    assert train_tool.main(argv) == 0
+    return run
+
+
+@pytest.mark.slow
+def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
+    """tools/predict.py on the val split gives, sample by sample, the classes the engine's eval path gives the
+    saved model, and summary.json's best accuracy; RUN/model holds the best checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    import tools.evaluate as evaluate_tool
+    import tools.predict as predict_tool
+    from mmfast.train.engine import evaluate
+
+    summary = json.loads((trained / "summary.json").read_text())
+    model = load_model(trained / "model")
+    assert model.config["weights"] == "best" and load_model(trained / "model-last").config["weights"] == "last"
+    best = load_file(str(Path(summary["best_checkpoint"]) / "model.safetensors"))
+    saved = load_file(str(trained / "model" / "model.safetensors"))
+    assert saved.keys() == {f"model.{k}" for k in best} and all(
+        torch.equal(saved[f"model.{k}"], best[k]) for k in best
+    )
+
+    out = tmp_path / "val.jsonl"
+    assert predict_tool.main(["--model", str(trained / "model"), "--data", str(prepared), "--out", str(out)]) == 0
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    cfg = model.config
+    val = MultimodalLoader(
+        prepared,
+        "val",
+        cfg["eval_batch_size"],
+        mean=tuple(255 * m for m in cfg["mean"]),
+        std=tuple(255 * s for s in cfg["std"]),
+        size=cfg["image_size"],
+        fp16=False,
+        device="cpu",
+    )
+    reference = {}
+    with torch.no_grad():
+        for batch in val:
+            for i, c in zip(batch["id"].tolist(), model(batch).argmax(1).tolist(), strict=True):
+                if i >= 0:
+                    reference[i] = model.class_names[c]
+    assert len(got) == len(reference) == 60
+    assert {i: r["class"] for i, r in got.items()} == reference
+    acc = sum(r["class"] == r["label"] for r in got.values()) / len(got)
+    assert acc == summary["best_val_acc"]
+
+    from accelerate import Accelerator
+
+    figures = evaluate(Accelerator(cpu=True), model.model, val, model.class_names)
+    assert figures["val_acc"] == summary["best_val_acc"]
+    assert figures["val_macro_f1"] == summary["best_val_macro_f1"]
+
+    eval_out = tmp_path / "eval"
+    assert (
+        evaluate_tool.main(["--model", str(trained / "model"), "--data", str(prepared), "--out", str(eval_out)])
+        == 0
+    )
+    metrics = json.loads((eval_out / "metrics.json").read_text())
+    assert metrics["acc"] == summary["best_val_acc"] and metrics["macro_f1"] == summary["best_val_macro_f1"]
+    assert metrics["samples"] == 60 and sum(map(sum, metrics["confusion"])) == 60
+    assert Image.open(eval_out / "confusion.png").size[0] > 100
