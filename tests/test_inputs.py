@@ -9,6 +9,7 @@ import csv
 import hashlib
 import json
 import shutil
+from datetime import date
 from pathlib import Path
 
 import pytest
@@ -314,7 +315,12 @@ def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
         {"bytes": good[: len(good) // 2], "path": "cut.jpg"},
     ]
     table = pa.table(
-        {"image": image, "text": ["fine", "text", "nothing", "", "cut"], "label": [0, 1, 0, 1, -1]},
+        {
+            "image": image,
+            "text": ["fine", "text", "nothing", "", "cut"],
+            "label": [0, 1, 0, 1, -1],
+            "n": [date(2020, 1, 2)] * 5,
+        },
         metadata={
             "huggingface": json.dumps(
                 {"info": {"features": {"label": {"_type": "ClassLabel", "names": ["x", "y"]}}}}
@@ -332,6 +338,14 @@ def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
     assert rej[3]["reason"] == "field 'image' has no image bytes or path"
     assert rej[4]["reason"] == "empty text"
     assert rej[5]["reason"] == "field 'label': no label (-1)"
+    # A caption column of another type: rejected rows, written to rejected.jsonl as JSON
+    with pytest.raises(ManifestError, match=r"t.parquet:1: field 'n' must be a string, got date"):
+        _prepare(tmp_path / "t.parquet", tmp_path / "out-n", text_column="n", no_labels=True)
+    bad = [json.loads(ln) for ln in failure_report_path(tmp_path / "out-n").read_text().splitlines()]
+    assert (
+        bad[0]["reason"] == "field 'n' must be a string, got date"
+        and bad[0]["row"]["n"] == "datetime.date(2020, 1, 2)"
+    )
     (row,) = PreparedDataset(tmp_path / "out").rows("train")
     assert row["text"] == "fine" and Path(row["image"]).read_bytes() == good
     # The bytes of rejected rows are not kept: the prepared images are the samples' own.

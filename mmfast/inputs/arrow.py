@@ -210,11 +210,13 @@ def _read_rows(
     out_dir = None
     cands, rejects, line = [], [], 0
     wanted = columns.required()
+    folder = f.parent.resolve()  # what a relative image path is relative to
     for batch in batches:
         for row in batch.select(wanted).to_pylist():
             line += 1
             image = row[columns.image]
-            source = {k: v for k, v in row.items() if k != columns.image}  # no image bytes in rejected.jsonl
+            # The row as rejected.jsonl shows it: JSON values only, no image bytes.
+            source = {k: _jsonable(v) for k, v in row.items() if k != columns.image}
             if isinstance(image, dict):
                 source[columns.image] = {"path": image.get("path"), "bytes": _size(image.get("bytes"))}
                 data, name = image.get("bytes"), image.get("path")
@@ -244,7 +246,7 @@ def _read_rows(
             checked = {columns.image: path, columns.text: row[columns.text]}
             if columns.label:
                 checked[columns.label] = label
-            more = check_rows([(line, checked)], f.parent.resolve(), confine and data is None, False, columns, rel)
+            more = check_rows([(line, checked)], folder, confine and data is None, False, columns, rel)
             for c in more[0]:
                 c.source = source
             for r in more[1]:
@@ -264,6 +266,14 @@ def _write(path: str, data: bytes) -> None:
         if e.filename is None:
             e.filename = path  # a failed write() names no file; the error (a full disk) should
         raise
+
+
+def _jsonable(value: object) -> object:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, bytes | bytearray):
+        return _size(value)
+    return repr(value)[:200]
 
 
 def _size(data) -> str | None:
