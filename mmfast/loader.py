@@ -657,7 +657,8 @@ class ImageLoader:
             files, labels, folder_classes, found = _read_dataset(folder, labels)
             classes = folder_classes if classes is None else classes
             size, train = _agree("size", size, found.pop("size")), _agree("train", train, found.pop("train"))
-            dtype = found.pop("dtype") if dtype is None and fp16 is None else dtype
+            found_dtype = found.pop("dtype")  # yours wins: an output format, not what the pipeline does
+            dtype = found_dtype if dtype is None and fp16 is None else dtype
             pipeline_kwargs.update({k: _agree(k, pipeline_kwargs.get(k), v) for k, v in found.items()})
         size = 224 if size is None else size
         if batch_size is None:

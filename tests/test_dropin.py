@@ -187,7 +187,11 @@ def test_arguments_that_contradict_the_datasets_transform_are_refused(folder):
         ImageLoader(dataset, batch_size=8, size=128)
     with pytest.raises(ValueError, match="train=True"):
         ImageLoader(dataset, batch_size=8, train=True)
-    assert ImageLoader(dataset, batch_size=8, size=64, dtype="bf16").dtype == torch.bfloat16  # dtype: yours
+    for dtype in ("bf16", torch.float16):  # the dtype is yours to choose
+        images, _ = next(iter(ImageLoader(dataset, batch_size=8, size=64, dtype=dtype)))
+        assert images.dtype == {"bf16": torch.bfloat16}.get(dtype, dtype)
+    images, _ = next(iter(ImageLoader(dataset, batch_size=8, fp16=True)))
+    assert images.dtype == torch.float16
     with pytest.raises(ValueError, match="target_transform"):
         ImageLoader(datasets.ImageFolder(folder, EVAL_TF, target_transform=int), batch_size=8)
     with pytest.raises(ValueError, match="has no transform"):

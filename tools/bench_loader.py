@@ -1,11 +1,13 @@
-"""Loader throughput: mmfast's MultimodalLoader vs a bare DALI iterator vs torch DataLoader + PIL.
+"""Loader throughput: mmfast's loaders vs a bare DALI iterator vs torch DataLoader + PIL.
 
     python tools/bench_loader.py [--data PREPARED_DIR] [--batch-size 64] [--size 224] [--rounds 3]
         [--epochs 3] [--json OUT]
 
 Without --data it cuts 512 real 800x600 JPEGs from scikit-image's photos and prepares them. Every variant
 reads the same images with the same batch size, the same augmentation (random resized crop + flip +
-normalize) and the same output dtype. The variants take turns: each round runs every variant for one
+normalize) and the same output dtype: float16 for the MultimodalLoader rows (the training engine's), float32
+for the drop-in rows (``ImageLoader`` with its defaults, as it replaces a ``DataLoader(ImageFolder(...))``,
+against that DataLoader). The variants take turns: each round runs every variant for one
 warm-up epoch (it absorbs what a variant prefetched while it waited) and ``--epochs`` timed epochs, so a
 drift of the machine's speed during the run hits every variant alike; the figure is the median of all
 timed epochs.
@@ -18,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +71,61 @@ def mmfast_variant(data, args, device, cpu_resize: str = "torch"):
         cpu_resize=cpu_resize,
     )
     return lambda: (b["image"] for b in loader)
+
+
+def _image_folder(data, root: Path, size: int, dtype: torch.dtype = torch.float32):
+    """torchvision's ImageFolder over the prepared train split (a tree of links under ``root``), with the
+    train transform the other variants apply."""
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
+    for r in (json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()):
+        link = root / str(r["label"]) / Path(r["image"]).name
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(Path(r["image"]).resolve())
+    tf = v2.Compose(
+        [
+            v2.RandomResizedCrop(size, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToImage(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize([m / 255 for m in IMAGENET_MEAN], [s / 255 for s in IMAGENET_STD]),
+            v2.ToDtype(dtype),
+        ]
+    )
+    return datasets.ImageFolder(root, tf)
+
+
+def imageloader_variant(data, args, device, dtype: torch.dtype | None = None):
+    """The drop-in: ``ImageLoader(ImageFolder(root, transform), ...)`` with its defaults, (images, labels)
+    tuples in float32 (or ``dtype``)."""
+    from mmfast.loader import ImageLoader
+
+    folder = _image_folder(data, args.folder_root, args.size)
+    loader = ImageLoader(
+        folder, args.batch_size, shuffle=True, drop_last=True, num_workers=args.threads, device=device, dtype=dtype
+    )
+    return lambda: (images for images, _ in loader)
+
+
+def imageloader_fp16_variant(data, args, device):
+    return imageloader_variant(data, args, device, dtype=torch.float16)
+
+
+def torchvision_dataloader_variant(data, args, device):
+    """What the drop-in replaces: ``DataLoader(ImageFolder(root, transform), ...)``, float32 batches."""
+    folder = _image_folder(data, args.folder_root, args.size)
+    loader = torch.utils.data.DataLoader(
+        folder,
+        args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.threads,
+        pin_memory=device.type == "cuda",
+        persistent_workers=True,
+    )
+    return lambda: (images.to(device, non_blocking=True) for images, _ in loader)
 
 
 def mmfast_dali_resize_variant(data, args, device):
@@ -159,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         "bare DALI iterator": bare_dali_variant,
         "DataLoader + PIL + v2 + tokenize (baseline)": dataloader_variant,
         "DataLoader + PIL + v2, images only": dataloader_images_variant,
+        "ImageLoader(ImageFolder), defaults: tuple, fp32": imageloader_variant,
+        "ImageLoader(ImageFolder), dtype=float16": imageloader_fp16_variant,
+        "DataLoader(ImageFolder) + PIL + v2, fp32": torchvision_dataloader_variant,
     }
     if device.type == "cuda":
         variants["decode_jpeg(cuda) + v2 on GPU"] = gpu_decode_variant
@@ -166,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         variants["mmfast, cpu_resize='dali'"] = mmfast_dali_resize_variant
         variants["bare DALIGenericIterator, all in graph"] = bare_dali_graph_variant
     variants = {k: v for k, v in variants.items() if not args.only or any(o in k for o in args.only)}
+    folder_tmp = tempfile.TemporaryDirectory(prefix="bench_imagefolder_")
+    args.folder_root = Path(folder_tmp.name)  # the ImageFolder tree of links the drop-in rows read
     iters = {name: make(data, args, device) for name, make in variants.items()}
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
@@ -177,17 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     base = results.get("DataLoader + PIL + v2 + tokenize (baseline)", {}).get("images_per_s_median")
     bare = results.get("bare DALI iterator", {}).get("images_per_s_median")
     img_only = results.get("DataLoader + PIL + v2, images only", {}).get("images_per_s_median")
-    print(f"\n{'variant':<46}{'img/s':>9}{'vs baseline':>13}{'vs images-only':>16}{'vs bare DALI':>14}")
+    folder = results.get("DataLoader(ImageFolder) + PIL + v2, fp32", {}).get("images_per_s_median")
+    header = f"{'variant':<50}{'img/s':>9}{'vs baseline':>13}{'vs images-only':>16}{'vs bare DALI':>14}"
+    print(f"\n{header}{'vs DataLoader(ImageFolder)':>28}")
     for name, r in results.items():
         m = r["images_per_s_median"]
         r["ratio_vs_baseline"] = m / base if base else None
         r["ratio_vs_images_only_baseline"] = m / img_only if img_only else None
         r["ratio_vs_bare_dali"] = m / bare if bare else None
+        r["ratio_vs_imagefolder_dataloader"] = m / folder if folder else None
         fmt = lambda x: f"{x:.2f}x" if x else "-"
         print(
-            f"{name:<46}{m:>9.1f}{fmt(r['ratio_vs_baseline']):>13}"
+            f"{name:<50}{m:>9.1f}{fmt(r['ratio_vs_baseline']):>13}"
             f"{fmt(r['ratio_vs_images_only_baseline']):>16}{fmt(r['ratio_vs_bare_dali']):>14}"
+            f"{fmt(r['ratio_vs_imagefolder_dataloader']):>28}"
         )
+    folder_tmp.cleanup()
     report = {
         "device": str(device),
         "cpu_count": os.cpu_count(),
