@@ -266,7 +266,9 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> 
         more = ", ".join(f"{why} ({n})" for why, n in common)
         lines.append(f"  ... and {len(rejects) - _SHOWN_REASONS} more ({more})")
     report = failure_report_path(cfg.out)
-    if _ours_or_absent(report):
+    if not rejects:
+        lines[0] = f"{cfg.source}: no rows to prepare (the input is empty)"
+    elif _ours_or_absent(report):
         atomic_write_jsonl(report, [r.to_json() for r in rejects])
         lines.append(f"every reason is in {report}; fix the input and re-run ({cfg.out} was not changed)")
     else:
@@ -291,7 +293,7 @@ def _ours_or_absent(report: Path) -> bool:
         rows = [json.loads(ln) for ln in report.read_text(encoding="utf-8").splitlines() if ln]
     except (OSError, ValueError):
         return False
-    return all(isinstance(r, dict) and {"line", "reason", "row"} <= set(r) for r in rows)
+    return bool(rows) and all(isinstance(r, dict) and {"line", "reason", "row"} <= set(r) for r in rows)
 
 
 def _reason_kind(reason: str) -> str:

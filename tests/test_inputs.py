@@ -110,6 +110,14 @@ def test_no_usable_rows_prints_the_first_reasons_and_keeps_every_one(tmp_path, c
     assert prepare_data.main([str(folder), "--out", str(other), "--no-progress"]) == 2
     assert "not written to" in capsys.readouterr().err
     assert failure_report_path(other).read_text() == "my notes\n"
+    failure_report_path(other).write_text("")  # nor an empty one
+    (folder / "metadata.jsonl").write_text(json.dumps(fixed[0]) + "\n")
+    assert prepare_data.main([str(folder), "--out", str(other), "--no-progress", "--val-fraction", "0"]) == 0
+    assert failure_report_path(other).read_text() == ""
+    (folder / "metadata.jsonl").write_text("")
+    assert prepare_data.main([str(folder), "--out", str(tmp_path / "o3"), "--no-progress"]) == 2
+    assert "no rows to prepare (the input is empty)" in capsys.readouterr().err
+    assert not failure_report_path(tmp_path / "o3").exists()
 
 
 # -- 2. Hugging Face imagefolder metadata ------------------------------------------------------------------
