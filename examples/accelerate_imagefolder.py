@@ -6,8 +6,8 @@
 
 DATA holds train/<class>/<image> and val/<class>/<image>. The loaders do not go through
 ``accelerator.prepare`` (Accelerate cannot shard a DALI loader and hands it back unchanged): each takes its
-shard and device from the accelerator (``accelerator=accelerator``). The last validation shard is filled up
-with repeated samples when the processes do not divide the set, as DistributedSampler does; ``batch.mask``
+shard and device from the accelerator (``accelerator=accelerator``). When the processes do not divide the
+validation set, its shards are filled up with repeated samples, as DistributedSampler does; ``batch.mask``
 marks them, so the accuracy below counts every image exactly once on any number of processes.
 """
 

@@ -65,7 +65,7 @@ class Classifier(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         pred = self.model(batch["image"]).argmax(1)
-        mask = batch["mask"]  # False for the repeats that fill up the last shard
+        mask = batch["mask"]  # False for the repeats that fill up the shards
         self.val_totals += torch.stack([((pred == batch["label"]) & mask).sum(), mask.sum()])
 
     def on_validation_epoch_end(self) -> None:

@@ -392,8 +392,9 @@ class Batch(_ImagesLabels):
 
     ``ids``: (B,) int64 sample ids (-1 for a skipped, undecodable image).
     ``mask``: (B,) bool, True for the samples to count: False for the repeated samples that fill up the
-    last shard when ``num_shards`` does not divide the dataset (DistributedSampler repeats them the same
-    way) and for skipped images (label -100). Summed over all processes it counts every sample once.
+    shards when ``num_shards`` does not divide the dataset (DistributedSampler repeats the first samples of
+    the order the same way: at most one per process, at its end) and for skipped images (label -100).
+    Summed over all processes it counts every sample once.
     """
 
     @classmethod
@@ -606,9 +607,10 @@ class ImageLoader:
             in_order. ``sampler``, ``batch_sampler``, ``collate_fn``, ``worker_init_fn``, ``generator`` are
             refused (unless None) with what to pass instead, and any other name is a TypeError.
 
-    Padding under sharding: when ``num_shards`` does not divide the dataset, the last samples of the epoch
-    order are repeated to fill up the shards, exactly as DistributedSampler does (so an accuracy over all
-    ranks equals the DataLoader version's, repeats included); ``batch.mask`` is False for the repeats, so
+    Padding under sharding: when ``num_shards`` does not divide the dataset, the first samples of the epoch's
+    order are repeated to fill up the shards (at most one per process, at its end), exactly as
+    DistributedSampler does (so an accuracy over all ranks equals the DataLoader version's, repeats
+    included); ``batch.mask`` is False for the repeats, so
     ``(correct & mask).sum()`` and ``mask.sum()`` summed over ranks count each sample once (their total is
     ``len(loader.dataset)``).
     """
@@ -1096,7 +1098,7 @@ class ImageLoader:
             pos = self._lookup(ids)
             labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
             mask = ids >= 0  # not a skipped image ...
-            if not self.wds_shards:  # ... nor one of the repeats that fill up the last shard
+            if not self.wds_shards:  # ... nor a repeat that fills up a shard
                 mask &= self.shard_id + (step * b + np.arange(len(ids))) * self.num_shards < n
             if images.dtype != self.dtype:  # bfloat16 from a graph that emits float32
                 images = images.to(self.dtype)

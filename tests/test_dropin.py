@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -272,6 +273,27 @@ def test_a_restored_position_survives_set_epoch_and_continues(folder):
     resumed.load_state_dict(json.loads(json.dumps(state)))
     resumed.set_epoch(2)
     assert [b.ids.tolist() for b in resumed] == reference[3:]
+
+
+def test_the_readmes_ddp_snippet_counts_every_image_once(folder):
+    """The README's counting loop, run as-is on the two shards of 2 processes (the all_reduce: their sum)."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "batch.mask" in b)
+    dataset = datasets.ImageFolder(folder, EVAL_TF)
+    model = _tiny_model(3)
+    totals = []
+    for rank in range(2):
+        loader = ImageLoader(dataset, batch_size=8, shard_id=rank, num_shards=2)
+        names = {"torch": torch, "val_loader": loader, "model": model, "device": "cpu"}
+        names["dist"] = type("NoGroup", (), {"all_reduce": staticmethod(lambda t: t)})
+        assert len(loader.sampler) == 14  # 28 served, one a repeat
+        with torch.no_grad():
+            exec(snippet, names)
+        totals.append(names["totals"])
+    correct, counted = (totals[0] + totals[1]).tolist()
+    with torch.no_grad():
+        expected = sum(int((model(x).argmax(1) == y).sum()) for x, y in DataLoader(dataset, batch_size=8))
+    assert counted == 27 == len(dataset) and correct == expected
 
 
 # -- DataLoader's arguments --------------------------------------------------------------------------------
