@@ -382,6 +382,10 @@ def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed):
     summary = _prepare(tmp_path / "ds", tmp_path / "out")
     assert summary["input_kind"] == "arrow"
     _assert_joined(tmp_path / "out", photos_set)
+    (arrow,) = (tmp_path / "ds").glob("*.arrow")  # one Arrow file alone: ClassLabel names from its schema
+    cands, rejects, kind = read_source(arrow, image_dir=tmp_path / "img")
+    assert kind == "arrow" and not rejects
+    assert [(c.text, c.label) for c in cands] == [(r["text"], r["label"]) for r in photos_set]
 
     import datasets
 
