@@ -366,6 +366,36 @@ def test_a_skipped_image_is_masked_and_labelled_minus_100(folder, tmp_path):
     assert batches[0].labels.tolist() == [7, 7, -100, 7] and batches[0].ids.tolist() == [0, 1, -1, 3]
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_batches_are_decoded_there_and_close_to_the_dataloaders(folder, capsys):
+    """The default device is the current GPU (nvJPEG, DALI's resize there): tuples, partial last batches,
+    dtypes and masks as on the CPU; the eval pixels within DALI's rounding of torchvision's; pinned CPU
+    batches with pin_memory=True."""
+    dataset = datasets.ImageFolder(folder, EVAL_TF)
+    loader = ImageLoader(dataset, 8)
+    model = _tiny_model(3).cuda()
+    diffs, agree = [], 0
+    for (images, target), (ref_images, ref_target) in zip(loader, DataLoader(dataset, batch_size=8), strict=True):
+        assert images.is_cuda and target.is_cuda and images.dtype == torch.float32
+        assert torch.equal(target.cpu(), ref_target)
+        diffs.append((images.cpu() - ref_images).abs().mean(dim=(1, 2, 3)))
+        with torch.no_grad():
+            agree += int((model(images).argmax(1).cpu() == model(ref_images.cuda()).argmax(1).cpu()).sum())
+    diffs = torch.cat(diffs)
+    with capsys.disabled():
+        print(
+            f"\nGPU eval vs torchvision: mean |diff| {diffs.mean():.4f}, worst image {diffs.max():.4f}; "
+            f"tiny model argmax agrees on {agree}/27"
+        )
+    assert len(diffs) == 27 and diffs.mean() < 0.05
+    bf16 = ImageLoader(dataset, 8, dtype=torch.bfloat16, shard_id=1, num_shards=2)
+    batches = list(bf16)
+    assert [len(b.labels) for b in batches] == [8, 6] and all(b.images.dtype == torch.bfloat16 for b in batches)
+    assert torch.cat([b.mask for b in batches]).tolist() == [True] * 13 + [False]  # 27 on 2: rank 1 repeats one
+    pinned, _ = next(iter(ImageLoader(dataset, 8, device="cpu", pin_memory=True)))
+    assert pinned.is_pinned() and not pinned.is_cuda
+
+
 # -- the examples: a torchvision-style script with only its loader swapped, Accelerate, Lightning ----------------
 EXAMPLES = ROOT / "examples"
 
