@@ -12,9 +12,9 @@ pipeline per epoch would throw away its prefetched batches at every epoch end an
 Two samplings share that machinery:
 - ``ImageLoader`` does what ``DataLoader(dataset, sampler=DistributedSampler(dataset, num_shards, shard_id,
   shuffle, seed))`` does (one process: what ``DataLoader(shuffle=...)`` does): the order is
-  ``torch.randperm`` seeded by ``seed + epoch``, a rank's list is DistributedSampler's (the last samples
-  repeated so every rank gets as many), and the last batch is partial unless ``drop_last``. The -1 entries
-  DALI needs are cut off the batch before it is handed out.
+  ``torch.randperm`` seeded by ``seed + epoch``, a rank's list is DistributedSampler's (the first samples of
+  the order repeated so that every rank gets as many), and the last batch is partial unless ``drop_last``.
+  The -1 entries DALI needs are cut off the batch before it is handed out.
 - ``MultimodalLoader`` (the training engine's) keeps whole batches: a numpy permutation seeded by
   (seed, epoch), each sample at most once per epoch, the last eval batch padded (id -1, label -100), and
   ``drop_last`` keeping only whole global batches.
@@ -180,11 +180,12 @@ def _sampler_advice(sampler) -> str:
         advice = (
             f"pass shard_id={sampler.rank}, num_shards={sampler.num_replicas}, shuffle={sampler.shuffle}, "
             f"seed={sampler.seed} instead of sampler=DistributedSampler(...): the loader shards and shuffles "
-            "itself exactly like it; loader.sampler.set_epoch(epoch) works as before"
+            "itself exactly like it. Call loader.sampler.set_epoch(epoch) where you called the sampler's (without "
+            "it, each iter() moves on to the next epoch)"
         )
         if sampler.drop_last:
             advice += (
-                ". DistributedSampler's drop_last=True has no equivalent: the last shard is filled up with "
+                ". DistributedSampler's drop_last=True has no equivalent: the shards are filled up with "
                 "repeated samples (as with drop_last=False) and batch.mask marks them"
             )
         return advice
