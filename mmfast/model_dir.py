@@ -160,7 +160,17 @@ def save_model_dir(
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast model directory") as tmp:
         net.save_pretrained(tmp)
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        _readable(tmp)
     return out
+
+
+def _readable(root: Path) -> None:
+    """Modes as a plain mkdir / open would give them (the temp directory is 0700 and safetensors writes 0600):
+    a model directory is meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_run_models(run_dir: Path, model: nn.Module, cfg, dataset, best_checkpoint: str | None) -> None:

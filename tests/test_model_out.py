@@ -52,6 +52,7 @@ def test_model_dir_loads_offline_without_the_data(model_dir, tmp_path):
     names = sorted(p.name for p in moved.iterdir() if not p.name.startswith("."))
     assert names == ["README.md", "config.json", "model.safetensors", "tokenizer"]
     assert not [p for p in model_dir.parent.iterdir() if p.name.endswith(".tmp")]  # the atomic swap left nothing
+    assert (model_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044  # others may read it (umask 022)
     a, b = load_model(model_dir), load_model(moved)
     assert a.class_names == b.class_names and len(a.class_names) == a.config["num_classes"]
     assert b.tokenizer is not None and b.tokenizer("a red circle")["input_ids"][0] == b.tokenizer.cls_token_id
