@@ -64,7 +64,9 @@ def test_eval_output_matches_a_pil_reference_on_real_photos(photos, cpu_resize):
         assert np.percentile(diff, 99) < 0.25 or cpu_resize == "torch", (p.name, np.percentile(diff, 99))
 
 
-def test_eval_geometry_is_torchvisions_in_image_loader_and_the_graphs_in_multimodal_loader(photos, prepared, tmp_path):
+def test_eval_geometry_is_torchvisions_in_image_loader_and_the_graphs_in_multimodal_loader(
+    photos, prepared, tmp_path
+):
     from mmfast.host_finish import HostFinisher
 
     path = tmp_path / "wide.png"
@@ -83,7 +85,9 @@ def test_eval_geometry_is_torchvisions_in_image_loader_and_the_graphs_in_multimo
 
 @pytest.mark.parametrize("dtype", [None, torch.float16, torch.bfloat16])
 def test_train_output_shape_dtype_and_range(photos, dtype):
-    loader = ImageLoader([str(p) for p in photos], batch_size=2, shuffle=True, drop_last=True, size=48, dtype=dtype)
+    loader = ImageLoader(
+        [str(p) for p in photos], batch_size=2, shuffle=True, drop_last=True, size=48, dtype=dtype
+    )
     batches = list(loader)
     assert len(batches) == len(loader) == len(photos) // 2
     img = batches[0].images
