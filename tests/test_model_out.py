@@ -200,3 +200,23 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
     assert metrics["acc"] == summary["best_val_acc"] and metrics["macro_f1"] == summary["best_val_macro_f1"]
     assert metrics["samples"] == 60 and sum(map(sum, metrics["confusion"])) == 60
     assert Image.open(eval_out / "confusion.png").size[0] > 100
+
+
+def test_without_a_best_checkpoint_both_dirs_hold_the_last_weights_and_say_so(prepared, tmp_path):
+    from types import SimpleNamespace
+
+    from mmfast.dataset import PreparedDataset
+    from mmfast.model_dir import write_run_models
+
+    c = _config(prepared)
+    cfg = SimpleNamespace(**{k: c[k] for k in ("model", "image_backbone", "text_model", "hidden", "dropout")})
+    cfg.image_size, cfg.eval_batch_size = 32, 16
+    net = MmfastModel(c).model
+    for _ in range(2):  # a resumed run writes them again: the directories are replaced whole
+        write_run_models(tmp_path, net, cfg, PreparedDataset(prepared), best_checkpoint=None)
+    for name in ("model", "model-last"):
+        loaded = load_model(tmp_path / name)
+        assert loaded.config["weights"] == "last" and loaded.class_names == c["class_names"]
+        got, want = loaded.model.state_dict(), net.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["model", "model-last"]
