@@ -183,6 +183,16 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
     assert len(got) == len(reference) == 60
     assert {i: r["class"] for i, r in got.items()} == reference
     acc = sum(r["class"] == r["label"] for r in got.values()) / len(got)
+    # val.jsonl read as a plain manifest (the raw-input path: its own token cache) gives the same classes
+    raw = tmp_path / "raw.jsonl"
+    assert (
+        predict_tool.main(
+            ["--model", str(trained / "model"), "--input", str(prepared / "val.jsonl"), "--out", str(raw)]
+        )
+        == 0
+    )
+    ids = [json.loads(line)["id"] for line in (prepared / "val.jsonl").read_text().splitlines()]
+    assert [json.loads(line)["class"] for line in raw.read_text().splitlines()] == [reference[i] for i in ids]
     assert acc == summary["best_val_acc"]
 
     from accelerate import Accelerator
@@ -220,3 +230,21 @@ def test_without_a_best_checkpoint_both_dirs_hold_the_last_weights_and_say_so(pr
         got, want = loaded.model.state_dict(), net.state_dict()
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["model", "model-last"]
+
+
+def test_predict_on_a_class_folder_tree(model_dir, demo_manifest, tmp_path):
+    rows = [json.loads(line) for line in demo_manifest.read_text().splitlines()[:4]]
+    for i, r in enumerate(rows):
+        dest = tmp_path / "tree" / ("a" if i < 2 else "b") / f"{i}.jpg"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(demo_manifest.parent / r["image"], dest)
+    (tmp_path / "tree" / "a" / "0.jpg.txt").write_text("a caption beside the image\n")
+    found = read_rows(tmp_path / "tree")
+    assert [(Path(r["image"]).name, r["label"], r["text"]) for r in found] == [
+        ("0.jpg", "a", "a caption beside the image"),
+        ("1.jpg", "a", "a"),
+        ("2.jpg", "b", "b"),
+        ("3.jpg", "b", "b"),
+    ]
+    results = predict_rows(load_model(model_dir), found, batch_size=3)
+    assert all(r.get("class") and not r.get("error") for r in results)
