@@ -17,6 +17,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -51,16 +52,17 @@ class MmfastModel(
         extra = {"combine": config["combine"]} if config["model"] == "late" and "combine" in config else {}
         # image_weights=None: the backbone starts random (or from the packaged Lite0 weights) and the
         # trained weights replace it; nothing is downloaded.
-        self.model = build_model(
-            config["model"],
-            config["num_classes"],
-            image_backbone=config["image_backbone"],
-            text_model=config["text_model"],
-            vocab_size=config["vocab_size"],
-            hidden=config["hidden"],
-            dropout=config["dropout"],
-            **extra,
-        )
+        with _text_model_source(config) as text_model:
+            self.model = build_model(
+                config["model"],
+                config["num_classes"],
+                image_backbone=config["image_backbone"],
+                text_model=text_model,
+                vocab_size=config["vocab_size"],
+                hidden=config["hidden"],
+                dropout=config["dropout"],
+                **extra,
+            )
         self.model.eval()
         self.tokenizer = None  # set by load_model / from_pretrained on a local directory
 
@@ -81,6 +83,24 @@ class MmfastModel(
 
             model.tokenizer = load_tokenizer(tok_dir)
         return model
+
+
+@contextlib.contextmanager
+def _text_model_source(config: dict):
+    """What to build the text encoder from, offline: a pretrained one (MiniLM, a hub name) is rebuilt from the
+    architecture recorded in config.json ("text_config"), in a temp directory with random weights that the
+    trained ones replace, so neither its package nor the hub is needed; random configs need nothing."""
+    text_config = config.get("text_config")
+    if config["model"] == "image" or text_config is None:
+        yield config["text_model"]
+        return
+    from transformers import AutoConfig, AutoModel
+
+    spec = dict(text_config)
+    hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    with tempfile.TemporaryDirectory(prefix="mmfast-text-") as tmp:
+        AutoModel.from_config(hf_config).save_pretrained(tmp)
+        yield tmp
 
 
 def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu") -> MmfastModel:
@@ -116,10 +136,15 @@ def model_config(cfg, dataset, model: nn.Module, weights: str) -> dict:
         model: the (unwrapped) network, for the normalization its image encoder expects.
         weights: "best" or "last".
     """
+    from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
     from mmfast.tokenizer import load_tokenizer
 
-    image = getattr(model, "image", None)
+    image, text = getattr(model, "image", None), getattr(model, "text", None)
     prep = dataset.summary.get("config", {})
+    # a pretrained text model's architecture, so load_model needs neither its package nor the hub
+    text_config = (
+        text.model.config.to_dict() if text is not None and cfg.text_model not in RANDOM_TEXT_CONFIGS else None
+    )
     return {
         "format": FORMAT,
         "weights": weights,
@@ -128,6 +153,7 @@ def model_config(cfg, dataset, model: nn.Module, weights: str) -> dict:
         "class_names": sorted(dataset.labels, key=dataset.labels.get),
         "image_backbone": cfg.image_backbone,
         "text_model": cfg.text_model,
+        **({"text_config": text_config} if text_config is not None else {}),
         "vocab_size": len(load_tokenizer(dataset.tokenizer_dir)),
         "hidden": cfg.hidden,
         "dropout": cfg.dropout,

