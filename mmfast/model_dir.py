@@ -26,9 +26,21 @@ from torch import nn
 
 from mmfast.fsutil import atomic_dir, file_lock
 from mmfast.models import build_model
+from mmfast.models.encoders import _quiet_transformers
 
 FORMAT = "mmfast-model/1"
-CONFIG_KEYS = ("model", "num_classes", "image_backbone", "text_model", "vocab_size", "hidden", "dropout")
+MODEL_CARD = """---
+library_name: mmfast
+tags: [mmfast, multimodal, image-text-classification, pytorch_model_hub_mixin]
+---
+
+An mmfast {model}-fusion classifier ({image_backbone} + {text_model}), {num_classes} classes, {image_size} px.
+
+```python
+import mmfast
+model = mmfast.load_model("THIS_DIRECTORY")  # or mmfast.MmfastModel.from_pretrained(...)
+```
+"""
 
 
 class MmfastModel(
@@ -99,7 +111,8 @@ def _text_model_source(config: dict):
     spec = dict(text_config)
     hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     with tempfile.TemporaryDirectory(prefix="mmfast-text-") as tmp:
-        AutoModel.from_config(hf_config).save_pretrained(tmp)
+        with _quiet_transformers():  # no "Writing model shards" bar
+            AutoModel.from_config(hf_config).save_pretrained(tmp)
         yield tmp
 
 
@@ -180,11 +193,16 @@ def save_model_dir(
         config: ``model_config(...)``.
         tokenizer_dir: the tokenizer to copy in.
     """
+    from safetensors.torch import save_file
+
     out = Path(out)
-    net = MmfastModel(config)
-    net.model.load_state_dict(state_dict, strict=True)
+    # What MmfastModel.save_pretrained writes, without building the network again (MiniLM, Lite0: seconds).
+    # Keys carry the wrapper's "model." prefix; clones, because safetensors refuses tensors sharing storage.
+    weights = {f"model.{k}": v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast model directory") as tmp:
-        net.save_pretrained(tmp)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(MODEL_CARD.format(**config))
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
         _readable(tmp)
     return out
