@@ -274,3 +274,14 @@ def test_a_pretrained_text_model_loads_without_its_package(prepared, tmp_path, m
     loaded = load_model(tmp_path / "model")
     x = dict(zip(["image", "input_ids", "attention_mask"], example_inputs(loaded), strict=True))
     torch.testing.assert_close(loaded(x), net.eval()(x), rtol=0, atol=0)
+
+
+def test_a_failed_write_keeps_the_previous_model_dir(model_dir, prepared, tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(model_dir, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    net = load_model(out)
+    with pytest.raises(FileNotFoundError):  # fails mid-write: the tokenizer to copy in is gone
+        save_model_dir(out, net.model.state_dict(), net.config, tmp_path / "no-tokenizer")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["model"]
