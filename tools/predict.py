@@ -56,7 +56,8 @@ def load_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> dict:
-    """Median images/s of predict_rows and of the plain PIL loop on the same rows (after one warm-up each)."""
+    """Median images/s of predict_rows and of the plain PIL loop on the same rows (after one warm-up each,
+    runs alternating)."""
     from mmfast.predict import predict_pil, predict_rows
 
     good = [r for r in rows if not r.get("error") and Path(r["image"]).is_file()]
@@ -68,9 +69,10 @@ def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> di
         ),
         "pil_loop": lambda: predict_pil(model, good, batch_size=bs),
     }
-    for name, fn in runs.items():
+    for fn in runs.values():
         fn()  # warm-up: thread pools, allocator, first-call costs
-        for _ in range(args.compare_pil):
+    for _ in range(args.compare_pil):  # interleaved: a load change on a shared machine hits both alike
+        for name, fn in runs.items():
             t0 = time.perf_counter()
             fn()
             timings[name].append(len(good) / (time.perf_counter() - t0))
