@@ -285,3 +285,11 @@ def test_a_failed_write_keeps_the_previous_model_dir(model_dir, prepared, tmp_pa
         save_model_dir(out, net.model.state_dict(), net.config, tmp_path / "no-tokenizer")
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["model"]
+
+
+@pytest.mark.parametrize("kind", ["early", "late", "image", "text"])
+def test_every_model_kind_exports_to_onnx_with_parity(kind, prepared, tmp_path):
+    torch.manual_seed(0)
+    model = MmfastModel({**_config(prepared), "model": kind, **({"combine": "learned"} if kind == "late" else {})})
+    path = export_onnx(model, tmp_path / f"{kind}.onnx")
+    assert onnx_parity(model, path, example_inputs(model, batch=4, length=15, seed=4)) <= 1e-4
