@@ -31,21 +31,35 @@ def print_table(summary: dict) -> None:
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM before training starts ends the start-up like Ctrl-C does
+class _StartupInterrupt:
+    """SIGINT / SIGTERM before training starts end the start-up like Ctrl-C does. ``pending`` remembers the
+    signal: a KeyboardInterrupt raised inside an import can come out wrapped (a RuntimeError from a class
+    body's ``__set_name__``) or be swallowed by a library's catch-all, and the engine checks ``pending``
+    before its first step."""
+
+    def __init__(self):
+        self.pending: int | None = None
+
+    def __call__(self, signum, frame):
+        self.pending = signum
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # Once the loop runs, SIGTERM/SIGINT only set a flag and the run checkpoints at the next step.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    handler = _StartupInterrupt()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _main(argv)
-    except KeyboardInterrupt:
+    except BaseException:
+        if handler.pending is None:
+            raise
         print("interrupted before training started; nothing to resume", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _main(argv: list[str] | None) -> int:

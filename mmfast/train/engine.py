@@ -324,6 +324,9 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
     ctx.class_names = sorted(dataset.labels, key=dataset.labels.get)
     sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
+
+    if getattr(signal.getsignal(signal.SIGINT), "pending", None) is not None:
+        raise KeyboardInterrupt  # a start-up Ctrl-C that a library's catch-all swallowed (tools/train.py)
     with _StopFlag() as stop, sampler:
         ctx.stop, ctx.sampler = stop, (sampler if cfg.profile else None)
         last_metrics = ctx.fit(val_loader)
