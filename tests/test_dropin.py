@@ -541,6 +541,7 @@ def test_the_accelerate_example_on_two_processes_counts_every_image_once(data, w
     assert json.loads((tmp_path / "train.json").read_text())["val_count"] == 27
 
 
+@pytest.mark.slow
 def test_the_lightning_example(data, tmp_path):
     pytest.importorskip("lightning")
     out = tmp_path / "metrics.json"
