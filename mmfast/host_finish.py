@@ -4,15 +4,23 @@ Why not in the DALI graph: on the CPU, DALI's antialiased resize costs about as 
 itself and its crop_mirror_normalize half as much again, while torch's uint8 antialiased bilinear kernel
 (the one torchvision uses, close to PIL's) and a per-channel normalize pass do the same work several
 times faster (figures in BENCHMARKS.md). So when decoding on the CPU the train graph stops after the fused
-decode + random crop (``image_pipeline(finish_on_host=True)``) and ``HostFinisher`` completes the batch in
-the thread that consumes it, with one intra-op thread: the DALI threads are decoding the next batches on
-the other cores. The eval graph hands over whole decoded images, resized here (shorter side) and
-centre-cropped with the graph's rounding. The GPU path keeps everything in the graph.
+decode + random crop (``image_pipeline(finish_on_host=True)``) and ``HostFinisher`` completes the batch:
+each image is resized, flipped and normalized while it is still in the core's cache, by the consuming
+thread and ``threads - 1`` helper threads (torch's kernels release the GIL), each with one intra-op thread.
+The DALI threads decode the next batches meanwhile. The eval graph hands over whole decoded images,
+resized here (shorter side) and centre-cropped with the graph's rounding. The GPU path keeps everything in
+the graph.
+
+The output batches come from ``BatchBuffers``: a batch's memory is reused once nothing refers to it any
+more. A fresh 38 MB float32 batch costs ~9,000 page faults, which on the 2-core VM took 46 ms per batch of
+64, as long as finishing the whole batch (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -30,15 +38,59 @@ def ragged_iterator(pipe, **kwargs):
     return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)
 
 
+FINISH_SHARE = 0.25  # placeholder, measured below
+
+
+def default_threads(decode_threads: int) -> int:
+    """Finishing threads for a loader whose DALI graph decodes on ``decode_threads`` threads."""
+    return max(1, round(decode_threads * FINISH_SHARE))
+
+
+class _Lease(np.ndarray):
+    """A view of a pooled block lent to one output tensor; it lives exactly as long as that tensor's
+    storage does (the storage holds the view's buffer), and its death frees the block."""
+
+
+class BatchBuffers:
+    """Memory for output batches, reused once the batch handed out before is gone.
+
+    ``take`` returns a tensor over a kept block whose previous tensor has died (every view of it, every
+    numpy array made from it): the tensor holds a buffer export of a ``_Lease`` view of the block, whose
+    weak reference tells when the last holder let go. No reference counting by hand: a batch that anybody
+    still holds, in any form, is never written.
+
+    Args:
+        keep: blocks kept per (shape, dtype); when all are lent, a fresh one is made and not kept.
+    """
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._blocks: dict[tuple, list[list]] = {}  # (shape, dtype) -> [[block, weakref to its lease]]
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``dtype`` (contiguous)."""
+        blocks = self._blocks.setdefault((tuple(shape), dtype), [])
+        entry = next((e for e in blocks if e[1]() is None), None)
+        if entry is None:
+            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            entry = [np.empty(nbytes, dtype=np.uint8), lambda: None]
+            if len(blocks) < self.keep:
+                blocks.append(entry)
+        lease = entry[0].view(_Lease)
+        entry[1] = weakref.ref(lease)
+        return torch.frombuffer(lease, dtype=dtype).view(shape)
+
+
 class HostFinisher:
     """Turns a batch of uint8 HWC images into normalized (B, 3, S, S) images.
 
     Args:
         size: output side S in pixels.
         mean, std: per-channel statistics in 0..255 units (as given to the DALI graph).
-        fp16: float16 output (else float32).
+        fp16: float16 output (else float32); ``dtype`` may be set to any float type afterwards.
         resize_shorter: None (train: each input is a crop, resized to S x S) or R >= S (eval: resize the
             shorter side to R, keeping the aspect ratio, then take the centre S x S).
+        threads: threads finishing each batch, the calling one included.
     """
 
     def __init__(
@@ -48,38 +100,62 @@ class HostFinisher:
         std: Sequence[float],
         fp16: bool = True,
         resize_shorter: int | None = None,
+        threads: int = 1,
     ):
         if resize_shorter is not None and resize_shorter < size:
             raise ValueError(f"resize_shorter ({resize_shorter}) must be >= size ({size}); is crop_ratio > 1?")
-        self.size, self.resize_shorter = size, resize_shorter
-        self.scale = [1.0 / s for s in std]
-        self.shift = [-m / s for m, s in zip(mean, std, strict=True)]
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.size, self.resize_shorter, self.threads = size, resize_shorter, threads
+        self._scale = torch.tensor([1.0 / s for s in std]).view(3, 1, 1)
+        self._shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(3, 1, 1)
         self.dtype = torch.float16 if fp16 else torch.float32
+        self.buffers = BatchBuffers()
+        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, crops: Sequence[torch.Tensor], flips: np.ndarray) -> torch.Tensor:
         """crops: B tensors (h, w, 3) uint8 (train crops or, for eval, whole images); flips: (B,) nonzero =
         mirror horizontally.
 
         Returns (B, 3, S, S) contiguous, ``self.dtype``."""
-        s = self.size
-        threads = torch.get_num_threads()  # per calling thread: the caller's own setting is restored below
-        torch.set_num_threads(1)
-        try:
-            pixels = torch.empty((len(crops), s, s, 3), dtype=torch.uint8)  # (B, S, S, 3)
-            for i, crop in enumerate(crops):
-                x = crop.permute(2, 0, 1).unsqueeze(0)  # (1, 3, h, w), channels-last strides: no copy
-                hwc = self._resize(x)[0].permute(1, 2, 0)  # (S, S, 3)
-                pixels[i] = hwc.flip(1) if flips[i] else hwc
-            out = torch.empty((len(crops), 3, s, s), dtype=self.dtype)  # (B, 3, S, S)
-            for c in range(3):  # one channel at a time: contiguous float work, ~7x faster than broadcasting
-                out[:, c] = pixels[..., c].float().mul_(self.scale[c]).add_(self.shift[c])
-        finally:
-            torch.set_num_threads(threads)
+        n, s = len(crops), self.size
+        out = self.buffers.take((n, 3, s, s), self.dtype)
+        parts = min(self.threads, n)
+        bounds = [n * k // parts for k in range(parts + 1)]
+        if parts > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mmfast-finish")
+        helped = [
+            self._pool.submit(self._finish, crops, flips, out, bounds[k], bounds[k + 1]) for k in range(1, parts)
+        ]
+        if n:
+            self._finish(crops, flips, out, bounds[0], bounds[1])
+        for job in helped:
+            job.result()
         return out
 
     def finish(self, out: dict) -> torch.Tensor:
         """The finished images of one ``ragged_iterator`` output dict: (B, 3, S, S)."""
         return self(out["crops"], out["flips"].view(-1).numpy())
+
+    def _finish(self, crops, flips, out: torch.Tensor, start: int, stop: int) -> None:
+        """Images start..stop-1 into ``out``, one at a time (each stays in the cache from resize to
+        normalize), with one intra-op thread: the caller's own setting is restored after."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            # normalize in float32 (exact, then one rounding to a narrower dtype), per image
+            work = None if self.dtype == torch.float32 else torch.empty((3, self.size, self.size))
+            for i in range(start, stop):
+                x = self._resize(crops[i].permute(2, 0, 1).unsqueeze(0))[0]  # (3, S, S) uint8, HWC strides
+                if flips[i]:
+                    x = x.flip(-1)
+                x = x.contiguous()  # planar uint8: the float conversion below reads it in order
+                dst = out[i] if work is None else work
+                dst.copy_(x).mul_(self._scale).add_(self._shift)
+                if work is not None:
+                    out[i].copy_(work)
+        finally:
+            torch.set_num_threads(threads)
 
     def _resize(self, x: torch.Tensor) -> torch.Tensor:
         """(1, 3, h, w) uint8 -> (1, 3, S, S): the train crop resized, or the eval resize + centre crop."""

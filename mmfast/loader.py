@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from mmfast.dataset import PreparedDataset
-from mmfast.host_finish import HostFinisher, ragged_iterator
+from mmfast.host_finish import HostFinisher, default_threads, ragged_iterator
 from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.token_cache import TokenCache
 from mmfast.validate import DEFAULT_MAX_PIXELS
@@ -601,6 +601,8 @@ class ImageLoader:
             (the consuming thread, ``mmfast.host_finish``; about 2x faster, and the eval path reproduces
             torchvision's Resize + CenterCrop pixels) or "dali" (in the graph). The GPU path always does it
             in DALI.
+        finish_threads: threads finishing each batch on the host (``cpu_resize="torch"``), the consuming
+            one included (default: ``host_finish.default_threads(num_threads)``).
         **options: ``image_pipeline`` options (scale, ratio, flip, color_jitter, crop_ratio, mean, std in
             0..255 units, hw_decoder_load, memory_padding, size_hint) and DataLoader's arguments that have
             nothing to do here, accepted without effect: persistent_workers (the pipeline lives across
@@ -648,6 +650,7 @@ class ImageLoader:
         file_stats: Sequence[tuple[int, int]] | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
+        finish_threads: int | None = None,
         **options,
     ):
         self.dataloader_options, pipeline_kwargs = _split_options(type(self).__name__, options)
@@ -723,7 +726,8 @@ class ImageLoader:
             mean, std = pipeline_kwargs.get("mean", IMAGENET_MEAN), pipeline_kwargs.get("std", IMAGENET_STD)
             shorter = None if self.train else self._eval_resize()
             finisher = _TorchvisionFinisher if self._dataloader_sampling else HostFinisher
-            self._finisher = finisher(size, mean, std, self.fp16, resize_shorter=shorter)
+            threads = default_threads(self.num_threads) if finish_threads is None else finish_threads
+            self._finisher = finisher(size, mean, std, self.fp16, resize_shorter=shorter, threads=threads)
             self._finisher.dtype = self.dtype  # it allocates its output in this dtype (bfloat16 too)
         if on_bad_image not in ("skip", "error"):
             raise ValueError(f"on_bad_image must be 'skip' or 'error', got '{on_bad_image}'")
