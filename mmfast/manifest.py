@@ -52,6 +52,7 @@ class Candidate:
     label: str | int
     source: dict = field(default_factory=dict)  # the row as given, for rejected.jsonl
     file: str = ""  # the input file the row came from, when an input has several (else the source)
+    original: str = ""  # the image as given, when ``image`` is a downscaled copy of it (--max-side)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import re
 import stat
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,8 @@ class PrepareConfig:
     vocab_size: int = 4000
     confine: bool = False
     max_pixels: int = DEFAULT_MAX_PIXELS  # decoded-pixel budget per image (width x height)
+    max_side: int = 0  # store JPEG copies no larger than this many pixels a side (0: the images as they are)
+    quality: int = 90  # JPEG quality of those copies
     progress: bool = True
     inputs: InputOptions = InputOptions()  # how to read the source (kind, column mapping, COCO options)
 
@@ -73,6 +75,10 @@ class PrepareConfig:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
         if self.max_pixels < 1:
             raise ValueError(f"--max-pixels must be at least 1, got {self.max_pixels}")
+        if self.max_side and self.max_side < 16:
+            raise ValueError(f"--max-side must be 0 (off) or at least 16 pixels, got {self.max_side}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"--quality must be in 1..100 (JPEG quality), got {self.quality}")
 
 
 def prepare_dataset(cfg: PrepareConfig) -> dict:
@@ -171,15 +177,21 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
 
     checks = check_images([c.image for c in cands], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
     good: list[Candidate] = []
+    sizes: list[tuple[int, int]] = []
     for c, chk in zip(cands, checks, strict=True):
         if chk.ok:
             good.append(c)
+            sizes.append((chk.width, chk.height))
         else:
             rejects.append(Reject(c.line, chk.reason, c.source, c.file))
             if _inside(Path(c.image), tmp.resolve()):  # written from the input's bytes: not kept
                 Path(c.image).unlink(missing_ok=True)
     t_validate = time.perf_counter()
     _check_images_outside(good, cfg)
+    n_downscaled = 0
+    if cfg.max_side:
+        good, n_downscaled = _downscale(good, sizes, cfg, tmp, workers, rejects)
+    t_downscale = time.perf_counter()
     rejects.sort(key=lambda r: (r.file, r.line))
     if not good:
         raise ManifestError(_no_usable_rows(cfg, n_input, rejects))
@@ -219,6 +231,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         "counts": {
             "input_rows": n_input,
             "accepted": len(good),
+            "downscaled": n_downscaled,
             "rejected": len(rejects),
             "train": len(train),
             "val": len(val),
@@ -235,7 +248,8 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         "timings_s": {
             "read": t_read - t0,
             "validate": t_validate - t_read,
-            "tokenizer": t_tok - t_validate,
+            "downscale": t_downscale - t_validate,
+            "tokenizer": t_tok - t_downscale,
             "token_cache": t_cache - t_tok,
             "total": time.perf_counter() - t0,
         },
@@ -244,6 +258,39 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     summary["files"] = _files_map(tmp)
     atomic_write_json(tmp / "prepare.json", summary)  # last: its presence means the directory is complete
     return summary
+
+
+def _downscale(
+    good: list[Candidate],
+    sizes: list[tuple[int, int]],
+    cfg: PrepareConfig,
+    tmp: Path,
+    workers: int,
+    rejects: list[Reject],
+) -> tuple[list[Candidate], int]:
+    """Point every accepted image over ``cfg.max_side`` at a downscaled JPEG copy inside ``tmp`` (see
+    ``mmfast.downscale``); returns the candidates (one that cannot be copied is rejected, with its
+    reason) and how many were copied."""
+    from mmfast.downscale import downscale_images, downscaled_path
+
+    big = [i for i, (w, h) in enumerate(sizes) if max(w, h) > cfg.max_side]
+    jobs = [(good[i].image, str(downscaled_path(tmp.resolve(), i))) for i in big]
+    reasons = downscale_images(jobs, cfg.max_side, cfg.quality, workers, cfg.progress)
+    out, dropped, copied = list(good), set(), 0
+    for i, (src, dst), reason in zip(big, jobs, reasons, strict=True):
+        c = good[i]
+        if reason.startswith("kept"):
+            continue
+        if reason:
+            rejects.append(Reject(c.line, reason, c.source, c.file))
+            dropped.add(i)
+        else:
+            given = "" if _inside(Path(src), tmp.resolve()) else src  # bytes written out here go away below
+            out[i] = replace(c, image=dst, original=c.original or given)
+            copied += 1
+        if _inside(Path(src), tmp.resolve()):  # written from the input's bytes: the copy replaces it
+            Path(src).unlink(missing_ok=True)
+    return [c for i, c in enumerate(out) if i not in dropped], copied
 
 
 def failure_report_path(out: str | os.PathLike) -> Path:
@@ -373,7 +420,7 @@ def _row(c: Candidate, sample_id: int, label_map: dict[str, int], final: tuple[P
         "line": c.line,
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
-    }
+    } | ({"original": c.original} if c.original else {})
 
 
 def _input_fingerprint(cfg: PrepareConfig) -> str:
@@ -382,6 +429,8 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
         f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
         f"{cfg.vocab_size}|{cfg.confine}|{cfg.max_pixels}|{cfg.inputs!r}".encode()
     )
+    if cfg.max_side:  # only then: directories prepared without it keep their fingerprint
+        h.update(f"|max_side={cfg.max_side}|quality={cfg.quality}".encode())
     src = Path(cfg.source)
     if not src.exists():
         raise ManifestError(f"{src}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")

@@ -133,28 +133,30 @@ def check_images(
     Returns:
         one ImageCheck per path, in order.
     """
-    from tqdm import tqdm
-
-    bar = dict(
-        total=len(paths), desc="validating images", unit="img", disable=None if progress else True, leave=False
-    )
     check = functools.partial(check_image, max_pixels=max_pixels)
-    if workers > 1 and len(paths) > 64:
-        if multiprocessing.current_process().daemon:
-            # A daemonic process (a multiprocessing.Pool worker) may not start children: use threads there
-            # (PIL releases the GIL while decoding).
-            pool = ThreadPoolExecutor(workers)
-        else:
-            pool = ProcessPoolExecutor(workers, initializer=_die_with_parent, initargs=(os.getpid(),))
-        with pool:
-            chunk = max(1, min(64, len(paths) // (workers * 8)))
-            checks = list(tqdm(pool.map(check, paths, chunksize=chunk), **bar))
-    else:
-        checks = [check(p) for p in tqdm(paths, **bar)]
+    checks = map_files(check, paths, workers, "validating images", progress)
     good = [i for i, c in enumerate(checks) if c.ok]
     for i, reason in _dali_rejects([paths[i] for i in good], workers).items():
         checks[good[i]] = ImageCheck(False, reason)
     return checks
+
+
+def map_files(fn, items: list, workers: int, desc: str, progress: bool = False) -> list:
+    """``[fn(x) for x in items]`` over ``workers`` processes (threads inside a daemonic process, which may
+    not start children), in order, with a progress bar. ``fn`` must be picklable (a module-level function
+    or a ``functools.partial`` of one)."""
+    from tqdm import tqdm
+
+    bar = dict(total=len(items), desc=desc, unit="img", disable=None if progress else True, leave=False)
+    if workers <= 1 or len(items) <= 64:
+        return [fn(x) for x in tqdm(items, **bar)]
+    if multiprocessing.current_process().daemon:  # PIL releases the GIL while decoding and encoding
+        pool = ThreadPoolExecutor(workers)
+    else:
+        pool = ProcessPoolExecutor(workers, initializer=_die_with_parent, initargs=(os.getpid(),))
+    with pool:
+        chunk = max(1, min(64, len(items) // (workers * 8)))
+        return list(tqdm(pool.map(fn, items, chunksize=chunk), **bar))
 
 
 def _die_with_parent(parent: int) -> None:
