@@ -24,15 +24,16 @@ _PHOTOS = (
 
 
 def photo_manifest(
-    root: str | os.PathLike, n: int = 512, width: int = 800, height: int = 600, seed: int = 0
+    root: str | os.PathLike, n: int = 512, width: int = 800, height: int = 600, seed: int = 0, fmt: str = "jpg"
 ) -> Path:
-    """Write ``n`` JPEGs of width x height cut from real photos (random crops, scales and flips) and a
-    manifest with captions; returns the manifest path. Reused when it already exists."""
+    """Write ``n`` images of width x height cut from real photos (random crops, scales and flips; JPEG at
+    quality 90 or PNG, by ``fmt``) and a manifest with captions; returns the manifest path. Reused when it
+    already exists."""
     import skimage
     from PIL import Image
 
     root = Path(root)
-    final = root / f"photos-n{n}-{width}x{height}-s{seed}"
+    final = root / f"{'photos' if fmt == 'jpg' else fmt}-n{n}-{width}x{height}-s{seed}"
     manifest = final / "manifest.jsonl"
     with file_lock(root / f".{final.name}.lock"):
         if manifest.exists():
@@ -51,8 +52,8 @@ def photo_manifest(
                 out = im.crop((x, y, x + cw, y + ch)).resize((width, height), Image.BICUBIC)
                 if rng.random() < 0.5:
                     out = out.transpose(Image.FLIP_LEFT_RIGHT)
-                rel = f"{i:05d}.jpg"
-                out.save(tmp / rel, quality=90)
+                rel = f"{i:05d}.{fmt}"
+                out.save(tmp / rel, **({"quality": 90} if fmt == "jpg" else {}))
                 rows.append(
                     {
                         "image": rel,
@@ -64,12 +65,22 @@ def photo_manifest(
     return manifest
 
 
-def prepared_photos(n: int = 512) -> Path:
-    """The benchmark photos, prepared (all in the train split) under the mmfast cache folder."""
+SETS = {  # name: (width, height, format) of the images photo_manifest cuts
+    "photos": (800, 600, "jpg"),  # camera-sized JPEGs
+    "small-png": (136, 128, "png"),  # icon-sized PNGs (17k pixels, the median of the Oxygen icon set)
+}
+
+
+def prepared_photos(n: int = 512, max_side: int = 0, kind: str = "photos") -> Path:
+    """The benchmark images of ``kind`` (a ``SETS`` name), prepared (all in the train split; with
+    ``max_side``, downscaled copies) under the mmfast cache folder."""
     from mmfast.demo import default_cache_dir
     from mmfast.prepare import PrepareConfig, prepare_dataset
 
-    manifest = photo_manifest(default_cache_dir() / "bench", n)
-    out = default_cache_dir() / "bench" / f"prepared-photos-n{n}"
-    prepare_dataset(PrepareConfig(source=str(manifest), out=str(out), val_fraction=0.0, progress=False))
+    width, height, fmt = SETS[kind]
+    manifest = photo_manifest(default_cache_dir() / "bench", n, width, height, fmt=fmt)
+    name = f"prepared-{kind}-n{n}" + (f"-max{max_side}" if max_side else "")
+    out = default_cache_dir() / "bench" / name
+    cfg = PrepareConfig(source=str(manifest), out=str(out), val_fraction=0.0, max_side=max_side, progress=False)
+    prepare_dataset(cfg)
     return out

@@ -39,6 +39,10 @@ def parse_args(argv):
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per turn (after one warm-up epoch)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads and DataLoader workers")
     p.add_argument("--only", nargs="*", help="run only these variants")
+    p.add_argument("--set", default="photos", choices=["photos", "small-png"], help="built-in images (no --data)")
+    p.add_argument("--n", type=int, default=512, help="images in the built-in set")
+    p.add_argument("--max-side", type=int, default=512, help="the --max-side rows' prepare_data --max-side")
+    p.add_argument("--ffcv-python", help="python of a venv with ffcv 1.0.2: adds FFCV rows (see bench_ffcv.py)")
     p.add_argument("--json", default="bench_out/bench_loader.json")
     return p.parse_args(argv)
 
@@ -57,7 +61,7 @@ def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
     return rates
 
 
-def mmfast_variant(data, args, device, cpu_resize: str = "torch"):
+def mmfast_variant(data, args, device, cpu_resize: str = "torch", **kwargs):
     from mmfast.loader import MultimodalLoader
 
     loader = MultimodalLoader(
@@ -67,10 +71,120 @@ def mmfast_variant(data, args, device, cpu_resize: str = "torch"):
         size=args.size,
         num_workers=args.threads,
         device=device,
-        fp16=True,
         cpu_resize=cpu_resize,
+        **({"fp16": True} | kwargs),
     )
     return lambda: (b["image"] for b in loader)
+
+
+def mmfast_fp32_variant(data, args, device):
+    return mmfast_variant(data, args, device, dtype=torch.float32, fp16=None)
+
+
+def mmfast_finish_threads_variant(data, args, device):
+    """The loader with one finishing thread per DALI thread (the default takes fewer, see host_finish)."""
+    return mmfast_variant(data, args, device, finish_threads=args.threads)
+
+
+def mmfast_max_side_variant(data, args, device):
+    """The loader over the same photos prepared with ``--max-side`` (downscaled JPEG copies)."""
+    from mmfast.benchdata import prepared_photos
+
+    return mmfast_variant(prepared_photos(args.n, args.max_side, args.set), args, device)
+
+
+def dali_decode_only_variant(data, args, device):
+    """The CPU path's ceiling: DALI's fused ROI decode + random crop alone (no resize, no normalize), the
+    crops handed over as they are."""
+    from mmfast.pipelines import image_pipeline
+    from nvidia.dali.plugin.pytorch import LastBatchPolicy
+
+    from mmfast.host_finish import ragged_iterator
+
+    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    pipe = image_pipeline(
+        source="files",
+        files=[r["image"] for r in rows],
+        ids=[r["id"] for r in rows],
+        train=True,
+        size=args.size,
+        finish_on_host=True,
+        batch_size=args.batch_size,
+        num_threads=args.threads,
+        device_id=None,
+        seed=0,
+    )
+    it = ragged_iterator(pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP)
+    return lambda: (out[0]["flips"] for out in it)  # (B,): counts the batch
+
+
+class _Decoded(torch.utils.data.Dataset):
+    """PIL's full decode of each image, nothing else; returns the decoded size (not the pixels, whose
+    trip back from the workers would be the baseline's cost, not the decoder's)."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        with Image.open(self.files[i]) as im:
+            return torch.tensor(im.convert("RGB").size)
+
+
+def pil_decode_only_variant(data, args, device):
+    """The baseline's decode alone: DataLoader workers opening and fully decoding each image with PIL."""
+    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    loader = torch.utils.data.DataLoader(
+        _Decoded([r["image"] for r in rows]),
+        args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.threads,
+        persistent_workers=True,
+    )
+    return lambda: iter(loader)  # (B, 2) sizes: counts the batch
+
+
+class _FFCV:
+    """FFCV 1.0.2 in its own interpreter (``--ffcv-python``; FFCV is a comparison, never a dependency):
+    ``tools/bench_ffcv.py`` writes the .beton once and times epochs of its loader; ``round(epochs)``
+    returns their images/s."""
+
+    def __init__(self, data, args, max_side: int):
+        self.cmd = [
+            args.ffcv_python,
+            str(Path(__file__).with_name("bench_ffcv.py")),
+            "--data",
+            str(data),
+            "--max-side",
+            str(max_side),
+            "--batch-size",
+            str(args.batch_size),
+            "--size",
+            str(args.size),
+            "--threads",
+            str(args.threads),
+        ]
+
+    def round(self, epochs: int) -> list[float]:
+        import subprocess
+
+        done = subprocess.run([*self.cmd, "--epochs", str(epochs)], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(self.cmd)} failed:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])["images_per_s"]
+
+
+def ffcv_variant(data, args, device):
+    return _FFCV(data, args, 0)
+
+
+def ffcv_max_side_variant(data, args, device):
+    return _FFCV(data, args, args.max_side)
 
 
 def _image_folder(data, root: Path, size: int, dtype: torch.dtype = torch.float32):
@@ -210,10 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     from mmfast.fsutil import atomic_write_json
 
     args = parse_args(argv)
-    data = Path(args.data) if args.data else prepared_photos()
+    data = Path(args.data) if args.data else prepared_photos(args.n, kind=args.set)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     variants = {
         "mmfast MultimodalLoader": mmfast_variant,
+        "mmfast MultimodalLoader, fp32": mmfast_fp32_variant,
+        "mmfast, finish_threads = DALI threads": mmfast_finish_threads_variant,
         "bare DALI iterator": bare_dali_variant,
         "DataLoader + PIL + v2 + tokenize (baseline)": dataloader_variant,
         "DataLoader + PIL + v2, images only": dataloader_images_variant,
@@ -221,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         "ImageLoader(ImageFolder), dtype=float16": imageloader_fp16_variant,
         "DataLoader(ImageFolder) + PIL + v2, fp32": torchvision_dataloader_variant,
     }
+    if not args.data:
+        variants[f"mmfast MultimodalLoader, --max-side {args.max_side}"] = mmfast_max_side_variant
+    if args.ffcv_python:
+        variants["FFCV 1.0.2, stored as given"] = ffcv_variant
+        variants[f"FFCV 1.0.2, stored at max side {args.max_side}"] = ffcv_max_side_variant
+    variants["decode-only: DALI ROI decode of the crops"] = dali_decode_only_variant
+    variants["decode-only: PIL full decode, DataLoader"] = pil_decode_only_variant
     if device.type == "cuda":
         variants["decode_jpeg(cuda) + v2 on GPU"] = gpu_decode_variant
     else:  # the CPU alternatives: resize + normalize inside the DALI graph
@@ -233,28 +356,30 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, make_iter in iters.items():
-            rates[name] += time_epochs(make_iter, args.epochs, device)
+            if isinstance(make_iter, _FFCV):
+                rates[name] += make_iter.round(args.epochs)
+            else:
+                rates[name] += time_epochs(make_iter, args.epochs, device)
             last = statistics.median(rates[name][-args.epochs :])
             print(f"  round {r + 1}: {name}: {last:.1f} img/s", file=sys.stderr)
     results = {name: {"images_per_s_median": statistics.median(v), "epochs": v} for name, v in rates.items()}
-    base = results.get("DataLoader + PIL + v2 + tokenize (baseline)", {}).get("images_per_s_median")
-    bare = results.get("bare DALI iterator", {}).get("images_per_s_median")
-    img_only = results.get("DataLoader + PIL + v2, images only", {}).get("images_per_s_median")
-    folder = results.get("DataLoader(ImageFolder) + PIL + v2, fp32", {}).get("images_per_s_median")
-    header = f"{'variant':<50}{'img/s':>9}{'vs baseline':>13}{'vs images-only':>16}{'vs bare DALI':>14}"
-    print(f"\n{header}{'vs DataLoader(ImageFolder)':>28}")
+    references = {  # ratio key in the JSON: (column title, the variant it divides by)
+        "ratio_vs_baseline": ("vs baseline", "DataLoader + PIL + v2 + tokenize (baseline)"),
+        "ratio_vs_images_only_baseline": ("vs images-only", "DataLoader + PIL + v2, images only"),
+        "ratio_vs_imagefolder_dataloader": ("vs DL(ImageFolder)", "DataLoader(ImageFolder) + PIL + v2, fp32"),
+        "ratio_vs_bare_dali": ("vs bare DALI", "bare DALI iterator"),
+        "ratio_vs_roi_decode_only": ("vs ROI decode", "decode-only: DALI ROI decode of the crops"),
+        "ratio_vs_pil_decode_only": ("vs PIL decode", "decode-only: PIL full decode, DataLoader"),
+    }
+    print(f"\n{'variant':<50}{'img/s':>9}" + "".join(f"{title:>20}" for title, _ in references.values()))
     for name, r in results.items():
         m = r["images_per_s_median"]
-        r["ratio_vs_baseline"] = m / base if base else None
-        r["ratio_vs_images_only_baseline"] = m / img_only if img_only else None
-        r["ratio_vs_bare_dali"] = m / bare if bare else None
-        r["ratio_vs_imagefolder_dataloader"] = m / folder if folder else None
-        fmt = lambda x: f"{x:.2f}x" if x else "-"
-        print(
-            f"{name:<50}{m:>9.1f}{fmt(r['ratio_vs_baseline']):>13}"
-            f"{fmt(r['ratio_vs_images_only_baseline']):>16}{fmt(r['ratio_vs_bare_dali']):>14}"
-            f"{fmt(r['ratio_vs_imagefolder_dataloader']):>28}"
-        )
+        line = f"{name:<50}{m:>9.1f}"
+        for key, (_, ref) in references.items():
+            den = results.get(ref, {}).get("images_per_s_median")
+            r[key] = m / den if den else None
+            line += f"{r[key]:>19.2f}x" if den else f"{'-':>20}"
+        print(line)
     folder_tmp.cleanup()
     report = {
         "device": str(device),
@@ -265,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs_per_round": args.epochs,
         "threads": args.threads,
         "data": str(data),
+        "set": None if args.data else args.set,
         "images": sum(1 for _ in open(Path(data) / "train.jsonl")),
         "results": results,
         "torch": torch.__version__,
