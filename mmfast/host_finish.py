@@ -18,6 +18,7 @@ more. A fresh 38 MB float32 batch costs ~9,000 page faults, which on the 2-core 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 OUTPUTS = ["crops", "flips", "id"]  # what image_pipeline(finish_on_host=True) returns, in order
+# The out= form of F.interpolate(mode="bilinear", antialias=True): the aten op it dispatches to (None where a
+# torch lacks it: then F.interpolate itself).
+_RESIZE_OUT = getattr(getattr(torch.ops.aten, "_upsample_bilinear2d_aa", None), "out", None)
 
 
 def ragged_iterator(pipe, **kwargs):
@@ -38,11 +42,15 @@ def ragged_iterator(pipe, **kwargs):
     return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)
 
 
-FINISH_SHARE = 0.25  # placeholder, measured below
+# The finishing's share of the CPU path's work per image, measured one thread each on 800x600 JPEG photos
+# at 224 px (BENCHMARKS.md, "Finishing threads"): about 0.3 of the cores finish while the rest decode.
+FINISH_SHARE = 0.3
 
 
 def default_threads(decode_threads: int) -> int:
-    """Finishing threads for a loader whose DALI graph decodes on ``decode_threads`` threads."""
+    """Finishing threads for a loader whose DALI graph decodes on ``decode_threads`` threads (the cores):
+    1 up to 4 cores, 2 at 8, 5 at 16, 19 at 64. The DALI threads block when their queue is full, so the
+    two groups share the cores without either starving."""
     return max(1, round(decode_threads * FINISH_SHARE))
 
 
@@ -112,6 +120,7 @@ class HostFinisher:
         self.dtype = torch.float16 if fp16 else torch.float32
         self.buffers = BatchBuffers()
         self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
 
     def __call__(self, crops: Sequence[torch.Tensor], flips: np.ndarray) -> torch.Tensor:
         """crops: B tensors (h, w, 3) uint8 (train crops or, for eval, whole images); flips: (B,) nonzero =
@@ -139,23 +148,46 @@ class HostFinisher:
 
     def _finish(self, crops, flips, out: torch.Tensor, start: int, stop: int) -> None:
         """Images start..stop-1 into ``out``, one at a time (each stays in the cache from resize to
-        normalize), with one intra-op thread: the caller's own setting is restored after."""
+        normalize), through this thread's scratch buffers (no allocation per image: on the VM a fresh
+        150 KB buffer costs its page faults, ~100 us, as much as the normalize), with one intra-op thread;
+        the caller's own setting is restored after."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            # normalize in float32 (exact, then one rounding to a narrower dtype), per image
-            work = None if self.dtype == torch.float32 else torch.empty((3, self.size, self.size))
+            scratch = self._scratch()
             for i in range(start, stop):
-                x = self._resize(crops[i].permute(2, 0, 1).unsqueeze(0))[0]  # (3, S, S) uint8, HWC strides
+                x = self._resized(crops[i].permute(2, 0, 1).unsqueeze(0), scratch.resized)[0]  # (3, S, S) HWC
                 if flips[i]:
-                    x = x.flip(-1)
-                x = x.contiguous()  # planar uint8: the float conversion below reads it in order
-                dst = out[i] if work is None else work
+                    torch.ops.aten.flip.out(x, [-1], out=scratch.flipped)
+                    x = scratch.flipped
+                # straight from the HWC strides into planar float: a uint8 .contiguous() first costs more
+                dst = out[i] if self.dtype == torch.float32 else scratch.work  # float32, then one rounding
                 dst.copy_(x).mul_(self._scale).add_(self._shift)
-                if work is not None:
-                    out[i].copy_(work)
+                if dst is not out[i]:
+                    out[i].copy_(dst)
         finally:
             torch.set_num_threads(threads)
+
+    def _scratch(self) -> threading.local:
+        """This thread's buffers: the resized image and its mirror ((3, S, S) uint8, HWC strides as the
+        resize writes them) and the float32 work image."""
+        local = self._local
+        if not hasattr(local, "work"):
+            s = self.size
+            local.resized = torch.empty((1, s, s, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+            local.flipped = torch.empty((s, s, 3), dtype=torch.uint8).permute(2, 0, 1)
+            local.work = torch.empty((3, s, s))
+        return local
+
+    def _resized(self, x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        """``_resize(x)``, written into ``buffer`` ((1, 3, S, S)) for a train crop."""
+        s = self.size
+        if self.resize_shorter is not None or _RESIZE_OUT is None:
+            return self._resize(x)
+        if tuple(x.shape[-2:]) == (s, s):
+            return x
+        _RESIZE_OUT(x, [s, s], False, None, None, out=buffer)  # = F.interpolate(..., antialias=True)
+        return buffer
 
     def _resize(self, x: torch.Tensor) -> torch.Tensor:
         """(1, 3, h, w) uint8 -> (1, 3, S, S): the train crop resized, or the eval resize + centre crop."""
