@@ -1,7 +1,7 @@
 """FFCV's loader on a prepared dataset's train split, for tools/bench_loader.py's comparison rows.
 
     FFCV_PYTHON tools/bench_ffcv.py --data PREPARED_DIR [--max-side N] [--epochs 3] [--batch-size 64]
-        [--size 224] [--threads T]
+        [--size 224] [--threads T] [--serve]
 
 Runs in a venv of its own (FFCV is a benchmark comparison, never a dependency of mmfast); it imports
 nothing from mmfast. Building that venv on the 2-core VM (Ubuntu, Python 3.11):
@@ -15,7 +15,9 @@ nothing from mmfast. Building that venv on the 2-core VM (Ubuntu, Python 3.11):
 The .beton is written once beside the prepared directory (JPEG at quality 90, FFCV's ``write_mode="jpg"``;
 ``--max-side``: FFCV's ``max_resolution``), then each run times one warm-up epoch (numba compiles the
 pipeline) and ``--epochs`` epochs of the same augmentation as the other rows: random resized crop, flip,
-normalize to float16 NCHW on the CPU. Prints one JSON line: {"images_per_s": [...]}.
+normalize to float16 NCHW on the CPU. Prints one JSON line: {"images_per_s": [...]}. With ``--serve`` it
+keeps its loader (numba's compilation takes a minute) and answers each line ``N`` read from stdin with one
+warm-up and N timed epochs, one JSON line each: how bench_loader.py interleaves it with the other rows.
 """
 
 from __future__ import annotations
@@ -75,18 +77,22 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--serve", action="store_true", help="answer epoch counts read from stdin (see above)")
     args = p.parse_args(argv)
     from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import NormalizeImage, RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
 
     beton = write_beton(Path(args.data), args.max_side, args.threads)
+    # Normalize before ToTensor: in FFCV 1.0.2 a jitted stage after a non-jitted one (ToTensor) sends
+    # Graph.group_operations into an endless loop. On the CPU this is also FFCV's fastest order; ToTorchImage
+    # then gives an NCHW view of the NHWC batch (channels-last strides, no copy: the other rows write NCHW).
     image = [
         RandomResizedCropRGBImageDecoder((args.size, args.size)),
         RandomHorizontalFlip(),
+        NormalizeImage(MEAN, STD, np.float16),
         ToTensor(),
         ToTorchImage(),
-        NormalizeImage(MEAN, STD, np.float16),
     ]
     loader = Loader(
         str(beton),
@@ -96,15 +102,17 @@ def main(argv=None) -> int:
         drop_last=True,
         pipelines={"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]},
     )
-    rates = []
-    for epoch in range(args.epochs + 1):
-        n, t0 = 0, time.perf_counter()
-        for images, _ in loader:
-            n += images.shape[0]
-        if epoch:
-            rates.append(n / (time.perf_counter() - t0))
-    assert images.dtype.itemsize == 2 and images.shape[1:] == (3, args.size, args.size), images.shape
-    print(json.dumps({"images_per_s": rates}))
+    requests = (int(line) for line in sys.stdin) if args.serve else [args.epochs]
+    for epochs in requests:
+        rates = []
+        for epoch in range(epochs + 1):
+            n, t0 = 0, time.perf_counter()
+            for images, _ in loader:
+                n += images.shape[0]
+            if epoch:
+                rates.append(n / (time.perf_counter() - t0))
+        assert images.dtype.itemsize == 2 and images.shape[1:] == (3, args.size, args.size), images.shape
+        print(json.dumps({"images_per_s": rates}), flush=True)
     return 0
 
 
