@@ -231,12 +231,12 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         "counts": {
             "input_rows": n_input,
             "accepted": len(good),
-            "downscaled": n_downscaled,
             "rejected": len(rejects),
             "train": len(train),
             "val": len(val),
             "classes": len(label_map),
-        },
+        }
+        | ({"downscaled": n_downscaled} if cfg.max_side else {}),  # copies stored under --max-side
         "rejected_by_reason": dict(Counter(_reason_kind(r.reason) for r in rejects).most_common()),
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
         "vocab_size": len(tok),
