@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, verdict
-from tools import profile as profile_tool
+from tools import profile_run as profile_tool
 from tools import train as train_tool
 
 
