@@ -41,6 +41,7 @@ from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run
 from mmfast.train.setup import (
     all_processes_ok,
     check_tokenizer_matches,
+    cpu_has_fast_bf16,
     make_accelerator,
     processes_per_machine,
     resolve_data,
@@ -451,6 +452,8 @@ def _write_profile(
         "num_processes": accelerator.num_processes,
         "model": cfg.model,
         "grad_accum": cfg.grad_accum,
+        "cuda_devices": torch.cuda.device_count(),  # what the advice may suggest, never a GPU there is not
+        "cpu_fast_bf16": cpu_has_fast_bf16(),
     }
     report = build_report(ctx.timer, ctx.sampler, extra={"settings": settings})
     atomic_write_json(run_dir / "profile.json", {**report, "timeline": ctx.sampler.samples})
@@ -625,7 +628,10 @@ class EpochRunner:
             return {}
         new = self.sampler.samples[first_sample:]
         gpu = [x["gpu_util"] for x in new if "gpu_util" in x]
-        cpu = [sum(x["cpu_util"]) / len(x["cpu_util"]) for x in new]
+        # this run's own CPU share (other jobs on the machine do not count); the machine's where not sampled
+        cpu = [
+            x["proc_cpu_util"] if "proc_cpu_util" in x else sum(x["cpu_util"]) / len(x["cpu_util"]) for x in new
+        ]
         return {
             "gpu_util_mean": sum(gpu) / len(gpu) if gpu else None,
             "cpu_util_mean": sum(cpu) / len(cpu) if cpu else None,

@@ -12,7 +12,7 @@ import torch
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -30,7 +30,7 @@ def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
             if launcher == "fp16" and not cuda:
                 raise ValueError("accelerate launch --mixed_precision fp16 needs a CUDA GPU; use bf16 or no")
             return launcher
-        return "fp16" if cuda else ("bf16" if _cpu_has_fast_bf16() else "no")
+        return "fp16" if cuda else ("bf16" if cpu_has_fast_bf16() else "no")
     if requested == "fp16" and not cuda:
         raise ValueError("--mixed-precision fp16 needs a CUDA GPU; on the CPU use bf16 or no")
     return requested
