@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmfast.quiet import filter_native_stderr
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,6 +39,11 @@ def print_table(figures: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     import torch
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from mmfast.quiet import filter_native_stderr
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,6 +97,11 @@ def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     import torch
 

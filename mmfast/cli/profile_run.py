@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmfast.quiet import filter_native_stderr
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +60,11 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args, train_flags = parse_args(argv)
     if args.run:
         path = Path(args.run) / "profile.json"

@@ -13,6 +13,8 @@ import logging
 import signal
 import sys
 
+from mmfast.quiet import filter_native_stderr
+
 
 def print_table(summary: dict) -> None:
     rows = [
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     handler = _StartupInterrupt()
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _main(argv)
+        with filter_native_stderr():  # libpng's harmless colour-profile warnings, once per PNG and epoch
+            return _main(argv)
     except BaseException:
         if handler.pending is None:
             raise

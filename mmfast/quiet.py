@@ -1,0 +1,105 @@
+"""Library noise filtered where it is written: native libraries' harmless warnings on the process's stderr.
+
+DALI decodes PNGs through nvImageCodec's OpenCV extension, whose statically linked libpng prints a line such
+as ``libpng warning: sRGB: out of place`` (or ``iCCP: known incorrect sRGB profile``) to file descriptor 2 for
+every decode of a PNG whose colour-profile chunk is misplaced or non-standard: common in scraped and emoji
+sets, harmless (the image decodes as usual), and printed again each epoch. libpng's handler is compiled in,
+so the only place to filter is the descriptor itself: ``filter_native_stderr`` points fd 2 at a pipe read by
+a small child process that drops those lines, forwards everything else at once and, at the end, says in one
+line how many it hid. A child rather than a thread: when the run crashes, what it wrote last (an abort
+message, a fatal-error dump) is still in the pipe and the child still forwards it.
+
+Python's own ``sys.stderr`` keeps writing to the real stderr (progress bars still see a terminal).
+``MMFAST_RAW_STDERR=1`` turns the filter off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+# The child: drop harmless libpng colour-profile warnings, forward every other byte as soon as it is read.
+_FILTER = r"""
+import os, re, sys
+harmless = re.compile(rb"^libpng warning: .*(sRGB|iCCP|cHRM|gAMA|sBIT|profile)")
+hidden, tail = 0, b""
+while True:
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    *lines, tail = (tail + chunk).split(b"\n")
+    out = []
+    for line in lines:
+        if harmless.match(line):
+            hidden += 1
+        else:
+            out.append(line + b"\n")
+    if tail and not (b"libpng warning:".startswith(tail) or tail.startswith(b"libpng warning:")):
+        out.append(tail)  # a partial line that cannot be a libpng warning: no need to wait for its end
+        tail = b""
+    if out:
+        os.write(1, b"".join(out))
+if tail and not harmless.match(tail):
+    os.write(1, tail)
+if hidden:
+    os.write(1, (
+        f"note: {hidden} libpng warnings about PNG colour-profile chunks (sRGB/iCCP) were hidden: harmless, "
+        "the images decode as usual (MMFAST_RAW_STDERR=1 shows them)\n"
+    ).encode())
+"""
+
+
+@contextlib.contextmanager
+def filter_native_stderr() -> Iterator[None]:
+    """Within the block, file descriptor 2 drops libpng's harmless colour-profile warnings (see the module
+    docstring); everything else reaches stderr unchanged. A no-op with ``MMFAST_RAW_STDERR=1`` or where fd 2
+    cannot be redirected."""
+    if os.environ.get("MMFAST_RAW_STDERR") == "1":
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    python_stderr = None
+    try:
+        read_end, write_end = os.pipe()
+        child = subprocess.Popen(
+            [sys.executable, "-S", "-c", _FILTER],
+            stdin=read_end,
+            stdout=saved,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            start_new_session=True,  # a Ctrl-C to the terminal's process group must not stop the filter first
+        )
+        os.close(read_end)
+        if sys.stderr is sys.__stderr__ and sys.stderr is not None:
+            # Python's writes go straight to the real stderr: a progress bar still sees a terminal, and a
+            # Python traceback never waits in the pipe.
+            python_stderr = sys.stderr
+            sys.stderr = os.fdopen(
+                os.dup(saved), "w", buffering=1, encoding=python_stderr.encoding, errors="replace"
+            )
+        os.dup2(write_end, 2)
+        os.close(write_end)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end of this process: the child reads EOF
+        if python_stderr is not None:
+            sys.stderr.close()
+            sys.stderr = python_stderr
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)  # a subprocess that inherited the pipe may hold it longer: do not wait on it
+        os.close(saved)
