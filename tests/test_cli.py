@@ -125,3 +125,28 @@ def test_report_to_tensorboard_writes_per_step_scalars(prepared, tmp_path, capsy
     assert all(e.value > 0 for e in acc.Scalars("train/images_per_s"))
     hparams = (next(out.glob("mmfast/*/hparams.yml"))).read_text()
     assert "model: concat" in hparams and "report_to: tensorboard" in hparams
+
+
+def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target(tmp_path):
+    """fsutil.file_lock (filelock): a second process waits for the first; no lock file in the user's folder."""
+    import time
+
+    from mmfast.fsutil import file_lock, lock_file_for
+
+    target = tmp_path / "data" / "prepared"
+    code = (
+        "import sys, time\nfrom mmfast.fsutil import file_lock\n"
+        "with file_lock(sys.argv[1]):\n    print(time.time(), flush=True)\n"
+    )
+    with file_lock(target):
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        time.sleep(1.5)
+        released = time.time()
+    acquired = float(child.communicate(timeout=60)[0])
+    assert acquired >= released  # the child got the lock only after this process let it go
+    assert list(tmp_path.rglob("*")) == [tmp_path / "data"]  # the parent folder is made, nothing else
+    assert lock_file_for(target).parent != target.parent and lock_file_for(target) == lock_file_for(
+        tmp_path / "data" / ".." / "data" / "prepared"
+    )
