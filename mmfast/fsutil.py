@@ -76,12 +76,25 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only set it, and
+    setting it to read it races with other threads creating files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same directory and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would outlive the rename: open()'s mode instead
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -148,6 +161,7 @@ def atomic_dir(
     recover_dir(final, replaceable)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would become final's: mkdir's mode instead
         write_marker(tmp, kind)
         yield tmp
         fsync_tree(tmp)

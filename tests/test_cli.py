@@ -150,3 +150,20 @@ def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target
     assert lock_file_for(target).parent != target.parent and lock_file_for(target) == lock_file_for(
         tmp_path / "data" / ".." / "data" / "prepared"
     )
+
+
+def test_files_and_directories_mmfast_writes_get_the_users_umask(tmp_path):
+    import os
+
+    from mmfast.fsutil import atomic_dir, atomic_write_json, current_umask
+
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_dir(tmp_path / "d") as tmp:
+            (tmp / "f").write_text("y")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640  # not mkstemp's 0600
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0700
