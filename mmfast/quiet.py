@@ -60,46 +60,70 @@ def filter_native_stderr() -> Iterator[None]:
     if os.environ.get("MMFAST_RAW_STDERR") == "1":
         yield
         return
+    redirect = _Redirect()
     try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):
-        yield
-        return
-    python_stderr = None
-    try:
-        read_end, write_end = os.pipe()
-        child = subprocess.Popen(
-            [sys.executable, "-S", "-c", _FILTER],
-            stdin=read_end,
-            stdout=saved,
-            stderr=subprocess.DEVNULL,
-            close_fds=True,
-            start_new_session=True,  # a Ctrl-C to the terminal's process group must not stop the filter first
-        )
-        os.close(read_end)
-        if sys.stderr is sys.__stderr__ and sys.stderr is not None:
-            # Python's writes go straight to the real stderr: a progress bar still sees a terminal, and a
-            # Python traceback never waits in the pipe.
-            python_stderr = sys.stderr
-            sys.stderr = os.fdopen(
-                os.dup(saved), "w", buffering=1, encoding=python_stderr.encoding, errors="replace"
-            )
-        os.dup2(write_end, 2)
-        os.close(write_end)
+        redirect.start()
     except OSError:
-        os.close(saved)
-        yield
-        return
+        redirect.stop()  # whatever part was set up is undone: plain stderr
+    except BaseException:  # a Ctrl-C during the set-up: stderr as it was, then the interrupt
+        redirect.stop()
+        raise
     try:
         yield
     finally:
+        redirect.stop()
+
+
+class _Redirect:
+    """fd 2 -> a pipe -> the filter child -> the original stderr; ``stop`` undoes whatever ``start`` did."""
+
+    def __init__(self):
+        self.saved: int | None = None
+        self.child: subprocess.Popen | None = None
+        self.redirected = False
+        self.python_stderr = None
+
+    def start(self) -> None:
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        read_end, write_end = os.pipe()
+        try:
+            self.child = subprocess.Popen(
+                [sys.executable, "-S", "-c", _FILTER],
+                stdin=read_end,
+                stdout=self.saved,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,  # a Ctrl-C to the terminal's process group must not stop the filter
+            )
+        finally:
+            os.close(read_end)
+        try:
+            os.dup2(write_end, 2)
+            self.redirected = True
+        finally:
+            os.close(write_end)  # from here on fd 2 is the pipe's only write end in this process
+        if sys.stderr is sys.__stderr__ and sys.stderr is not None:
+            # Python's writes go straight to the real stderr: a progress bar still sees a terminal, and a
+            # Python traceback never waits in the pipe.
+            py = sys.stderr
+            sys.stderr = os.fdopen(os.dup(self.saved), "w", buffering=1, encoding=py.encoding, errors="replace")
+            self.python_stderr = py
+
+    def stop(self) -> None:
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
-        os.dup2(saved, 2)  # closes the pipe's last write end of this process: the child reads EOF
-        if python_stderr is not None:
-            sys.stderr.close()
-            sys.stderr = python_stderr
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=5)  # a subprocess that inherited the pipe may hold it longer: do not wait on it
-        os.close(saved)
+        if self.redirected:
+            os.dup2(self.saved, 2)  # closes the pipe's last write end here: the child reads EOF
+            self.redirected = False
+        if self.python_stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.close()
+            sys.stderr, self.python_stderr = self.python_stderr, None
+        if self.child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.child.wait(timeout=5)  # a subprocess that inherited the pipe may hold it longer
+            self.child = None
+        if self.saved is not None:
+            os.close(self.saved)
+            self.saved = None
