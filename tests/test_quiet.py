@@ -45,6 +45,7 @@ with filter_native_stderr():
     os.write(2, b"libpng warning: something else\\n")  # not a colour-profile warning: kept
     print("python stderr", file=sys.stderr)
     print("decoded", np.array(images[0]).shape)
+    del images, pipe  # its prefetching threads decode ahead: stop them inside the block
     if sys.argv[2] == "abort":
         os.write(2, b"native last words\\n")
         os.abort()
