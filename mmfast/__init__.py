@@ -2,13 +2,37 @@
 
 The pieces most users touch: ``MultimodalLoader`` / ``ImageLoader`` (DALI loaders), ``TokenCache``,
 ``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``mmfast.profiler``,
-``load_model`` (a trained run's model directory).
+``load_model`` (a trained run's model directory). The command-line entry points live in ``mmfast.cli``.
 """
 
-from mmfast.loader import ImageLoader, MultimodalLoader
-from mmfast.model_dir import MmfastModel, load_model
-from mmfast.models import build_model
-from mmfast.token_cache import TokenCache
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Imported on first use (PEP 562): `import mmfast.cli.train` must not pull in torch and DALI, so that a
+# command's --help is quick and a Ctrl-C during start-up lands under the command's own handler.
+_LAZY = {
+    "ImageLoader": "mmfast.loader",
+    "MultimodalLoader": "mmfast.loader",
+    "MmfastModel": "mmfast.model_dir",
+    "load_model": "mmfast.model_dir",
+    "build_model": "mmfast.models",
+    "TokenCache": "mmfast.token_cache",
+}
+
+if TYPE_CHECKING:
+    from mmfast.loader import ImageLoader, MultimodalLoader
+    from mmfast.model_dir import MmfastModel, load_model
+    from mmfast.models import build_model
+    from mmfast.token_cache import TokenCache
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmfast' has no attribute '{name}'")
+
 
 __all__ = ["ImageLoader", "MmfastModel", "MultimodalLoader", "TokenCache", "build_model", "load_model"]
 __version__ = "0.1.0"

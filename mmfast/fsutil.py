@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import functools
 import glob
 import hashlib
@@ -77,12 +76,25 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only set it, and
+    setting it to read it races with other threads creating files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same directory and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would outlive the rename: open()'s mode instead
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -149,6 +161,7 @@ def atomic_dir(
     recover_dir(final, replaceable)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would become final's: mkdir's mode instead
         write_marker(tmp, kind)
         yield tmp
         fsync_tree(tmp)
@@ -271,15 +284,36 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the duration of the block.
+    """Hold an exclusive inter-process lock named by ``path`` for the duration of the block.
 
-    Used so that when several processes prepare the same dataset, one builds and the others wait.
+    Used so that when several processes prepare the same dataset, one builds and the others wait. The lock
+    file itself is not ``path``: on Unix a lock file must outlive its holders (``filelock`` leaves it on
+    release; unlinking it would let a waiter and a newcomer lock two different inodes), so it lives in
+    ``lock_dir()``, named by a hash of ``path``'s real location, never beside the user's files.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    from filelock import FileLock
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock_file_for(path)):
+        yield
+
+
+def lock_file_for(path: str | os.PathLike) -> Path:
+    """Where ``file_lock(path)`` keeps its lock file: ``lock_dir()/<name>-<hash of the real path>.lock``."""
+    real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
+    return lock_dir() / f"{os.path.basename(path).lstrip('.')[:40]}-{digest}.lock"
+
+
+def lock_dir() -> Path:
+    """This user's folder of mmfast's lock files: ``$MMFAST_LOCK_DIR`` when set (several users or machines
+    sharing one dataset folder can point it at a shared directory), else ``$XDG_RUNTIME_DIR/mmfast-locks``
+    (a per-user tmpfs), else ``<tempdir>/mmfast-locks-<uid>``."""
+    if os.environ.get("MMFAST_LOCK_DIR"):
+        d = Path(os.environ["MMFAST_LOCK_DIR"])
+    elif os.environ.get("XDG_RUNTIME_DIR") and os.path.isdir(os.environ["XDG_RUNTIME_DIR"]):
+        d = Path(os.environ["XDG_RUNTIME_DIR"]) / "mmfast-locks"
+    else:
+        d = Path(tempfile.gettempdir()) / f"mmfast-locks-{os.getuid()}"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d

@@ -7,8 +7,9 @@ Three pieces, usable from any training loop:
   launched them and "data wait" is time the GPU really sat idle waiting for input (honest, slightly
   slower). Off (``enabled=False``) it costs one branch per phase.
 - ``UtilizationSampler``: a background thread sampling GPU utilization, memory, SM clock and power through
-  NVML (``nvidia-ml-py``) and per-core CPU utilization (``psutil``) every ``interval`` seconds. Without a
-  GPU or NVML it reports why instead of failing.
+  NVML (``nvidia-ml-py``) and CPU utilization (``psutil``: this process and its children, as a share of
+  all cores, plus the whole machine's per core for context) every ``interval`` seconds. Without a GPU or
+  NVML it reports why instead of failing.
 - ``verdict(report)``: input-bound / host-bound / compute-bound, with the next thing to try.
 
 A loop uses them like this::
@@ -171,9 +172,14 @@ class UtilizationSampler:
         import psutil
 
         psutil.cpu_percent(percpu=True)  # the first call only starts the measurement window
+        own = _OwnCpu(psutil)
         self.t0 = t0 = time.perf_counter()
         while not self._stop.wait(self.interval):
-            sample = {"t": time.perf_counter() - t0, "cpu_util": psutil.cpu_percent(percpu=True)}
+            sample = {
+                "t": time.perf_counter() - t0,
+                "cpu_util": psutil.cpu_percent(percpu=True),  # the machine, per core (other jobs count)
+                "proc_cpu_util": own.percent(),  # this run: this process + its children, % of all cores
+            }
             with contextlib.suppress(Exception):
                 sample.update(self.read_gpu())
             self.samples.append(sample)
@@ -214,12 +220,39 @@ class UtilizationSampler:
             out["cpu_util_mean_per_core"] = [
                 round(sum(s[i] for s in per_core) / len(per_core), 1) for i in range(cores)
             ]
-            out["cpu_util_mean"] = round(sum(out["cpu_util_mean_per_core"]) / cores, 1)
+            out["machine_cpu_util_mean"] = round(sum(out["cpu_util_mean_per_core"]) / cores, 1)
+            own = [s["proc_cpu_util"] for s in samples if "proc_cpu_util" in s]
+            # the run's own share: another job on the machine must not make the run look CPU-bound
+            out["cpu_util_mean"] = round(sum(own) / len(own), 1) if own else out["machine_cpu_util_mean"]
         keys = ("gpu_util", "gpu_mem_used_mib", "sm_clock_mhz", "power_w")
         gpu = {k: _describe([s[k] for s in samples if k in s]) for k in keys}
         gpu = {k: v for k, v in gpu.items() if v}
         out["gpu"] = gpu if gpu else {"available": False, "reason": self.gpu_error or "no GPU samples"}
         return out
+
+
+class _OwnCpu:
+    """CPU use of this process and its children (DALI's threads are this process's; launcher-started
+    workers are children), as a percentage of all the machine's cores. In a multi-process launch the ranks
+    are siblings, so this is the sampling rank's share."""
+
+    def __init__(self, psutil):
+        self.psutil, self.cores = psutil, psutil.cpu_count() or 1
+        self.procs: dict[int, object] = {}  # the same Process objects across samples keep their windows
+
+    def percent(self) -> float:
+        ps = self.psutil
+        try:
+            me = ps.Process()
+            current = [me, *me.children(recursive=True)]
+        except ps.Error:
+            return 0.0
+        total = 0.0
+        self.procs = {p.pid: self.procs.get(p.pid, p) for p in current}
+        for p in self.procs.values():
+            with contextlib.suppress(ps.Error):  # a child that ended between listing and reading
+                total += p.cpu_percent(None)  # the first reading of a new process is 0.0
+        return round(min(100.0, total / self.cores), 1)
 
 
 def _describe(values: list[float]) -> dict:
@@ -314,15 +347,27 @@ def verdict(report: dict) -> dict:
         summary = f"host-bound: data arrives in time ({wait:.0%} wait) but the GPU is only {gpu_util:.0f}% busy"
     else:
         bound = "compute"
-        mp = settings.get("mixed_precision")
-        if mp in (None, "no"):
-            steps.append("use mixed precision (--mixed-precision fp16 on GPU, bf16 on recent CPUs)")
-        if not settings.get("channels_last"):
-            steps.append("--channels-last for faster convolutions")
-        steps.append("a smaller model or image size, or more devices (accelerate launch --multi_gpu)")
+        steps += _compute_advice(settings, on_gpu)
         busy = f", GPU {gpu_util:.0f}% busy" if on_gpu else ""
         summary = f"compute-bound: data wait is {wait:.0%}{busy}; speed comes from the model side"
     return {"bound": bound, "summary": summary, "next_steps": steps}
+
+
+def _compute_advice(settings: dict, on_gpu: bool) -> list[str]:
+    """What speeds up a compute-bound run on this machine: nothing that needs a GPU it does not have."""
+    steps = []
+    gpus, procs = settings.get("cuda_devices", 1 if on_gpu else 0), settings.get("num_processes", 1)
+    if settings.get("mixed_precision") in (None, "no"):
+        if on_gpu or gpus:
+            steps.append("use mixed precision (--mixed-precision fp16, or bf16 on Ampere and newer)")
+        elif settings.get("cpu_fast_bf16", True):
+            steps.append("use mixed precision (--mixed-precision bf16: this CPU has native bf16)")
+    if (on_gpu or gpus) and not settings.get("channels_last"):
+        steps.append("--channels-last for faster convolutions on tensor cores")
+    if gpus > procs:
+        steps.append(f"use all {gpus} GPUs: accelerate launch --multi_gpu --num_processes {gpus} ...")
+    steps.append("a smaller model or --image-size" + (", or more GPUs" if on_gpu or gpus else ""))
+    return steps
 
 
 def plot_report(report: dict, samples: list[dict], path: str) -> None:
@@ -336,7 +381,9 @@ def plot_report(report: dict, samples: list[dict], path: str) -> None:
     t = [s["t"] for s in samples]
     if samples:
         cpu = [sum(s["cpu_util"]) / len(s["cpu_util"]) for s in samples]
-        ax1.plot(t, cpu, label="CPU (mean of cores)", color="#1f77b4")
+        own = [s.get("proc_cpu_util", float("nan")) for s in samples]
+        ax1.plot(t, own, label="CPU, this run (% of all cores)", color="#1f77b4")
+        ax1.plot(t, cpu, label="CPU, whole machine", color="#1f77b4", alpha=0.35, linestyle=":")
         if any("gpu_util" in s for s in samples):
             ax1.plot(t, [s.get("gpu_util", float("nan")) for s in samples], label="GPU", color="#76b900")
     ax1.set_ylim(0, 105)

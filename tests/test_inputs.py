@@ -96,7 +96,7 @@ def test_no_usable_rows_prints_the_first_reasons_and_keeps_every_one(tmp_path, c
     assert [(r["file"], r["line"], r["row"]["file_name"]) for r in kept] == [
         ("metadata.jsonl", i + 1, f"missing{i}.jpg") for i in range(13)
     ]
-    assert not out.exists() and {p.name for p in tmp_path.iterdir()} == {"hf", "out.rejected.jsonl", ".out.lock"}
+    assert not out.exists() and {p.name for p in tmp_path.iterdir()} == {"hf", "out.rejected.jsonl"}
 
     # Fixed: the preparation succeeds and the stale report goes; a file of that name that is not mmfast's stays.
     _copy_images(photos_set[:4], folder)

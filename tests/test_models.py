@@ -281,3 +281,24 @@ def test_frozen_pretrained_image_encoder_has_no_optimizer_group():
     groups = param_groups(model, 0.05, 1e-3, 1e-5)
     assert not any(g["pretrained"] for g in groups)
     assert sum(len(g["params"]) for g in groups) == len(list(model.head.parameters()))
+
+
+def test_the_scheduler_is_the_warmup_cosine_curve():
+    """make_scheduler("cosine") (transformers' get_scheduler) gives the textbook curve: linear warm-up to the
+    peak, then half a cosine down to 0 at the last step."""
+    import math
+
+    from mmfast.train.engine import make_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = make_scheduler(opt, "cosine", warmup=3, total=20)
+    got = []
+    for _ in range(20):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+
+    def want(s: int) -> float:
+        return 0.1 * (s / 3 if s < 3 else 0.5 * (1 + math.cos(math.pi * (s - 3) / (20 - 3))))
+
+    assert got == pytest.approx([want(s) for s in range(20)], abs=1e-12)

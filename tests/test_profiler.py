@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from PIL import Image
 
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, verdict
-from tools import profile as profile_tool
+from tools import profile_run as profile_tool
 from tools import train as train_tool
 
 
@@ -170,3 +172,35 @@ def test_the_profile_tool_writes_no_checkpoints_and_reports_the_steady_state(pre
     assert "checkpoint" not in report["phase_s"]
     assert json.loads((out / "summary.json").read_text())["best_checkpoint"] is None
     assert "(steady state, after 5 warm-up steps)" in capsys.readouterr().out
+
+
+def test_advice_fits_the_machine():
+    """Never a GPU flag on a machine without one; all GPUs where a run uses fewer."""
+    cpu_only = {"cuda_devices": 0, "num_processes": 1, "mixed_precision": "no", "cpu_fast_bf16": False}
+    steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": cpu_only})["next_steps"]
+    assert not any("GPU" in s or "multi_gpu" in s or "channels-last" in s or "precision" in s for s in steps)
+    bf16_cpu = {**cpu_only, "cpu_fast_bf16": True}
+    steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": bf16_cpu})["next_steps"]
+    assert any("--mixed-precision bf16" in s for s in steps) and not any("multi_gpu" in s for s in steps)
+    eight = {"cuda_devices": 8, "num_processes": 1, "mixed_precision": "fp16", "channels_last": True}
+    util = {"gpu": {"gpu_util": {"mean": 95.0}}}
+    steps = verdict({"data_wait_frac": 0.01, "utilization": util, "settings": eight})["next_steps"]
+    assert any("--multi_gpu --num_processes 8" in s for s in steps)
+
+
+def test_cpu_share_counts_this_process_and_its_children():
+    """A busy child process shows in the run's CPU share (the parent only sleeps)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"]
+    )
+    try:
+        with UtilizationSampler(0.1) as sampler:
+            time.sleep(1.2)
+    finally:
+        child.kill()
+        child.wait()
+    stats = sampler.stats()
+    own = [s["proc_cpu_util"] for s in sampler.samples[1:]]  # the first reading of a new process is 0
+    assert max(own) > 0.3 * 100 / os.cpu_count(), own  # one busy core of cpu_count, under load
+    every = [s["proc_cpu_util"] for s in sampler.samples]
+    assert stats["cpu_util_mean"] == round(sum(every) / len(every), 1)  # the run's share, not the machine's

@@ -71,13 +71,7 @@ def test_out_holding_user_files_or_a_file_is_refused_and_left_untouched(tmp_path
     afile.write_text("keep")
     assert prepare_data.main([str(m), "--out", str(afile), "--no-progress"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err and afile.read_text() == "keep"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".mine.lock",
-        ".notes.txt.lock",
-        "data",
-        "mine",
-        "notes.txt",
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "mine", "notes.txt"]  # no lock files
 
 
 def test_empty_marked_and_legacy_directories_are_replaced(tmp_path):
@@ -212,7 +206,7 @@ def test_leftovers_of_killed_runs_are_cleaned_and_foreign_ones_kept(tmp_path):
     (foreign / "keep.txt").write_text("user data")
     os.replace(out, tmp_path / ".ds.old")  # killed between the two renames of the fallback swap
     assert _prepare(m, out) == first  # the old directory is back, and reused
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ds.k3.tmp", ".ds.lock", "data", "ds"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ds.k3.tmp", "data", "ds"]
     assert (foreign / "keep.txt").read_text() == "user data"
 
 

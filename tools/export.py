@@ -1,54 +1,14 @@
-"""Export a trained model directory to ONNX and/or a torch.export program, and check the ONNX file in
-onnxruntime (fp32 logits within --atol of PyTorch's).
+"""Export a trained model directory to ONNX and/or torch.export.
 
     python tools/export.py --model runs/latest/model --out runs/latest/export
 
-Writes OUT/model.onnx and OUT/model.pt2 (inputs: image (B, 3, S, S) float32 normalized as the model's
-config.json says, input_ids and attention_mask (B, L) int64; output: logits (B, C)) and OUT/export.json.
+A thin wrapper kept for checkouts and existing scripts: the command is ``mmfast.cli.export`` (installed as
+``mmfast-export``; ``mmfast-export --help`` lists its flags).
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a model directory written by tools/train.py (RUN/model)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--format", choices=["onnx", "torch", "both"], default="both")
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--atol", type=float, default=1e-4, help="largest allowed |onnxruntime - PyTorch| logit")
-    p.add_argument("--no-check", action="store_true", help="skip the onnxruntime parity check")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from mmfast.export import export_onnx, export_program, onnx_parity
-    from mmfast.model_dir import load_model
-
-    model = load_model(args.model)
-    out = Path(args.out)
-    report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
-    if args.format in ("onnx", "both"):
-        report["onnx"] = str(export_onnx(model, out / "model.onnx", opset=args.opset))
-        if not args.no_check:
-            diff = onnx_parity(model, out / "model.onnx")
-            report["onnx_max_abs_diff"] = diff
-            print(f"onnxruntime vs PyTorch: max |logit difference| {diff:.2e} (allowed {args.atol:.0e})")
-            if not diff <= args.atol:
-                print(f"error: the ONNX model's logits differ by {diff:.2e} > {args.atol:.0e}", file=sys.stderr)
-                return 1
-    if args.format in ("torch", "both"):
-        report["torch_export"] = str(export_program(model, out / "model.pt2"))
-    (out / "export.json").write_text(json.dumps(report, indent=2))
-    print(f"exported to {out}")
-    return 0
-
+from mmfast.cli.export import main  # noqa: F401  (tests and scripts call these)
 
 if __name__ == "__main__":
     sys.exit(main())

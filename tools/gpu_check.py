@@ -137,7 +137,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "profile",
-            [py, "tools/profile.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
+            [py, "tools/profile_run.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
             + ["--steps", "3" if dry else "30", "--out", str(work / "profile"), "--no-progress"],
             120,
             "where step time goes, GPU utilization, verdict",

@@ -3,86 +3,14 @@
     accelerate launch tools/train.py [flags]      (or: python tools/train.py, torchrun ...)
 
 With no flags it generates the built-in demo dataset and trains the tiny preset on it.
+
+A thin wrapper kept for checkouts and existing scripts: the command is ``mmfast.cli.train`` (installed as
+``mmfast-train``; ``mmfast-train --help`` lists its flags).
 """
 
-from __future__ import annotations
-
-import logging
-import signal
 import sys
 
-
-def print_table(summary: dict) -> None:
-    rows = [
-        ("model", f"{summary['model']} ({summary['image_backbone']} + {summary['text_model']})"),
-        ("device", f"{summary['device']} x {summary['num_processes']}, {summary['mixed_precision']}"),
-        (
-            "val_acc",
-            "no val split"
-            if summary["val_acc"] is None
-            else f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})",
-        ),
-        ("images/s", f"{summary['images_per_s']:.0f}"),
-        ("optimizer steps", str(summary["global_step"])),
-        ("skipped steps", str(summary["skipped_steps"])),
-        ("wall time", f"{summary['wall_s']:.1f} s"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-
-
-class _StartupInterrupt:
-    """SIGINT / SIGTERM before training starts end the start-up like Ctrl-C does. ``pending`` remembers the
-    signal: a KeyboardInterrupt raised inside an import can come out wrapped (a RuntimeError from a class
-    body's ``__set_name__``) or be swallowed by a library's catch-all, and the engine checks ``pending``
-    before its first step."""
-
-    def __init__(self):
-        self.pending: int | None = None
-
-    def __call__(self, signum, frame):
-        self.pending = signum
-        raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    # Once the loop runs, SIGTERM/SIGINT only set a flag and the run checkpoints at the next step.
-    handler = _StartupInterrupt()
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return _main(argv)
-    except BaseException:
-        if handler.pending is None:
-            raise
-        print("interrupted before training started; nothing to resume", file=sys.stderr)
-        return 130
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def _main(argv: list[str] | None) -> int:
-    # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
-    from mmfast.manifest import ManifestError
-    from mmfast.train.config import parse_config
-    from mmfast.train.engine import NonFiniteLossError, train
-    from mmfast.train.heartbeat import PeerFailure
-    from mmfast.train.setup import LaunchError
-
-    try:
-        cfg = parse_config(argv)
-        summary = train(cfg)
-    except (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if summary.get("interrupted"):
-        print("interrupted; resume with --resume latest", file=sys.stderr)
-        return 130
-    if summary["is_main_process"] and summary.get("images_per_s") is not None:
-        print_table(summary)
-    return 0
-
+from mmfast.cli.train import main, print_table  # noqa: F401  (tests and scripts call these)
 
 if __name__ == "__main__":
     sys.exit(main())

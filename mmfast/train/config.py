@@ -5,62 +5,135 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+
+
+def _opt(default, group: str, help: str):
+    """A TrainConfig field: its default, its --help group and its meaning (the one place the meaning is written;
+    ``build_parser`` shows it, and the choices of the fields in ``choices()``)."""
+    return field(default=default, metadata={"group": group, "help": help})
+
+
+# The --help groups, in the order --help shows them.
+GROUPS = ("data", "model", "optimization", "precision", "checkpoints", "logging", "profiling", "processes")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
+SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: str | None = None  # prepared dir, raw manifest / image folder, or None for the built-in demo set
-    out: str | None = None  # None: runs/latest, an earlier run there is moved aside (runs/latest.old-<time>)
-    overwrite: bool = False  # --out holds an earlier run: move it aside (never deleted) and start afresh
-    model: str = "concat"  # early | concat | late, or a single-modality baseline: image | text
-    preset: str = "tiny"
-    image_backbone: str | None = None  # None: from the preset
-    image_weights: str | None = None
-    text_model: str | None = None  # None: from the preset
-    image_size: int | None = None  # None: from the preset
-    hidden: int | None = None
-    combine: str = "mean"  # late fusion: mean | learned
-    freeze_image: bool | None = None  # None: from the preset
-    freeze_text: bool = False
-    epochs: int | None = None  # None: from the preset
-    max_steps: int | None = None  # optimizer steps; stops early when reached
-    batch_size: int | None = None  # per process; None: from the preset
-    eval_batch_size: int | None = None
-    grad_accum: int = 1
-    lr: float | None = None  # new layers and encoders trained from scratch; None: from the preset
-    encoder_lr: float | None = None  # pretrained encoders; None: from the preset
-    weight_decay: float = 0.05
-    warmup_frac: float | None = None  # None: from the preset
-    probe_frac: float | None = None  # share of steps with pretrained encoders still; None: from the preset
-    scheduler: str = "cosine"  # a transformers.get_scheduler name: cosine | linear | constant_with_warmup | ...
-    grad_clip: float = 1.0
-    mixed_precision: str = "auto"  # auto | fp16 | bf16 | no
-    channels_last: bool = False
-    compile: bool = False
-    seed: int = 0
-    num_threads: int | None = None  # DALI threads per process (default: cores / processes)
-    cpu_resize: str = "torch"  # without a GPU: resize + normalize on the consuming thread (torch) or in DALI
-    dropout: float = 0.1
-    augment: bool = True  # random resized crop + flip on the train split (else resize + center crop)
-    crop_scale_min: float = 0.35
-    color_jitter: float = 0.0
-    checkpoint_every: int = 0  # optimizer steps; 0: at the end of each epoch only
-    keep_checkpoints: int = 2
-    checkpoints: bool = True  # off: no checkpoint is written (a throwaway run, e.g. tools/profile.py)
-    resume: str | None = None  # PATH or "latest"
-    on_bad_image: str = "skip"  # skip: log, count and mask a missing/undecodable image; error: stop
-    max_nan_steps: int = 20  # consecutive non-finite losses before the run stops
-    demo_size: int = 2000
-    tokenizer: str | None = None  # used when --data is raw (prepared on the fly)
-    max_length: int = 32
-    profile: bool = False  # time phases with honest GPU syncs, sample utilization, write profile.json/png
-    profile_interval: float = 0.2  # seconds between utilization samples
-    tensorboard: bool = False
-    progress: bool = True
-    record_ids: bool = False  # write the sample ids each process trained on (seen_ids.rank<R>.jsonl)
-    dist_timeout: float = 600.0  # seconds a process waits for the others in a collective before it stops
+    data: str | None = _opt(
+        None, "data", "prepared dataset dir, raw manifest (.jsonl/.csv/.tsv) or image folder; none: the demo set"
+    )
+    out: str | None = _opt(
+        None,
+        "checkpoints",
+        "run directory; none: runs/latest, where an earlier run is moved aside (runs/latest.old-<time>)",
+    )
+    overwrite: bool = _opt(
+        False, "checkpoints", "--out holds an earlier run: move it aside (never deleted), start afresh"
+    )
+    model: str = _opt(
+        "concat", "model", "fusion (early, concat, late) or a single-modality baseline (image, text)"
+    )
+    preset: str = _opt(
+        "tiny", "model", "encoders + training recipe; every preset field can be overridden by its flag"
+    )
+    image_backbone: str | None = _opt(
+        None,
+        "model",
+        "image encoder: a torchvision ResNet, efficientnet-lite0, or timm:<name>; none: the preset's",
+    )
+    image_weights: str | None = _opt(None, "model", "a local state dict file for the image backbone (strict load)")
+    text_model: str | None = _opt(
+        None,
+        "model",
+        "text encoder: bert-tiny / bert-mini / bert-base-random (random init), minilm (local weights), a "
+        "directory or a hub name; none: the preset's",
+    )
+    image_size: int | None = _opt(None, "model", "square input side in pixels; none: the preset's")
+    hidden: int | None = _opt(None, "model", "width of the fusion layers; none: the preset's")
+    combine: str = _opt("mean", "model", "late fusion: how the two branches' logits combine")
+    freeze_image: bool | None = _opt(None, "model", "no gradients into the image encoder; none: the preset's")
+    freeze_text: bool = _opt(False, "model", "no gradients into the text encoder")
+    dropout: float = _opt(0.1, "model", "dropout in the fusion layers (and the random text configs)")
+    epochs: int | None = _opt(None, "optimization", "passes over the train split; none: the preset's")
+    max_steps: int | None = _opt(None, "optimization", "optimizer steps; the run stops early when reached")
+    batch_size: int | None = _opt(None, "optimization", "samples per process per micro-batch; none: the preset's")
+    eval_batch_size: int | None = _opt(
+        None, "optimization", "samples per process per eval batch; none: --batch-size"
+    )
+    grad_accum: int = _opt(1, "optimization", "micro-batches per optimizer step (gradient accumulation)")
+    lr: float | None = _opt(
+        None,
+        "optimization",
+        "peak learning rate of new layers and encoders trained from scratch; none: the preset's",
+    )
+    encoder_lr: float | None = _opt(
+        None, "optimization", "peak learning rate of pretrained encoders; none: the preset's"
+    )
+    weight_decay: float = _opt(0.05, "optimization", "AdamW weight decay (not on biases and norm weights)")
+    warmup_frac: float | None = _opt(
+        None, "optimization", "share of the steps with a linear lr warm-up; none: the preset's"
+    )
+    probe_frac: float | None = _opt(
+        None, "optimization", "share of the steps with pretrained encoders held still (lr 0); none: the preset's"
+    )
+    scheduler: str = _opt("cosine", "optimization", "lr decay after the warm-up (transformers.get_scheduler)")
+    grad_clip: float = _opt(1.0, "optimization", "clip the gradient norm to this (0: no clipping)")
+    seed: int = _opt(0, "optimization", "seed of the weights' initialization and the data order")
+    max_nan_steps: int = _opt(20, "optimization", "consecutive non-finite (NaN/inf) steps before the run stops")
+    mixed_precision: str = _opt(
+        "auto", "precision", "autocast dtype; auto: fp16 on CUDA, bf16 on CPUs with native bf16, else no"
+    )
+    channels_last: bool = _opt(False, "precision", "NHWC memory format for the CNN (faster on tensor cores)")
+    compile: bool = _opt(False, "precision", "torch.compile the model")
+    num_threads: int | None = _opt(None, "data", "DALI threads per process; none: cores / processes")
+    cpu_resize: str = _opt(
+        "torch", "data", "without a GPU: resize + normalize on the consuming thread (torch) or inside DALI (dali)"
+    )
+    augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
+    crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")
+    color_jitter: float = _opt(0.0, "data", "brightness/contrast/saturation jitter strength (0: off)")
+    checkpoint_every: int = _opt(
+        0, "checkpoints", "optimizer steps between checkpoints; 0: at each epoch's end only"
+    )
+    keep_checkpoints: int = _opt(2, "checkpoints", "checkpoints kept (the best one is never removed)")
+    checkpoints: bool = _opt(
+        True, "checkpoints", "write checkpoints (off: a throwaway run, as mmfast-profile makes)"
+    )
+    resume: str | None = _opt(None, "checkpoints", "continue from a checkpoint: its PATH, or latest (in --out)")
+    on_bad_image: str = _opt(
+        "skip", "data", "a missing/undecodable image: skip (log, count, mask it out) or error (stop the run)"
+    )
+    demo_size: int = _opt(2000, "data", "samples in the built-in demo set (without --data)")
+    tokenizer: str | None = _opt(
+        None,
+        "data",
+        "tokenizer for a raw --data prepared on the fly; none: the text model's, or a WordPiece trained offline",
+    )
+    max_length: int = _opt(32, "data", "tokens per caption (special tokens included) when --data is prepared here")
+    profile: bool = _opt(
+        False, "profiling", "time phases with honest GPU syncs, sample utilization, write profile.json/png"
+    )
+    profile_interval: float = _opt(0.2, "profiling", "seconds between utilization samples")
+    report_to: str | None = _opt(
+        None, "logging", "experiment trackers, comma-separated (Accelerate's): per-step and per-epoch metrics"
+    )
+    log_every: int = _opt(
+        10,
+        "logging",
+        "optimizer steps between logged loss/lr/images-per-s (trackers, and the log without a terminal)",
+    )
+    tensorboard: bool = _opt(False, "logging", "the same as --report-to tensorboard")
+    progress: bool = _opt(True, "logging", "progress bar on a terminal (a line every --log-every steps otherwise)")
+    record_ids: bool = _opt(
+        False, "logging", "write the sample ids each process trained on (seen_ids.rank<R>.jsonl)"
+    )
+    dist_timeout: float = _opt(
+        600.0, "processes", "seconds a process waits for the others in a collective before it stops"
+    )
 
     def __post_init__(self):
         floats = (
@@ -82,7 +155,7 @@ class TrainConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{_flag(name)} must be a finite number, got {value!r}")
-        positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length")
+        positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length", "log_every")
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -99,24 +172,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+        for name, allowed in choices().items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{_flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
+        trackers(self)  # raises on an unknown --report-to name
         checks = [
-            (
-                self.model in ("early", "concat", "late", "image", "text"),
-                f"--model must be early, concat, late, image or text, got '{self.model}'",
-            ),
-            (
-                self.mixed_precision in ("auto", "fp16", "bf16", "no"),
-                f"--mixed-precision must be auto, fp16, bf16 or no, got '{self.mixed_precision}'",
-            ),
-            (self.combine in ("mean", "learned"), f"--combine must be mean or learned, got '{self.combine}'"),
-            (
-                self.on_bad_image in ("skip", "error"),
-                f"--on-bad-image must be skip or error, got '{self.on_bad_image}'",
-            ),
-            (
-                self.cpu_resize in ("torch", "dali"),
-                f"--cpu-resize must be torch or dali, got '{self.cpu_resize}'",
-            ),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
             (self.lr is None or 0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
             (
@@ -133,6 +193,7 @@ class TrainConfig:
             (0 <= self.color_jitter <= 1, f"--color-jitter must be in [0, 1], got {self.color_jitter}"),
             (self.profile_interval > 0, f"--profile-interval must be > 0, got {self.profile_interval}"),
             (self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}"),
+            (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
             (self.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {self.max_nan_steps}"),
             (self.demo_size >= 10, f"--demo-size must be >= 10, got {self.demo_size}"),
             (self.max_length >= 3, f"--max-length must be >= 3, got {self.max_length}"),
@@ -155,26 +216,85 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _one_of(allowed: tuple[str, ...]) -> str:
+    return f"{', '.join(allowed[:-1])} or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each field that takes a name; the registries (MODELS, PRESETS) are the source."""
+    from mmfast.models import MODELS, PRESETS
+
+    return {
+        "model": tuple(MODELS),
+        "preset": tuple(PRESETS),
+        "combine": ("mean", "learned"),
+        "scheduler": SCHEDULERS,
+        "mixed_precision": ("auto", "fp16", "bf16", "no"),
+        "cpu_resize": ("torch", "dali"),
+        "on_bad_image": ("skip", "error"),
+    }
+
+
+def trackers(cfg: TrainConfig) -> tuple[str, ...]:
+    """The trackers named by --report-to (and --tensorboard), in TRACKERS order; "all" stands for every one
+    of TRACKERS (``setup.make_accelerator`` keeps those installed).
+
+    Raises:
+        ValueError: a name that is not a tracker.
+    """
+    names = {n.strip().lower() for n in (cfg.report_to or "").split(",") if n.strip()} - {"none"}
+    unknown = sorted(names - {*TRACKERS, "all"})
+    if unknown:
+        raise ValueError(
+            f"--report-to {cfg.report_to}: unknown tracker {unknown}; choose from {', '.join(TRACKERS)}, all"
+        )
+    if cfg.tensorboard:
+        names.add("tensorboard")
+    if "all" in names:
+        return ("all",)
+    return tuple(t for t in TRACKERS if t in names)
+
+
+def _help(f, choice: tuple[str, ...] | None) -> str:
+    default = None if f.default is MISSING else f.default
+    shown = "the preset's" if default is None and f.name in PRESET_FIELDS else default
+    extra = f"; choices: {', '.join(choice)}" if choice else ""
+    if f.name == "report_to":
+        extra = f"; choices: {', '.join(TRACKERS)}, all (those installed)"
+    if f.name == "preset":
+        from mmfast.models import PRESETS
+
+        extra = "; choices: " + "; ".join(f"{k} ({v.note})" for k, v in PRESETS.items())
+    if f.name == "image_backbone":
+        from mmfast.models import IMAGE_BACKBONES
+
+        extra = f"; choices: {', '.join(IMAGE_BACKBONES)}, timm:<name>"
+    return f"{f.metadata['help']}{extra} (default: {'none' if shown is None else shown})".replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """argparse mirror of TrainConfig; every default is SUPPRESS so only flags the user gave are set."""
+    """argparse mirror of TrainConfig, grouped as GROUPS; every default is SUPPRESS so that only the flags the
+    user gave are set. Each flag's help is its field's meaning, choices and default."""
     p = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train an image+text fusion model with mmfast.",
+        description="Train an image+text fusion model with mmfast. Flags map one to one to the keys of --config "
+        "(a YAML/JSON file; flags win). Without --data it trains the tiny preset on the built-in demo set.",
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags (flags win)")
+    groups = {g: p.add_argument_group(g) for g in GROUPS}
+    allowed = choices()
     for f in fields(TrainConfig):
-        default = None if f.default is MISSING else f.default
-        help_ = f"(default: {'from the preset' if default is None and f.name in PRESET_FIELDS else default})"
-        kind = str(f.type)
+        g, kind = groups[f.metadata["group"]], str(f.type)
+        help_, choice = _help(f, allowed.get(f.name)), allowed.get(f.name)
+        meta = {"metavar": "{" + ",".join(choice) + "}"} if choice and f.name != "preset" else {}
         if "bool" in kind:
-            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
+            g.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         elif "float" in kind:
-            p.add_argument(_flag(f.name), dest=f.name, type=float, help=help_)
+            g.add_argument(_flag(f.name), dest=f.name, type=float, help=help_)
         elif "int" in kind:
-            p.add_argument(_flag(f.name), dest=f.name, type=int, help=help_)
+            g.add_argument(_flag(f.name), dest=f.name, type=int, help=help_)
         else:
-            p.add_argument(_flag(f.name), dest=f.name, help=help_)
+            g.add_argument(_flag(f.name), dest=f.name, help=help_, **meta)
     return p
 
 
@@ -229,6 +349,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "profile",
         "profile_interval",
         "tensorboard",
+        "report_to",
+        "log_every",
         "progress",
         "record_ids",
         "num_threads",

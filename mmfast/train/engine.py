@@ -11,8 +11,9 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run
 from mmfast.train.setup import (
     all_processes_ok,
     check_tokenizer_matches,
+    cpu_has_fast_bf16,
     make_accelerator,
     processes_per_machine,
     resolve_data,
@@ -321,6 +323,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if accelerator.is_main_process:
         _write_config(run_dir, identity, dataset, total_steps, resume_from, state["global_step"])
+    if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
+        accelerator.init_trackers("mmfast", config=tracker_config(identity))
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
     ctx.class_names = sorted(dataset.labels, key=dataset.labels.get)
     sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
@@ -365,6 +369,12 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def tracker_config(identity: dict) -> dict:
+    """The run's configuration as trackers take hyper-parameters: numbers, strings and bools (TensorBoard's
+    hparams refuse None and containers, so those are written as text)."""
+    return {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in identity.items()}
 
 
 def _build_model(cfg: TrainConfig, dataset: PreparedDataset) -> torch.nn.Module:
@@ -442,6 +452,8 @@ def _write_profile(
         "num_processes": accelerator.num_processes,
         "model": cfg.model,
         "grad_accum": cfg.grad_accum,
+        "cuda_devices": torch.cuda.device_count(),  # what the advice may suggest, never a GPU there is not
+        "cpu_fast_bf16": cpu_has_fast_bf16(),
     }
     report = build_report(ctx.timer, ctx.sampler, extra={"settings": settings})
     atomic_write_json(run_dir / "profile.json", {**report, "timeline": ctx.sampler.samples})
@@ -459,6 +471,17 @@ def _write_weights_digest(accelerator, model, run_dir: Path) -> None:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     (run_dir / f"weights.rank{accelerator.process_index}.sha256").write_text(h.hexdigest())
+
+
+@dataclass
+class StepWindow:
+    """What one --log-every interval has seen so far (this process)."""
+
+    t0: float  # perf_counter at the window's start
+    data0: float  # the timer's total data-wait seconds at the start
+    loss_sum: float = 0.0  # sum of finite micro-batch losses x their samples
+    loss_samples: int = 0
+    seen: int = 0  # samples trained on (finite loss or not)
 
 
 class EpochRunner:
@@ -528,33 +551,26 @@ class EpochRunner:
         s = self.state["epoch_stats"] or {"loss_sum": 0.0, "samples": 0, "time": 0.0, "data_wait": 0.0}
         n_batches = len(loader)
         self.model.train()
-        bar = None
-        if cfg.progress and acc.is_main_process:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=n_batches,
-                initial=loader.step,
-                desc=f"epoch {epoch}",
-                leave=False,
-                dynamic_ncols=True,
-                disable=None,
-            )  # None: no bar when stderr is not a terminal
+        bar = self.progress_bar(epoch, n_batches, loader.step)
         start = dict(self.timer.totals)  # the run-level timer keeps counting; this epoch is the difference
         n_samples = len(self.sampler.samples) if self.sampler is not None else 0
         t0 = time.perf_counter()
+        logwin = StepWindow(t0, self.timer.total("data"))  # what the next --log-every line averages
         i = loader.step  # micro-batch index in the epoch (not 0 after a mid-epoch resume)
         for batch in self.timer.iterate(loader):  # the wait for each batch is the "data" phase
             window_end = (i + 1) % cfg.grad_accum == 0 or i + 1 == n_batches
             # The last window of an epoch may be shorter: divide by its real length so the gradient is
             # the mean over the samples it saw.
             window_start = (i // cfg.grad_accum) * cfg.grad_accum
-            window = min(cfg.grad_accum, n_batches - window_start)
-            loss = self.micro_step(batch, window, sync=window_end)
+            accum = min(cfg.grad_accum, n_batches - window_start)
+            loss = self.micro_step(batch, accum, sync=window_end)
+            n = int(batch["label"].shape[0])
             if math.isfinite(loss):  # a non-finite step is skipped and counted, not averaged in
-                s["loss_sum"] += loss * int(batch["label"].shape[0])
-                s["samples"] += int(batch["label"].shape[0])
-            self.timer.end_step(int(batch["label"].shape[0]))
+                s["loss_sum"] += loss * n
+                s["samples"] += n
+                logwin.loss_sum, logwin.loss_samples = logwin.loss_sum + loss * n, logwin.loss_samples + n
+            logwin.seen += n
+            self.timer.end_step(n)
             if self.cfg.record_ids:
                 self.record_ids(epoch, batch["id"])
             i += 1
@@ -563,6 +579,11 @@ class EpochRunner:
             if not window_end:
                 continue
             self.optimizer_step()
+            if bar is not None:
+                bar.set_postfix_str(self.step_line(logwin, bar=True), refresh=False)
+            if self.state["global_step"] % cfg.log_every == 0:
+                self.log_step(epoch, logwin, terminal=bar is not None)
+                logwin = StepWindow(time.perf_counter(), self.timer.total("data"))
             self.interrupted = self.stop_requested()
             periodic = cfg.checkpoint_every and self.state["global_step"] % cfg.checkpoint_every == 0
             stop_mid_epoch = self.done() and i < n_batches  # --max-steps reached inside the epoch
@@ -607,7 +628,10 @@ class EpochRunner:
             return {}
         new = self.sampler.samples[first_sample:]
         gpu = [x["gpu_util"] for x in new if "gpu_util" in x]
-        cpu = [sum(x["cpu_util"]) / len(x["cpu_util"]) for x in new]
+        # this run's own CPU share (other jobs on the machine do not count); the machine's where not sampled
+        cpu = [
+            x["proc_cpu_util"] if "proc_cpu_util" in x else sum(x["cpu_util"]) / len(x["cpu_util"]) for x in new
+        ]
         return {
             "gpu_util_mean": sum(gpu) / len(gpu) if gpu else None,
             "cpu_util_mean": sum(cpu) / len(cpu) if cpu else None,
@@ -698,8 +722,45 @@ class EpochRunner:
             f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f}{val} "
             f"{metrics['images_per_s']:.0f} img/s data_wait {metrics['data_wait_frac']:.0%}"
         )
-        if self.cfg.tensorboard:
-            self.acc.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
+        if self.acc.trackers:
+            numbers = {f"epoch/{k}": v for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
+            self.acc.log({k: v for k, v in numbers.items() if not isinstance(v, bool)}, step=metrics["step"])
+
+    def progress_bar(self, epoch: int, total: int, initial: int):
+        """A tqdm bar over the epoch's micro-batches on the main process when stderr is a terminal, else None
+        (``log_step`` then prints a line every --log-every steps)."""
+        if not (self.cfg.progress and self.acc.is_main_process and sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+
+    def step_figures(self, w: StepWindow) -> dict:
+        """The mean loss, the lr, images/s and the data-wait share since the window began. The loss is this
+        process's (no collective per log); images/s counts every process (each takes equal batches)."""
+        elapsed = max(1e-9, time.perf_counter() - w.t0)
+        return {
+            "train/loss": w.loss_sum / w.loss_samples if w.loss_samples else float("nan"),
+            "train/lr": self.sched.get_last_lr()[0],
+            "train/images_per_s": w.seen * self.acc.num_processes / elapsed,
+            "train/data_wait_frac": min(1.0, (self.timer.total("data") - w.data0) / elapsed),
+        }
+
+    def step_line(self, w: StepWindow, bar: bool = False) -> str:
+        f = self.step_figures(w)
+        line = f"loss {f['train/loss']:.4f} lr {f['train/lr']:.2e} {f['train/images_per_s']:.0f} img/s"
+        return line if bar else f"{line} data_wait {f['train/data_wait_frac']:.0%}"
+
+    def log_step(self, epoch: int, w: StepWindow, terminal: bool) -> None:
+        """Every --log-every optimizer steps: the window's figures to the trackers, and as one line when no
+        progress bar shows them (stderr is not a terminal)."""
+        if not self.acc.is_main_process:
+            return
+        step = self.state["global_step"]
+        if self.acc.trackers:
+            self.acc.log(self.step_figures(w), step=step)
+        if self.cfg.progress and not terminal:
+            self.acc.print(f"epoch {epoch} step {step}/{self.total_steps}: {self.step_line(w)}")
 
 
 @torch.no_grad()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from mmfast.train.config import TrainConfig
+from mmfast.train.config import TRACKERS, TrainConfig, trackers
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -30,7 +30,7 @@ def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
             if launcher == "fp16" and not cuda:
                 raise ValueError("accelerate launch --mixed_precision fp16 needs a CUDA GPU; use bf16 or no")
             return launcher
-        return "fp16" if cuda else ("bf16" if _cpu_has_fast_bf16() else "no")
+        return "fp16" if cuda else ("bf16" if cpu_has_fast_bf16() else "no")
     if requested == "fp16" and not cuda:
         raise ValueError("--mixed-precision fp16 needs a CUDA GPU; on the CPU use bf16 or no")
     return requested
@@ -77,12 +77,9 @@ def make_accelerator(cfg: TrainConfig):
         "mixed_precision": resolve_mixed_precision(cfg.mixed_precision, cuda),
         "project_config": ProjectConfiguration(project_dir=cfg.out, automatic_checkpoint_naming=False),
     }
-    if cfg.tensorboard:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-            raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
-        kwargs["log_with"] = "tensorboard"
+    log_with = installed_trackers(trackers(cfg))
+    if log_with:
+        kwargs["log_with"] = log_with
     # A collective that waits longer than this for another process raises instead of hanging forever
     # (gloo on CPUs; NCCL's watchdog on GPUs): a rank that died, stopped or stalls cannot block the rest.
     kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))]
@@ -93,9 +90,32 @@ def make_accelerator(cfg: TrainConfig):
         want = max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
         if torch.get_num_threads() < want:
             torch.set_num_threads(want)
-    if cfg.tensorboard:
-        accelerator.init_trackers("mmfast")
     return accelerator
+
+
+# The package each tracker needs (what `pip install` gets), and the module that shows it is installed.
+_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
+def installed_trackers(names: tuple[str, ...]) -> list[str]:
+    """The Accelerate ``log_with`` names for ``names`` (from ``config.trackers``): "all" keeps the installed
+    ones of TRACKERS; a tracker named on its own that is not installed is an error.
+
+    Raises:
+        ValueError: a named tracker's package is not installed (the message gives the pip command).
+    """
+    import importlib.util
+
+    have = {t for t, module in _TRACKER_PACKAGES.items() if importlib.util.find_spec(module) is not None}
+    if names == ("all",):
+        return [t for t in TRACKERS if t in have]
+    missing = [t for t in names if t not in have]
+    if missing:
+        pkgs = " ".join(_TRACKER_PACKAGES[t] for t in missing)
+        raise ValueError(
+            f"--report-to {','.join(missing)}: not installed; pip install {pkgs} (or pip install 'mmfast[track]')"
+        )
+    return list(names)
 
 
 def resolve_data(cfg: TrainConfig, accelerator) -> Path:

@@ -1,7 +1,10 @@
 """Profile a training configuration: where step time goes, how busy the devices are, and what to change.
 
-    python tools/profile.py [train.py flags ...] [--steps 30] [--trace] [--out runs/profile]
-    python tools/profile.py --run RUN_DIR        (report on a run trained with --profile)
+    mmfast-profile [mmfast-train flags ...] [--steps 30] [--trace] [--out runs/profile]
+    mmfast-profile --run RUN_DIR        (report on a run trained with --profile)
+
+(from a checkout: python tools/profile_run.py ...; accelerate launch -m mmfast.cli.profile_run ... for several
+processes).
 
 Runs a short training (``--max-steps``) with ``--profile``: phases timed with honest GPU syncs, GPU
 (NVML) and CPU utilization sampled in the background. Writes ``profile.json`` and ``profile.png`` in the
@@ -11,29 +14,12 @@ verdict: input-bound / host-bound / compute-bound, with the next step to try.
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
 import sys
+from pathlib import Path
 
-# This file's name shadows the standard library's `profile` module whenever tools/ is on the import path
-# (any `python tools/X.py`), and cProfile, which torch imports, does `import profile`. Imported under that
-# name, this file hands over the standard module; run as a script, it first drops tools/ from the path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if __name__ == "profile":
-    import importlib.util
-    import sysconfig
-
-    _spec = importlib.util.spec_from_file_location(
-        "profile", os.path.join(sysconfig.get_paths()["stdlib"], "profile.py")
-    )
-    _std = importlib.util.module_from_spec(_spec)
-    sys.modules["profile"] = _std
-    _spec.loader.exec_module(_std)
-else:
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+from mmfast.quiet import filter_native_stderr
 
 
 def parse_args(argv):
@@ -74,6 +60,11 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args, train_flags = parse_args(argv)
     if args.run:
         path = Path(args.run) / "profile.json"

@@ -1,0 +1,133 @@
+"""Predict with a trained model directory (RUN/model) on a manifest, an image folder, a prepared split, or one
+image + text.
+
+    mmfast-predict --model runs/latest/model --input new.jsonl --out predictions.jsonl
+    mmfast-predict --model runs/latest/model --image cat.jpg --text "a cat on a mat"
+    mmfast-predict --model runs/latest/model --data prepared/ --split val --out val.csv
+
+Writes JSONL (or CSV for a .csv --out): per row the class, its probability and the top-k, or the reason the
+row could not be predicted (the other rows are predicted anyway). --compare-pil also times a plain PIL +
+torchvision + model loop on the same rows and prints both throughputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from mmfast.quiet import filter_native_stderr
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a model directory written by mmfast-train (RUN/model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="a JSONL/CSV manifest (image, text[, label]) or an image folder")
+    src.add_argument("--data", help="a prepared dataset directory (with --split)")
+    src.add_argument("--image", help="one image (with --text)")
+    p.add_argument("--split", default="val", choices=["train", "val"])
+    p.add_argument("--text", default="", help="the caption of --image")
+    p.add_argument("--out", help="predictions file: .jsonl (default) or .csv; default: print to stdout")
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
+    p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
+    p.add_argument(
+        "--compare-pil",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="time predict and a plain PIL + model loop REPEATS times each; print images/s",
+    )
+    p.add_argument("--bench-json", help="with --compare-pil: write the timings here")
+    return p.parse_args(argv)
+
+
+def load_rows(args: argparse.Namespace) -> list[dict]:
+    from mmfast.predict import prepared_rows, read_rows
+
+    if args.data:
+        return prepared_rows(args.data, args.split)
+    if args.image:
+        return [{"image": str(Path(args.image).resolve()), "text": args.text}]
+    return read_rows(args.input)
+
+
+def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> dict:
+    """Median images/s of predict_rows and of the plain PIL loop on the same rows (after one warm-up each,
+    runs alternating)."""
+    from mmfast.predict import predict_pil, predict_rows
+
+    good = [r for r in rows if not r.get("error") and Path(r["image"]).is_file()]
+    bs = args.batch_size or model.config.get("eval_batch_size") or 64
+    timings = {"mmfast_predict": [], "pil_loop": []}
+    runs = {
+        "mmfast_predict": lambda: predict_rows(
+            model, good, batch_size=bs, device=device, num_workers=args.num_workers
+        ),
+        "pil_loop": lambda: predict_pil(model, good, batch_size=bs),
+    }
+    for fn in runs.values():
+        fn()  # warm-up: thread pools, allocator, first-call costs
+    for _ in range(args.compare_pil):  # interleaved: a load change on a shared machine hits both alike
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            timings[name].append(len(good) / (time.perf_counter() - t0))
+    result = {
+        "images": len(good),
+        "batch_size": bs,
+        "image_size": model.config["image_size"],
+        "device": str(device),
+        **{f"{k}_images_per_s": timings[k] for k in timings},
+        **{f"{k}_median": statistics.median(timings[k]) for k in timings},
+    }
+    result["ratio"] = result["mmfast_predict_median"] / result["pil_loop_median"]
+    print(f"{'loop':<16} {'images/s (median of ' + str(args.compare_pil) + ')':>28}")
+    for k in timings:
+        print(f"{k:<16} {result[k + '_median']:>28.1f}")
+    print(f"ratio {result['ratio']:.2f}x ({len(good)} images, batch {bs}, {device})")
+    if args.bench_json:
+        Path(args.bench_json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from mmfast.model_dir import load_model
+    from mmfast.predict import predict_rows, write_predictions
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(args.model, device)
+    rows = load_rows(args)
+    if args.compare_pil:
+        compare_pil(model, rows, args, device)
+        return 0
+    results = predict_rows(
+        model, rows, batch_size=args.batch_size, top_k=args.top_k, device=device, num_workers=args.num_workers
+    )
+    if args.out:
+        write_predictions(args.out, results)
+    else:
+        for r in results:
+            print(json.dumps({k: r.get(k) for k in ("image", "class", "prob", "top_k", "error")}))
+    errors = [r for r in results if r.get("error")]
+    print(f"{len(results) - len(errors)} rows predicted, {len(errors)} with errors", file=sys.stderr)
+    for r in errors[:10]:
+        print(f"  {r.get('image')}: {r['error']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Prepare a manifest (JSONL/CSV/TSV), image folder, HF imagefolder, COCO captions JSON, Parquet or a
+datasets.save_to_disk folder for training.
+
+mmfast-prepare SOURCE --out DIR [--tokenizer X] [--max-length N]
+    [--val-fraction F] [--seed S] [--workers N] [--confine] [--max-pixels N] [--format files|wds]
+    [--max-side N [--quality Q]]
+    [--input-kind K] [--image-column C] [--text-column C] [--label-column C | --no-labels]
+    [--columns A,B,..] [--coco-captions all|first] [--image-root DIR]
+
+SOURCE may also be given as --source SOURCE. When no row is usable, the first reasons are printed and all
+of them are kept beside --out as OUT.rejected.jsonl.
+
+(from a checkout: python tools/prepare_data.py ...)
+
+--out is created, or replaced when it is a directory prepared by mmfast (or empty); anything else is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mmfast.fsutil import write_errors
+from mmfast.inputs import READERS, InputOptions
+from mmfast.manifest import NO_LABEL, ManifestError
+from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.validate import DEFAULT_MAX_PIXELS
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "source",
+        nargs="?",
+        help="manifest .jsonl/.csv/.tsv, image folder root/<class>/<image>, HF imagefolder (folder or its "
+        "metadata.jsonl/.csv), COCO captions .json, .parquet file or folder, save_to_disk folder or .arrow",
+    )
+    p.add_argument("--source", dest="source_flag", metavar="SOURCE", help="the same as the positional SOURCE")
+    p.add_argument("--out", required=True, help="prepared dataset directory to write")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer (local dir or hub name); default: WordPiece trained offline",
+    )
+    p.add_argument("--max-length", type=int, default=64, help="tokens per caption, special tokens included")
+    p.add_argument("--val-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="processes for image validation (0: all cores)")
+    p.add_argument("--vocab-size", type=int, default=4000, help="size of the trained WordPiece vocabulary")
+    p.add_argument("--confine", action="store_true", help="reject image paths outside the manifest's folder")
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        default=DEFAULT_MAX_PIXELS,
+        help="reject images over this many pixels, w x h (read from the header; bounds the loader memory)",
+    )
+    p.add_argument(
+        "--max-side",
+        type=int,
+        default=0,
+        metavar="N",
+        help="store JPEG copies of the images no larger than N pixels a side and train from them (FFCV's "
+        "trick: less to decode); 0 (default): the images as they are",
+    )
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality of the --max-side copies")
+    p.add_argument(
+        "--format",
+        choices=["files", "wds"],
+        default="files",
+        help="also write WebDataset tar shards + DALI index files (wds)",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("input format (default: told from SOURCE)")
+    g.add_argument("--input-kind", default="auto", choices=["auto", *READERS], help="how to read SOURCE")
+    g.add_argument("--image-column", help="column of the image path (or bytes); default image (file_name, ...)")
+    g.add_argument("--text-column", help="column of the caption; default text (caption, ... when detected)")
+    g.add_argument("--label-column", help="column (COCO: field) of the label; default label (or a ClassLabel)")
+    g.add_argument("--no-labels", action="store_true", help=f"no labels: every row is class '{NO_LABEL}'")
+    g.add_argument(
+        "--columns", help="column names of a CSV/TSV without a header line, e.g. text,image (CC3M's TSV)"
+    )
+    g.add_argument(
+        "--coco-captions", choices=["all", "first"], default="all", help="COCO: a row per caption or per image"
+    )
+    g.add_argument("--image-root", help="COCO: folder of the images' file_name (default: the JSON's folder)")
+    args = p.parse_args(argv)
+    if (args.source is None) == (args.source_flag is None):
+        p.error("pass the input once: SOURCE or --source SOURCE")
+    return args
+
+
+def input_options(args: argparse.Namespace) -> InputOptions:
+    """The InputOptions of the parsed input-format flags."""
+    names = tuple(c.strip() for c in args.columns.split(",")) if args.columns else None
+    return InputOptions(
+        kind=args.input_kind,
+        image_column=args.image_column,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        no_labels=args.no_labels,
+        columns=names,
+        coco_captions=args.coco_captions,
+        image_root=args.image_root,
+    )
+
+
+def print_summary(summary: dict) -> None:
+    c = summary["counts"]
+    print(f"\n{'input rows':<22}{c['input_rows']:>8}")
+    for key in ("accepted", "downscaled", "rejected", "train", "val", "classes"):
+        if key == "downscaled" and not c.get(key):
+            continue
+        print(f"{key:<22}{c[key]:>8}")
+    for reason, n in summary["rejected_by_reason"].items():
+        print(f"  rejected: {reason:<40}{n:>6}")
+    print(
+        f"{'tokenizer':<22}{summary['tokenizer']} (vocab {summary['vocab_size']}, max_length "
+        f"{summary['max_length']})"
+    )
+    print(f"{'time':<22}{summary['timings_s']['total']:.1f} s")
+    if c["classes"] < 2:
+        print(
+            "note: one class only (labels.json): the loader reads it, but mmfast-train's classifiers need at "
+            "least 2 classes (map a label with --label-column)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        cfg = PrepareConfig(
+            source=args.source or args.source_flag,
+            out=args.out,
+            tokenizer=args.tokenizer,
+            max_length=args.max_length,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            workers=args.workers,
+            vocab_size=args.vocab_size,
+            confine=args.confine,
+            max_pixels=args.max_pixels,
+            max_side=args.max_side,
+            quality=args.quality,
+            progress=not args.no_progress,
+            inputs=input_options(args),
+        )
+        summary = prepare_dataset(cfg)
+        if args.format == "wds":
+            from mmfast.wds import write_wds
+
+            with write_errors(args.out, "the WebDataset shards"):
+                write_wds(args.out)
+    except (ManifestError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    print(f"prepared dataset: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

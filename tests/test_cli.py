@@ -1,0 +1,169 @@
+"""The command-line surface: installed commands, --help that explains, and --report-to's trackers."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+from conftest import ROOT
+
+from mmfast.train.config import GROUPS, TRACKERS, TrainConfig, build_parser, parse_config, trackers
+from tools import train as train_tool
+
+FAST = ["--batch-size", "32", "--image-size", "32", "--hidden", "32"]
+
+
+def test_every_console_script_is_a_main_in_mmfast_cli():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) >= {
+        "mmfast-prepare",
+        "mmfast-train",
+        "mmfast-profile",
+        "mmfast-predict",
+        "mmfast-evaluate",
+    }
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert module.startswith("mmfast.cli.") and func == "main"
+        assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_a_command_imports_nothing_heavy_before_its_main_runs():
+    """Ctrl-C during start-up must land under main's handler, and --help should not wait for torch."""
+    code = "import sys, mmfast.cli.train; print('torch' in sys.modules, 'mmfast.loader' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert res.stdout.split() == ["False", "False"]
+
+
+def test_help_gives_each_flag_its_meaning_choices_and_group():
+    text = build_parser().format_help()
+    for group in GROUPS:
+        assert f"\n{group}:\n" in text, group
+    flat = " ".join(text.split())  # argparse wraps to the terminal's width
+    # meanings come from the config fields, choices from the registries (MODELS, PRESETS) and tuples
+    assert "--model {early,concat,late,image,text}" in text
+    assert "fusion (early, concat, late) or a single-modality baseline" in flat
+    assert "--mixed-precision {auto,fp16,bf16,no}" in text
+    assert "tiny (ResNet-10 + 2-layer BERT" in flat and "lite0-minilm (" in flat
+    assert "micro-batches per optimizer step (gradient accumulation)" in flat
+    assert "tensorboard, wandb, mlflow, trackio, all" in flat
+    # the flag sits in its group's section
+    model_section = text.split("\nmodel:\n")[1].split("\noptimization:\n")[0]
+    assert "--image-backbone" in model_section and "--lr " not in model_section
+
+
+def test_every_config_field_has_a_help_text_and_a_group():
+    text = " ".join(build_parser().format_help().split("options:")[1].split())
+    for f in fields(TrainConfig):
+        assert f.metadata.get("group") in GROUPS, f.name
+        assert len(f.metadata.get("help", "")) > 10, f.name
+        assert "(default: " in text.split(f"--{f.name.replace('_', '-')} ")[-1][:600], f.name
+
+
+def test_choices_are_validated_from_the_registries():
+    with pytest.raises(ValueError, match="--preset must be tiny, lite0-minilm, minilm or resnet50-bert"):
+        parse_config(["--preset", "huge"])
+    with pytest.raises(ValueError, match="--scheduler must be cosine, linear"):
+        parse_config(["--scheduler", "warmup_stable_decay"])
+    with pytest.raises(ValueError, match=r"unknown tracker \['comet'\]"):
+        parse_config(["--report-to", "comet,tensorboard"])
+
+
+def test_report_to_names_and_the_tensorboard_alias():
+    assert trackers(parse_config(["--report-to", "mlflow, TensorBoard"])) == ("tensorboard", "mlflow")
+    assert trackers(parse_config(["--tensorboard"])) == ("tensorboard",)
+    assert trackers(parse_config(["--report-to", "wandb", "--tensorboard"])) == ("tensorboard", "wandb")
+    assert trackers(parse_config(["--report-to", "all"])) == ("all",)
+    assert trackers(parse_config([])) == ()
+
+
+@pytest.mark.parametrize("name", [t for t in TRACKERS if importlib.util.find_spec(t) is None][:1] or ["none"])
+def test_a_tracker_that_is_not_installed_is_a_clear_error(name, prepared, tmp_path, capsys):
+    if name == "none":
+        pytest.skip("every tracker is installed here")
+    rc = train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "run"), "--report-to", name, *FAST])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--report-to {name}: not installed; pip install {name}" in err, err
+
+
+@pytest.mark.parametrize("script", ["tools/train.py", "-m mmfast.cli.train"])
+def test_train_help_runs_from_the_checkout_and_as_a_module(script):
+    res = subprocess.run(
+        [sys.executable, *script.split(), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert "--report-to" in res.stdout and "optimization:" in res.stdout
+
+
+@pytest.mark.slow
+def test_report_to_tensorboard_writes_per_step_scalars(prepared, tmp_path, capsys):
+    """A real run with --report-to tensorboard: the event file holds loss, lr, images/s and data-wait at steps
+    2, 4, 6 (--log-every 2 of 7 steps), the epoch's figures at step 7, and the config as hyper-parameters;
+    stderr is not a terminal here, so the same figures are printed as lines."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    argv = ["--data", str(prepared), "--out", str(out), *FAST, "--epochs", "1", "--report-to", "tensorboard"]
+    assert train_tool.main([*argv, "--log-every", "2", "--no-checkpoints"]) == 0
+    printed = capsys.readouterr().out
+    assert "epoch 0 step 2/7: loss " in printed and "epoch 0 step 6/7: loss " in printed
+    assert "step 7/7" not in printed  # 7 is not a multiple of --log-every
+    acc = EventAccumulator(str(out / "mmfast"))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/images_per_s", "train/data_wait_frac"):
+        assert [e.step for e in acc.Scalars(tag)] == [2, 4, 6], tag
+    assert [e.step for e in acc.Scalars("epoch/val_acc")] == [7] and "epoch/train_loss" in scalars
+    lrs = [e.value for e in acc.Scalars("train/lr")]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] > 0  # cosine decay after a 0-step warm-up (7 x 0.1)
+    assert all(e.value > 0 for e in acc.Scalars("train/images_per_s"))
+    hparams = (next(out.glob("mmfast/*/hparams.yml"))).read_text()
+    assert "model: concat" in hparams and "report_to: tensorboard" in hparams
+
+
+def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target(tmp_path):
+    """fsutil.file_lock (filelock): a second process waits for the first; no lock file in the user's folder."""
+    import time
+
+    from mmfast.fsutil import file_lock, lock_file_for
+
+    target = tmp_path / "data" / "prepared"
+    code = (
+        "import sys, time\nfrom mmfast.fsutil import file_lock\n"
+        "with file_lock(sys.argv[1]):\n    print(time.time(), flush=True)\n"
+    )
+    with file_lock(target):
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        time.sleep(1.5)
+        released = time.time()
+    acquired = float(child.communicate(timeout=60)[0])
+    assert acquired >= released  # the child got the lock only after this process let it go
+    assert list(tmp_path.rglob("*")) == [tmp_path / "data"]  # the parent folder is made, nothing else
+    assert lock_file_for(target).parent != target.parent and lock_file_for(target) == lock_file_for(
+        tmp_path / "data" / ".." / "data" / "prepared"
+    )
+
+
+def test_files_and_directories_mmfast_writes_get_the_users_umask(tmp_path):
+    import os
+
+    from mmfast.fsutil import atomic_dir, atomic_write_json, current_umask
+
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_dir(tmp_path / "d") as tmp:
+            (tmp / "f").write_text("y")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640  # not mkstemp's 0600
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0700

@@ -1,0 +1,84 @@
+"""mmfast.quiet: libpng's harmless colour-profile warnings are dropped from fd 2, nothing else is."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+from conftest import ROOT
+from PIL import Image
+
+
+def _png_with_misplaced_srgb(path: Path) -> Path:
+    """A valid PNG whose sRGB chunk comes after the image data (libpng: "sRGB: out of place")."""
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buf, format="PNG")
+    png = buf.getvalue()
+    chunk = b"sRGB\x00"
+    srgb = struct.pack(">I", 1) + chunk + struct.pack(">I", zlib.crc32(chunk) & 0xFFFFFFFF)
+    end = png.index(b"IEND") - 4
+    path.write_bytes(png[:end] + srgb + png[end:])
+    return path
+
+
+SCRIPT = """
+import os, sys
+import numpy as np
+from nvidia.dali import fn, pipeline_def, types
+from mmfast.quiet import filter_native_stderr
+
+@pipeline_def(batch_size=1, num_threads=1, device_id=None)
+def decode():
+    enc, _ = fn.readers.file(files=[sys.argv[1]], labels=[0])
+    return fn.decoders.image(enc, device="cpu", output_type=types.RGB)
+
+with filter_native_stderr():
+    pipe = decode()
+    pipe.build()
+    for _ in range(3):
+        (images,) = pipe.run()
+    os.write(2, b"libpng warning: something else\\n")  # not a colour-profile warning: kept
+    print("python stderr", file=sys.stderr)
+    print("decoded", np.array(images[0]).shape)
+    del images, pipe  # its prefetching threads decode ahead: stop them inside the block
+    if sys.argv[2] == "abort":
+        os.write(2, b"native last words\\n")
+        os.abort()
+"""
+
+
+def _run(png: Path, mode: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(png), mode],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_libpng_colour_profile_warnings_are_counted_not_printed(tmp_path):
+    png = _png_with_misplaced_srgb(tmp_path / "bad.png")
+    raw = _run(png, "ok", {"MMFAST_RAW_STDERR": "1"})
+    assert raw.returncode == 0 and raw.stderr.count("libpng warning: sRGB: out of place") >= 3, raw.stderr
+    res = _run(png, "ok")
+    assert res.returncode == 0 and "decoded (16, 16, 3)" in res.stdout
+    assert "sRGB: out of place" not in res.stderr, res.stderr
+    # one warning per decode; DALI's prefetching decodes a run or two ahead, so the count is not exact
+    note = re.search(r"note: (\d+) libpng warnings about PNG colour-profile chunks", res.stderr)
+    assert note and int(note[1]) >= 3, res.stderr
+    assert "libpng warning: something else" in res.stderr and "python stderr" in res.stderr
+
+
+def test_a_crash_keeps_its_last_native_words(tmp_path):
+    res = _run(_png_with_misplaced_srgb(tmp_path / "bad.png"), "abort")
+    assert res.returncode != 0 and "native last words" in res.stderr, res.stderr
