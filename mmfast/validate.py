@@ -180,14 +180,14 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _dali_rejects(paths: list, threads: int, batch: int = 64, load=np.fromfile) -> dict[int, str]:
+def _dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[int, str]:
     """Decode ``paths`` with DALI's CPU decoder; return {index: reason} for files it refuses.
 
-    ``load`` turns an entry of ``paths`` into its encoded bytes (a uint8 array); the default reads a file.
-
     A failing batch is split in halves until the bad file is isolated. A pipeline that failed is not
-    reused: the next attempt builds a fresh one.
+    reused: the next attempt builds a fresh one. ``load`` turns an entry of ``paths`` into its encoded bytes
+    (a uint8 array); the default reads the file.
     """
+    load = load or _read_file
     bad: dict[int, str] = {}
     todo = [(s, min(s + batch, len(paths))) for s in range(0, len(paths), batch)][::-1]
     pipe = None
@@ -210,6 +210,10 @@ def _dali_rejects(paths: list, threads: int, batch: int = 64, load=np.fromfile) 
             mid = (lo + hi) // 2
             todo += [(mid, hi), (lo, mid)]
     return bad
+
+
+def _read_file(path: str) -> np.ndarray:
+    return np.fromfile(path, dtype=np.uint8)
 
 
 def _decode_pipeline(batch: int, threads: int):

@@ -76,6 +76,7 @@ def export_wds(
     {split: info}. ``label_names``: class id -> original label; ``image_path``: where a row's image is read
     (a prepared directory being built holds images written from the input at their final place)."""
     info = {}
+    out.mkdir(exist_ok=True)
     for split, rows in splits.items():
         shards = []
         for k, start in enumerate(range(0, len(rows), shard_size)):

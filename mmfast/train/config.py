@@ -51,6 +51,7 @@ class TrainConfig:
     checkpoints: bool = True  # off: no checkpoint is written (a throwaway run, e.g. tools/profile.py)
     resume: str | None = None  # PATH or "latest"
     on_bad_image: str = "skip"  # skip: log, count and mask a missing/undecodable image; error: stop
+    source: str = "files"  # images from the files (files) or the prepared dir's WebDataset export (wds)
     max_nan_steps: int = 20  # consecutive non-finite losses before the run stops
     demo_size: int = 2000
     tokenizer: str | None = None  # used when --data is raw (prepared on the fly)
@@ -113,6 +114,7 @@ class TrainConfig:
                 self.on_bad_image in ("skip", "error"),
                 f"--on-bad-image must be skip or error, got '{self.on_bad_image}'",
             ),
+            (self.source in ("files", "wds"), f"--source must be files or wds, got '{self.source}'"),
             (
                 self.cpu_resize in ("torch", "dali"),
                 f"--cpu-resize must be torch or dali, got '{self.cpu_resize}'",
