@@ -239,13 +239,14 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
         from mmfast.wds import export_wds
 
         # rows name images at their final place; those written into the temp directory are read there
-        export_wds(
-            {"train": train_rows, "val": val_rows},
-            {v: k for k, v in label_map.items()},
-            tmp / "wds",
-            cfg.wds_shard_size,
-            image_path=lambda p: str(tmp / Path(p).relative_to(final[0])) if _inside(Path(p), final[0]) else p,
-        )
+        with write_errors(cfg.out, "the WebDataset shards"):
+            export_wds(
+                {"train": train_rows, "val": val_rows},
+                {v: k for k, v in label_map.items()},
+                tmp / "wds",
+                cfg.wds_shard_size,
+                image_path=lambda p: str(tmp / Path(p).relative_to(final[0])) if _inside(Path(p), final[0]) else p,
+            )
     t_write = time.perf_counter()
     summary = {
         "version": PREPARE_VERSION,
