@@ -1025,8 +1025,8 @@ class ImageLoader:
 
         if self.wds_shards:
             raise RuntimeError(
-                f"DALI failed reading the WebDataset shards ({error}); re-export them with "
-                "tools/prepare_data.py --format wds"
+                f"DALI failed reading the WebDataset shards ({error}); re-run tools/prepare_data.py (a shard "
+                "may have changed since it was indexed)"
             ) from error
         window = self._positions(self.epoch)[self.step * self.batch_size :][
             : (self.prefetch + 2) * self.batch_size

@@ -7,7 +7,8 @@ wds/<split>-00000.tar    per sample (key = the sample id, 9 digits): <key>.<jpg|
                          "image": the original path})
 wds/<split>-00000.idx    DALI's index of the tar's images (``mmfast.inputs.wds.write_index``: the sample id
                          closes each image's name, which is how the image graph reads it back)
-wds/<split>.json         {"shards": names, "tars": tar files, "index": index files, "samples": N}
+wds/<split>.json         {"shards": names, "tars": tar files, "index": index files, "stats": [[size,
+                         mtime_ns]] of each tar (a changed tar is refused at start), "samples": N}
 
 ``tools/prepare_data.py --format wds`` writes it inside preparation (under its lock, in its temp directory,
 recorded in its fingerprint and ``files`` map); ``write_wds`` adds it to an existing prepared directory.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmfast.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
-from mmfast.inputs.wds import write_index
+from mmfast.inputs.wds import shard_stats, write_index
 
 _EXT = {
     ".jpeg": "jpg",
@@ -105,6 +106,7 @@ def export_wds(
             "shards": shards,
             "tars": [f"{s}.tar" for s in shards],
             "index": [f"{s}.idx" for s in shards],
+            "stats": shard_stats([out / f"{s}.tar" for s in shards]),  # checked by the loader at start
             "samples": len(rows),
         }
         atomic_write_json(out / f"{split}.json", info[split])

@@ -357,3 +357,12 @@ def test_train_tool_source_wds_without_the_originals(exported, tmp_path):
     argv = ["--data", str(out), "--source", "wds", "--out", str(run), *SMALL_RUN, "--batch-size", "4"]
     assert train_tool.main([*argv, "--max-steps", "2"]) == 0
     assert json.loads((run / "summary.json").read_text())["model"]
+
+
+def test_a_changed_export_shard_is_refused(exported):
+    _, out = exported
+    tar = out / "wds" / "val-00000.tar"
+    with open(tar, "ab") as f:  # appended bytes: the index would still point at the old members
+        f.write(b"\0" * 512)
+    with pytest.raises(ValueError, match="val-00000.tar: changed since preparation"):
+        MultimodalLoader(out, "val", batch_size=2, source="wds")
