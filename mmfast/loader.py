@@ -1202,9 +1202,6 @@ class MultimodalLoader(ImageLoader):
         if kwargs.get("as_dict") is False:
             raise ValueError("MultimodalLoader's batches are always dicts (as_dict=False is ImageLoader's)")
         dataset = data_dir if isinstance(data_dir, PreparedDataset) else PreparedDataset(data_dir)
-        rows = dataset.rows(split)
-        if not rows:
-            raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         if accelerator is not None:
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
@@ -1215,14 +1212,26 @@ class MultimodalLoader(ImageLoader):
             kwargs["wds_shards"], kwargs["wds_index"] = wds_split(dataset.root, split)
         elif source != "files":
             raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
+        # A WebDataset source needs only ids and labels: read as arrays (bytes a row, not a dict of Python
+        # objects: what keeps a 10M-row split's loader small); the files source needs each row's file.
+        table = dataset.root / "wds" / f"{split}.rows.npy"
+        rows = None if source == "wds" and table.is_file() else dataset.rows(split)
+        if rows is None:
+            ids_labels = np.load(table)  # (N, 2) int64: id, class id
+            images = [str(table)] * len(ids_labels)  # one shared string: the samples are named by the index
+        else:
+            ids_labels = np.array([(r["id"], r["label"]) for r in rows], dtype=np.int64).reshape(-1, 2)
+            images = [r["image"] for r in rows]
+        if not len(ids_labels):
+            raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)
-        if all("size" in r and "mtime_ns" in r for r in rows):
+        if rows is not None and all("size" in r and "mtime_ns" in r for r in rows):
             kwargs.setdefault("file_stats", [(r["size"], r["mtime_ns"]) for r in rows])
         super().__init__(
-            [r["image"] for r in rows],
-            [r["label"] for r in rows],
-            ids=[r["id"] for r in rows],
+            images,
+            ids_labels[:, 1],
+            ids=ids_labels[:, 0],
             batch_size=batch_size,
             shuffle=is_train if shuffle is None else shuffle,
             drop_last=is_train if drop_last is None else drop_last,
@@ -1230,13 +1239,13 @@ class MultimodalLoader(ImageLoader):
         )
         self.dataset = dataset
         self.tokens = TokenCache(dataset.tokens_dir, split)
-        if len(self.tokens) != len(rows) or self.tokens.first_id != rows[0]["id"]:
+        if len(self.tokens) != len(ids_labels) or self.tokens.first_id != ids_labels[0, 0]:
             raise ValueError(
                 f"token cache {dataset.tokens_dir}/{split} (rows {len(self.tokens)}, first id "
-                f"{self.tokens.first_id}) does not match {split}.jsonl (rows {len(rows)}, first id "
-                f"{rows[0]['id']}); re-run tools/prepare_data.py"
+                f"{self.tokens.first_id}) does not match {split}.jsonl (rows {len(ids_labels)}, first id "
+                f"{ids_labels[0, 0]}); re-run tools/prepare_data.py"
             )
-        self.texts = [r["text"] for r in rows]
+        self.texts = [r["text"] for r in rows] if rows is not None else None  # None: not read (WebDataset)
         self.num_classes = dataset.num_classes
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -7,6 +7,7 @@ wds/<split>-00000.tar    per sample (key = the sample id, 9 digits): <key>.<jpg|
                          "image": the original path})
 wds/<split>-00000.idx    DALI's index of the tar's images (``mmfast.inputs.wds.write_index``: the sample id
                          closes each image's name, which is how the image graph reads it back)
+wds/<split>.rows.npy     (N, 2) int64 [sample id, class id]: what the loader reads of the split
 wds/<split>.json         {"shards": names, "tars": tar files, "index": index files, "stats": [[size,
                          mtime_ns]] of each tar (a changed tar is refused at start), "samples": N}
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmfast.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
-from mmfast.inputs.wds import shard_stats, write_index
+from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
 
 _EXT = {
     ".jpeg": "jpg",
@@ -109,6 +110,7 @@ def export_wds(
             "stats": shard_stats([out / f"{s}.tar" for s in shards]),  # checked by the loader at start
             "samples": len(rows),
         }
+        write_rows_table(out / f"{split}.rows.npy", rows)
         atomic_write_json(out / f"{split}.json", info[split])
     return info
 

@@ -217,6 +217,7 @@ def test_multimodal_loader_joins_image_caption_and_label(prepared_wds, shards, m
         loader = MultimodalLoader(
             prepared_wds, split, batch_size=3, size=32, shuffle=True, drop_last=False, train=False, dtype="float32"
         )
+        assert loader.texts is None  # the rows were read as arrays (wds/<split>.rows.npy), not as JSON
         by_photo, seen = {}, []
         for batch in loader:
             for i, sid in enumerate(batch["id"].tolist()):

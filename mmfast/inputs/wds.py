@@ -18,6 +18,7 @@ shard can feed both splits and a rejected sample is never read:
                           reports ``<tar>:<offset>:<name>`` as the image's source_info, from which the image
                           graph reads the sample id back (``pipelines.image``): how tokens and labels are
                           joined to the images whatever the shuffle.
+    wds/<split>.rows.npy  (N, 2) int64 [sample id, class id] in id order: all the loader reads of the rows
     wds/<split>.json      {"tars": [shard paths], "index": [index file names], "stats": [[size, mtime_ns]],
                           "samples": N}; a shard whose size or mtime changed since is refused at training.
 """
@@ -309,8 +310,15 @@ def write_split_index(out: Path, split: str, rows: list[dict]) -> dict:
         info["tars"].append(tar)
         info["index"].append(name)
     info["stats"] = shard_stats([Path(t) for t in info["tars"]])
+    write_rows_table(out / f"{split}.rows.npy", rows)
     atomic_write_json(out / f"{split}.json", info)
     return info
+
+
+def write_rows_table(path: Path, rows: list[dict]) -> None:
+    """(N, 2) int64 [id, class id] of the rows: what the loader reads of a WebDataset split (not the JSONL)."""
+    with open(path, "wb") as f:
+        np.save(f, np.array([(r["id"], r["label"]) for r in rows], dtype=np.int64).reshape(-1, 2))
 
 
 def write_index(path: Path, samples: list[tuple[int, int, str, int]]) -> None:
