@@ -44,7 +44,7 @@ from mmfast.pipelines.image import WDS_ID_DIGITS, WDS_IMAGE_EXT
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
 INDEX_EXT, ID_DIGITS = WDS_IMAGE_EXT, WDS_ID_DIGITS
-_DALI_CHUNK = 256  # images of a shard confirmed by DALI's decoder at a time (bounds the memory held)
+_DALI_CHUNK = 1024  # images of a shard confirmed by DALI's decoder at a time (bounds the memory held)
 
 
 def is_wds_source(source: str | os.PathLike) -> bool:
