@@ -277,11 +277,16 @@ def test_no_usable_sample_names_shard_and_key(tmp_path, minilm_dir, capsys):
 
 
 @pytest.mark.slow
-def test_train_from_img2dataset_shards(tmp_path, prepared_wds):
+@pytest.mark.parametrize("given", ["prepared", "pattern"])
+def test_train_from_img2dataset_shards(tmp_path, prepared_wds, shards, given):
+    """tools/train.py from the prepared shards, or from the raw shard pattern (prepared on the fly)."""
     run = tmp_path / "run"
-    argv = ["--data", str(prepared_wds), "--out", str(run), *SMALL_RUN, "--batch-size", "4", "--max-steps", "2"]
+    data = str(prepared_wds) if given == "prepared" else f"{shards[0]}/{{00000..00001}}.tar"
+    argv = ["--data", data, "--out", str(run), *SMALL_RUN, "--batch-size", "4", "--max-steps", "2"]
     assert train_tool.main(argv) == 0
     assert json.loads((run / "summary.json").read_text())["model"]
+    if given == "pattern":
+        assert json.loads((run / "prepared" / "prepare.json").read_text())["input_kind"] == "wds"
 
 
 # -- mmfast's own export ---------------------------------------------------------------------------------
