@@ -585,10 +585,13 @@ class ImageLoader:
         classes: class names, ``classes[label]`` (default: 0..max label); ``from_folder`` sets the folders'.
         fp16: the older way to say dtype=torch.float16 (True) or torch.float32 (False).
         prefetch: DALI prefetch queue depth (default 2); ``prefetch_factor`` sets the same.
-        wds_shards: read these WebDataset tars (written by ``mmfast.wds.write_wds``; each with a ``.idx``
-            beside it) instead of ``files``; ``files``/``labels``/``ids`` still describe the samples. DALI
-            then shards and shuffles (a shuffle buffer that runs on across epochs; ``set_epoch`` does not
-            re-seed it), unlike DistributedSampler.
+        wds_shards: read these WebDataset tars instead of ``files``, through mmfast's index files (by default
+            the ``.idx`` beside each tar, as ``mmfast.wds.write_wds`` writes them); ``files``/``labels``/``ids``
+            still describe the samples, and no file of ``files`` is opened. DALI then shards and shuffles (a
+            shuffle buffer that runs on across epochs; ``set_epoch`` does not re-seed it), unlike
+            DistributedSampler.
+        wds_index: the index file of each of ``wds_shards`` (``mmfast.inputs.wds``: a prepared directory
+            holds those of the user's shards).
         on_bad_image: what to do with an image that is missing or cannot be decoded: "skip" (log it, count
             it in ``skipped``, and serve a masked sample in its place: id -1, label -100, mask False, so batch
             sizes and the other samples' order stay the same on every rank) or "error" (raise, naming the
@@ -646,6 +649,7 @@ class ImageLoader:
         prefetch: int | None = None,
         prefetch_factor: int | None = None,
         wds_shards: Sequence[str] | None = None,
+        wds_index: Sequence[str] | None = None,
         on_bad_image: str = "skip",
         file_stats: Sequence[tuple[int, int]] | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -734,13 +738,19 @@ class ImageLoader:
         self.on_bad_image = on_bad_image
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
         self.max_pixels = max_pixels
-        self._check_files(file_stats)
         self.wds_shards = [str(p) for p in wds_shards] if wds_shards else None
-        for tar in self.wds_shards or []:
-            if not Path(tar).is_file() or not Path(tar).with_suffix(".idx").is_file():
+        self.wds_index = (
+            [str(p) for p in wds_index]
+            if wds_index
+            else [str(Path(p).with_suffix(".idx")) for p in self.wds_shards or []]
+        )
+        for tar, idx in zip(self.wds_shards or [], self.wds_index, strict=True):
+            if not Path(tar).is_file() or not Path(idx).is_file():
                 raise FileNotFoundError(
-                    f"{tar}: WebDataset shard or its .idx index missing; run tools/prepare_data.py --format wds"
+                    f"{tar}: WebDataset shard or its index {idx} missing; re-run tools/prepare_data.py"
                 )
+        if not self.wds_shards:  # files are stat'ed; a shard's samples were checked when it was prepared
+            self._check_files(file_stats)
         if drop_last and n < batch_size * num_shards:
             raise ValueError(
                 f"{n} samples cannot fill one batch of {batch_size} on each of {num_shards} processes "
@@ -940,7 +950,7 @@ class ImageLoader:
             source = {
                 "source": "wds",
                 "wds_paths": self.wds_shards,
-                "wds_index_paths": [str(Path(p).with_suffix(".idx")) for p in self.wds_shards],
+                "wds_index_paths": self.wds_index,
                 "wds_shard_id": self.shard_id,
                 "wds_num_shards": self.num_shards,
                 "wds_shuffle": self.shuffle,
@@ -1019,8 +1029,8 @@ class ImageLoader:
 
         if self.wds_shards:
             raise RuntimeError(
-                f"DALI failed reading the WebDataset shards ({error}); re-export them with "
-                "tools/prepare_data.py --format wds"
+                f"DALI failed reading the WebDataset shards ({error}); re-run tools/prepare_data.py (a shard "
+                "may have changed since it was indexed)"
             ) from error
         window = self._positions(self.epoch)[self.step * self.batch_size :][
             : (self.prefetch + 2) * self.batch_size
@@ -1117,6 +1127,35 @@ class ImageLoader:
                 yield Batch.of(images, labels, ids, mask)
 
 
+def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
+    """(tars, index files) of a split's WebDataset source in a prepared directory: mmfast's export
+    (``mmfast.wds``) or the user's shards it was prepared from (``mmfast.inputs.wds``).
+
+    Raises:
+        FileNotFoundError: no WebDataset source for the split.
+        ValueError: a user's shard changed (size or mtime) since preparation.
+    """
+    wds = root / "wds"
+    listing = wds / f"{split}.json"
+    if not listing.is_file():
+        raise FileNotFoundError(f"{listing}: no WebDataset shards; run tools/prepare_data.py --format wds")
+    info = json.loads(listing.read_text())
+    if "tars" not in info:  # an export by an older mmfast
+        info["tars"], info["index"] = [f"{s}.tar" for s in info["shards"]], [f"{s}.idx" for s in info["shards"]]
+    tars = [str(wds / t) for t in info["tars"]]  # the user's shards are absolute paths, and stay so
+    index = [str(wds / i) for i in info["index"]]
+    for tar, want in zip(tars, info.get("stats", []), strict=False):
+        try:
+            st = os.stat(tar)
+        except OSError as e:
+            raise FileNotFoundError(f"{tar}: WebDataset shard missing ({e.strerror}); restore it") from None
+        if [st.st_size, st.st_mtime_ns] != list(want):
+            raise ValueError(
+                f"{tar}: changed since preparation (size or mtime); re-run tools/prepare_data.py to index it again"
+            )
+    return tars, index
+
+
 class _Stream:
     """A DALI iterator and the (epoch, step) of the batch it will return next."""
 
@@ -1167,30 +1206,36 @@ class MultimodalLoader(ImageLoader):
         if kwargs.get("as_dict") is False:
             raise ValueError("MultimodalLoader's batches are always dicts (as_dict=False is ImageLoader's)")
         dataset = data_dir if isinstance(data_dir, PreparedDataset) else PreparedDataset(data_dir)
-        rows = dataset.rows(split)
-        if not rows:
-            raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         if accelerator is not None:
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
+        if source == "files" and dataset.summary.get("input_kind") == "wds":
+            source = "wds"  # the images are in the user's WebDataset shards only
         if source == "wds":
-            index = dataset.root / "wds" / f"{split}.json"
-            if not index.is_file():
-                raise FileNotFoundError(f"{index}: no WebDataset shards; run tools/prepare_data.py --format wds")
-            kwargs["wds_shards"] = [
-                str(dataset.root / "wds" / f"{s}.tar") for s in json.loads(index.read_text())["shards"]
-            ]
+            kwargs["wds_shards"], kwargs["wds_index"] = wds_split(dataset.root, split)
         elif source != "files":
             raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
+        # A WebDataset source needs only ids and labels: read as arrays (bytes a row, not a dict of Python
+        # objects: what keeps a 10M-row split's loader small); the files source needs each row's file.
+        table = dataset.root / "wds" / f"{split}.rows.npy"
+        rows = None if source == "wds" and table.is_file() else dataset.rows(split)
+        if rows is None:
+            ids_labels = np.load(table)  # (N, 2) int64: id, class id
+            images = [str(table)] * len(ids_labels)  # one shared string: the samples are named by the index
+        else:
+            ids_labels = np.array([(r["id"], r["label"]) for r in rows], dtype=np.int64).reshape(-1, 2)
+            images = [r["image"] for r in rows]
+        if not len(ids_labels):
+            raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)
-        if all("size" in r and "mtime_ns" in r for r in rows):
+        if rows is not None and all("size" in r and "mtime_ns" in r for r in rows):
             kwargs.setdefault("file_stats", [(r["size"], r["mtime_ns"]) for r in rows])
         super().__init__(
-            [r["image"] for r in rows],
-            [r["label"] for r in rows],
-            ids=[r["id"] for r in rows],
+            images,
+            ids_labels[:, 1],
+            ids=ids_labels[:, 0],
             batch_size=batch_size,
             shuffle=is_train if shuffle is None else shuffle,
             drop_last=is_train if drop_last is None else drop_last,
@@ -1198,13 +1243,13 @@ class MultimodalLoader(ImageLoader):
         )
         self.dataset = dataset
         self.tokens = TokenCache(dataset.tokens_dir, split)
-        if len(self.tokens) != len(rows) or self.tokens.first_id != rows[0]["id"]:
+        if len(self.tokens) != len(ids_labels) or self.tokens.first_id != ids_labels[0, 0]:
             raise ValueError(
                 f"token cache {dataset.tokens_dir}/{split} (rows {len(self.tokens)}, first id "
-                f"{self.tokens.first_id}) does not match {split}.jsonl (rows {len(rows)}, first id "
-                f"{rows[0]['id']}); re-run tools/prepare_data.py"
+                f"{self.tokens.first_id}) does not match {split}.jsonl (rows {len(ids_labels)}, first id "
+                f"{ids_labels[0, 0]}); re-run tools/prepare_data.py"
             )
-        self.texts = [r["text"] for r in rows]
+        self.texts = [r["text"] for r in rows] if rows is not None else None  # None: not read (WebDataset)
         self.num_classes = dataset.num_classes
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -34,10 +34,11 @@ from mmfast.fsutil import (
     write_errors,
 )
 from mmfast.inputs import InputOptions, read_source
-from mmfast.manifest import Candidate, ManifestError, Reject
+from mmfast.inputs.wds import expand_shards, is_wds_source, read_wds, shard_stats, write_split_index
+from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
 from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer, train_wordpiece
-from mmfast.validate import DEFAULT_MAX_PIXELS, check_images
+from mmfast.validate import DEFAULT_MAX_PIXELS, ImageCheck, check_images
 
 log = logging.getLogger(__name__)
 PREPARE_VERSION = 2  # 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels
@@ -65,6 +66,8 @@ class PrepareConfig:
     quality: int = 90  # JPEG quality of those copies
     progress: bool = True
     inputs: InputOptions = InputOptions()  # how to read the source (kind, column mapping, COCO options)
+    format: str = "files"  # "wds": also export the splits as WebDataset shards into wds/ (mmfast.wds)
+    wds_shard_size: int = 1000  # samples per exported shard
 
     def __post_init__(self):
         if not 0.0 <= self.val_fraction < 1.0:
@@ -79,6 +82,10 @@ class PrepareConfig:
             raise ValueError(f"--max-side must be 0 (off) or at least 16 pixels, got {self.max_side}")
         if not 1 <= self.quality <= 100:
             raise ValueError(f"--quality must be in 1..100 (JPEG quality), got {self.quality}")
+        if self.format not in ("files", "wds"):
+            raise ValueError(f"--format must be 'files' or 'wds', got '{self.format}'")
+        if self.wds_shard_size < 1:
+            raise ValueError(f"the WebDataset shard size must be at least 1, got {self.wds_shard_size}")
 
 
 def prepare_dataset(cfg: PrepareConfig) -> dict:
@@ -171,11 +178,30 @@ def _inside(path: Path, folder: Path) -> bool:
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     t0 = time.perf_counter()
     workers = cfg.workers or os.cpu_count() or 1
-    cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (tmp / IMAGES_DIR).resolve())
+    wds_input = _is_wds(cfg)
+    if wds_input:  # images stay in the user's shards; the reader validates them from the tar
+        if cfg.format == "wds":
+            raise ValueError(
+                f"{cfg.source}: the input is WebDataset shards already; training reads them in place "
+                "(drop --format wds)"
+            )
+        if cfg.max_side:
+            raise ValueError(
+                f"{cfg.source}: --max-side stores copies of image files; WebDataset shards are read in place "
+                "(drop --max-side, or downscale when writing the shards)"
+            )
+        cands, rejects = read_wds(cfg.source, cfg.inputs, workers, cfg.max_pixels)
+        cands, rejects = finish_rows(cands, rejects)
+        kind = "wds"
+    else:
+        cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (tmp / IMAGES_DIR).resolve())
     n_input = len(cands) + len(rejects)
     t_read = time.perf_counter()
 
-    checks = check_images([c.image for c in cands], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
+    if wds_input:
+        checks = [ImageCheck(True)] * len(cands)
+    else:
+        checks = check_images([c.image for c in cands], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
     good: list[Candidate] = []
     sizes: list[tuple[int, int]] = []
     for c, chk in zip(cands, checks, strict=True):
@@ -222,6 +248,23 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     atomic_write_jsonl(tmp / "val.jsonl", val_rows)
     atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in rejects])
     atomic_write_json(tmp / "labels.json", label_map)
+    if wds_input:
+        (tmp / "wds").mkdir()
+        for split, rows in (("train", train_rows), ("val", val_rows)):
+            write_split_index(tmp / "wds", split, rows)
+    elif cfg.format == "wds":
+        from mmfast.wds import export_wds
+
+        # rows name images at their final place; those written into the temp directory are read there
+        with write_errors(cfg.out, "the WebDataset shards"):
+            export_wds(
+                {"train": train_rows, "val": val_rows},
+                {v: k for k, v in label_map.items()},
+                tmp / "wds",
+                cfg.wds_shard_size,
+                image_path=lambda p: str(tmp / Path(p).relative_to(final[0])) if _inside(Path(p), final[0]) else p,
+            )
+    t_write = time.perf_counter()
     summary = {
         "version": PREPARE_VERSION,
         "source": str(Path(cfg.source).resolve()),
@@ -251,6 +294,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
             "downscale": t_downscale - t_validate,
             "tokenizer": t_tok - t_downscale,
             "token_cache": t_cache - t_tok,
+            "write": t_write - t_cache,
             "total": time.perf_counter() - t0,
         },
     }
@@ -381,8 +425,10 @@ def _save_tokenizer(tok, path: Path) -> None:
 def _files_map(root: Path) -> dict[str, dict]:
     """{relative posix path: {"size", "sha256"}} of every file the training side verifies."""
     paths = [root / name for name in _SPLIT_FILES]
-    for sub in ("tokens", "tokenizer"):
-        paths += sorted(p for p in (root / sub).rglob("*") if p.is_file() and p.suffix != ".lock")
+    for sub in ("tokens", "tokenizer", "wds"):
+        # WebDataset shards are left out (hashing them at every start would read the whole dataset); their
+        # index files and listings are in
+        paths += sorted(p for p in (root / sub).rglob("*") if p.is_file() and p.suffix not in (".lock", ".tar"))
     return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
 
 
@@ -406,7 +452,22 @@ def _split(rows: list[Candidate], label_map: dict[str, int], val_fraction: float
 
 def _row(c: Candidate, sample_id: int, label_map: dict[str, int], final: tuple[Path, Path]) -> dict:
     """The prepared row of ``c``; ``final`` is (the prepared directory's path, the temp directory it is built
-    in): an image inside the temp directory is recorded at its place inside the prepared directory."""
+    in): an image inside the temp directory is recorded at its place inside the prepared directory.
+
+    A sample of a WebDataset shard has ``image`` "<shard>:<member>" and the member's place in the tar
+    ("tar", "member", "offset", "nbytes"): what its index line lists; no file stats."""
+    if "offset" in c.source:
+        return {
+            "id": sample_id,
+            "image": c.image,
+            "text": c.text,
+            "label": label_map[str(c.label)],
+            "line": c.line,
+            "tar": c.image[: -len(c.source["member"]) - 1],
+            "member": c.source["member"],
+            "offset": c.source["offset"],
+            "nbytes": c.source["nbytes"],
+        }
     st = os.stat(c.image)  # recorded so the loader can tell a file that changed after validation
     out, tmp = final
     image = Path(c.image)
@@ -427,10 +488,15 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
     """Hash of the input (manifest bytes or folder listing, with image sizes and mtimes) and the settings."""
     h = hashlib.sha256(
         f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
-        f"{cfg.vocab_size}|{cfg.confine}|{cfg.max_pixels}|{cfg.inputs!r}".encode()
+        f"{cfg.vocab_size}|{cfg.confine}|{cfg.max_pixels}|{cfg.inputs!r}|{cfg.format}|{cfg.wds_shard_size}".encode()
     )
     if cfg.max_side:  # only then: directories prepared without it keep their fingerprint
         h.update(f"|max_side={cfg.max_side}|quality={cfg.quality}".encode())
+    if _is_wds(cfg):  # the shards' names, sizes and mtimes (the shards may be terabytes: not their bytes)
+        shards = expand_shards(cfg.source)
+        for p, (size, mtime) in zip(shards, shard_stats(shards), strict=True):
+            h.update(os.fsencode(p) + f"|{size}|{mtime}".encode())
+        return h.hexdigest()
     src = Path(cfg.source)
     if not src.exists():
         raise ManifestError(f"{src}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
@@ -457,6 +523,10 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
         if stat.S_ISREG(st.st_mode):  # fsencode: a file name need not be UTF-8
             h.update(os.fsencode(p) + f"|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()
+
+
+def _is_wds(cfg: PrepareConfig) -> bool:
+    return cfg.inputs.kind == "wds" or (cfg.inputs.kind == "auto" and is_wds_source(cfg.source))
 
 
 def _reuse(out: Path, fp: str) -> dict | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import io
 import multiprocessing
 import os
 import signal
@@ -77,8 +78,6 @@ def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
         path: the image file.
         max_pixels: decoded-pixel budget; checked from the header, before decoding.
     """
-    from PIL import Image
-
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -93,10 +92,24 @@ def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
         return ImageCheck(False, "not a regular file (device, socket or pipe)")
     if st.st_size == 0:
         return ImageCheck(False, "zero size file")
+    return _check_decode(path, max_pixels)
+
+
+def check_image_bytes(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
+    """``check_image`` of an image held in memory (a member of a WebDataset shard)."""
+    if not data:
+        return ImageCheck(False, "zero size image")
+    return _check_decode(io.BytesIO(data), max_pixels)
+
+
+def _check_decode(src, max_pixels: int) -> ImageCheck:
+    """Open and fully decode ``src`` (a path or a binary file object) with PIL."""
+    from PIL import Image
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the budget below decides
-            with Image.open(path) as im:
+            with Image.open(src) as im:
                 fmt = im.format or "?"
                 w, h = im.size
                 if fmt not in DALI_FORMATS:
@@ -169,12 +182,14 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _dali_rejects(paths: list[str], threads: int, batch: int = 64) -> dict[int, str]:
+def _dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[int, str]:
     """Decode ``paths`` with DALI's CPU decoder; return {index: reason} for files it refuses.
 
     A failing batch is split in halves until the bad file is isolated. A pipeline that failed is not
-    reused: the next attempt builds a fresh one.
+    reused: the next attempt builds a fresh one. ``load`` turns an entry of ``paths`` into its encoded bytes
+    (a uint8 array); the default reads the file.
     """
+    load = load or _read_file
     bad: dict[int, str] = {}
     todo = [(s, min(s + batch, len(paths))) for s in range(0, len(paths), batch)][::-1]
     pipe = None
@@ -182,7 +197,7 @@ def _dali_rejects(paths: list[str], threads: int, batch: int = 64) -> dict[int, 
         lo, hi = todo.pop()
         if pipe is None:
             pipe = _decode_pipeline(batch, threads)
-        blobs = [np.fromfile(p, dtype=np.uint8) for p in paths[lo:hi]]
+        blobs = [load(p) for p in paths[lo:hi]]
         try:
             pipe.feed_input("blobs", blobs)
             pipe.run()
@@ -197,6 +212,10 @@ def _dali_rejects(paths: list[str], threads: int, batch: int = 64) -> dict[int, 
             mid = (lo + hi) // 2
             todo += [(mid, hi), (lo, mid)]
     return bad
+
+
+def _read_file(path: str) -> np.ndarray:
+    return np.fromfile(path, dtype=np.uint8)
 
 
 def _decode_pipeline(batch: int, threads: int):

@@ -1,8 +1,18 @@
-"""WebDataset export of a prepared dataset: tar shards (image + 4-byte sample id) with DALI index files.
+"""WebDataset export of a prepared dataset: self-contained, standard tar shards (readable by the
+``webdataset`` library and open_clip) with DALI index files, so training needs none of the original images.
 
-wds/<split>-00000.tar    members <id>.<jpg|png|...> (the original bytes) and <id>.id (int32, little endian)
-wds/<split>-00000.idx    DALI's index of the tar (made with DALI's own wds2idx)
-wds/<split>.json         shard names and sample counts
+wds/<split>-00000.tar    per sample (key = the sample id, 9 digits): <key>.<jpg|png|...> (the original
+                         bytes), <key>.txt (the caption, UTF-8), <key>.cls (the class id, decimal text),
+                         <key>.json ({"id", "label": class id, "label_name": the original label,
+                         "image": the original path})
+wds/<split>-00000.idx    DALI's index of the tar's images (``mmfast.inputs.wds.write_index``: the sample id
+                         closes each image's name, which is how the image graph reads it back)
+wds/<split>.rows.npy     (N, 2) int64 [sample id, class id]: what the loader reads of the split
+wds/<split>.json         {"shards": names, "tars": tar files, "index": index files, "stats": [[size,
+                         mtime_ns]] of each tar (a changed tar is refused at start), "samples": N}
+
+``tools/prepare_data.py --format wds`` writes it inside preparation (under its lock, in its temp directory,
+recorded in its fingerprint and ``files`` map); ``write_wds`` adds it to an existing prepared directory.
 """
 
 from __future__ import annotations
@@ -12,11 +22,11 @@ import io
 import json
 import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from mmfast.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
+from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
 
 _EXT = {
     ".jpeg": "jpg",
@@ -39,34 +49,69 @@ def write_wds(prepared_dir: str | os.PathLike, shard_size: int = 1000) -> dict:
         OutputDirError: ``prepared_dir`` was not prepared by mmfast.
         ValueError: an image cannot be exported (unsupported extension, unreadable).
     """
-    from wds2idx import IndexCreator  # ships with DALI
-
     prepared_dir = Path(prepared_dir)
     if not (prepared_dir / MARKER).is_file():
         raise OutputDirError(
             f"{prepared_dir}: not a dataset prepared by mmfast (no {MARKER}); run tools/prepare_data.py first"
         )
-    info = {}
+    splits = {
+        split: [json.loads(ln) for ln in (prepared_dir / f"{split}.jsonl").read_text().splitlines() if ln]
+        for split in ("train", "val")
+    }
+    labels = json.loads((prepared_dir / "labels.json").read_text())
     # Everything below a prepared directory is mmfast's, so an existing wds/ may be replaced.
     with (
         file_lock(prepared_dir / ".wds.lock"),
         atomic_dir(prepared_dir / "wds", "mmfast WebDataset export", replaceable=_real_dir) as out,
     ):
-        for split in ("train", "val"):
-            rows = [json.loads(ln) for ln in (prepared_dir / f"{split}.jsonl").read_text().splitlines() if ln]
-            shards = []
-            for k, start in enumerate(range(0, len(rows), shard_size)):
-                name = f"{split}-{k:05d}"
-                with tarfile.open(out / f"{name}.tar", "w") as tar:
-                    for r in rows[start : start + shard_size]:
-                        key = f"{r['id']:09d}"
-                        _add(tar, f"{key}.{_extension(r['image'])}", _read_image(r["image"]))
-                        _add(tar, f"{key}.id", np.array([r["id"]], dtype="<i4").tobytes())
-                with IndexCreator(str(out / f"{name}.tar"), str(out / f"{name}.idx"), verbose=False) as creator:
-                    creator.create_index()
-                shards.append(name)
-            info[split] = {"shards": shards, "samples": len(rows)}
-            atomic_write_json(out / f"{split}.json", info[split])
+        return export_wds(splits, {v: k for k, v in labels.items()}, out, shard_size)
+
+
+def export_wds(
+    splits: dict[str, list[dict]],
+    label_names: dict[int, str],
+    out: Path,
+    shard_size: int = 1000,
+    image_path: Callable[[str], str] = str,
+) -> dict:
+    """Write the shards of ``splits`` ({split: prepared rows}) into the directory ``out``; returns
+    {split: info}. ``label_names``: class id -> original label; ``image_path``: where a row's image is read
+    (a prepared directory being built holds images written from the input at their final place)."""
+    info = {}
+    out.mkdir(exist_ok=True)
+    for split, rows in splits.items():
+        shards = []
+        for k, start in enumerate(range(0, len(rows), shard_size)):
+            name = f"{split}-{k:05d}"
+            with tarfile.open(out / f"{name}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+                for r in rows[start : start + shard_size]:
+                    key = f"{r['id']:09d}"
+                    _add(tar, f"{key}.{_extension(r['image'])}", _read_image(image_path(r["image"])))
+                    _add(tar, f"{key}.txt", r["text"].encode("utf-8"))
+                    _add(tar, f"{key}.cls", str(r["label"]).encode())
+                    meta = {
+                        "id": r["id"],
+                        "label": r["label"],
+                        "label_name": label_names[r["label"]],
+                        "image": r["image"],
+                    }
+                    _add(tar, f"{key}.json", json.dumps(meta, ensure_ascii=False).encode("utf-8"))
+            with tarfile.open(out / f"{name}.tar", "r:") as tar:  # the images' data offsets, as written
+                images = [ti for ti in tar if ti.isreg() and ti.name.rsplit(".", 1)[-1] in _EXT.values()]
+            write_index(
+                out / f"{name}.idx",
+                [(ti.offset_data, ti.size, ti.name, int(ti.name.split(".")[0])) for ti in images],
+            )
+            shards.append(name)
+        info[split] = {
+            "shards": shards,
+            "tars": [f"{s}.tar" for s in shards],
+            "index": [f"{s}.idx" for s in shards],
+            "stats": shard_stats([out / f"{s}.tar" for s in shards]),  # checked by the loader at start
+            "samples": len(rows),
+        }
+        write_rows_table(out / f"{split}.rows.npy", rows)
+        atomic_write_json(out / f"{split}.json", info[split])
     return info
 
 

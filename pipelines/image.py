@@ -7,12 +7,25 @@ or "cpu" (libjpeg-turbo threads); the later operators follow the decoder's outpu
 
 from __future__ import annotations
 
+import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 READER_NAME = "Reader"
 EVAL_CROP_RATIO = 0.875  # eval: resize the shorter side to size / ratio, keep the centre size x size
+WDS_IMAGE_EXT = "img"  # the image component of mmfast's WebDataset index files (mmfast.inputs.wds)
+WDS_ID_DIGITS = 10  # the digits of the sample id that close each indexed image's name
+
+
+def _wds_sample_ids(encoded):
+    """(1,) int32 sample id of each WebDataset image: the last ``WDS_ID_DIGITS`` characters of its source_info
+    ("<tar>:<offset>:<name>"), which mmfast's index files end with the id (``mmfast.inputs.wds``). Read in
+    the graph, so the ids come out as a dense tensor like the file reader's labels."""
+    info = fn.get_property(encoded, key="source_info")  # (len,) uint8: the characters
+    digits = fn.cast(info[-WDS_ID_DIGITS:], dtype=types.INT64) - ord("0")
+    weights = types.Constant(np.array([10**k for k in range(WDS_ID_DIGITS - 1, -1, -1)], dtype=np.int64))
+    return fn.cast(fn.reductions.sum(digits * weights, axes=0, keep_dims=True), dtype=types.INT32)
 
 
 def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: int, size_hint: int) -> dict:
@@ -58,8 +71,8 @@ def image_pipeline(
     """The image graph.
 
     Args:
-        source: "files" (``files`` + sample ``ids``, read in the given order) or "wds" (WebDataset tars with
-            ``.jpg;.png;...`` images and an ``.id`` field holding the sample id).
+        source: "files" (``files`` + sample ``ids``, read in the given order) or "wds" (WebDataset tars read
+            through mmfast's index files, whose image names end with the sample id: ``mmfast.inputs.wds``).
         train: random resized crop + flip (+ jitter) if True; resize shorter side + center crop otherwise.
         size: output side in pixels.
         decode_device: "mixed" on a GPU, "cpu" otherwise.
@@ -79,11 +92,11 @@ def image_pipeline(
     if source == "files":
         encoded, sample_ids = fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
     elif source == "wds":
-        encoded, sample_ids = fn.readers.webdataset(
+        encoded = fn.readers.webdataset(
             paths=wds_paths,
             index_paths=wds_index_paths,
-            ext=["jpg;jpeg;png;bmp;tif;tiff;webp", "id"],
-            dtypes=[types.UINT8, types.INT32],
+            ext=[WDS_IMAGE_EXT],
+            dtypes=[types.UINT8],
             missing_component_behavior="error",
             shard_id=wds_shard_id,
             num_shards=wds_num_shards,
@@ -91,6 +104,8 @@ def image_pipeline(
             pad_last_batch=True,
             name=READER_NAME,
         )
+        encoded = encoded[0] if isinstance(encoded, list | tuple) else encoded
+        sample_ids = _wds_sample_ids(encoded)
     else:
         raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
     dec = _decoder_kwargs(decode_device, hw_decoder_load, memory_padding, size_hint)

@@ -375,7 +375,7 @@ def test_full_disk_during_preparation_exits_2_and_leaves_the_previous_directory(
     out = tmp_path / "out"
     base = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), str(m), "--out", str(out), "--no-progress"]
     first = subprocess.run(
-        [*base, *flags, "--seed", "0" if where == "WebDataset shards" else "1"],
+        [*base, *flags, "--seed", "1"],  # the second run's seed differs: it prepares again
         capture_output=True,
         text=True,
         timeout=300,

@@ -6,6 +6,12 @@ mmfast-prepare SOURCE --out DIR [--tokenizer X] [--max-length N]
     [--max-side N [--quality Q]]
     [--input-kind K] [--image-column C] [--text-column C] [--label-column C | --no-labels]
     [--columns A,B,..] [--coco-captions all|first] [--image-root DIR]
+    [--wds-image-key jpg;png] [--wds-text-key txt] [--wds-label-key cls | --wds-label-field FIELD]
+
+SOURCE may also be WebDataset shards (img2dataset / open_clip layout: key.jpg + key.txt + key.cls or
+key.json): a folder of .tar files, a .tar, or a pattern such as 'shards/{00000..00099}.tar' (quoted). They are
+read in place and never written to: their DALI index files go into --out (see mmfast/inputs/wds.py), and
+the split is by sample (seeded, stratified by label, as for every input).
 
 SOURCE may also be given as --source SOURCE. When no row is usable, the first reasons are printed and all
 of them are kept beside --out as OUT.rejected.jsonl.
@@ -21,7 +27,6 @@ import argparse
 import logging
 import sys
 
-from mmfast.fsutil import write_errors
 from mmfast.inputs import READERS, InputOptions
 from mmfast.manifest import NO_LABEL, ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
@@ -34,7 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "source",
         nargs="?",
         help="manifest .jsonl/.csv/.tsv, image folder root/<class>/<image>, HF imagefolder (folder or its "
-        "metadata.jsonl/.csv), COCO captions .json, .parquet file or folder, save_to_disk folder or .arrow",
+        "metadata.jsonl/.csv), COCO captions .json, .parquet file or folder, save_to_disk folder or .arrow, "
+        "WebDataset shards (folder of .tar, .tar, or a {000..009} / * pattern)",
     )
     p.add_argument("--source", dest="source_flag", metavar="SOURCE", help="the same as the positional SOURCE")
     p.add_argument("--out", required=True, help="prepared dataset directory to write")
@@ -68,8 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--format",
         choices=["files", "wds"],
         default="files",
-        help="also write WebDataset tar shards + DALI index files (wds)",
+        help="also write WebDataset tar shards + DALI index files (wds): jpg + txt + cls + json per sample, "
+        "readable by the webdataset library; tools/train.py --source wds trains from them alone",
     )
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per exported WebDataset shard")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("input format (default: told from SOURCE)")
     g.add_argument("--input-kind", default="auto", choices=["auto", *READERS], help="how to read SOURCE")
@@ -84,6 +92,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--coco-captions", choices=["all", "first"], default="all", help="COCO: a row per caption or per image"
     )
     g.add_argument("--image-root", help="COCO: folder of the images' file_name (default: the JSON's folder)")
+    g.add_argument(
+        "--wds-image-key",
+        default="jpg;jpeg;png;webp",
+        help="WebDataset: the image member's extensions, by preference (default jpg;jpeg;png;webp)",
+    )
+    g.add_argument("--wds-text-key", default="txt", help="WebDataset: the caption member's extension")
+    g.add_argument(
+        "--wds-label-key", default="cls", help="WebDataset: the label member's extension (integer or name)"
+    )
+    g.add_argument("--wds-label-field", help="WebDataset: take the label from this field of the .json member")
     args = p.parse_args(argv)
     if (args.source is None) == (args.source_flag is None):
         p.error("pass the input once: SOURCE or --source SOURCE")
@@ -102,6 +120,10 @@ def input_options(args: argparse.Namespace) -> InputOptions:
         columns=names,
         coco_captions=args.coco_captions,
         image_root=args.image_root,
+        wds_image_key=args.wds_image_key,
+        wds_text_key=args.wds_text_key,
+        wds_label_key=args.wds_label_key,
+        wds_label_field=args.wds_label_field,
     )
 
 
@@ -145,13 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             quality=args.quality,
             progress=not args.no_progress,
             inputs=input_options(args),
+            format=args.format,
+            wds_shard_size=args.shard_size,
         )
         summary = prepare_dataset(cfg)
-        if args.format == "wds":
-            from mmfast.wds import write_wds
-
-            with write_errors(args.out, "the WebDataset shards"):
-                write_wds(args.out)
     except (ManifestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

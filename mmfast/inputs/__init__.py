@@ -10,6 +10,8 @@ One reader per kind of input, registered by name in ``READERS``:
     coco            COCO captions JSON: ``images`` + ``annotations`` with ``image_id`` / ``caption``
     parquet, arrow  Parquet files and Hugging Face ``save_to_disk`` folders (Arrow files), with images as
                     ``struct<bytes, path>`` (HF's ``Image`` feature) and ClassLabel names from HF's metadata
+    wds             WebDataset shards (img2dataset / open_clip layout: key.jpg + key.txt + key.cls or key.json),
+                    read in place: see ``mmfast.inputs.wds``
 
 Every reader returns ``(candidates, rejects, kind)``: each input row is either a candidate (its image still
 to be validated) or a reject with its file, row and reason. Readers of images stored as bytes write them
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmfast.inputs.wds import is_wds_source
 from mmfast.manifest import Candidate, Columns, ManifestError, Reject, finish_rows, read_input
 
 # Column names tried, in order, when a reader that knows its columns is not told which holds what.
@@ -43,6 +46,10 @@ class InputOptions:
         columns: the column names of a CSV/TSV without a header line (e.g. ("text", "image") for CC3M).
         coco_captions: "all" (a row per caption) or "first" (a row per image, its first caption).
         image_root: the folder image paths are relative to (COCO's ``file_name``; default: the JSON's folder).
+        wds_image_key: WebDataset: the image member's extensions, in order of preference ("jpg;png").
+        wds_text_key: WebDataset: the caption member's extension.
+        wds_label_key: WebDataset: the label member's extension (an integer or a name as text).
+        wds_label_field: WebDataset: take the label from this field of the ``json`` member instead.
     """
 
     kind: str = "auto"
@@ -53,6 +60,10 @@ class InputOptions:
     columns: tuple[str, ...] | None = None
     coco_captions: str = "all"
     image_root: str | None = None
+    wds_image_key: str = "jpg;jpeg;png;webp"
+    wds_text_key: str = "txt"
+    wds_label_key: str = "cls"
+    wds_label_field: str | None = None
 
     def __post_init__(self):
         if self.kind != "auto" and self.kind not in READERS:
@@ -93,8 +104,14 @@ def read_source(
     Raises:
         ManifestError: the input cannot be read as a whole (missing, unknown format, no such column).
     """
-    path = Path(path)
     opts = opts or InputOptions()
+    if opts.kind == "wds" or (opts.kind == "auto" and is_wds_source(path)):
+        from mmfast.inputs.wds import read_wds
+
+        cands, rejects = read_wds(path, opts)
+        cands, rejects = finish_rows(cands, rejects)
+        return cands, rejects, "wds"
+    path = Path(path)
     if not path.exists():
         raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     kind = opts.kind if opts.kind != "auto" else detect_kind(path)
@@ -112,10 +129,14 @@ def detect_kind(path: Path) -> str:
             return "imagefolder"
         if any(path.glob("*.parquet")) or any(path.glob("*/*.parquet")):
             return "parquet"
+        if any(path.glob("*.tar")):
+            return "wds"
         return "folder"
     suffix = path.suffix.lower()
     if path.name in ("metadata.jsonl", "metadata.csv"):
         return "imagefolder"
+    if suffix == ".tar":
+        return "wds"
     if suffix == ".parquet":
         return "parquet"
     if suffix == ".arrow":
@@ -128,7 +149,7 @@ def detect_kind(path: Path) -> str:
         return "csv"
     raise ManifestError(
         f"{path}: unknown manifest format '{suffix}'; use .jsonl/.csv/.tsv, metadata.jsonl, COCO .json, .parquet, "
-        ".arrow or a folder"
+        ".arrow, .tar shards or a folder"
     )
 
 
@@ -190,7 +211,14 @@ def _readers() -> dict[str, Reader]:
         "coco": read_coco,
         "parquet": read_parquet,
         "arrow": read_arrow,
+        "wds": _read_wds,
     }
+
+
+def _read_wds(path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None):
+    from mmfast.inputs.wds import read_wds
+
+    return read_wds(path, opts)
 
 
 READERS: dict[str, Reader] = _readers()

@@ -107,6 +107,9 @@ class TrainConfig:
     on_bad_image: str = _opt(
         "skip", "data", "a missing/undecodable image: skip (log, count, mask it out) or error (stop the run)"
     )
+    source: str = _opt(
+        "files", "data", "images from their files (files) or from the prepared dir's WebDataset shards (wds)"
+    )
     demo_size: int = _opt(2000, "data", "samples in the built-in demo set (without --data)")
     tokenizer: str | None = _opt(
         None,
@@ -232,6 +235,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
         "cpu_resize": ("torch", "dali"),
         "on_bad_image": ("skip", "error"),
+        "source": ("files", "wds"),
     }
 
 

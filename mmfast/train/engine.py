@@ -183,6 +183,7 @@ def build_loaders(
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,
+        source=cfg.source,
         accelerator=accelerator,
         size=cfg.image_size,
         seed=cfg.seed,

@@ -122,6 +122,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
     ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
     from mmfast.demo import default_cache_dir, demo_dataset
+    from mmfast.inputs.wds import is_wds_source
     from mmfast.prepare import PrepareConfig, prepare_dataset
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
@@ -132,7 +133,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             out = default_cache_dir() / "prepared" / f"{source.parent.name}-len{cfg.max_length}"
         else:
             source, out = Path(cfg.data), Path(cfg.out) / "prepared"
-            if not source.exists():
+            if not source.exists() and not is_wds_source(cfg.data):  # a shard pattern names no one file
                 raise ValueError(f"--data {source}: no such prepared directory, manifest or image folder")
         prepare_dataset(
             PrepareConfig(

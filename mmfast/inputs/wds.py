@@ -1,0 +1,334 @@
+"""WebDataset shards as an input (the layout img2dataset and open_clip write), and DALI index files over them.
+
+A shard is an uncompressed tar whose members are grouped into samples by key: a member's name up to the
+first dot of its base name (``00012.jpg``, ``00012.txt``, ``00012.json`` make sample ``00012``: the rule of
+the ``webdataset`` library and of DALI's ``wds2idx``). A sample gives (``InputOptions``' wds_* fields):
+
+    image    the first member whose extension is in ``wds_image_key`` (default "jpg;jpeg;png;webp")
+    caption  the ``wds_text_key`` member (default "txt"): UTF-8, not empty once stripped
+    label    the ``wds_label_key`` member (default "cls": an integer, else the text as a name), or, with
+             ``wds_label_field``, that field of the ``json`` member; none with ``no_labels``
+
+The shards stay where they are and are never written to (the user owns them). Preparation writes, inside
+the prepared directory, DALI index files that list only the accepted samples of each split, so one user
+shard can feed both splits and a rejected sample is never read:
+
+    wds/<split>-<k>.idx   DALI's index format v1.2 (the one ``wds2idx`` writes), one line per sample with a
+                          single component: ``img <offset> <size> <member>#<sample id, 10 digits>``. DALI
+                          reports ``<tar>:<offset>:<name>`` as the image's source_info, from which the image
+                          graph reads the sample id back (``pipelines.image``): how tokens and labels are
+                          joined to the images whatever the shuffle.
+    wds/<split>.rows.npy  (N, 2) int64 [sample id, class id] in id order: all the loader reads of the rows
+    wds/<split>.json      {"tars": [shard paths], "index": [index file names], "stats": [[size, mtime_ns]],
+                          "samples": N}; a shard whose size or mtime changed since is refused at training.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import re
+import tarfile
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from mmfast.fsutil import atomic_write_json
+from mmfast.manifest import Candidate, ManifestError, Reject
+from mmfast.pipelines.image import WDS_ID_DIGITS, WDS_IMAGE_EXT
+
+# The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
+# the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
+INDEX_EXT, ID_DIGITS = WDS_IMAGE_EXT, WDS_ID_DIGITS
+_DALI_CHUNK = 1024  # images of a shard confirmed by DALI's decoder at a time (bounds the memory held)
+
+
+def is_wds_source(source: str | os.PathLike) -> bool:
+    """Whether ``source`` names WebDataset shards: a .tar file, a glob or brace pattern of them, or a folder
+    holding .tar files."""
+    s = str(source)
+    if s.endswith(".tar") and (any(c in s for c in "*?[{") or Path(s).is_file()):
+        return True
+    p = Path(s)
+    return p.is_dir() and any(p.glob("*.tar"))
+
+
+def expand_shards(source: str | os.PathLike) -> list[Path]:
+    """The shards of ``source``: a folder's ``*.tar`` files (sorted), a .tar file, or a pattern such as
+    ``shards/{00000..00099}.tar`` (brace ranges and lists, as in ``webdataset``) or ``shards/*.tar``.
+
+    Raises:
+        ManifestError: no shard matches, or a named shard is missing.
+    """
+    s = str(source)
+    if Path(s).is_dir():
+        shards = sorted(Path(s).glob("*.tar"))
+    else:
+        shards, seen = [], set()
+        for pattern in _brace_expand(s):
+            found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+            for f in found:
+                if not Path(f).is_file():
+                    raise ManifestError(f"{f}: no such WebDataset shard (from {s})")
+                if f not in seen:
+                    seen.add(f)
+                    shards.append(Path(f))
+    if not shards:
+        raise ManifestError(f"{s}: no WebDataset shards (.tar files) found")
+    return [p.resolve() for p in shards]
+
+
+def _brace_expand(s: str) -> list[str]:
+    """``a{1..3}b`` -> a1b a2b a3b (zero padding kept: {000..002}); ``a{x,y}`` -> ax ay; nested left to right."""
+    m = re.search(r"\{([^{}]*)\}", s)
+    if m is None:
+        return [s]
+    head, tail, body = s[: m.start()], s[m.end() :], m.group(1)
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = rng.groups()
+        width = len(lo) if lo.startswith("0") else 0
+        items = [f"{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
+    else:
+        items = body.split(",")
+    return [x for item in items for x in _brace_expand(head + item + tail)]
+
+
+def shard_stats(shards: list[Path]) -> list[list[int]]:
+    """[size, mtime_ns] of each shard: what tells a shard changed since preparation."""
+    return [[st.st_size, st.st_mtime_ns] for st in (p.stat() for p in shards)]
+
+
+def read_wds(
+    source: str | os.PathLike, opts, workers: int = 1, max_pixels: int | None = None
+) -> tuple[list[Candidate], list[Reject]]:
+    """Read every shard of ``source`` into candidate rows (images already validated) and rejects.
+
+    Each candidate's ``image`` is ``<shard>:<member>`` and its ``source`` holds the shard, key, member, and
+    the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
+    (relative to the source's folder) and its reason names the sample's key.
+    """
+    from mmfast.validate import DEFAULT_MAX_PIXELS, _die_with_parent
+
+    shards = expand_shards(source)
+    src = Path(source)
+    base = src if src.is_dir() else Path(os.path.dirname(str(source)) or ".")
+    jobs = [
+        (str(p), _relative(p, base.resolve()), _wds_opts(opts), max_pixels or DEFAULT_MAX_PIXELS) for p in shards
+    ]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(
+            min(workers, len(jobs)), initializer=_die_with_parent, initargs=(os.getpid(),)
+        ) as pool:
+            parts = list(pool.map(_read_shard_job, jobs))
+    else:
+        parts = [_read_shard_job(j) for j in jobs]
+    cands = [c for part in parts for c in part[0]]
+    rejects = [r for part in parts for r in part[1]]
+    return cands, rejects
+
+
+def _relative(p: Path, base: Path) -> str:
+    try:
+        return p.relative_to(base).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def _wds_opts(opts) -> dict:
+    image_keys = [k.strip().lower() for k in re.split(r"[;,]", opts.wds_image_key) if k.strip()]
+    return {
+        "image_keys": image_keys,
+        "text_key": opts.wds_text_key,
+        "label_key": opts.wds_label_key,
+        "label_field": opts.wds_label_field,
+        "no_labels": opts.no_labels,
+    }
+
+
+def _read_shard_job(job) -> tuple[list[Candidate], list[Reject]]:
+    return read_shard(*job)
+
+
+def _samples(tar: tarfile.TarFile) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
+    """(key, {extension: member}) of each sample, members grouped by consecutive key as WebDataset does."""
+    key, members = None, {}
+    for ti in tar:
+        if not ti.isreg():
+            continue
+        base = ti.name.rsplit("/", 1)[-1]
+        dot = base.find(".")
+        if dot <= 0:  # no extension, or a hidden file: not part of a sample
+            continue
+        k = ti.name[: len(ti.name) - len(base) + dot]
+        ext = base[dot + 1 :].lower()
+        if k != key:
+            if members:
+                yield key, members
+            key, members = k, {}
+        members.setdefault(ext, ti)
+    if members:
+        yield key, members
+
+
+def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Candidate], list[Reject]]:
+    """Candidates and rejects of one shard (see ``read_wds``); ``o`` is ``_wds_opts``' dict."""
+    from mmfast.manifest import NO_LABEL
+    from mmfast.validate import _dali_rejects, check_image_bytes
+
+    cands: list[Candidate] = []
+    rejects: list[Reject] = []
+    pending: list[tuple[Candidate, bytes]] = []  # PIL-valid images awaiting DALI's decoder
+
+    def confirm() -> None:
+        bad = _dali_rejects([b for _, b in pending], 1, load=lambda b: np.frombuffer(b, dtype=np.uint8))
+        for i, (c, _) in enumerate(pending):
+            if i in bad:
+                rejects.append(Reject(c.line, f"{bad[i]} ({c.source['member']})", c.source, rel))
+            else:
+                cands.append(c)
+        pending.clear()
+
+    try:
+        tar = tarfile.open(shard, "r:")  # DALI reads plain tars only: a compressed shard is refused here
+    except (tarfile.TarError, OSError) as e:
+        raise ManifestError(
+            f"{shard}: not a readable uncompressed tar ({e}); DALI reads plain .tar WebDataset shards"
+        ) from e
+    with tar:
+        try:
+            for line, (key, members) in enumerate(_samples(tar), start=1):
+                row = {"shard": rel, "key": key, "members": sorted(m.name for m in members.values())}
+
+                def reject(reason: str, line=line, key=key, row=row) -> None:
+                    rejects.append(Reject(line, f"{reason} (sample {key})", row, rel))
+
+                image = next((members[k] for k in o["image_keys"] if k in members), None)
+                if image is None:
+                    reject(f"no image member (.{' / .'.join(o['image_keys'])}); set --wds-image-key")
+                    continue
+                text, why = _caption(tar, members.get(o["text_key"]), o["text_key"])
+                if why:
+                    reject(why)
+                    continue
+                label, why = _label(tar, members, o)
+                if why:
+                    reject(why)
+                    continue
+                data = tar.extractfile(image).read()
+                check = check_image_bytes(data, max_pixels)
+                if not check.ok:
+                    reject(f"{check.reason}: {image.name}")
+                    continue
+                source = {**row, "member": image.name, "offset": image.offset_data, "nbytes": image.size}
+                c = Candidate(
+                    line, f"{shard}:{image.name}", text, NO_LABEL if o["no_labels"] else label, source, rel
+                )
+                pending.append((c, data))
+                if len(pending) >= _DALI_CHUNK:
+                    confirm()
+        except (tarfile.TarError, OSError) as e:  # a truncated shard: keep what came before the damage
+            rejects.append(
+                Reject(0, f"shard unreadable after {len(cands) + len(pending)} samples: {e}", {"shard": rel}, rel)
+            )
+    if pending:
+        confirm()
+    return cands, rejects
+
+
+def _member_text(tar: tarfile.TarFile, ti: tarfile.TarInfo, what: str) -> tuple[str, str]:
+    raw = tar.extractfile(ti).read()
+    try:
+        return raw.decode("utf-8"), ""
+    except UnicodeDecodeError as e:
+        return "", f"{what} is not UTF-8 (byte {e.start} of {ti.name}); re-encode it as UTF-8"
+
+
+def _caption(tar: tarfile.TarFile, ti: tarfile.TarInfo | None, key: str) -> tuple[str, str]:
+    if ti is None:
+        return "", f"no caption member (.{key}); set --wds-text-key"
+    text, why = _member_text(tar, ti, "the caption")
+    if why:
+        return "", why
+    text = text.strip()
+    if not text:
+        return "", f"empty caption ({ti.name})"
+    return text, ""
+
+
+def _label(tar: tarfile.TarFile, members: dict, o: dict) -> tuple[str | int, str]:
+    """The sample's label (an int when it reads as one) or why it has none."""
+    if o["no_labels"]:
+        return 0, ""
+    if o["label_field"]:
+        ti = members.get("json")
+        if ti is None:
+            return "", f"no .json member to read --wds-label-field '{o['label_field']}' from"
+        text, why = _member_text(tar, ti, "the JSON")
+        if why:
+            return "", why
+        try:
+            meta = json.loads(text)
+        except ValueError as e:
+            return "", f"not valid JSON ({ti.name}: {e})"
+        value = meta.get(o["label_field"]) if isinstance(meta, dict) else None
+        if value is None or isinstance(value, bool | dict | list):
+            return "", f"no usable field '{o['label_field']}' (--wds-label-field) in {ti.name}"
+        return (value if isinstance(value, int) else str(value)), ""
+    ti = members.get(o["label_key"])
+    if ti is None:
+        return "", (
+            f"no label member (.{o['label_key']}); pass --wds-label-key, --wds-label-field FIELD (of the .json) "
+            "or --no-labels"
+        )
+    text, why = _member_text(tar, ti, "the label")
+    if why:
+        return "", why
+    text = text.strip()
+    if not text:
+        return "", f"empty label ({ti.name})"
+    try:
+        return int(text), ""
+    except ValueError:
+        return text, ""
+
+
+def write_split_index(out: Path, split: str, rows: list[dict]) -> dict:
+    """Write the index files of ``split`` (rows in id order, each with "tar", "offset", "nbytes", "member")
+    into ``out`` (the prepared directory's wds/ being built) and ``<split>.json``; returns that json."""
+    by_tar: dict[str, list[dict]] = {}
+    for r in rows:
+        by_tar.setdefault(r["tar"], []).append(r)
+    info = {"tars": [], "index": [], "stats": [], "samples": len(rows)}
+    for k, (tar, part) in enumerate(by_tar.items()):
+        name = f"{split}-{k:05d}.idx"
+        write_index(out / name, [(r["offset"], r["nbytes"], r["member"], r["id"]) for r in part])
+        info["tars"].append(tar)
+        info["index"].append(name)
+    info["stats"] = shard_stats([Path(t) for t in info["tars"]])
+    write_rows_table(out / f"{split}.rows.npy", rows)
+    atomic_write_json(out / f"{split}.json", info)
+    return info
+
+
+def write_rows_table(path: Path, rows: list[dict]) -> None:
+    """(N, 2) int64 [id, class id] of the rows: what the loader reads of a WebDataset split (not the JSONL)."""
+    with open(path, "wb") as f:
+        np.save(f, np.array([(r["id"], r["label"]) for r in rows], dtype=np.int64).reshape(-1, 2))
+
+
+def write_index(path: Path, samples: list[tuple[int, int, str, int]]) -> None:
+    """A DALI index (format v1.2) of (data offset, size, member name, sample id) samples, one image
+    component each named ``<member>#<id>`` (see the module docstring)."""
+    buf = io.StringIO()
+    buf.write(f"v1.2 {len(samples)}\n")
+    for offset, size, member, sample_id in samples:
+        name = re.sub(r"\s", "_", member)  # the index is space-separated
+        buf.write(f"{INDEX_EXT} {offset} {size} {name}#{sample_id:0{ID_DIGITS}d}\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(buf.getvalue())
+    os.replace(tmp, path)
