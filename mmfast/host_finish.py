@@ -42,8 +42,9 @@ def ragged_iterator(pipe, **kwargs):
     return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)
 
 
-# The finishing's share of the CPU path's work per image, measured one thread each on 800x600 JPEG photos
-# at 224 px (BENCHMARKS.md, "Finishing threads"): about 0.3 of the cores finish while the rest decode.
+# The finishing's share of the CPU path's work per image, one thread each at 224 px (tools/bench_stages.py;
+# BENCHMARKS.md, "The CPU path at its decode limit"): 800x600 JPEG photos, ROI decode 1.060 ms + finishing
+# 0.495 ms (0.32); 128 px PNG icons (upscaled crops), 0.390 + 0.278 ms (0.42). Photos are the common case.
 FINISH_SHARE = 0.3
 
 
