@@ -53,6 +53,8 @@ class Candidate:
     source: dict = field(default_factory=dict)  # the row as given, for rejected.jsonl
     file: str = ""  # the input file the row came from, when an input has several (else the source)
     original: str = ""  # the image as given, when ``image`` is a downscaled copy of it (--max-side)
+    width: int = 0  # the image's size, once validation decoded it (0: not yet)
+    height: int = 0
 
 
 @dataclass

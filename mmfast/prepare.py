@@ -175,60 +175,94 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+@dataclass
+class _Checked:
+    """What reading and validating the input (or a part of it) gave: the rows kept, each with its image's
+    size, and the rows dropped with their reasons."""
+
+    good: list[Candidate]
+    rejects: list[Reject]
+    n_input: int  # rows read: len(good) + len(rejects)
+    kind: str  # the input reader's name
+    seconds: dict[str, float]  # read, validate, downscale
+    reused: int = 0  # images whose earlier check was reused (unchanged since an earlier preparation)
+    downscaled: int = 0
+
+
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
+    checked = _read_and_check(cfg, tmp, part=None, earlier=_earlier_checks(Path(cfg.out), cfg))
+    return _write_prepared(cfg, tmp, fp, checked)
+
+
+def _read_and_check(
+    cfg: PrepareConfig, work: Path, part: tuple[int, int] | None, earlier: dict[str, tuple[int, ...]]
+) -> _Checked:
+    """Read the input (``part`` (i, n): only the i-th of n slices of it), validate every image (those of
+    ``earlier`` that did not change since are not decoded again) and store --max-side copies into ``work``."""
     t0 = time.perf_counter()
     workers = cfg.workers or os.cpu_count() or 1
     wds_input = _is_wds(cfg)
     if wds_input:  # images stay in the user's shards; the reader validates them from the tar
-        if cfg.format == "wds":
-            raise ValueError(
-                f"{cfg.source}: the input is WebDataset shards already; training reads them in place "
-                "(drop --format wds)"
-            )
-        if cfg.max_side:
-            raise ValueError(
-                f"{cfg.source}: --max-side stores copies of image files; WebDataset shards are read in place "
-                "(drop --max-side, or downscale when writing the shards)"
-            )
-        cands, rejects = read_wds(cfg.source, cfg.inputs, workers, cfg.max_pixels)
-        cands, rejects = finish_rows(cands, rejects)
+        _refuse_for_shards(cfg)
+        cands, rejects = read_wds(cfg.source, cfg.inputs, workers, cfg.max_pixels, part=part)
+        if part is None:  # duplicates across shards are found when the parts are merged
+            cands, rejects = finish_rows(cands, rejects)
         kind = "wds"
     else:
-        cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (tmp / IMAGES_DIR).resolve())
+        cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (work / IMAGES_DIR).resolve())
+        if part is not None:
+            cands, rejects = _slice(cands, rejects, part, work)
     n_input = len(cands) + len(rejects)
     t_read = time.perf_counter()
 
+    reused = 0
     if wds_input:
         checks = [ImageCheck(True)] * len(cands)
     else:
-        checks = check_images([c.image for c in cands], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
+        checks, reused = _check(cands, cfg, workers, earlier)
     good: list[Candidate] = []
-    sizes: list[tuple[int, int]] = []
     for c, chk in zip(cands, checks, strict=True):
         if chk.ok:
-            good.append(c)
-            sizes.append((chk.width, chk.height))
+            good.append(replace(c, width=chk.width, height=chk.height))
         else:
             rejects.append(Reject(c.line, chk.reason, c.source, c.file))
-            if _inside(Path(c.image), tmp.resolve()):  # written from the input's bytes: not kept
+            if _inside(Path(c.image), work.resolve()):  # written from the input's bytes: not kept
                 Path(c.image).unlink(missing_ok=True)
     t_validate = time.perf_counter()
     _check_images_outside(good, cfg)
     n_downscaled = 0
     if cfg.max_side:
-        good, n_downscaled = _downscale(good, sizes, cfg, tmp, workers, rejects)
-    t_downscale = time.perf_counter()
-    rejects.sort(key=lambda r: (r.file, r.line))
-    if not good:
-        raise ManifestError(_no_usable_rows(cfg, n_input, rejects))
+        good, n_downscaled = _downscale(good, cfg, work, workers, rejects)
+    seconds = {"read": t_read - t0, "validate": t_validate - t_read, "downscale": time.perf_counter() - t_validate}
+    return _Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled)
 
+
+def _refuse_for_shards(cfg: PrepareConfig) -> None:
+    if cfg.format == "wds":
+        raise ValueError(
+            f"{cfg.source}: the input is WebDataset shards already; training reads them in place "
+            "(drop --format wds)"
+        )
+    if cfg.max_side:
+        raise ValueError(
+            f"{cfg.source}: --max-side stores copies of image files; WebDataset shards are read in place "
+            "(drop --max-side, or downscale when writing the shards)"
+        )
+
+
+def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: _Checked) -> dict:
+    """Label map, split, tokenizer, token cache, rows and (--format wds) shards into ``tmp``; returns the
+    summary, written last as prepare.json."""
+    t0 = time.perf_counter()
+    good, rejects = checked.good, sorted(checked.rejects, key=lambda r: (r.file, r.line))
+    if not good:
+        raise ManifestError(_no_usable_rows(cfg, checked.n_input, rejects))
     label_map = _label_map(good)
     train, val = _split(good, label_map, cfg.val_fraction, cfg.seed)
     # Images written into the temp directory are recorded at the place they will have once it is renamed.
     final = (Path(cfg.out).resolve(), tmp.resolve())
     train_rows = [_row(c, i, label_map, final) for i, c in enumerate(train)]
     val_rows = [_row(c, len(train) + i, label_map, final) for i, c in enumerate(val)]
-
     tok = (
         load_tokenizer(cfg.tokenizer)
         if cfg.tokenizer
@@ -243,44 +277,28 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
             tmp / "tokens", split, [r["text"] for r in rows], tok, cfg.max_length, first_id=first
         )
     t_cache = time.perf_counter()
-
     atomic_write_jsonl(tmp / "train.jsonl", train_rows)
     atomic_write_jsonl(tmp / "val.jsonl", val_rows)
     atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in rejects])
     atomic_write_json(tmp / "labels.json", label_map)
-    if wds_input:
-        (tmp / "wds").mkdir()
-        for split, rows in (("train", train_rows), ("val", val_rows)):
-            write_split_index(tmp / "wds", split, rows)
-    elif cfg.format == "wds":
-        from mmfast.wds import export_wds
-
-        # rows name images at their final place; those written into the temp directory are read there
-        with write_errors(cfg.out, "the WebDataset shards"):
-            export_wds(
-                {"train": train_rows, "val": val_rows},
-                {v: k for k, v in label_map.items()},
-                tmp / "wds",
-                cfg.wds_shard_size,
-                image_path=lambda p: str(tmp / Path(p).relative_to(final[0])) if _inside(Path(p), final[0]) else p,
-            )
-    t_write = time.perf_counter()
+    _write_shards(cfg, tmp, checked.kind, {"train": train_rows, "val": val_rows}, label_map, final)
     summary = {
         "version": PREPARE_VERSION,
         "source": str(Path(cfg.source).resolve()),
-        "input_kind": kind,
+        "input_kind": checked.kind,
         "input_fingerprint": fp,
         "config": asdict(cfg),
         "counts": {
-            "input_rows": n_input,
+            "input_rows": checked.n_input,
             "accepted": len(good),
             "rejected": len(rejects),
             "train": len(train),
             "val": len(val),
             "classes": len(label_map),
         }
-        | ({"downscaled": n_downscaled} if cfg.max_side else {}),  # copies stored under --max-side
+        | ({"downscaled": checked.downscaled} if cfg.max_side else {}),  # copies stored under --max-side
         "rejected_by_reason": dict(Counter(_reason_kind(r.reason) for r in rejects).most_common()),
+        "reused_checks": checked.reused,
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
         "vocab_size": len(tok),
         "max_length": cfg.max_length,
@@ -288,25 +306,40 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
             s: {"fingerprint": c.fingerprint, "dtype": c.meta["dtype"], "tokens": c.meta["n_tokens"]}
             for s, c in caches.items()
         },
-        "timings_s": {
-            "read": t_read - t0,
-            "validate": t_validate - t_read,
-            "downscale": t_downscale - t_validate,
-            "tokenizer": t_tok - t_downscale,
-            "token_cache": t_cache - t_tok,
-            "write": t_write - t_cache,
-            "total": time.perf_counter() - t0,
-        },
+        "timings_s": checked.seconds
+        | {"tokenizer": t_tok - t0, "token_cache": t_cache - t_tok, "write": time.perf_counter() - t_cache},
     }
-    assert n_input == len(good) + len(rejects), "every input row is either kept or rejected"
+    summary["timings_s"]["total"] = sum(summary["timings_s"].values())
+    assert checked.n_input == len(good) + len(rejects), "every input row is either kept or rejected"
     summary["files"] = _files_map(tmp)
     atomic_write_json(tmp / "prepare.json", summary)  # last: its presence means the directory is complete
     return summary
 
 
+def _write_shards(
+    cfg: PrepareConfig, tmp: Path, kind: str, rows: dict[str, list[dict]], label_map: dict, final: tuple
+) -> None:
+    """The index files of the user's shards (a WebDataset input), or mmfast's own export (--format wds)."""
+    if kind == "wds":
+        (tmp / "wds").mkdir()
+        for split, split_rows in rows.items():
+            write_split_index(tmp / "wds", split, split_rows)
+    elif cfg.format == "wds":
+        from mmfast.wds import export_wds
+
+        # rows name images at their final place; those written into the temp directory are read there
+        with write_errors(cfg.out, "the WebDataset shards"):
+            export_wds(
+                rows,
+                {v: k for k, v in label_map.items()},
+                tmp / "wds",
+                cfg.wds_shard_size,
+                image_path=lambda p: str(tmp / Path(p).relative_to(final[0])) if _inside(Path(p), final[0]) else p,
+            )
+
+
 def _downscale(
     good: list[Candidate],
-    sizes: list[tuple[int, int]],
     cfg: PrepareConfig,
     tmp: Path,
     workers: int,
@@ -317,7 +350,7 @@ def _downscale(
     reason) and how many were copied."""
     from mmfast.downscale import downscale_images, downscaled_path
 
-    big = [i for i, (w, h) in enumerate(sizes) if max(w, h) > cfg.max_side]
+    big = [i for i, c in enumerate(good) if max(c.width, c.height) > cfg.max_side]
     jobs = [(good[i].image, str(downscaled_path(tmp.resolve(), i))) for i in big]
     reasons = downscale_images(jobs, cfg.max_side, cfg.quality, workers, cfg.progress)
     out, dropped, copied = list(good), set(), 0
@@ -335,6 +368,65 @@ def _downscale(
         if _inside(Path(src), tmp.resolve()):  # written from the input's bytes: the copy replaces it
             Path(src).unlink(missing_ok=True)
     return [c for i, c in enumerate(out) if i not in dropped], copied
+
+
+def _slice(
+    cands: list[Candidate], rejects: list[Reject], part: tuple[int, int], work: Path
+) -> tuple[list[Candidate], list[Reject]]:
+    """Part i of n of a whole input's rows: a contiguous slice of the candidates (the rows read, in input
+    order); the rows rejected while reading go with part 0. Images other parts own that the reader wrote
+    into ``work`` (an input storing image bytes) are removed."""
+    i, n = part
+    lo, hi = len(cands) * i // n, len(cands) * (i + 1) // n
+    for c in cands[:lo] + cands[hi:]:
+        if _inside(Path(c.image), work.resolve()):
+            Path(c.image).unlink(missing_ok=True)
+    return cands[lo:hi], (rejects if i == 0 else [])
+
+
+def _check(
+    cands: list[Candidate], cfg: PrepareConfig, workers: int, earlier: dict[str, tuple[int, ...]]
+) -> tuple[list[ImageCheck], int]:
+    """Validate the candidates' images; one that an earlier preparation accepted and whose size and mtime
+    are unchanged keeps that check (the loader trusts the same two figures). Returns the checks and how many
+    were reused."""
+    checks: list[ImageCheck | None] = [None] * len(cands)
+    for k, c in enumerate(cands):
+        known = earlier.get(c.image)
+        if known is None:
+            continue
+        try:
+            st = os.stat(c.image)
+        except OSError:
+            continue
+        if (st.st_size, st.st_mtime_ns) == known[:2]:
+            checks[k] = ImageCheck(True, width=known[2], height=known[3])
+    todo = [k for k, chk in enumerate(checks) if chk is None]
+    fresh = check_images([cands[k].image for k in todo], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
+    for k, chk in zip(todo, fresh, strict=True):
+        checks[k] = chk
+    return checks, len(cands) - len(todo)
+
+
+def _earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, int, int]]:
+    """{image path: (size, mtime_ns, width, height)} of the images a complete earlier preparation into
+    ``out`` accepted under the same pixel budget (empty when there is none, or it predates these records)."""
+    try:
+        summary = json.loads((out / "prepare.json").read_text(encoding="utf-8"))
+        if not (out / MARKER).is_file() or summary["config"]["max_pixels"] != cfg.max_pixels:
+            return {}
+        earlier = {}
+        for split in ("train", "val"):
+            with open(out / f"{split}.jsonl", "rb") as f:
+                for raw in f:
+                    r = json.loads(raw)
+                    if "width" not in r or "size" not in r:
+                        continue
+                    size, mtime = r["original_stat"] if r.get("original") else (r["size"], r["mtime_ns"])
+                    earlier[r.get("original") or r["image"]] = (size, mtime, r["width"], r["height"])
+        return earlier
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # nothing to reuse: every image is checked
 
 
 def failure_report_path(out: str | os.PathLike) -> Path:
@@ -481,7 +573,14 @@ def _row(c: Candidate, sample_id: int, label_map: dict[str, int], final: tuple[P
         "line": c.line,
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
-    } | ({"original": c.original} if c.original else {})
+        "width": c.width,  # of the image as validated (the original, for a --max-side copy)
+        "height": c.height,
+    } | ({"original": c.original, "original_stat": _stat_pair(c.original)} if c.original else {})
+
+
+def _stat_pair(path: str) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
 
 
 def _input_fingerprint(cfg: PrepareConfig) -> str:

@@ -104,9 +104,14 @@ def shard_stats(shards: list[Path]) -> list[list[int]]:
 
 
 def read_wds(
-    source: str | os.PathLike, opts, workers: int = 1, max_pixels: int | None = None
+    source: str | os.PathLike,
+    opts,
+    workers: int = 1,
+    max_pixels: int | None = None,
+    part: tuple[int, int] | None = None,
 ) -> tuple[list[Candidate], list[Reject]]:
-    """Read every shard of ``source`` into candidate rows (images already validated) and rejects.
+    """Read every shard of ``source`` (``part`` (i, n): every n-th shard from the i-th) into candidate rows
+    (images already validated) and rejects.
 
     Each candidate's ``image`` is ``<shard>:<member>`` and its ``source`` holds the shard, key, member, and
     the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
@@ -115,6 +120,8 @@ def read_wds(
     from mmfast.validate import DEFAULT_MAX_PIXELS, _die_with_parent
 
     shards = expand_shards(source)
+    if part is not None:
+        shards = shards[part[0] :: part[1]]
     src = Path(source)
     base = src if src.is_dir() else Path(os.path.dirname(str(source)) or ".")
     jobs = [
