@@ -36,6 +36,7 @@ from mmfast.fsutil import (
 from mmfast.inputs import InputOptions, read_source
 from mmfast.inputs.wds import expand_shards, is_wds_source, read_wds, shard_stats, write_split_index
 from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
+from mmfast.prepare_parts import parts_root
 from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer, train_wordpiece
 from mmfast.validate import DEFAULT_MAX_PIXELS, ImageCheck, check_images
@@ -68,6 +69,8 @@ class PrepareConfig:
     inputs: InputOptions = InputOptions()  # how to read the source (kind, column mapping, COCO options)
     format: str = "files"  # "wds": also export the splits as WebDataset shards into wds/ (mmfast.wds)
     wds_shard_size: int = 1000  # samples per exported shard
+    shard: tuple[int, int] | None = None  # (i, n): check only part i of n of the input (mmfast.prepare_parts)
+    merge: bool = False  # join the n parts checked by --shard into ``out``
 
     def __post_init__(self):
         if not 0.0 <= self.val_fraction < 1.0:
@@ -86,6 +89,8 @@ class PrepareConfig:
             raise ValueError(f"--format must be 'files' or 'wds', got '{self.format}'")
         if self.wds_shard_size < 1:
             raise ValueError(f"the WebDataset shard size must be at least 1, got {self.wds_shard_size}")
+        if self.shard is not None and self.merge:
+            raise ValueError("--shard I/N checks one part and --merge joins them: pass one of the two")
 
 
 def prepare_dataset(cfg: PrepareConfig) -> dict:
@@ -103,10 +108,14 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
     """
     out = Path(cfg.out)
     _check_input_outside(cfg)
+    if cfg.shard is not None:
+        from mmfast.prepare_parts import prepare_part
+
+        return prepare_part(cfg)
     with file_lock(out.parent / f".{out.name}.lock"), write_errors(out, "the prepared dataset"):
         recover_dir(out, _replaceable)
         _check_out(out)
-        fp = _input_fingerprint(cfg)
+        fp = input_fingerprint(cfg)
         summary = _reuse(out, fp)
         if summary is not None:
             log.info("%s is up to date; reusing it", out)
@@ -176,7 +185,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 @dataclass
-class _Checked:
+class Checked:
     """What reading and validating the input (or a part of it) gave: the rows kept, each with its image's
     size, and the rows dropped with their reasons."""
 
@@ -190,13 +199,18 @@ class _Checked:
 
 
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
-    checked = _read_and_check(cfg, tmp, part=None, earlier=_earlier_checks(Path(cfg.out), cfg))
+    if cfg.merge:
+        from mmfast.prepare_parts import merge_parts
+
+        checked = merge_parts(cfg, tmp, fp)
+    else:
+        checked = read_and_check(cfg, tmp, part=None, earlier=earlier_checks(Path(cfg.out), cfg))
     return _write_prepared(cfg, tmp, fp, checked)
 
 
-def _read_and_check(
+def read_and_check(
     cfg: PrepareConfig, work: Path, part: tuple[int, int] | None, earlier: dict[str, tuple[int, ...]]
-) -> _Checked:
+) -> Checked:
     """Read the input (``part`` (i, n): only the i-th of n slices of it), validate every image (those of
     ``earlier`` that did not change since are not decoded again) and store --max-side copies into ``work``."""
     t0 = time.perf_counter()
@@ -234,7 +248,7 @@ def _read_and_check(
     if cfg.max_side:
         good, n_downscaled = _downscale(good, cfg, work, workers, rejects)
     seconds = {"read": t_read - t0, "validate": t_validate - t_read, "downscale": time.perf_counter() - t_validate}
-    return _Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled)
+    return Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled)
 
 
 def _refuse_for_shards(cfg: PrepareConfig) -> None:
@@ -250,7 +264,7 @@ def _refuse_for_shards(cfg: PrepareConfig) -> None:
         )
 
 
-def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: _Checked) -> dict:
+def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) -> dict:
     """Label map, split, tokenizer, token cache, rows and (--format wds) shards into ``tmp``; returns the
     summary, written last as prepare.json."""
     t0 = time.perf_counter()
@@ -408,7 +422,7 @@ def _check(
     return checks, len(cands) - len(todo)
 
 
-def _earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, int, int]]:
+def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, int, int]]:
     """{image path: (size, mtime_ns, width, height)} of the images a complete earlier preparation into
     ``out`` accepted under the same pixel budget (empty when there is none, or it predates these records)."""
     try:
@@ -583,7 +597,7 @@ def _stat_pair(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _input_fingerprint(cfg: PrepareConfig) -> str:
+def input_fingerprint(cfg: PrepareConfig) -> str:
     """Hash of the input (manifest bytes or folder listing, with image sizes and mtimes) and the settings."""
     h = hashlib.sha256(
         f"v{PREPARE_VERSION}|{cfg.tokenizer}|{cfg.max_length}|{cfg.val_fraction}|{cfg.seed}|"
@@ -606,13 +620,13 @@ def _input_fingerprint(cfg: PrepareConfig) -> str:
                     h.update(block)
         except OSError as e:
             raise ManifestError(f"{src}: cannot read the manifest: {e.strerror or e}") from e
-    out = os.path.abspath(cfg.out)
+    out, parts = os.path.abspath(cfg.out), os.path.abspath(parts_root(cfg.out))
     bases = [src if src.is_dir() else src.parent]
     if cfg.inputs.image_root:
         bases.append(Path(cfg.inputs.image_root))
     for p in (p for base in bases for p in sorted(base.rglob("*"))):
         path = os.path.abspath(p)
-        if path == out or path.startswith(out + os.sep):
+        if any(path == d or path.startswith(d + os.sep) for d in (out, parts)):  # mmfast's outputs
             continue
         try:
             st = p.stat()

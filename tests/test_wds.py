@@ -22,6 +22,7 @@ from mmfast.inputs import InputOptions
 from mmfast.loader import MultimodalLoader
 from mmfast.manifest import ManifestError
 from mmfast.prepare import PrepareConfig, failure_report_path, prepare_dataset
+from mmfast.prepare_parts import part_dir
 from mmfast.tokenizer import load_tokenizer
 from tools import prepare_data
 from tools import train as train_tool
@@ -93,7 +94,7 @@ def _tree(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-def _prepare(source, out: Path, minilm_dir: str, **inputs) -> dict:
+def _prepare(source, out: Path, minilm_dir: str, shard=None, merge=False, **inputs) -> dict:
     cfg = PrepareConfig(
         source=str(source),
         out=str(out),
@@ -103,6 +104,8 @@ def _prepare(source, out: Path, minilm_dir: str, **inputs) -> dict:
         workers=2,
         val_fraction=0.25,
         inputs=InputOptions(**inputs),
+        shard=shard,
+        merge=merge,
     )
     return prepare_dataset(cfg)
 
@@ -258,6 +261,23 @@ def test_unchanged_shards_are_reused_and_a_changed_shard_is_refused(tmp_path, sh
     os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))
     with pytest.raises(ValueError, match="00001.tar: changed since preparation"):
         MultimodalLoader(out, "train", batch_size=2)
+
+
+def test_shards_checked_in_two_parts_merge_into_the_one_process_preparation(
+    tmp_path, prepared_wds, shards, minilm_dir
+):
+    folder, _ = shards
+    out = tmp_path / "out"
+    for part in ((0, 2), (1, 2)):
+        _prepare(f"{folder}/{{00000..00001}}.tar", out, minilm_dir, shard=part)
+    parts = [json.loads((part_dir(out, i, 2) / "part.json").read_text())["counts"] for i in range(2)]
+    assert parts[0] == parts[1] and parts[0]["input_rows"] == len(shards[1]) // 2 + 5  # a shard each
+    merged = _prepare(f"{folder}/{{00000..00001}}.tar", out, minilm_dir, merge=True)
+    assert (
+        merged["input_fingerprint"] == json.loads((prepared_wds / "prepare.json").read_text())["input_fingerprint"]
+    )
+    for name in ("train.jsonl", "val.jsonl", "rejected.jsonl", "labels.json", "wds/train.rows.npy"):
+        assert (out / name).read_bytes() == (prepared_wds / name).read_bytes(), name
 
 
 def test_no_usable_sample_names_shard_and_key(tmp_path, minilm_dir, capsys):

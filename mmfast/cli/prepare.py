@@ -3,7 +3,7 @@ datasets.save_to_disk folder for training.
 
 mmfast-prepare SOURCE --out DIR [--tokenizer X] [--max-length N]
     [--val-fraction F] [--seed S] [--workers N] [--confine] [--max-pixels N] [--format files|wds]
-    [--max-side N [--quality Q]]
+    [--max-side N [--quality Q]] [--shard I/N | --merge]
     [--input-kind K] [--image-column C] [--text-column C] [--label-column C | --no-labels]
     [--columns A,B,..] [--coco-captions all|first] [--image-root DIR]
     [--wds-image-key jpg;png] [--wds-text-key txt] [--wds-label-key cls | --wds-label-field FIELD]
@@ -12,6 +12,10 @@ SOURCE may also be WebDataset shards (img2dataset / open_clip layout: key.jpg + 
 key.json): a folder of .tar files, a .tar, or a pattern such as 'shards/{00000..00099}.tar' (quoted). They are
 read in place and never written to: their DALI index files go into --out (see mmfast/inputs/wds.py), and
 the split is by sample (seeded, stratified by label, as for every input).
+
+A big input can be prepared by several processes or machines: run `--shard I/N` for I = 0..N-1 (each checks
+the images of its part into OUT.parts/, see mmfast/prepare_parts.py), then the same command with --merge
+instead writes OUT. A re-preparation into the same OUT decodes only the images that changed or are new.
 
 SOURCE may also be given as --source SOURCE. When no row is usable, the first reasons are printed and all
 of them are kept beside --out as OUT.rejected.jsonl.
@@ -30,6 +34,7 @@ import sys
 from mmfast.inputs import READERS, InputOptions
 from mmfast.manifest import NO_LABEL, ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.prepare_parts import parse_shard, part_dir
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
 
@@ -78,6 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "readable by the webdataset library; tools/train.py --source wds trains from them alone",
     )
     p.add_argument("--shard-size", type=int, default=1000, help="samples per exported WebDataset shard")
+    p.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="check only part I of N of the input (I = 0..N-1) into OUT.parts/; then run --merge",
+    )
+    p.add_argument("--merge", action="store_true", help="write OUT from the N parts that --shard I/N checked")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("input format (default: told from SOURCE)")
     g.add_argument("--input-kind", default="auto", choices=["auto", *READERS], help="how to read SOURCE")
@@ -140,6 +151,8 @@ def print_summary(summary: dict) -> None:
         f"{'tokenizer':<22}{summary['tokenizer']} (vocab {summary['vocab_size']}, max_length "
         f"{summary['max_length']})"
     )
+    if summary.get("reused_checks"):
+        print(f"{'checks reused':<22}{summary['reused_checks']:>8}  (images unchanged since the last preparation)")
     print(f"{'time':<22}{summary['timings_s']['total']:.1f} s")
     if c["classes"] < 2:
         print(
@@ -169,11 +182,19 @@ def main(argv: list[str] | None = None) -> int:
             inputs=input_options(args),
             format=args.format,
             wds_shard_size=args.shard_size,
+            shard=parse_shard(args.shard) if args.shard else None,
+            merge=args.merge,
         )
         summary = prepare_dataset(cfg)
     except (ManifestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.shard is not None:
+        i, n = cfg.shard
+        c = summary["counts"]
+        print(f"part {i}/{n}: {c['accepted']} of {c['input_rows']} rows kept, in {part_dir(cfg.out, i, n)}")
+        print(f"when all {n} parts are done: the same command with --merge instead of --shard {args.shard}")
+        return 0
     print_summary(summary)
     print(f"prepared dataset: {args.out}")
     return 0

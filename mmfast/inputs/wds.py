@@ -110,8 +110,8 @@ def read_wds(
     max_pixels: int | None = None,
     part: tuple[int, int] | None = None,
 ) -> tuple[list[Candidate], list[Reject]]:
-    """Read every shard of ``source`` (``part`` (i, n): every n-th shard from the i-th) into candidate rows
-    (images already validated) and rejects.
+    """Read every shard of ``source`` (``part`` (i, n): the i-th of n contiguous slices of them) into
+    candidate rows (images already validated) and rejects.
 
     Each candidate's ``image`` is ``<shard>:<member>`` and its ``source`` holds the shard, key, member, and
     the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
@@ -121,7 +121,7 @@ def read_wds(
 
     shards = expand_shards(source)
     if part is not None:
-        shards = shards[part[0] :: part[1]]
+        shards = shards[len(shards) * part[0] // part[1] : len(shards) * (part[0] + 1) // part[1]]
     src = Path(source)
     base = src if src.is_dir() else Path(os.path.dirname(str(source)) or ".")
     jobs = [

@@ -1,0 +1,199 @@
+"""Preparation split across processes or machines: ``--shard I/N`` checks one part of the input, ``--merge``
+joins the parts into the prepared directory.
+
+Validating (decoding) every image is what takes the time of a big preparation, and it needs no view of the
+whole input, while the label map, the split, the tokenizer and the token cache do. So part i of n reads the
+input, keeps its slice (a contiguous n-th of a manifest's rows, or of a WebDataset input's shards),
+checks those images (and stores their --max-side copies), and writes what it found into
+
+    OUT.parts/IIIII-of-NNNNN/     (beside OUT; written atomically, under a lock, marked as mmfast's)
+        part.json                 input fingerprint, part, counts, seconds (written last: the part is complete)
+        accepted.jsonl            the rows kept, with their images' sizes
+        rejected.jsonl            the rows dropped, with their reasons
+        images/, downscaled/      files the part wrote (image bytes of a Parquet input, --max-side copies)
+
+The merge (the same command and settings with --merge instead of --shard) checks that the n parts are all
+there and were made from the same input and settings, hard-links the files they wrote into OUT (a copy
+across filesystems), and writes OUT as a one-process preparation would: the same rows, split, ids and
+fingerprint. A part already complete for the same input and settings is not made again, so a failed machine's
+part is re-run alone. The parts stay until the user removes them (``rm -r OUT.parts``): they are mmfast's,
+but a merge may be re-run from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from mmfast.fsutil import (
+    MARKER,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_jsonl,
+    file_lock,
+    marker_kind,
+    recover_dir,
+    write_errors,
+)
+from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
+
+PART_KIND = "mmfast preparation part"  # the "kind" in a part directory's marker
+_FIELDS = ("line", "image", "text", "label", "source", "file", "original", "width", "height")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N), 0 <= I < N.
+
+    Raises:
+        ValueError: not of that form.
+    """
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes I/N (part I of N, counted from 0), got '{text}'") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {text}: I must be in 0..N-1 (the parts are 0/{n} .. {n - 1}/{n})")
+    return i, n
+
+
+def parts_root(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    return out.parent / f"{out.name}.parts"
+
+
+def part_dir(out: str | os.PathLike, i: int, n: int) -> Path:
+    return parts_root(out) / f"{i:05d}-of-{n:05d}"
+
+
+def prepare_part(cfg) -> dict:
+    """Check part ``cfg.shard`` of the input into its part directory (or keep it when it is complete for the
+    same input and settings). Returns its part.json."""
+    from mmfast.prepare import earlier_checks, input_fingerprint, read_and_check
+
+    i, n = cfg.shard
+    final = part_dir(cfg.out, i, n)
+    fp = input_fingerprint(cfg)
+    with file_lock(final.parent / f".{final.name}.lock"), write_errors(final, "a preparation part"):
+        recover_dir(final, _is_part)
+        summary = _read_part_summary(final)
+        if summary is not None and summary["input_fingerprint"] == fp:
+            return summary
+        if os.path.lexists(final) and not _is_part(final):
+            raise ValueError(f"{final} is in the way and is not a part mmfast wrote; move it away")
+        with atomic_dir(final, PART_KIND, _is_part) as tmp:
+            checked = read_and_check(cfg, tmp, part=(i, n), earlier=earlier_checks(Path(cfg.out), cfg))
+            base = tmp.resolve()
+            atomic_write_jsonl(tmp / "accepted.jsonl", [_candidate_row(c, base) for c in checked.good])
+            atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in checked.rejects])
+            summary = {
+                "input_fingerprint": fp,
+                "part": [i, n],
+                "kind": checked.kind,
+                "counts": {"input_rows": checked.n_input, "accepted": len(checked.good)},
+                "reused_checks": checked.reused,
+                "downscaled": checked.downscaled,
+                "seconds": checked.seconds,
+            }
+            atomic_write_json(tmp / "part.json", summary)  # last: the part is complete
+    return summary
+
+
+def merge_parts(cfg, tmp: Path, fp: str):
+    """The checked rows of all parts of ``cfg.out``, their files linked into ``tmp`` (the prepared directory
+    being built), as one ``prepare.Checked``.
+
+    Raises:
+        ManifestError: no parts, a part missing, or parts of another input or other settings.
+    """
+    from mmfast.prepare import Checked
+
+    root = parts_root(cfg.out)
+    dirs = sorted(p for p in root.glob("*-of-*") if p.is_dir()) if root.is_dir() else []
+    if not dirs:
+        raise ManifestError(f"--merge: no parts in {root}; run with --shard I/N (I = 0..N-1) first")
+    n = int(dirs[0].name.split("-of-")[1])
+    summaries = {}
+    for i in range(n):
+        summary = _read_part_summary(part_dir(cfg.out, i, n))
+        if summary is None:
+            raise ManifestError(
+                f"--merge: part {i}/{n} is missing or incomplete in {root}; run it with --shard {i}/{n}"
+            )
+        if summary["input_fingerprint"] != fp:
+            raise ManifestError(
+                f"--merge: part {i}/{n} was made from another input or with other settings than this merge; "
+                f"run --shard {i}/{n} again with the merge's input and flags"
+            )
+        summaries[i] = summary
+    good, rejects, n_input, reused, downscaled = [], [], 0, 0, 0
+    seconds = {"read": 0.0, "validate": 0.0, "downscale": 0.0}
+    for i in range(n):
+        src = part_dir(cfg.out, i, n)
+        good += [_candidate(row, src, tmp / "parts" / f"{i:05d}") for row in _jsonl(src / "accepted.jsonl")]
+        rejects += [
+            Reject(r["line"], r["reason"], r["row"], r.get("file", "")) for r in _jsonl(src / "rejected.jsonl")
+        ]
+        s = summaries[i]
+        n_input += s["counts"]["input_rows"]
+        reused += s["reused_checks"]
+        downscaled += s["downscaled"]
+        seconds = {k: v + s["seconds"][k] for k, v in seconds.items()}  # summed over the parts
+    kind = summaries[0]["kind"]
+    if kind == "wds":  # duplicates across the parts' shards
+        good, rejects = finish_rows(good, rejects)
+    return Checked(good, rejects, n_input, kind, seconds, reused, downscaled)
+
+
+def _candidate_row(c: Candidate, base: Path) -> dict:
+    """A kept row for accepted.jsonl; a file the part wrote is named relative to the part directory."""
+    row = {k: v for k, v in asdict(c).items() if k in _FIELDS}
+    if Path(c.image).is_relative_to(base):
+        row["image"], row["in_part"] = Path(c.image).relative_to(base).as_posix(), True
+    return row
+
+
+def _candidate(row: dict, part: Path, dest: Path) -> Candidate:
+    """The Candidate of an accepted.jsonl row; a file of the part is linked to the same place under ``dest``."""
+    c = Candidate(**{k: row[k] for k in _FIELDS})
+    if row.get("in_part"):
+        target = dest / row["image"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(part / row["image"], target)
+        except OSError:  # another filesystem, or links not supported: a copy (same mtime)
+            shutil.copy2(part / row["image"], target)
+        c = replace(c, image=str(target.resolve()))
+    return c
+
+
+def _reject(r: dict) -> Reject:
+    return Reject(r["line"], r["reason"], r["row"], r.get("file", ""))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    with open(path, "rb") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_part_summary(directory: Path) -> dict | None:
+    """A complete part's part.json (None: absent, incomplete or not a part)."""
+    if not _is_part(directory):
+        return None
+    try:
+        summary = json.loads((directory / "part.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and "input_fingerprint" in summary else None
+
+
+def _is_part(directory: Path) -> bool:
+    """A directory a part may replace: a part (its marker; an unreadable one is a killed run's) or empty."""
+    directory = Path(directory)
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    if not any(directory.iterdir()):
+        return True
+    return (directory / MARKER).is_file() and marker_kind(directory) in (PART_KIND, None)
