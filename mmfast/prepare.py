@@ -243,7 +243,10 @@ def read_and_check(
             if _inside(Path(c.image), work.resolve()):  # written from the input's bytes: not kept
                 Path(c.image).unlink(missing_ok=True)
     t_validate = time.perf_counter()
-    _check_images_outside(good, cfg)
+    if wds_input:  # the samples are in the shards: whether those are inside --out
+        _check_shards_outside(cfg)
+    else:
+        _check_images_outside(good, cfg)
     n_downscaled = 0
     if cfg.max_side:
         good, n_downscaled = _downscale(good, cfg, work, workers, rejects)
@@ -515,6 +518,16 @@ def _check_images_outside(good: list[Candidate], cfg: PrepareConfig) -> None:
             f"{cfg.source}, line {inside[0].line}: image {inside[0].image} is inside --out {cfg.out} "
             f"({len(inside)} images are); preparing replaces --out, which would delete them. Pass an --out "
             "that holds none of the input"
+        )
+
+
+def _check_shards_outside(cfg: PrepareConfig) -> None:
+    out = Path(cfg.out).resolve()
+    inside = [p for p in expand_shards(cfg.source) if _inside(p, out)]
+    if inside:
+        raise OutputDirError(
+            f"WebDataset shard {inside[0]} is inside --out {cfg.out}; preparing replaces --out, which would "
+            "delete it. Pass an --out that holds none of the input"
         )
 
 

@@ -25,9 +25,12 @@ import time
 from pathlib import Path
 
 _PROBE = r"""
-import json, resource, sys, time
+import json, sys, time
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
+def peak():  # VmHWM: this program's peak (ru_maxrss would carry the parent's over exec)
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
 import torch  # noqa: F401  (imports are not the loader's memory)
 from mmfast.loader import MultimodalLoader
 r0, t0 = rss(), time.perf_counter()
@@ -36,7 +39,7 @@ t_open = time.perf_counter() - t0
 batch = next(iter(loader))
 t_first = time.perf_counter() - t0
 print(json.dumps({"open_s": t_open, "first_batch_s": t_first, "extra_rss_bytes": rss() - r0,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak_rss_bytes": peak(),
                   "batch": list(batch["image"].shape), "samples": len(loader.files)}))
 """
 
