@@ -3,7 +3,10 @@ place, then opened by MultimodalLoader: preparation rows/s, the time to the firs
 extra resident memory.
 
     python tools/bench_wds_scale.py [--rows 1000000] [--per-shard 10000] [--side 16] [--workers N]
-        [--batch-size 256] [--dir DIR] [--json OUT]
+        [--batch-size 256] [--parts P] [--dir DIR] [--json OUT]
+
+With --parts P the preparation runs as P processes (``mmfast-prepare --shard I/P``, --workers split among
+them) started together, then ``--merge``: the multi-process / multi-machine path, timed as a whole.
 
 The images are --side x --side JPEGs cut from scikit-image's photos (a few hundred distinct crops, so the
 shards stay small; each sample is still read, decoded and checked on its own), each with a unique caption
@@ -51,6 +54,7 @@ def parse_args(argv):
     p.add_argument("--side", type=int, default=16)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--parts", type=int, default=1, help="prepare as this many --shard processes + --merge")
     p.add_argument("--dir", help="working directory (default: a temporary one, removed at the end)")
     p.add_argument("--json", default="bench_out/bench_wds_scale.json")
     return p.parse_args(argv)
@@ -92,6 +96,24 @@ def write_shards(folder: Path, rows: int, per_shard: int, side: int) -> float:
     return time.perf_counter() - t0
 
 
+def _run_parts(shards: Path, out: Path, args) -> float:
+    """The --shard I/P processes, started together; their wall time."""
+    t0 = time.perf_counter()
+    workers = max(1, args.workers // args.parts)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mmfast.cli.prepare", str(shards), "--out", str(out)]
+            + ["--shard", f"{i}/{args.parts}", "--workers", str(workers)]
+            + ["--val-fraction", "0.01", "--no-progress"],
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(args.parts)
+    ]
+    if any(p.wait() for p in procs):
+        raise SystemExit("a --shard process failed")
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     from mmfast.fsutil import atomic_write_json
     from mmfast.prepare import PrepareConfig, prepare_dataset
@@ -106,8 +128,11 @@ def main(argv=None) -> int:
         print(f"wrote {args.rows} samples in {t_write:.1f} s", file=sys.stderr)
     out = root / "prepared"
     t0 = time.perf_counter()
+    t_parts = _run_parts(shards, out, args) if args.parts > 1 else 0.0
     summary = prepare_dataset(
-        PrepareConfig(str(shards), str(out), workers=args.workers, val_fraction=0.01, progress=False)
+        PrepareConfig(
+            str(shards), str(out), workers=args.workers, val_fraction=0.01, progress=False, merge=args.parts > 1
+        )
     )
     t_prep = time.perf_counter() - t0
     probe = subprocess.run(
@@ -126,10 +151,14 @@ def main(argv=None) -> int:
         "prepare_rows_per_s": args.rows / t_prep,
         "prepare_rows_per_s_per_core": args.rows / t_prep / args.workers,
         "prepare_timings_s": summary["timings_s"],
+        "parts": args.parts,
+        "parts_s": t_parts,
         "load": load,
     }
     print(f"{'rows':<28}{args.rows:>14,}")
     print(f"{'prepare':<28}{t_prep:>12.1f} s  ({report['prepare_rows_per_s']:.0f} rows/s, {args.workers} workers)")
+    if args.parts > 1:
+        print(f"{'  of which the parts':<28}{t_parts:>12.1f} s  ({args.parts} processes)")
     print(f"{'loader: open':<28}{load['open_s']:>12.1f} s")
     print(f"{'loader: first batch':<28}{load['first_batch_s']:>12.1f} s")
     print(f"{'loader: extra RSS':<28}{load['extra_rss_bytes'] / 2**20:>12.0f} MiB")
