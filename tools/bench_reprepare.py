@@ -1,0 +1,76 @@
+"""A re-preparation after rows were added: what reusing the earlier checks saves.
+
+    python tools/bench_reprepare.py [--n 512] [--added 16] [--workers N] [--json OUT]
+
+Prepares N real 800x600 JPEG photos (cut from scikit-image's, as bench_loader's), adds --added new photos
+to the manifest, and prepares again into the same directory: the baseline is the first preparation, which
+decodes every image; the second decodes only the new ones (``prepare.json``'s ``reused_checks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=512)
+    p.add_argument("--added", type=int, default=16)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", default="bench_out/bench_reprepare.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from mmfast.benchdata import photo_manifest
+    from mmfast.demo import default_cache_dir
+    from mmfast.fsutil import atomic_write_json
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    args = parse_args(argv)
+    source = photo_manifest(default_cache_dir() / "bench", n=args.n)
+    with tempfile.TemporaryDirectory(prefix="bench_reprepare_") as tmp:
+        photos = Path(tmp) / "photos"
+        shutil.copytree(source.parent, photos)
+        manifest = photos / "manifest.jsonl"
+        cfg = PrepareConfig(str(manifest), str(Path(tmp) / "out"), workers=args.workers, progress=False)
+        t0 = time.perf_counter()
+        first = prepare_dataset(cfg)
+        t_first = time.perf_counter() - t0
+        rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+        for k in range(args.added):  # new files: copies of earlier photos under new names
+            shutil.copy(photos / rows[k]["image"], photos / f"added{k}.jpg")
+            rows.append({**rows[k], "image": f"added{k}.jpg", "text": f"{rows[k]['text']} (added {k})"})
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        t0 = time.perf_counter()
+        again = prepare_dataset(cfg)
+        t_again = time.perf_counter() - t0
+    report = {
+        "images": args.n,
+        "added": args.added,
+        "workers": args.workers,
+        "first_s": t_first,
+        "first_validate_s": first["timings_s"]["validate"],
+        "again_s": t_again,
+        "again_validate_s": again["timings_s"]["validate"],
+        "reused_checks": again["reused_checks"],
+        "speedup": t_first / t_again,
+    }
+    print(f"{'preparation':<40}{'wall s':>10}{'validate s':>12}")
+    print(f"{f'first: {args.n} photos (baseline)':<40}{t_first:>10.2f}{report['first_validate_s']:>12.2f}")
+    label = f"again, {args.added} added ({again['reused_checks']} reused)"
+    print(f"{label:<40}{t_again:>10.2f}{report['again_validate_s']:>12.2f}   {report['speedup']:.1f}x faster")
+    atomic_write_json(args.json, report)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
