@@ -42,7 +42,7 @@ class Columns:
         return [c for c in (self.image, self.text, self.label) if c is not None]
 
 
-@dataclass
+@dataclass(slots=True)  # no per-object __dict__: preparation holds one per input row
 class Candidate:
     """One input row that passed the manifest-level checks; its image is still to be validated."""
 

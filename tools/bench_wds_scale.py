@@ -114,6 +114,12 @@ def _run_parts(shards: Path, out: Path, args) -> float:
     return time.perf_counter() - t0
 
 
+def _peak_rss() -> int:
+    """This process's peak resident memory so far (VmHWM), bytes."""
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
+
+
 def main(argv=None) -> int:
     from mmfast.fsutil import atomic_write_json
     from mmfast.prepare import PrepareConfig, prepare_dataset
@@ -151,12 +157,14 @@ def main(argv=None) -> int:
         "prepare_rows_per_s": args.rows / t_prep,
         "prepare_rows_per_s_per_core": args.rows / t_prep / args.workers,
         "prepare_timings_s": summary["timings_s"],
+        "prepare_peak_rss_bytes": _peak_rss(),  # the preparation runs in this process (the parts: in theirs)
         "parts": args.parts,
         "parts_s": t_parts,
         "load": load,
     }
     print(f"{'rows':<28}{args.rows:>14,}")
     print(f"{'prepare':<28}{t_prep:>12.1f} s  ({report['prepare_rows_per_s']:.0f} rows/s, {args.workers} workers)")
+    print(f"{'prepare: peak RSS':<28}{report['prepare_peak_rss_bytes'] / 2**20:>12.0f} MiB (this process)")
     if args.parts > 1:
         print(f"{'  of which the parts':<28}{t_parts:>12.1f} s  ({args.parts} processes)")
     print(f"{'loader: open':<28}{load['open_s']:>12.1f} s")

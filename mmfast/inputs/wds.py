@@ -231,7 +231,9 @@ def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Can
                 if not check.ok:
                     reject(f"{check.reason}: {image.name}")
                     continue
-                source = {**row, "member": image.name, "offset": image.offset_data, "nbytes": image.size}
+                # what the index lists (the member list stays with the rejects: a row's bytes count at 10M)
+                source = {"shard": rel, "key": key, "member": image.name}
+                source |= {"offset": image.offset_data, "nbytes": image.size}
                 c = Candidate(
                     line, f"{shard}:{image.name}", text, NO_LABEL if o["no_labels"] else label, source, rel
                 )
