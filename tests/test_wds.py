@@ -217,7 +217,8 @@ def test_multimodal_loader_joins_image_caption_and_label(prepared_wds, shards, m
         loader = MultimodalLoader(
             prepared_wds, split, batch_size=3, size=32, shuffle=True, drop_last=False, train=False, dtype="float32"
         )
-        assert loader.texts is None  # the rows were read as arrays (wds/<split>.rows.npy), not as JSON
+        # the rows were read as arrays (wds/<split>.rows.npy), not as JSON: no row's image path was read
+        assert set(loader.files) == {str(prepared_wds / "wds" / f"{split}.rows.npy")}
         by_photo, seen = {}, []
         for batch in loader:
             for i, sid in enumerate(batch["id"].tolist()):
@@ -351,8 +352,11 @@ def test_export_trains_with_the_originals_moved_away(exported, tmp_path, monkeyp
                 assert ids == tok(rows[sid]["text"], truncation=True, max_length=64)["input_ids"]
                 seen.append(sid)
     assert sorted(seen) == sorted(rows)
-    with pytest.raises(ValueError, match="every image is missing"):  # the files source has nothing to read
-        MultimodalLoader(out, "val", batch_size=4, size=32)
+    # the files source has nothing to read: found at start-up when asked, else when DALI fails on the files
+    with pytest.raises(ValueError, match="every image is missing"):
+        MultimodalLoader(out, "val", batch_size=4, size=32, verify_files=True)
+    with pytest.raises(ValueError, match="every image is missing"):
+        next(iter(MultimodalLoader(out, "val", batch_size=4, size=32)))
 
 
 @pytest.mark.slow
