@@ -107,6 +107,12 @@ class TrainConfig:
     on_bad_image: str = _opt(
         "skip", "data", "a missing/undecodable image: skip (log, count, mask it out) or error (stop the run)"
     )
+    verify_files: bool = _opt(
+        False,
+        "data",
+        "stat every image at start-up and decode again the missing/changed ones (a long start on a large "
+        "split); off: a bad image is found when it is read, and handled as --on-bad-image says",
+    )
     source: str = _opt(
         "files", "data", "images from their files (files) or from the prepared dir's WebDataset shards (wds)"
     )
@@ -361,6 +367,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "eval_batch_size",
         "max_nan_steps",
         "on_bad_image",
+        "verify_files",
         "compile",
         "dist_timeout",
         "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written

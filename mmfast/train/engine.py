@@ -183,6 +183,7 @@ def build_loaders(
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,
+        verify_files=cfg.verify_files,
         source=cfg.source,
         accelerator=accelerator,
         size=cfg.image_size,
