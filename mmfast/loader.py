@@ -50,7 +50,7 @@ from mmfast.dropin import (
     torchvision_equivalent,
 )
 from mmfast.file_health import ON_BAD_IMAGE, PAD_ID, FileHealth
-from mmfast.host_finish import HostFinisher, default_threads, ragged_iterator
+from mmfast.host_finish import CPU_RESIZE, HostFinisher, default_threads, ragged_iterator
 from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.sampling import ShardSampler, distributed_sampler_indices, epoch_order, shard_positions
 from mmfast.sources import FilesSource, WdsSource
@@ -68,7 +68,6 @@ from mmfast.stream import (
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
 IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
-CPU_RESIZE = ("torch", "dali")  # the choices of cpu_resize
 
 
 class ImageLoader:
@@ -194,11 +193,7 @@ class ImageLoader:
                 folder, labels, batch_size=batch_size, size=size, train=train, dtype=dtype, fp16=fp16,
                 classes=classes, pipeline_kwargs=pipeline_kwargs,
             )  # fmt: skip
-        if accelerator is not None:
-            shard_id = accelerator.process_index if shard_id is None else shard_id
-            num_shards = accelerator.num_processes if num_shards is None else num_shards
-            device = accelerator.device if device is None else device
-        shard_id, num_shards = shard_id or 0, 1 if num_shards is None else num_shards
+        shard_id, num_shards, device = _process_layout(accelerator, shard_id, num_shards, device)
         size = 224 if size is None else size
         prefetch = _check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
         self._set_samples(files, labels, ids)
@@ -233,13 +228,17 @@ class ImageLoader:
         make_transform = functools.partial(torchvision_equivalent, self.train, size, self.dtype, pipeline_kwargs)
         self.dataset = ImageFiles(self.files, self.labels, classes, make_transform) if folder is None else folder
         self.classes = list(classes) if classes is not None else self.dataset.classes
+        self._sampler: ShardSampler | None = None
+        self._start_position()
+
+    def _start_position(self) -> None:
+        """Before the first batch: epoch 0, no stream yet."""
         self.epoch = 0
         self.step = 0  # batches of the current epoch already delivered
         self._stream: Stream | None = None  # the live DALI iterator and the position of its next batch
         self._restore: Restore | None = None  # set by load_state_dict
         self._keep_position = False  # a restored position the next iter() continues from
         self._generation = 0  # bumped by each iter(): an older, abandoned iterator stops
-        self._sampler: ShardSampler | None = None
 
     def _set_samples(self, files, labels, ids) -> None:
         """``files``, ``labels`` and ``ids`` as the loader keeps them (lists of str, int64 arrays), checked."""
@@ -576,6 +575,15 @@ class ImageLoader:
                 yield {"image": images, "label": labels, "id": ids, "mask": mask}
             else:
                 yield Batch.of(images, labels, ids, mask)
+
+
+def _process_layout(accelerator, shard_id: int | None, num_shards: int | None, device) -> tuple:
+    """(shard_id, num_shards, device): as given, else the ``accelerator``'s, else (0, 1, None)."""
+    if accelerator is not None:
+        shard_id = accelerator.process_index if shard_id is None else shard_id
+        num_shards = accelerator.num_processes if num_shards is None else num_shards
+        device = accelerator.device if device is None else device
+    return shard_id or 0, 1 if num_shards is None else num_shards, device
 
 
 def _check_sizes(

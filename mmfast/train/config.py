@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 
@@ -230,18 +230,23 @@ def _one_of(allowed: tuple[str, ...]) -> str:
 
 
 def choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each field that takes a name; the registries (MODELS, PRESETS) are the source."""
+    """The allowed values of each field that takes a name, read from where each choice is made (the model and
+    preset registries, the sources registry, the loader's and the late fusion's options)."""
+    from mmfast.file_health import ON_BAD_IMAGE
+    from mmfast.host_finish import CPU_RESIZE
     from mmfast.models import MODELS, PRESETS
+    from mmfast.models.fusion import COMBINE
+    from mmfast.sources import SOURCES
 
     return {
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
-        "combine": ("mean", "learned"),
+        "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
-        "cpu_resize": ("torch", "dali"),
-        "on_bad_image": ("skip", "error"),
-        "source": ("files", "wds"),
+        "cpu_resize": CPU_RESIZE,
+        "on_bad_image": ON_BAD_IMAGE,
+        "source": tuple(SOURCES),
     }
 
 
@@ -337,10 +342,6 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
         return TrainConfig(**{**file_values, **ns})
     except TypeError as e:
         raise ValueError(f"bad configuration: {e}") from e
-
-
-def config_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)
 
 
 # Settings a resumed run may change (applied from the resume on, and recorded in config.json's segments).
