@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from mmfast.dataset import PreparedDataset
 
 
 def parse_args(argv):
@@ -101,12 +102,13 @@ def _endless(make_epoch):
 
 
 def claims(args, data: Path, device, mp: str) -> dict:
-    from mmfast.baseline import baseline_loader
+    from benchlib.baseline import baseline_loader
+
     from mmfast.loader import MultimodalLoader
     from mmfast.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(data / "tokenizer"))
-    num_classes = len(json.loads((data / "labels.json").read_text()))
+    num_classes = PreparedDataset(data, verify=False).num_classes
     res = {}
     dl = baseline_loader(data, args.batch_size, args.image_size)
     mm = MultimodalLoader(data, "train", args.batch_size, size=args.image_size, device=device)
@@ -180,7 +182,7 @@ def loop_overhead(args, data: Path, device) -> dict:
     loader = MultimodalLoader(data, "train", args.batch_size, size=args.image_size, device=acc.device)
     batches = [b for _, b in zip(range(args.steps), loader, strict=False)]
     vocab = len(load_tokenizer(data / "tokenizer"))
-    num_classes = len(json.loads((data / "labels.json").read_text()))
+    num_classes = PreparedDataset(data, verify=False).num_classes
     mine, minimal = [], []
     for _ in range(args.repeats):
         model = _model(args, "concat", num_classes, vocab, acc.device)
@@ -241,7 +243,8 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmfast.benchdata import prepared_photos
+    from benchlib.data import prepared_photos
+
     from mmfast.fsutil import atomic_write_json
     from mmfast.train.setup import resolve_mixed_precision
 
