@@ -53,7 +53,7 @@ from mmfast.file_health import ON_BAD_IMAGE, PAD_ID, FileHealth
 from mmfast.host_finish import CPU_RESIZE, HostFinisher, default_threads, ragged_iterator
 from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD, READER_NAME, image_pipeline
 from mmfast.sampling import ShardSampler, distributed_sampler_indices, epoch_order, shard_positions
-from mmfast.sources import FilesSource, WdsSource
+from mmfast.sources import FilesSource, Source, WdsSource
 from mmfast.stream import (
     MAX_CHUNK_ENTRIES,
     MAX_CHUNK_EPOCHS,
@@ -116,6 +116,8 @@ class ImageLoader:
             DistributedSampler.
         wds_index: the index file of each of ``wds_shards`` (``mmfast.inputs.wds``: a prepared directory
             holds those of the user's shards).
+        image_source: the source object to read (``mmfast.sources``, e.g. ``PreparedDataset.source_for``)
+            instead of ``wds_shards``/``files``; ``files`` still describe the samples.
         on_bad_image: what to do with an image that is missing or cannot be decoded: "skip" (log it, count
             it in ``skipped``, and serve a masked sample in its place: id -1, label -100, mask False, so batch
             sizes and the other samples' order stay the same on every rank) or "error" (raise, naming the
@@ -178,6 +180,7 @@ class ImageLoader:
         prefetch_factor: int | None = None,
         wds_shards: Sequence[str] | None = None,
         wds_index: Sequence[str] | None = None,
+        image_source: Source | None = None,
         on_bad_image: str = "skip",
         verify_files: bool = False,
         file_stats: Sequence[tuple[int, int]] | None = None,
@@ -217,7 +220,8 @@ class ImageLoader:
         self.prefetch_factor = self.prefetch
         self.pipeline_kwargs = pipeline_kwargs
         self._finisher = self._make_finisher(cpu_resize, finish_threads)
-        self._set_source(wds_shards, wds_index, on_bad_image, max_pixels, verify_files, file_stats)
+        source = image_source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
+        self._set_source(source, on_bad_image, max_pixels, verify_files, file_stats)
         n = len(self.files)
         if drop_last and n < batch_size * num_shards:
             raise ValueError(
@@ -269,10 +273,10 @@ class ImageLoader:
         finisher.dtype = self.dtype  # it allocates its output in this dtype (bfloat16 too)
         return finisher
 
-    def _set_source(self, wds_shards, wds_index, on_bad_image, max_pixels, verify_files, file_stats) -> None:
+    def _set_source(self, source: Source, on_bad_image, max_pixels, verify_files, file_stats) -> None:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
         self._health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads)
-        self.source = WdsSource(wds_shards, wds_index) if wds_shards else FilesSource()
+        self.source = source
         self.on_bad_image = on_bad_image
         self.max_pixels = max_pixels
         self.bad = self._health.bad  # position in files -> why it is skipped (the same dict)

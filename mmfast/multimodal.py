@@ -11,7 +11,6 @@ import torch
 
 from mmfast.dataset import PreparedDataset
 from mmfast.loader import IGNORE_LABEL, ImageLoader
-from mmfast.sources import WdsSource
 from mmfast.token_cache import TokenCache
 
 
@@ -61,12 +60,9 @@ class MultimodalLoader(ImageLoader):
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
-        reader = dataset.source_for(split, source)
-        shards = isinstance(reader, WdsSource)
-        if shards:
-            kwargs["wds_shards"], kwargs["wds_index"] = reader.tars, reader.index
-        # A WebDataset source needs only ids and labels; the files source needs each row's file.
-        table = dataset.table(split, images=not shards)
+        kwargs["image_source"] = reader = dataset.source_for(split, source)
+        # A source that reads the rows' own files needs each row's path; a WebDataset only ids and labels.
+        table = dataset.table(split, images=reader.needs_paths)
         n = len(table.ids)
         if not n:
             raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")

@@ -6,6 +6,7 @@ A source says what differs between readers, so the loader never branches on the 
 - ``ordered_by_loader``: the loader's seeded, sharded, resumable positions decide what is read (True), or
   the reader shards and shuffles itself, one epoch per DALI reader epoch (False);
 - ``can_skip_bad``: a bad sample can be found and replaced at run time;
+- ``needs_paths``: the reader opens each sample's own file (so a loader needs the rows' image paths);
 - ``samples_per_shard``: the per-process length when the reader shards itself.
 """
 
@@ -27,6 +28,7 @@ class FilesSource:
     name = "files"
     ordered_by_loader = True
     can_skip_bad = True
+    needs_paths = True
 
     def reader_kwargs(
         self, positions: np.ndarray, health: FileHealth, shard_id: int, num_shards: int, shuffle: bool
@@ -56,6 +58,7 @@ class WdsSource:
     name = "wds"
     ordered_by_loader = False
     can_skip_bad = False
+    needs_paths = False
 
     def __init__(self, tars: list[str], index: list[str] | None = None):
         self.tars = [str(t) for t in tars]
@@ -89,6 +92,7 @@ class WdsSource:
 
 
 SOURCES = {"files": FilesSource, "wds": WdsSource}
+Source = FilesSource | WdsSource  # what a loader reads through
 
 
 def check_source_name(name: str) -> str:

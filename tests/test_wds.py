@@ -359,6 +359,29 @@ def test_export_trains_with_the_originals_moved_away(exported, tmp_path, monkeyp
         next(iter(MultimodalLoader(out, "val", batch_size=4, size=32)))
 
 
+def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, prepared_wds):
+    """``PreparedDataset.table``: a split's ids and labels as arrays (from wds/<split>.rows.npy when no path is
+    needed, else from the rows, with their image paths); ``source_for``: the source a loader reads, by name,
+    and always the shards for a dataset prepared from them."""
+    from mmfast.dataset import PreparedDataset, wds_split
+
+    _, out = exported
+    dataset = PreparedDataset(out)
+    rows = dataset.rows("val")
+    arrays, full = dataset.table("val", images=False), dataset.table("val")
+    assert arrays.images is None and full.images == [r["image"] for r in rows]
+    for table in (arrays, full):
+        assert table.ids.dtype == np.int64 and table.ids.tolist() == [r["id"] for r in rows]
+        assert table.labels.tolist() == [r["label"] for r in rows]
+    assert full.file_stats == [(r["size"], r["mtime_ns"]) for r in rows]
+    files, shards = dataset.source_for("val", "files"), dataset.source_for("val", "wds")
+    assert (files.name, files.needs_paths, shards.name, shards.needs_paths) == ("files", True, "wds", False)
+    assert (shards.tars, shards.index) == wds_split(out, "val")
+    with pytest.raises(ValueError, match="unknown source 'tfrecord'; choose from 'files', 'wds'"):
+        dataset.source_for("val", "tfrecord")
+    assert PreparedDataset(prepared_wds).source_for("train", "files").name == "wds"  # its images: shards only
+
+
 @pytest.mark.slow
 def test_train_tool_source_wds_without_the_originals(exported, tmp_path):
     manifest, out = exported

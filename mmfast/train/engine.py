@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 from mmfast.dataset import PreparedDataset
 from mmfast.fsutil import atomic_write_json
-from mmfast.loader import IGNORE_LABEL, MultimodalLoader
+from mmfast.loader import IGNORE_LABEL
 from mmfast.metrics import confusion_figures
 from mmfast.model_dir import write_run_models
 from mmfast.models import build_model
+from mmfast.multimodal import MultimodalLoader
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import (
