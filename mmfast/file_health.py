@@ -35,7 +35,7 @@ class FileHealth:
 
     def __init__(self, files: list[str], ids: np.ndarray, on_bad_image: str, max_pixels: int, num_threads: int):
         if on_bad_image not in ON_BAD_IMAGE:
-            raise ValueError(f"on_bad_image must be 'skip' or 'error', got '{on_bad_image}'")
+            raise ValueError(f"on_bad_image must be {' or '.join(map(repr, ON_BAD_IMAGE))}, got '{on_bad_image}'")
         self.files, self.ids = files, ids
         self.on_bad_image = on_bad_image
         self.max_pixels = max_pixels

@@ -261,7 +261,7 @@ class ImageLoader:
     def _make_finisher(self, cpu_resize: str, finish_threads: int | None) -> HostFinisher | None:
         """The host finishing of CPU-decoded crops (``cpu_resize="torch"``), or None (DALI finishes)."""
         if cpu_resize not in CPU_RESIZE:
-            raise ValueError(f"cpu_resize must be 'torch' or 'dali', got '{cpu_resize}'")
+            raise ValueError(f"cpu_resize must be {' or '.join(map(repr, CPU_RESIZE))}, got '{cpu_resize}'")
         if self.device.type == "cuda" or cpu_resize != "torch":
             return None
         options = self.pipeline_kwargs
