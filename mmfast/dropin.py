@@ -143,15 +143,9 @@ def options_from_transform(transform) -> dict:
                 _unsupported(op, "the pipeline flips with probability 0.5")
             found["flip"] = True
         elif name == "ColorJitter":
-            ranges = [op.brightness, op.contrast, op.saturation]
-            if all(r is None for r in ranges) and op.hue is None:
-                continue  # ColorJitter(): nothing to do
-            if op.hue not in (None, (0, 0)) or None in ranges or len({tuple(r) for r in ranges}) != 1:
-                _unsupported(op, "the pipeline jitters brightness, contrast and saturation alike, not hue")
-            lo, hi = ranges[0]
-            if not math.isclose(1 - lo, hi - 1):
-                _unsupported(op, "the jitter range must be symmetric around 1")
-            found["color_jitter"] = hi - 1
+            strength = _jitter_strength(op)
+            if strength is not None:  # None: ColorJitter(), nothing to do
+                found["color_jitter"] = strength
         elif name == "Resize":
             size = [op.size] if isinstance(op.size, int) else list(op.size)
             if len(size) != 1 or op.max_size is not None:
@@ -192,6 +186,20 @@ def options_from_transform(transform) -> dict:
             "Resize(R) + CenterCrop(S) with R >= S (evaluation): the two the pipeline reproduces"
         )
     return {**found, "train": False, "size": crop, "crop_ratio": crop / resize}
+
+
+def _jitter_strength(op) -> float | None:
+    """``color_jitter`` of a ColorJitter that varies brightness, contrast and saturation alike; None for one
+    that does nothing."""
+    ranges = [op.brightness, op.contrast, op.saturation]
+    if all(r is None for r in ranges) and op.hue is None:
+        return None
+    if op.hue not in (None, (0, 0)) or None in ranges or len({tuple(r) for r in ranges}) != 1:
+        _unsupported(op, "the pipeline jitters brightness, contrast and saturation alike, not hue")
+    lo, hi = ranges[0]
+    if not math.isclose(1 - lo, hi - 1):
+        _unsupported(op, "the jitter range must be symmetric around 1")
+    return hi - 1
 
 
 def _unsupported(op, why: str):
