@@ -181,6 +181,19 @@ class PreparedDataset:
         return len(self.labels)
 
     @property
+    def version(self) -> int:
+        """The format version of prepare.json (``MIN_VERSION`` or later: older ones are refused on opening)."""
+        return int(self.summary.get("version", 1))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer in tokenizer/ produces: the size of a text model's embedding table. Read
+        from the tokenizer itself (what the token cache was built with), not from prepare.json's figure."""
+        from mmfast.tokenizer import load_tokenizer
+
+        return len(load_tokenizer(self.tokenizer_dir))
+
+    @property
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
 

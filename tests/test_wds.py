@@ -380,6 +380,8 @@ def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, pr
     with pytest.raises(ValueError, match="unknown source 'tfrecord'; choose from 'files', 'wds'"):
         dataset.source_for("val", "tfrecord")
     assert PreparedDataset(prepared_wds).source_for("train", "files").name == "wds"  # its images: shards only
+    assert dataset.version >= 2 and dataset.vocab_size == len(load_tokenizer(out / "tokenizer"))
+    assert dataset.vocab_size == dataset.summary["vocab_size"]
 
 
 @pytest.mark.slow

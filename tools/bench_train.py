@@ -105,10 +105,9 @@ def claims(args, data: Path, device, mp: str) -> dict:
     from benchlib.baseline import baseline_loader
 
     from mmfast.loader import MultimodalLoader
-    from mmfast.tokenizer import load_tokenizer
 
-    vocab = len(load_tokenizer(data / "tokenizer"))
-    num_classes = PreparedDataset(data, verify=False).num_classes
+    dataset = PreparedDataset(data, verify=False)
+    vocab, num_classes = dataset.vocab_size, dataset.num_classes
     res = {}
     dl = baseline_loader(data, args.batch_size, args.image_size)
     mm = MultimodalLoader(data, "train", args.batch_size, size=args.image_size, device=device)
@@ -168,7 +167,6 @@ def loop_overhead(args, data: Path, device) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from mmfast.loader import MultimodalLoader
-    from mmfast.tokenizer import load_tokenizer
     from mmfast.train.config import TrainConfig
     from mmfast.train.engine import EpochRunner, initial_state, make_scheduler, param_groups
     from mmfast.train.setup import make_accelerator
@@ -181,8 +179,8 @@ def loop_overhead(args, data: Path, device) -> dict:
     mp = acc.mixed_precision
     loader = MultimodalLoader(data, "train", args.batch_size, size=args.image_size, device=acc.device)
     batches = [b for _, b in zip(range(args.steps), loader, strict=False)]
-    vocab = len(load_tokenizer(data / "tokenizer"))
-    num_classes = PreparedDataset(data, verify=False).num_classes
+    dataset = PreparedDataset(data, verify=False)
+    vocab, num_classes = dataset.vocab_size, dataset.num_classes
     mine, minimal = [], []
     for _ in range(args.repeats):
         model = _model(args, "concat", num_classes, vocab, acc.device)

@@ -27,7 +27,6 @@ from mmfast.model_dir import write_run_models
 from mmfast.models import build_model
 from mmfast.multimodal import MultimodalLoader
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
-from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -405,7 +404,7 @@ def _build_model(cfg: TrainConfig, dataset: PreparedDataset) -> torch.nn.Module:
         dataset.num_classes,
         image_backbone=cfg.image_backbone,
         text_model=cfg.text_model,
-        vocab_size=len(load_tokenizer(dataset.tokenizer_dir)),
+        vocab_size=dataset.vocab_size,
         image_weights=cfg.image_weights,
         freeze_image=cfg.freeze_image,
         freeze_text=cfg.freeze_text,
