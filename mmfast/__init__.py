@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 # command's --help is quick and a Ctrl-C during start-up lands under the command's own handler.
 _LAZY = {
     "ImageLoader": "mmfast.loader",
-    "MultimodalLoader": "mmfast.loader",
+    "MultimodalLoader": "mmfast.multimodal",
     "MmfastModel": "mmfast.model_dir",
     "load_model": "mmfast.model_dir",
     "build_model": "mmfast.models",
@@ -22,9 +22,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from mmfast.loader import ImageLoader, MultimodalLoader
+    from mmfast.loader import ImageLoader
     from mmfast.model_dir import MmfastModel, load_model
     from mmfast.models import build_model
+    from mmfast.multimodal import MultimodalLoader
     from mmfast.token_cache import TokenCache
 
 

@@ -9,6 +9,13 @@ Directory contract (see DESIGN.md):
     labels.json           original label -> class id
     rejected.jsonl        dropped input rows with their reasons
     tokenizer/, tokens/   the tokenizer and the token cache (``mmfast.token_cache``)
+    wds/                  optional WebDataset source of each split (``mmfast.wds`` export, or the index of
+                          the user's shards it was prepared from, ``mmfast.inputs.wds``):
+                          <split>.json {"tars", "index", "stats": [[size, mtime_ns]] of each tar, ...} and
+                          <split>.rows.npy (N, 2) int64 [sample id, class id]
+
+A split's rows are read as arrays (``table``: ids, labels and, for the files source, image paths), never
+as a list of Python dicts kept by a loader; ``source_for`` picks the image source a loader reads.
 
 The directory is verified, not trusted: every recorded file is checked against its size and SHA-256
 when a dataset is opened, so an edited, truncated or swapped file stops a run at start-up with the file's
@@ -20,13 +27,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from mmfast.fsutil import MARKER as PREPARED_MARKER
 from mmfast.fsutil import file_sha256
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
-__all__ = ["DatasetError", "PREPARED_MARKER", "PreparedDataset", "file_sha256", "read_json_file"]
+__all__ = [
+    "DatasetError",
+    "PREPARED_MARKER",
+    "PreparedDataset",
+    "SplitTable",
+    "file_sha256",
+    "read_json_file",
+    "wds_split",
+]
 MIN_VERSION = 2  # the first prepare.json format that records file fingerprints
 
 
@@ -46,6 +65,45 @@ def read_json_file(path: Path, what: str) -> object:
         raise DatasetError(
             f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg} ({what})"
         ) from None
+
+
+@dataclass(frozen=True)
+class SplitTable:
+    """What a loader reads of a split: one entry per row, in the split's order."""
+
+    ids: np.ndarray  # (N,) int64 sample ids
+    labels: np.ndarray  # (N,) int64 class ids
+    images: list[str] | None  # each row's image file; None when read from wds/<split>.rows.npy
+    file_stats: list[tuple[int, int]] | None  # (size, mtime_ns) at preparation, when every row has them
+
+
+def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
+    """(tars, index files) of a split's WebDataset source in a prepared directory: mmfast's export
+    (``mmfast.wds``) or the user's shards it was prepared from (``mmfast.inputs.wds``).
+
+    Raises:
+        FileNotFoundError: no WebDataset source for the split.
+        ValueError: a user's shard changed (size or mtime) since preparation.
+    """
+    wds = Path(root) / "wds"
+    listing = wds / f"{split}.json"
+    if not listing.is_file():
+        raise FileNotFoundError(f"{listing}: no WebDataset shards; run tools/prepare_data.py --format wds")
+    info = json.loads(listing.read_text())
+    if "tars" not in info:  # an export by an older mmfast
+        info["tars"], info["index"] = [f"{s}.tar" for s in info["shards"]], [f"{s}.idx" for s in info["shards"]]
+    tars = [str(wds / t) for t in info["tars"]]  # the user's shards are absolute paths, and stay so
+    index = [str(wds / i) for i in info["index"]]
+    for tar, want in zip(tars, info.get("stats", []), strict=False):
+        try:
+            st = os.stat(tar)
+        except OSError as e:
+            raise FileNotFoundError(f"{tar}: WebDataset shard missing ({e.strerror}); restore it") from None
+        if [st.st_size, st.st_mtime_ns] != list(want):
+            raise ValueError(
+                f"{tar}: changed since preparation (size or mtime); re-run tools/prepare_data.py to index it again"
+            )
+    return tars, index
 
 
 class PreparedDataset:
@@ -123,6 +181,19 @@ class PreparedDataset:
         return len(self.labels)
 
     @property
+    def version(self) -> int:
+        """The format version of prepare.json (``MIN_VERSION`` or later: older ones are refused on opening)."""
+        return int(self.summary.get("version", 1))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer in tokenizer/ produces: the size of a text model's embedding table. Read
+        from the tokenizer itself (what the token cache was built with), not from prepare.json's figure."""
+        from mmfast.tokenizer import load_tokenizer
+
+        return len(load_tokenizer(self.tokenizer_dir))
+
+    @property
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
 
@@ -145,10 +216,13 @@ class PreparedDataset:
         Raises:
             DatasetError: naming the file and line of a row that cannot be parsed or is out of range.
         """
+        return list(self.iter_rows(split))
+
+    def iter_rows(self, split: str) -> Iterator[dict]:
+        """``rows(split)`` one at a time, without holding them all."""
         path = self.root / f"{split}.jsonl"
         if split not in ("train", "val"):
             raise DatasetError(f"unknown split '{split}'; choose from 'train', 'val'")
-        rows = []
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if not raw.strip():
@@ -162,8 +236,45 @@ class PreparedDataset:
                 problem = self._row_problem(row)
                 if problem:
                     raise DatasetError(f"{path}, line {line_no}: {problem}; re-run tools/prepare_data.py")
-                rows.append(row)
-        return rows
+                yield row
+
+    def table(self, split: str, images: bool = True) -> SplitTable:
+        """The ids and labels of ``split`` as arrays, and (``images``) each row's image file and the
+        (size, mtime_ns) it had when validated. Without ``images`` a WebDataset split is read from
+        wds/<split>.rows.npy (bytes a row, not a dict of Python objects: what keeps a 10M-row split's loader
+        small)."""
+        npy = self.root / "wds" / f"{split}.rows.npy"
+        if not images and npy.is_file():
+            ids_labels = np.load(npy).reshape(-1, 2)  # (N, 2) int64: id, class id
+            return SplitTable(ids_labels[:, 0], ids_labels[:, 1], None, None)
+        ids, labels, paths, stats = [], [], [], []
+        for r in self.iter_rows(split):
+            ids.append(r["id"])
+            labels.append(r["label"])
+            paths.append(r["image"])
+            stats.append((r["size"], r["mtime_ns"]) if "size" in r and "mtime_ns" in r else None)
+        return SplitTable(
+            np.array(ids, dtype=np.int64),
+            np.array(labels, dtype=np.int64),
+            paths,
+            None if None in stats else stats,
+        )
+
+    def source_for(self, split: str, kind: str = "files"):
+        """The image source (``mmfast.sources``) a loader of ``split`` reads: ``kind`` ("files" or "wds"), but
+        always the WebDataset shards when the dataset was prepared from them (its images are in them only).
+
+        Raises:
+            ValueError: an unknown kind. FileNotFoundError: the split has no WebDataset shards.
+        """
+        from mmfast.sources import FilesSource, WdsSource, check_source_name
+
+        check_source_name(kind)
+        if kind == "files" and self.summary.get("input_kind") == "wds":
+            kind = "wds"
+        if kind == "wds":
+            return WdsSource(*wds_split(self.root, split))
+        return FilesSource()
 
     def _row_problem(self, row: object) -> str:
         if not isinstance(row, dict):

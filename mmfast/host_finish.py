@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+CPU_RESIZE = ("torch", "dali")  # who finishes CPU-decoded crops: this module's threads, or DALI's graph
+
 OUTPUTS = ["crops", "flips", "id"]  # what image_pipeline(finish_on_host=True) returns, in order
 # The out= form of F.interpolate(mode="bilinear", antialias=True): the aten op it dispatches to (None where a
 # torch lacks it: then F.interpolate itself).

@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.loader import ImageLoader, MultimodalLoader
+from mmfast.loader import ImageLoader
+from mmfast.manifest import IMAGE_SUFFIXES  # the images preparation reads, predicted the same
 from mmfast.model_dir import MmfastModel
+from mmfast.multimodal import MultimodalLoader
 from mmfast.token_cache import TokenCache
 from mmfast.validate import DEFAULT_MAX_PIXELS
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def read_rows(source: str | os.PathLike) -> list[dict]:

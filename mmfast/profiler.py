@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-PHASES = ("data", "h2d", "forward", "backward", "optimizer")
+PHASES = ("data", "forward", "backward", "optimizer")  # the order a report lists the timed phases in
 OUTSIDE_TRAINING = ("eval", "checkpoint")  # timed, reported, but not training time
 
 

@@ -25,6 +25,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+from mmfast.dataset import PreparedDataset
 from mmfast.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
 from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
 
@@ -54,11 +55,9 @@ def write_wds(prepared_dir: str | os.PathLike, shard_size: int = 1000) -> dict:
         raise OutputDirError(
             f"{prepared_dir}: not a dataset prepared by mmfast (no {MARKER}); run tools/prepare_data.py first"
         )
-    splits = {
-        split: [json.loads(ln) for ln in (prepared_dir / f"{split}.jsonl").read_text().splitlines() if ln]
-        for split in ("train", "val")
-    }
-    labels = json.loads((prepared_dir / "labels.json").read_text())
+    dataset = PreparedDataset(prepared_dir, verify=False)  # its rows and labels; training verifies the rest
+    splits = {split: dataset.rows(split) for split in ("train", "val")}
+    labels = dataset.labels
     # Everything below a prepared directory is mmfast's, so an existing wds/ may be replaced.
     with (
         file_lock(prepared_dir / ".wds.lock"),

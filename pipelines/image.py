@@ -1,5 +1,9 @@
 """Image pipelines: read -> decode (+ random crop) -> resize -> flip/jitter -> normalize to NCHW.
 
+A reader per source (``read_files``, ``read_wds``: see ``mmfast.sources``) and one processing function
+shared by all of them (``process_images``), as DALI's own ResNet-50 example shares its processing between
+readers.
+
 One graph for CPU and GPU: ``decode_device`` is "mixed" (nvJPEG / hardware decoder, output on the GPU)
 or "cpu" (libjpeg-turbo threads); the later operators follow the decoder's output. Every reader has
 ``name="Reader"`` so iterators can use ``reader_name``.
@@ -41,17 +45,47 @@ def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: 
     }
 
 
-@pipeline_def
-def image_pipeline(
-    *,
-    source: str,
-    files: list[str] | None = None,
-    ids: list[int] | None = None,
-    wds_paths: list[str] | None = None,
-    wds_index_paths: list[str] | None = None,
+def read_files(files: list[str], ids: list[int]):
+    """The file source: ``files`` read in the given order, labelled with their sample ``ids``.
+
+    Returns:
+        encoded images (B,) and sample ids (B, 1) int32.
+    """
+    return fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
+
+
+def read_wds(
+    wds_paths: list[str],
+    wds_index_paths: list[str],
     wds_shard_id: int = 0,
     wds_num_shards: int = 1,
     wds_shuffle: bool = False,
+):
+    """The WebDataset source: tars read through mmfast's index files, whose image names end with the sample
+    id (``mmfast.inputs.wds``); DALI shards them and, with ``wds_shuffle``, shuffles (a buffer).
+
+    Returns:
+        encoded images (B,) and sample ids (B, 1) int32.
+    """
+    encoded = fn.readers.webdataset(
+        paths=wds_paths,
+        index_paths=wds_index_paths,
+        ext=[WDS_IMAGE_EXT],
+        dtypes=[types.UINT8],
+        missing_component_behavior="error",
+        shard_id=wds_shard_id,
+        num_shards=wds_num_shards,
+        random_shuffle=wds_shuffle,
+        pad_last_batch=True,
+        name=READER_NAME,
+    )
+    encoded = encoded[0] if isinstance(encoded, list | tuple) else encoded
+    return encoded, _wds_sample_ids(encoded)
+
+
+def process_images(
+    encoded,
+    *,
     train: bool,
     size: int,
     decode_device: str = "cpu",
@@ -68,46 +102,14 @@ def image_pipeline(
     size_hint: int = 1024,
     finish_on_host: bool = False,
 ):
-    """The image graph.
+    """The processing shared by every source: decode (+ random crop) -> resize -> flip/jitter -> normalize.
 
-    Args:
-        source: "files" (``files`` + sample ``ids``, read in the given order) or "wds" (WebDataset tars read
-            through mmfast's index files, whose image names end with the sample id: ``mmfast.inputs.wds``).
-        train: random resized crop + flip (+ jitter) if True; resize shorter side + center crop otherwise.
-        size: output side in pixels.
-        decode_device: "mixed" on a GPU, "cpu" otherwise.
-        scale, ratio: area fraction and aspect-ratio ranges of the random crop.
-        color_jitter: strength of brightness/contrast/saturation jitter (0: off).
-        crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
-        fp16: emit float16 (else float32).
-        finish_on_host: stop after the decode (train: of the random crop, + jitter) and return the decoded
-            images with the flip draws; ``mmfast.host_finish`` resizes (eval: and centre-crops), flips and
-            normalizes them (the fast way on the CPU, where DALI's resize and normalize cost more than the
-            decode).
+    Args: as ``image_pipeline``'s.
 
     Returns:
-        images (B, 3, size, size) normalized, and sample ids (B, 1) int32; with ``finish_on_host``:
-        images (B x (h, w, 3) uint8, ragged), flip draws (B,) int32 and sample ids (B, 1) int32.
+        images (B, 3, size, size) normalized; with ``finish_on_host``: (images (B x (h, w, 3) uint8, ragged),
+        flip draws (B,) int32).
     """
-    if source == "files":
-        encoded, sample_ids = fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
-    elif source == "wds":
-        encoded = fn.readers.webdataset(
-            paths=wds_paths,
-            index_paths=wds_index_paths,
-            ext=[WDS_IMAGE_EXT],
-            dtypes=[types.UINT8],
-            missing_component_behavior="error",
-            shard_id=wds_shard_id,
-            num_shards=wds_num_shards,
-            random_shuffle=wds_shuffle,
-            pad_last_batch=True,
-            name=READER_NAME,
-        )
-        encoded = encoded[0] if isinstance(encoded, list | tuple) else encoded
-        sample_ids = _wds_sample_ids(encoded)
-    else:
-        raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
     dec = _decoder_kwargs(decode_device, hw_decoder_load, memory_padding, size_hint)
     mirror = 0
     if train:
@@ -136,15 +138,14 @@ def image_pipeline(
             )
         crop = None
         if finish_on_host:
-            flips = mirror if flip else fn.random.coin_flip(probability=0.0, dtype=types.INT32)
-            return images, flips, sample_ids
+            return images, mirror if flip else fn.random.coin_flip(probability=0.0, dtype=types.INT32)
     else:
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
         if finish_on_host:
-            return images, fn.random.coin_flip(probability=0.0, dtype=types.INT32), sample_ids
+            return images, fn.random.coin_flip(probability=0.0, dtype=types.INT32)
         images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True)
         crop = (size, size)
-    images = fn.crop_mirror_normalize(
+    return fn.crop_mirror_normalize(
         images,
         dtype=types.FLOAT16 if fp16 else types.FLOAT,
         output_layout="CHW",
@@ -153,4 +154,84 @@ def image_pipeline(
         std=list(std),
         mirror=mirror,
     )
-    return images, sample_ids
+
+
+@pipeline_def
+def image_pipeline(
+    *,
+    source: str,
+    files: list[str] | None = None,
+    ids: list[int] | None = None,
+    wds_paths: list[str] | None = None,
+    wds_index_paths: list[str] | None = None,
+    wds_shard_id: int = 0,
+    wds_num_shards: int = 1,
+    wds_shuffle: bool = False,
+    train: bool,
+    size: int,
+    decode_device: str = "cpu",
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+    color_jitter: float = 0.0,
+    crop_ratio: float = EVAL_CROP_RATIO,
+    fp16: bool = True,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+    hw_decoder_load: float = 0.65,
+    memory_padding: int = 64 << 20,
+    size_hint: int = 1024,
+    finish_on_host: bool = False,
+):
+    """The image graph: the reader of ``source`` followed by ``process_images``.
+
+    Args:
+        source: "files" (``files`` + sample ``ids``, read in the given order) or "wds" (WebDataset tars read
+            through mmfast's index files, whose image names end with the sample id: ``mmfast.inputs.wds``).
+        files, ids: the file source's list (``read_files``).
+        wds_paths, wds_index_paths, wds_shard_id, wds_num_shards, wds_shuffle: the WebDataset source's
+            (``read_wds``).
+        train: random resized crop + flip (+ jitter) if True; resize shorter side + center crop otherwise.
+        size: output side in pixels.
+        decode_device: "mixed" on a GPU, "cpu" otherwise.
+        scale, ratio: area fraction and aspect-ratio ranges of the random crop.
+        color_jitter: strength of brightness/contrast/saturation jitter (0: off).
+        crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
+        fp16: emit float16 (else float32).
+        hw_decoder_load, memory_padding, size_hint: GPU decoder knobs.
+        finish_on_host: stop after the decode (train: of the random crop, + jitter) and return the decoded
+            images with the flip draws; ``mmfast.host_finish`` resizes (eval: and centre-crops), flips and
+            normalizes them (the fast way on the CPU, where DALI's resize and normalize cost more than the
+            decode).
+
+    Returns:
+        images (B, 3, size, size) normalized, and sample ids (B, 1) int32; with ``finish_on_host``:
+        images (B x (h, w, 3) uint8, ragged), flip draws (B,) int32 and sample ids (B, 1) int32.
+    """
+    if source == "files":
+        encoded, sample_ids = read_files(files=files, ids=ids)
+    elif source == "wds":
+        encoded, sample_ids = read_wds(wds_paths, wds_index_paths, wds_shard_id, wds_num_shards, wds_shuffle)
+    else:
+        raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
+    processed = process_images(
+        encoded,
+        train=train,
+        size=size,
+        decode_device=decode_device,
+        scale=scale,
+        ratio=ratio,
+        flip=flip,
+        color_jitter=color_jitter,
+        crop_ratio=crop_ratio,
+        fp16=fp16,
+        mean=mean,
+        std=std,
+        hw_decoder_load=hw_decoder_load,
+        memory_padding=memory_padding,
+        size_hint=size_hint,
+        finish_on_host=finish_on_host,
+    )
+    if finish_on_host:  # (images, flips)
+        return (*processed, sample_ids)
+    return processed, sample_ids

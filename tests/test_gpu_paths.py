@@ -14,11 +14,11 @@ import pytest
 import torch
 from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
-from mmfast.benchdata import photo_manifest
 from mmfast.loader import MultimodalLoader
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.wds import write_wds
 from tools import train as train_tool
+from tools.benchlib.data import photo_manifest
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LO = torch.tensor([(0 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)])

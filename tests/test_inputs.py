@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN
 
-from mmfast.benchdata import photo_manifest
 from mmfast.dataset import PreparedDataset
 from mmfast.inputs import InputOptions, read_source
 from mmfast.manifest import NO_LABEL, ManifestError
@@ -24,6 +23,7 @@ from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer
 from tools import prepare_data
 from tools import train as train_tool
+from tools.benchlib.data import photo_manifest
 
 N = 12  # photos per input: enough for a train and a val split of every class
 

@@ -196,8 +196,13 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
     assert acc == summary["best_val_acc"]
 
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
-    figures = evaluate(Accelerator(cpu=True), model.model, val, model.class_names)
+    try:
+        figures = evaluate(Accelerator(cpu=True), model.model, val, model.class_names)
+    finally:  # Accelerate's process-wide state would fix the mixed precision of the next in-process run
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     assert figures["val_acc"] == summary["best_val_acc"]
     assert figures["val_macro_f1"] == summary["best_val_macro_f1"]
 

@@ -20,6 +20,7 @@ from conftest import SMALL_RUN as SMALL
 from conftest import train_cmd, write_jsonl
 
 from mmfast.demo import demo_dataset
+from mmfast.loader import MultimodalLoader
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.train import engine
 from tools import prepare_data
@@ -101,6 +102,33 @@ def test_on_bad_image_error_stops_naming_the_file(own_dataset, tmp_path, capsys)
     )
     err = capsys.readouterr().err
     assert rc == 2 and rows[5]["image"] in err and "re-run tools/prepare_data.py" in err
+
+
+def test_a_file_deleted_after_preparation_is_found_when_read(own_dataset, monkeypatch):
+    """No image is stat'ed at start-up unless asked (verify_files): a deleted one is found when DALI fails on
+    it, skipped (masked, named in ``skipped``) or, with on_bad_image="error", named in the error."""
+    rows = _jsonl(own_dataset / "train.jsonl")
+    gone = rows[7]
+    os.remove(gone["image"])
+    images = {r["image"] for r in rows}
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(str(p)) or real_stat(p, *a, **k))
+    loader = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, drop_last=False)
+    monkeypatch.undo()
+    assert not images & set(stats) and not loader.skipped  # nothing looked at the images yet
+    ids = [i for batch in loader for i in batch["id"].tolist()]
+    assert sorted(i for i in ids if i >= 0) == sorted(r["id"] for r in rows if r is not gone)
+    assert ids.count(-1) == 1  # the deleted sample's place, masked
+    assert [(s["id"], s["image"]) for s in loader.skipped] == [(gone["id"], gone["image"])]
+
+    checked = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, verify_files=True)
+    assert [s["id"] for s in checked.skipped] == [gone["id"]]  # found at start-up, before any batch
+
+    strict = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, on_bad_image="error")
+    with pytest.raises(ValueError, match=gone["image"]):
+        for _ in strict:
+            pass
 
 
 @pytest.mark.slow

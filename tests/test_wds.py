@@ -220,7 +220,8 @@ def test_multimodal_loader_joins_image_caption_and_label(prepared_wds, shards, m
         loader = MultimodalLoader(
             prepared_wds, split, batch_size=3, size=32, shuffle=True, drop_last=False, train=False, dtype="float32"
         )
-        assert loader.texts is None  # the rows were read as arrays (wds/<split>.rows.npy), not as JSON
+        # the rows were read as arrays (wds/<split>.rows.npy), not as JSON: no row's image path was read
+        assert set(loader.files) == {str(prepared_wds / "wds" / f"{split}.rows.npy")}
         by_photo, seen = {}, []
         for batch in loader:
             for i, sid in enumerate(batch["id"].tolist()):
@@ -322,7 +323,7 @@ def exported(tmp_path, photos_manifest) -> tuple[Path, Path]:
 
 @pytest.fixture()
 def photos_manifest(tmp_path) -> Path:
-    from mmfast.benchdata import photo_manifest
+    from tools.benchlib.data import photo_manifest
 
     return photo_manifest(tmp_path / "src", n=16, width=64, height=48, seed=2)
 
@@ -371,8 +372,36 @@ def test_export_trains_with_the_originals_moved_away(exported, tmp_path, monkeyp
                 assert ids == tok(rows[sid]["text"], truncation=True, max_length=64)["input_ids"]
                 seen.append(sid)
     assert sorted(seen) == sorted(rows)
-    with pytest.raises(ValueError, match="every image is missing"):  # the files source has nothing to read
-        MultimodalLoader(out, "val", batch_size=4, size=32)
+    # the files source has nothing to read: found at start-up when asked, else when DALI fails on the files
+    with pytest.raises(ValueError, match="every image is missing"):
+        MultimodalLoader(out, "val", batch_size=4, size=32, verify_files=True)
+    with pytest.raises(ValueError, match="every image is missing"):
+        next(iter(MultimodalLoader(out, "val", batch_size=4, size=32)))
+
+
+def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, prepared_wds):
+    """``PreparedDataset.table``: a split's ids and labels as arrays (from wds/<split>.rows.npy when no path is
+    needed, else from the rows, with their image paths); ``source_for``: the source a loader reads, by name,
+    and always the shards for a dataset prepared from them."""
+    from mmfast.dataset import PreparedDataset, wds_split
+
+    _, out = exported
+    dataset = PreparedDataset(out)
+    rows = dataset.rows("val")
+    arrays, full = dataset.table("val", images=False), dataset.table("val")
+    assert arrays.images is None and full.images == [r["image"] for r in rows]
+    for table in (arrays, full):
+        assert table.ids.dtype == np.int64 and table.ids.tolist() == [r["id"] for r in rows]
+        assert table.labels.tolist() == [r["label"] for r in rows]
+    assert full.file_stats == [(r["size"], r["mtime_ns"]) for r in rows]
+    files, shards = dataset.source_for("val", "files"), dataset.source_for("val", "wds")
+    assert (files.name, files.needs_paths, shards.name, shards.needs_paths) == ("files", True, "wds", False)
+    assert (shards.tars, shards.index) == wds_split(out, "val")
+    with pytest.raises(ValueError, match="unknown source 'tfrecord'; choose from 'files', 'wds'"):
+        dataset.source_for("val", "tfrecord")
+    assert PreparedDataset(prepared_wds).source_for("train", "files").name == "wds"  # its images: shards only
+    assert dataset.version >= 2 and dataset.vocab_size == len(load_tokenizer(out / "tokenizer"))
+    assert dataset.vocab_size == dataset.summary["vocab_size"]
 
 
 @pytest.mark.slow

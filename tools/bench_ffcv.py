@@ -58,6 +58,7 @@ def write_beton(data: Path, max_side: int, threads: int) -> Path:
     beton = data.parent / f"{data.name}.ffcv-q90-max{max_side or 'none'}.beton"
     if beton.exists():
         return beton
+    # the split read by hand, not through mmfast's PreparedDataset: this script runs in FFCV's venv, without mmfast
     rows = [json.loads(ln) for ln in (data / "train.jsonl").read_text().splitlines() if ln]
     tmp = beton.with_suffix(f".tmp{os.getpid()}")
     fields = {

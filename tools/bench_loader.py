@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib.data import prepared_photos
 from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
-from mmfast.benchdata import prepared_photos
+from mmfast.dataset import PreparedDataset
 
 
 def parse_args(argv):
@@ -88,7 +89,7 @@ def mmfast_finish_threads_variant(data, args, device):
 
 def mmfast_max_side_variant(data, args, device):
     """The loader over the same photos prepared with ``--max-side`` (downscaled JPEG copies)."""
-    from mmfast.benchdata import prepared_photos
+    from benchlib.data import prepared_photos
 
     return mmfast_variant(prepared_photos(args.n, args.max_side, args.set), args, device)
 
@@ -101,7 +102,7 @@ def dali_decode_only_variant(data, args, device):
 
     from mmfast.host_finish import ragged_iterator
 
-    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    rows = PreparedDataset(data, verify=False).rows("train")
     pipe = image_pipeline(
         source="files",
         files=[r["image"] for r in rows],
@@ -137,7 +138,7 @@ class _Decoded(torch.utils.data.Dataset):
 
 def pil_decode_only_variant(data, args, device):
     """The baseline's decode alone: DataLoader workers opening and fully decoding each image with PIL."""
-    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    rows = PreparedDataset(data, verify=False).rows("train")
     loader = torch.utils.data.DataLoader(
         _Decoded([r["image"] for r in rows]),
         args.batch_size,
@@ -192,7 +193,7 @@ def mmfast_wds_variant(data, args, device):
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_wds_")
     args.wds_tmp = tmp  # lives as long as the run
-    shards, rows = Path(tmp.name) / "shards", [json.loads(ln) for ln in (Path(data) / "train.jsonl").open()]
+    shards, rows = Path(tmp.name) / "shards", PreparedDataset(data, verify=False).rows("train")
     shards.mkdir()
     for k in range(0, len(rows), 128):
         with tarfile.open(shards / f"{k // 128:05d}.tar", "w") as tar:
@@ -220,7 +221,7 @@ def _image_folder(data, root: Path, size: int, dtype: torch.dtype = torch.float3
     from torchvision import datasets
     from torchvision.transforms import v2
 
-    for r in (json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()):
+    for r in PreparedDataset(data, verify=False).rows("train"):
         link = root / str(r["label"]) / Path(r["image"]).name
         if not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +283,7 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
 
     from mmfast.host_finish import HostFinisher, ragged_iterator
 
-    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    rows = PreparedDataset(data, verify=False).rows("train")
     cuda = device.type == "cuda"
     host = not cuda if host is None else host
     pipe = image_pipeline(
@@ -316,7 +317,7 @@ def bare_dali_graph_variant(data, args, device):
 def dataloader_variant(data, args, device, text: bool = True):
     """What most users run: DataLoader workers decoding with PIL and torchvision.transforms.v2 (and, for
     image+text data, tokenizing the batch's captions in the collate function)."""
-    from mmfast.baseline import baseline_loader
+    from benchlib.baseline import baseline_loader
 
     loader = baseline_loader(data, args.batch_size, args.size, num_workers=args.threads, text=text)
     return lambda: (b["image"].to(device, non_blocking=True) for b in loader)
@@ -331,7 +332,7 @@ def gpu_decode_variant(data, args, device):
     from torchvision.io import decode_jpeg, read_file
     from torchvision.transforms import v2
 
-    rows = [json.loads(ln) for ln in (Path(data) / "train.jsonl").read_text().splitlines()]
+    rows = PreparedDataset(data, verify=False).rows("train")
     tf = v2.Compose([v2.RandomResizedCrop(args.size, antialias=True), v2.RandomHorizontalFlip()])
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "data": str(data),
         "set": None if args.data else args.set,
-        "images": sum(1 for _ in open(Path(data) / "train.jsonl")),
+        "images": PreparedDataset(data, verify=False).split_size("train"),
         "results": results,
         "torch": torch.__version__,
     }

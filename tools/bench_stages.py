@@ -12,7 +12,6 @@ random crop (1 DALI thread, the crops handed over as they are), the host finishi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,13 +21,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmfast.dataset import PreparedDataset
+
 
 def main(argv: list[str] | None = None) -> int:
+    from benchlib.data import prepared_photos
     from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD, image_pipeline
     from nvidia.dali.plugin.pytorch import LastBatchPolicy
     from PIL import Image
 
-    from mmfast.benchdata import prepared_photos
     from mmfast.fsutil import atomic_write_json
     from mmfast.host_finish import HostFinisher, ragged_iterator
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench_out/bench_stages.json")
     args = p.parse_args(argv)
     data = Path(args.data) if args.data else prepared_photos(512, kind=args.set)
-    rows = [json.loads(ln) for ln in (data / "train.jsonl").read_text().splitlines() if ln]
+    rows = PreparedDataset(data, verify=False).rows("train")
     files, batch = [r["image"] for r in rows], 64
     pipe = image_pipeline(
         source="files",

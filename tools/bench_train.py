@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from mmfast.dataset import PreparedDataset
 
 
 def parse_args(argv):
@@ -101,12 +102,12 @@ def _endless(make_epoch):
 
 
 def claims(args, data: Path, device, mp: str) -> dict:
-    from mmfast.baseline import baseline_loader
-    from mmfast.loader import MultimodalLoader
-    from mmfast.tokenizer import load_tokenizer
+    from benchlib.baseline import baseline_loader
 
-    vocab = len(load_tokenizer(data / "tokenizer"))
-    num_classes = len(json.loads((data / "labels.json").read_text()))
+    from mmfast.loader import MultimodalLoader
+
+    dataset = PreparedDataset(data, verify=False)
+    vocab, num_classes = dataset.vocab_size, dataset.num_classes
     res = {}
     dl = baseline_loader(data, args.batch_size, args.image_size)
     mm = MultimodalLoader(data, "train", args.batch_size, size=args.image_size, device=device)
@@ -166,7 +167,6 @@ def loop_overhead(args, data: Path, device) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from mmfast.loader import MultimodalLoader
-    from mmfast.tokenizer import load_tokenizer
     from mmfast.train.config import TrainConfig
     from mmfast.train.engine import EpochRunner, initial_state, make_scheduler, param_groups
     from mmfast.train.setup import make_accelerator
@@ -179,8 +179,8 @@ def loop_overhead(args, data: Path, device) -> dict:
     mp = acc.mixed_precision
     loader = MultimodalLoader(data, "train", args.batch_size, size=args.image_size, device=acc.device)
     batches = [b for _, b in zip(range(args.steps), loader, strict=False)]
-    vocab = len(load_tokenizer(data / "tokenizer"))
-    num_classes = len(json.loads((data / "labels.json").read_text()))
+    dataset = PreparedDataset(data, verify=False)
+    vocab, num_classes = dataset.vocab_size, dataset.num_classes
     mine, minimal = [], []
     for _ in range(args.repeats):
         model = _model(args, "concat", num_classes, vocab, acc.device)
@@ -241,7 +241,8 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmfast.benchdata import prepared_photos
+    from benchlib.data import prepared_photos
+
     from mmfast.fsutil import atomic_write_json
     from mmfast.train.setup import resolve_mixed_precision
 

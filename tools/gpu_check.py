@@ -102,8 +102,8 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
             [
                 py,
                 "-P",
-                "-c",
-                f"from mmfast.benchdata import prepared_photos; print(prepared_photos({n_photos}))",
+                "tools/benchlib/data.py",
+                str(n_photos),
             ],
             90,
             "real 800x600 photos (scikit-image's), prepared",

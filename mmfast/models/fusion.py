@@ -16,6 +16,8 @@ from torch import nn
 
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 
+COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
+
 
 def _mlp(d_in: int, hidden: int, num_classes: int, dropout: float) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, num_classes))
@@ -93,8 +95,8 @@ class LateFusion(nn.Module):
         aux_weight: float = 1.0,
     ):
         super().__init__()
-        if combine not in ("mean", "learned"):
-            raise ValueError(f"unknown combine '{combine}'; choose from mean, learned")
+        if combine not in COMBINE:
+            raise ValueError(f"unknown combine '{combine}'; choose from {', '.join(COMBINE)}")
         self.image, self.text = image, text
         self.image_head = _mlp(image.width, hidden, num_classes, dropout)
         self.text_head = _mlp(text.width, hidden, num_classes, dropout)

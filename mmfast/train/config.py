@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 
@@ -106,6 +106,12 @@ class TrainConfig:
     resume: str | None = _opt(None, "checkpoints", "continue from a checkpoint: its PATH, or latest (in --out)")
     on_bad_image: str = _opt(
         "skip", "data", "a missing/undecodable image: skip (log, count, mask it out) or error (stop the run)"
+    )
+    verify_files: bool = _opt(
+        False,
+        "data",
+        "stat every image at start-up and decode again the missing/changed ones (a long start on a large "
+        "split); off: a bad image is found when it is read, and handled as --on-bad-image says",
     )
     source: str = _opt(
         "files", "data", "images from their files (files) or from the prepared dir's WebDataset shards (wds)"
@@ -224,18 +230,23 @@ def _one_of(allowed: tuple[str, ...]) -> str:
 
 
 def choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each field that takes a name; the registries (MODELS, PRESETS) are the source."""
+    """The allowed values of each field that takes a name, read from where each choice is made (the model and
+    preset registries, the sources registry, the loader's and the late fusion's options)."""
+    from mmfast.file_health import ON_BAD_IMAGE
+    from mmfast.host_finish import CPU_RESIZE
     from mmfast.models import MODELS, PRESETS
+    from mmfast.models.fusion import COMBINE
+    from mmfast.sources import SOURCES
 
     return {
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
-        "combine": ("mean", "learned"),
+        "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
-        "cpu_resize": ("torch", "dali"),
-        "on_bad_image": ("skip", "error"),
-        "source": ("files", "wds"),
+        "cpu_resize": CPU_RESIZE,
+        "on_bad_image": ON_BAD_IMAGE,
+        "source": tuple(SOURCES),
     }
 
 
@@ -333,10 +344,6 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
         raise ValueError(f"bad configuration: {e}") from e
 
 
-def config_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)
-
-
 # Settings a resumed run may change (applied from the resume on, and recorded in config.json's segments).
 # Every other field must equal the checkpoint's, or the resumed run would not continue the same training.
 MAY_CHANGE_ON_RESUME = frozenset(
@@ -361,6 +368,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "eval_batch_size",
         "max_nan_steps",
         "on_bad_image",
+        "verify_files",
         "compile",
         "dist_timeout",
         "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written

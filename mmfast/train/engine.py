@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from mmfast.dataset import PreparedDataset
 from mmfast.fsutil import atomic_write_json
-from mmfast.loader import IGNORE_LABEL, MultimodalLoader
+from mmfast.loader import IGNORE_LABEL
 from mmfast.metrics import confusion_figures
 from mmfast.model_dir import write_run_models
 from mmfast.models import build_model
+from mmfast.multimodal import MultimodalLoader
 from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
-from mmfast.tokenizer import load_tokenizer
 from mmfast.train.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -35,7 +35,7 @@ from mmfast.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from mmfast.train.config import TrainConfig, config_dict, resolve_preset, resume_differences
+from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir
 from mmfast.train.setup import (
@@ -183,6 +183,7 @@ def build_loaders(
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,
+        verify_files=cfg.verify_files,
         source=cfg.source,
         accelerator=accelerator,
         size=cfg.image_size,
@@ -208,7 +209,7 @@ def build_loaders(
 def run_identity(cfg: TrainConfig, accelerator, dataset: PreparedDataset) -> dict:
     """What a checkpoint must agree with to be resumed: the config, the process layout, the data."""
     return {
-        **config_dict(cfg),
+        **asdict(cfg),
         "num_processes": accelerator.num_processes,
         "mixed_precision_resolved": accelerator.mixed_precision,
         "data_fingerprint": dataset.fingerprint,
@@ -282,15 +283,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     set_seed(cfg.seed)
     dataset = PreparedDataset(resolve_data(cfg, accelerator))
     identity = run_identity(cfg, accelerator, dataset)
-    saved = read_trainer_state(resume_from) if resume_from is not None else None
-    if saved is not None:
-        diffs = resume_differences(saved.get("run", {}), identity)
-        if diffs:
-            raise CheckpointError(
-                f"cannot resume from {resume_from}: these settings differ from the run that wrote it:\n  "
-                + "\n  ".join(diffs)
-                + "\nresume with the same settings, or start afresh with --overwrite (the old run is moved aside)"
-            )
+    _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
     model = _build_model(cfg, dataset)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
@@ -337,6 +330,41 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         last_metrics = ctx.fit(val_loader)
     if cfg.profile and accelerator.is_main_process:
         _write_profile(run_dir, ctx, train_loader, cfg, accelerator)
+    summary = _summary(cfg, accelerator, state, last_metrics, ctx.interrupted, run_dir, t_start)
+    if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
+        _write_weights_digest(accelerator, model, run_dir)
+    if accelerator.is_main_process:
+        atomic_write_json(run_dir / "summary.json", summary)
+        # RUN/model (best) and RUN/model-last: what users load, predict with and export
+        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, summary["best_checkpoint"])
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _check_resumable(resume_from: Path | None, identity: dict) -> None:
+    """Refuse to resume from a checkpoint whose run had other must-match settings than this one."""
+    saved = read_trainer_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        diffs = resume_differences(saved.get("run", {}), identity)
+        if diffs:
+            raise CheckpointError(
+                f"cannot resume from {resume_from}: these settings differ from the run that wrote it:\n  "
+                + "\n  ".join(diffs)
+                + "\nresume with the same settings, or start afresh with --overwrite (the old run is moved aside)"
+            )
+
+
+def _summary(
+    cfg: TrainConfig,
+    accelerator,
+    state: dict,
+    last_metrics: dict,
+    interrupted: bool,
+    run_dir: Path,
+    t_start: float,
+) -> dict:
+    """summary.json's figures: the last and best evaluations, speed, the run's set-up and how far it got."""
     best = state.get("best_step")
     summary = {
         "val_acc": last_metrics.get("val_acc"),  # the last evaluation's
@@ -359,17 +387,9 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         "global_step": state["global_step"],
         "epochs_done": state["epoch"],
         "skipped_steps": state["skipped_steps"],
-        "interrupted": ctx.interrupted,
+        "interrupted": interrupted,
     }
-    if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
-        _write_weights_digest(accelerator, model, run_dir)
-    if accelerator.is_main_process:
-        atomic_write_json(run_dir / "summary.json", summary)
-        # RUN/model (best) and RUN/model-last: what users load, predict with and export
-        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, summary["best_checkpoint"])
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return {**summary, "is_main_process": accelerator.is_main_process}
+    return summary
 
 
 def tracker_config(identity: dict) -> dict:
@@ -384,7 +404,7 @@ def _build_model(cfg: TrainConfig, dataset: PreparedDataset) -> torch.nn.Module:
         dataset.num_classes,
         image_backbone=cfg.image_backbone,
         text_model=cfg.text_model,
-        vocab_size=len(load_tokenizer(dataset.tokenizer_dir)),
+        vocab_size=dataset.vocab_size,
         image_weights=cfg.image_weights,
         freeze_image=cfg.freeze_image,
         freeze_text=cfg.freeze_text,

@@ -4,13 +4,12 @@ function. Used by the benchmarks (tools/bench_*.py), never by training."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
-
 from mmfast.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
+
+from mmfast.dataset import PreparedDataset
 
 
 def pil_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)):
@@ -84,9 +83,9 @@ def baseline_loader(
     tokenizes the captions in the collate function (else images and labels only)."""
     from mmfast.tokenizer import load_tokenizer
 
-    data_dir = Path(data_dir)
-    rows = [json.loads(ln) for ln in (data_dir / "train.jsonl").read_text().splitlines() if ln]
-    tok = load_tokenizer(data_dir / "tokenizer")
+    dataset = PreparedDataset(data_dir, verify=False)  # the benchmark verified it once already, or needs not
+    rows = dataset.rows("train")
+    tok = load_tokenizer(dataset.tokenizer_dir)
     return torch.utils.data.DataLoader(
         PilDataset(rows, pil_transform(size, scale)),
         batch_size=batch_size,

@@ -1,9 +1,12 @@
-"""Benchmark material made from real photos (scikit-image's sample images), nothing downloaded."""
+"""Benchmark material made from real photos (scikit-image's sample images), nothing downloaded.
+
+``python tools/benchlib/data.py N`` prepares N photos and prints the prepared directory."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +87,7 @@ def prepared_photos(n: int = 512, max_side: int = 0, kind: str = "photos") -> Pa
     cfg = PrepareConfig(source=str(manifest), out=str(out), val_fraction=0.0, max_side=max_side, progress=False)
     prepare_dataset(cfg)
     return out
+
+
+if __name__ == "__main__":
+    print(prepared_photos(int(sys.argv[1]) if len(sys.argv) > 1 else 512))
