@@ -29,7 +29,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    from mmfast.benchdata import photo_manifest
+    from benchlib.data import photo_manifest
+
     from mmfast.demo import default_cache_dir
     from mmfast.fsutil import atomic_write_json
     from mmfast.prepare import PrepareConfig, prepare_dataset
