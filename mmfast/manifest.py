@@ -366,7 +366,9 @@ def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
                 rejects.append(Reject(n, f"not an image file name ('{f.suffix}')", src))
                 continue
             text = cls
-            side = f.with_name(f.name + ".txt")
+            side = f.with_name(f.name + ".txt")  # img.png.txt, else img.txt (the common convention)
+            if not side.exists():
+                side = f.with_suffix(".txt")
             if side.exists():
                 try:
                     text = side.read_bytes().decode("utf-8-sig").strip()

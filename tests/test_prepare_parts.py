@@ -212,3 +212,22 @@ def test_parts_of_a_parquet_input_keep_their_images_in_the_merged_directory(tmp_
             assert Path(r["image"]).is_relative_to(out.resolve())
             got[r["text"]] = hashlib.sha256(Path(r["image"]).read_bytes()).hexdigest()
     assert got == {t: h for t, h in want.items() if t != "a truncated photo"}
+
+
+def test_an_image_folder_takes_captions_from_name_txt_and_name_ext_txt(tmp_path):
+    from conftest import save_image
+
+    from mmfast.manifest import read_input
+
+    save_image(tmp_path / "f" / "cat" / "a.png", seed=1)
+    save_image(tmp_path / "f" / "cat" / "b.png", seed=2)
+    save_image(tmp_path / "f" / "dog" / "c.jpg", seed=3)
+    (tmp_path / "f" / "cat" / "a.txt").write_text("a tabby asleep on a sofa")
+    (tmp_path / "f" / "cat" / "b.png.txt").write_text("a grey kitten")
+    cands, rejects, _ = read_input(tmp_path / "f")
+    assert not rejects
+    assert {Path(c.image).name: c.text for c in cands} == {
+        "a.png": "a tabby asleep on a sofa",
+        "b.png": "a grey kitten",
+        "c.jpg": "dog",  # no caption file: the class name
+    }
