@@ -236,6 +236,8 @@ class PreparedDataset:
                 problem = self._row_problem(row)
                 if problem:
                     raise DatasetError(f"{path}, line {line_no}: {problem}; re-run tools/prepare_data.py")
+                if not os.path.isabs(row["image"]) and "tar" not in row:  # an image the directory holds
+                    row["image"] = os.path.join(self.root, row["image"])
                 yield row
 
     def table(self, split: str, images: bool = True) -> SplitTable:

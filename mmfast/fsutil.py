@@ -243,13 +243,16 @@ def marker_kind(directory: Path) -> str | None:
     return data.get("kind") if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
 
 
-def is_replaceable(directory: Path) -> bool:
-    """True for a real directory (not a symlink) that carries mmfast's marker or is empty."""
+def is_replaceable(directory: Path, kind: str | None = None) -> bool:
+    """True for a real directory (not a symlink) that is empty or carries mmfast's marker (of ``kind``, when
+    given: a directory of another kind is not replaced by this one)."""
     directory = Path(directory)
     if directory.is_symlink() or not directory.is_dir():
         return False
-    # The marker's presence is what counts: a run killed (or out of disk) while writing it leaves it empty.
-    return (directory / MARKER).is_file() or not any(directory.iterdir())
+    if not (directory / MARKER).is_file():
+        return not any(directory.iterdir())
+    # An unreadable marker (kind None) is what a run killed (or out of disk) while writing it leaves.
+    return kind is None or marker_kind(directory) in (kind, None)
 
 
 def _old_name(final: Path) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
 _INT_RE = re.compile(r"^[+-]?\d+$")
+_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 NO_LABEL = "unlabeled"  # the one label of every row of an input read with Columns(label=None) (--no-labels)
 
 
@@ -310,6 +311,11 @@ def _check_row(
     for what, value in (("image path", image), ("text", text), ("label", label)):
         if isinstance(value, str) and (problem := _encoding_problem(what, value)):
             return None, problem
+    if _URL_RE.match(image):
+        return None, (
+            f"image '{image[:100]}' is a URL; mmfast reads local files: download the images first (img2dataset "
+            "writes WebDataset shards that mmfast-prepare reads)"
+        )
     p = Path(image)
     full = p if p.is_absolute() else root / p
     if confine:

@@ -15,12 +15,11 @@ import os
 import re
 import stat
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
+from mmfast.dataset import DatasetError, PreparedDataset
 from mmfast.fsutil import (
     MARKER,
     OutputDirError,
@@ -29,7 +28,7 @@ from mmfast.fsutil import (
     atomic_write_jsonl,
     file_lock,
     file_sha256,
-    marker_kind,
+    is_replaceable,
     recover_dir,
     write_errors,
 )
@@ -37,12 +36,15 @@ from mmfast.inputs import InputOptions, read_source
 from mmfast.inputs.wds import expand_shards, is_wds_source, read_wds, shard_stats, write_split_index
 from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
 from mmfast.prepare_parts import parts_root
+from mmfast.split import split_rows
 from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer, train_wordpiece
 from mmfast.validate import DEFAULT_MAX_PIXELS, ImageCheck, check_images
 
 log = logging.getLogger(__name__)
-PREPARE_VERSION = 2  # 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels
+# 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels;
+# 3: the split by a hash of each row's image (mmfast.split); images inside the directory named relative to it
+PREPARE_VERSION = 3
 PREPARED_KIND = "mmfast prepared dataset"  # the "kind" in the marker of a prepared directory
 _SPLIT_FILES = ("train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl")
 IMAGES_DIR = "images"  # images an input stores as bytes (Parquet/Arrow), written out into the prepared dir
@@ -109,6 +111,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
     out = Path(cfg.out)
     _check_input_outside(cfg)
     if cfg.shard is not None:
+        _check_out(out)  # now, not only when the parts are merged, after hours of checking
         from mmfast.prepare_parts import prepare_part
 
         return prepare_part(cfg)
@@ -129,14 +132,10 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
 def _replaceable(directory: Path) -> bool:
     """A directory prepare may replace: mmfast's prepared directory (marker, or the prepare.json of an
     older mmfast that wrote no marker), an empty directory, or a leftover of a killed run."""
-    if directory.is_symlink() or not directory.is_dir():
-        return False
-    if not any(directory.iterdir()):
+    if is_replaceable(directory, PREPARED_KIND):
         return True
-    if (directory / MARKER).is_file():
-        # An unreadable marker is one a killed (or out of disk) run was writing into its temp dir.
-        return marker_kind(directory) in (PREPARED_KIND, None)
-    return _is_legacy(directory)
+    legacy_place = directory.is_dir() and not directory.is_symlink() and not (directory / MARKER).is_file()
+    return legacy_place and _is_legacy(directory)
 
 
 def _is_legacy(directory: Path) -> bool:
@@ -233,7 +232,7 @@ def read_and_check(
     if wds_input:
         checks = [ImageCheck(True)] * len(cands)
     else:
-        checks, reused = _check(cands, cfg, workers, earlier)
+        checks, reused = _check(cands, cfg, workers, earlier, work)
     good: list[Candidate] = []
     for c, chk in zip(cands, checks, strict=True):
         if chk.ok:
@@ -275,11 +274,10 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     if not good:
         raise ManifestError(_no_usable_rows(cfg, checked.n_input, rejects))
     label_map = _label_map(good)
-    train, val = _split(good, label_map, cfg.val_fraction, cfg.seed)
-    # Images written into the temp directory are recorded at the place they will have once it is renamed.
-    final = (Path(cfg.out).resolve(), tmp.resolve())
-    train_rows = [_row(c, i, label_map, final) for i, c in enumerate(train)]
-    val_rows = [_row(c, len(train) + i, label_map, final) for i, c in enumerate(val)]
+    train, val = split_rows(good, cfg.val_fraction, cfg.seed, _split_bases(cfg), str(tmp.resolve()))
+    work = tmp.resolve()
+    train_rows = [_row(c, i, label_map, work) for i, c in enumerate(train)]
+    val_rows = [_row(c, len(train) + i, label_map, work) for i, c in enumerate(val)]
     tok = (
         load_tokenizer(cfg.tokenizer)
         if cfg.tokenizer
@@ -298,7 +296,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     atomic_write_jsonl(tmp / "val.jsonl", val_rows)
     atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in rejects])
     atomic_write_json(tmp / "labels.json", label_map)
-    _write_shards(cfg, tmp, checked.kind, {"train": train_rows, "val": val_rows}, label_map, final)
+    _write_shards(cfg, tmp, checked.kind, {"train": train_rows, "val": val_rows}, label_map)
     summary = {
         "version": PREPARE_VERSION,
         "source": str(Path(cfg.source).resolve()),
@@ -333,9 +331,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     return summary
 
 
-def _write_shards(
-    cfg: PrepareConfig, tmp: Path, kind: str, rows: dict[str, list[dict]], label_map: dict, final: tuple
-) -> None:
+def _write_shards(cfg: PrepareConfig, tmp: Path, kind: str, rows: dict[str, list[dict]], label_map: dict) -> None:
     """The index files of the user's shards (a WebDataset input), or mmfast's own export (--format wds)."""
     if kind == "wds":
         (tmp / "wds").mkdir()
@@ -344,14 +340,14 @@ def _write_shards(
     elif cfg.format == "wds":
         from mmfast.wds import export_wds
 
-        # rows name images at their final place; those written into the temp directory are read there
+        # rows name the images written into the directory relative to it: they are read in the temp directory
         with write_errors(cfg.out, "the WebDataset shards"):
             export_wds(
                 rows,
                 {v: k for k, v in label_map.items()},
                 tmp / "wds",
                 cfg.wds_shard_size,
-                image_path=lambda p: str(tmp / Path(p).relative_to(final[0])) if _inside(Path(p), final[0]) else p,
+                image_path=lambda p: p if os.path.isabs(p) else str(tmp / p),
             )
 
 
@@ -402,21 +398,24 @@ def _slice(
 
 
 def _check(
-    cands: list[Candidate], cfg: PrepareConfig, workers: int, earlier: dict[str, tuple[int, ...]]
+    cands: list[Candidate], cfg: PrepareConfig, workers: int, earlier: dict[str, tuple[int, ...]], work: Path
 ) -> tuple[list[ImageCheck], int]:
     """Validate the candidates' images; one that an earlier preparation accepted and whose size and mtime
-    are unchanged keeps that check (the loader trusts the same two figures). Returns the checks and how many
-    were reused."""
+    are unchanged keeps that check (the loader trusts the same two figures), and so does an image written
+    from an input's bytes under the same name (named by their SHA-256: the same bytes). Returns the checks
+    and how many were reused."""
     checks: list[ImageCheck | None] = [None] * len(cands)
+    extracted = str(work.resolve() / IMAGES_DIR) + os.sep
     for k, c in enumerate(cands):
-        known = earlier.get(c.image)
+        by_content = c.image.startswith(extracted)
+        known = earlier.get(_content_key(c.image) if by_content else c.image)
         if known is None:
             continue
         try:
             st = os.stat(c.image)
         except OSError:
             continue
-        if (st.st_size, st.st_mtime_ns) == known[:2]:
+        if (st.st_size, known[1] if by_content else st.st_mtime_ns) == known[:2]:
             checks[k] = ImageCheck(True, width=known[2], height=known[3])
     todo = [k for k, chk in enumerate(checks) if chk is None]
     fresh = check_images([cands[k].image for k in todo], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
@@ -429,21 +428,30 @@ def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, i
     """{image path: (size, mtime_ns, width, height)} of the images a complete earlier preparation into
     ``out`` accepted under the same pixel budget (empty when there is none, or it predates these records)."""
     try:
-        summary = json.loads((out / "prepare.json").read_text(encoding="utf-8"))
-        if not (out / MARKER).is_file() or summary["config"]["max_pixels"] != cfg.max_pixels:
+        if not (out / MARKER).is_file():
+            return {}
+        earlier_set = PreparedDataset(out, verify=False)  # a row is trusted by its own size and mtime
+        if earlier_set.max_pixels() != cfg.max_pixels:
             return {}
         earlier = {}
         for split in ("train", "val"):
-            with open(out / f"{split}.jsonl", "rb") as f:
-                for raw in f:
-                    r = json.loads(raw)
-                    if "width" not in r or "size" not in r:
-                        continue
-                    size, mtime = r["original_stat"] if r.get("original") else (r["size"], r["mtime_ns"])
-                    earlier[r.get("original") or r["image"]] = (size, mtime, r["width"], r["height"])
+            for r in earlier_set.iter_rows(split):
+                if "width" not in r or "size" not in r:
+                    continue
+                size, mtime = r["original_stat"] if r.get("original") else (r["size"], r["mtime_ns"])
+                key = r.get("original") or r["image"]
+                rel = Path(os.path.relpath(key, out)).parts  # images/... or, merged, parts/<i>/images/...
+                if rel[0] != ".." and IMAGES_DIR in rel[:-1]:
+                    key = _content_key(key)  # written from an input's bytes: found again by its name
+                earlier[key] = (size, mtime, r["width"], r["height"])
         return earlier
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, DatasetError, KeyError, TypeError):
         return {}  # nothing to reuse: every image is checked
+
+
+def _content_key(path: str) -> str:
+    """The ``earlier_checks`` key of an image written from an input's bytes, named by their SHA-256."""
+    return f"{IMAGES_DIR}:{os.path.basename(path)}"
 
 
 def failure_report_path(out: str | os.PathLike) -> Path:
@@ -551,27 +559,18 @@ def _files_map(root: Path) -> dict[str, dict]:
     return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
 
 
-def _split(rows: list[Candidate], label_map: dict[str, int], val_fraction: float, seed: int):
-    """Seeded split, stratified by label: each class gives round(n * fraction) rows to val."""
-    rng = np.random.default_rng(seed)
-    by_label: dict[str, list[int]] = defaultdict(list)
-    for i, c in enumerate(rows):
-        by_label[str(c.label)].append(i)
-    val_idx = set()
-    for name in sorted(by_label):
-        idx = by_label[name]
-        k = int(round(len(idx) * val_fraction))
-        if val_fraction > 0 and k == 0 and len(idx) >= 2:
-            k = 1
-        val_idx.update(rng.permutation(idx)[:k].tolist())
-    train = [c for i, c in enumerate(rows) if i not in val_idx]
-    val = [c for i, c in enumerate(rows) if i in val_idx]
-    return train, val
+def _split_bases(cfg: PrepareConfig) -> list[str]:
+    """The folders the split keys images relative to (see mmfast.split): the input's, then the image root."""
+    src = Path(cfg.source)
+    bases = [src.resolve() if src.is_dir() else src.resolve().parent]
+    if cfg.inputs.image_root:
+        bases.insert(0, Path(cfg.inputs.image_root).resolve())
+    return [str(b) for b in bases]
 
 
-def _row(c: Candidate, sample_id: int, label_map: dict[str, int], final: tuple[Path, Path]) -> dict:
-    """The prepared row of ``c``; ``final`` is (the prepared directory's path, the temp directory it is built
-    in): an image inside the temp directory is recorded at its place inside the prepared directory.
+def _row(c: Candidate, sample_id: int, label_map: dict[str, int], work: Path) -> dict:
+    """The prepared row of ``c``; an image inside ``work`` (the temp directory the prepared directory is built
+    in: Parquet bytes, --max-side copies) is recorded relative to it, so the directory can be moved.
 
     A sample of a WebDataset shard has ``image`` "<shard>:<member>" and the member's place in the tar
     ("tar", "member", "offset", "nbytes"): what its index line lists; no file stats."""
@@ -588,13 +587,10 @@ def _row(c: Candidate, sample_id: int, label_map: dict[str, int], final: tuple[P
             "nbytes": c.source["nbytes"],
         }
     st = os.stat(c.image)  # recorded so the loader can tell a file that changed after validation
-    out, tmp = final
     image = Path(c.image)
-    if _inside(image, tmp):
-        image = out / image.relative_to(tmp)
     return {
         "id": sample_id,
-        "image": str(image),
+        "image": image.relative_to(work).as_posix() if _inside(image, work) else c.image,
         "text": c.text,
         "label": label_map[str(c.label)],
         "line": c.line,
@@ -692,7 +688,7 @@ def _changed_files(root: Path, files: dict) -> list[str]:
 def _rebuild_token_cache(out: Path, summary: dict, splits: set[str]) -> None:
     tok = load_tokenizer(out / "tokenizer")
     for split in sorted(splits & {"train", "val"}):
-        rows = [json.loads(ln) for ln in (out / f"{split}.jsonl").read_text().splitlines() if ln]
+        rows = PreparedDataset(out, verify=False).rows(split)
         first = rows[0]["id"] if rows else summary["counts"]["train"]
         (out / "tokens" / f"{split}.meta.json").unlink(missing_ok=True)  # forces the rebuild
         TokenCache.build(

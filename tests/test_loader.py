@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import n_rows
 from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
@@ -179,7 +180,7 @@ def test_two_shards_cover_the_dataset_once_with_equal_batch_counts(prepared):
     # train (drop_last): equal counts, disjoint, and every sample at most once
     train = [MultimodalLoader(prepared, "train", batch_size=16, size=32, shard_id=r, num_shards=2) for r in (0, 1)]
     ids = [[i for b in t for i in b["id"].tolist()] for t in train]
-    assert len(ids[0]) == len(ids[1]) == len(train[0]) * 16 == (240 // 32) * 16
+    assert len(ids[0]) == len(ids[1]) == len(train[0]) * 16 == (n_rows(prepared, "train") // 32) * 16
     assert not set(ids[0]) & set(ids[1])
 
 

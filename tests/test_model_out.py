@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_RUN
+from conftest import SMALL_RUN, n_rows
 from PIL import Image
 
 from mmfast.export import LogitsModule, example_inputs, export_onnx, onnx_parity
@@ -180,7 +180,7 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
             for i, c in zip(batch["id"].tolist(), model(batch).argmax(1).tolist(), strict=True):
                 if i >= 0:
                     reference[i] = model.class_names[c]
-    assert len(got) == len(reference) == 60
+    assert len(got) == len(reference) == n_rows(prepared, "val")
     assert {i: r["class"] for i, r in got.items()} == reference
     acc = sum(r["class"] == r["label"] for r in got.values()) / len(got)
     # val.jsonl read as a plain manifest (the raw-input path: its own token cache) gives the same classes
@@ -213,7 +213,7 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
     )
     metrics = json.loads((eval_out / "metrics.json").read_text())
     assert metrics["acc"] == summary["best_val_acc"] and metrics["macro_f1"] == summary["best_val_macro_f1"]
-    assert metrics["samples"] == 60 and sum(map(sum, metrics["confusion"])) == 60
+    assert metrics["samples"] == n_rows(prepared, "val") == sum(map(sum, metrics["confusion"]))
     assert Image.open(eval_out / "confusion.png").size[0] > 100
 
 

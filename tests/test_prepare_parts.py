@@ -119,6 +119,14 @@ def test_merge_refuses_a_missing_part_or_parts_of_other_settings(manifest, tmp_p
     for bad in ("3/3", "1", "a/b", "-1/2"):
         with pytest.raises(ValueError, match="--shard"):
             parse_shard(bad)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        parse_shard("0/0")
+    theirs = tmp_path / "theirs"  # an --out the user owns is refused before a part is checked, not at the merge
+    (theirs / "notes.txt").parent.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(prepare_mod.OutputDirError, match="was not prepared by mmfast"):
+        prepare_dataset(_cfg(manifest, theirs, shard=(0, 2)))
+    assert not parts_root(theirs).exists() and (theirs / "notes.txt").read_text() == "mine"
 
 
 def test_a_complete_part_is_not_checked_again(manifest, tmp_path, monkeypatch):
@@ -176,14 +184,18 @@ def test_a_re_preparation_decodes_only_new_and_changed_images(manifest, tmp_path
 
 
 def _reencode(path: Path) -> None:
+    path.write_bytes(_reencode_bytes(path))
+
+
+def _reencode_bytes(path: Path) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
     Image.open(path).save(buf, "JPEG", quality=60)
-    path.write_bytes(buf.getvalue())
+    return buf.getvalue()
 
 
-def test_parts_of_a_parquet_input_keep_their_images_in_the_merged_directory(tmp_path):
+def test_parts_of_a_parquet_input_keep_their_images_in_the_merged_directory(tmp_path, monkeypatch):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     rows = [r for r in _photos(tmp_path / "photos") if "text" in r]
@@ -212,6 +224,25 @@ def test_parts_of_a_parquet_input_keep_their_images_in_the_merged_directory(tmp_
             assert Path(r["image"]).is_relative_to(out.resolve())
             got[r["text"]] = hashlib.sha256(Path(r["image"]).read_bytes()).hexdigest()
     assert got == {t: h for t, h in want.items() if t != "a truncated photo"}
+    # Rows added to the table: the images of the earlier rows (written again, named by their bytes) are not
+    # decoded again, only the new picture.
+    new = _reencode_bytes(tmp_path / "photos" / rows[0]["image"])
+    added = pa.table({"image": [{"bytes": new, "path": "new.jpg"}], "text": ["a new one"], "label": ["c0"]})
+    pq.write_table(pa.concat_tables([table, added]), tmp_path / "t.parquet")
+    decoded = []
+    check = prepare_mod.check_images
+
+    def counting(paths, *args, **kwargs):
+        decoded.extend(hashlib.sha256(Path(p).read_bytes()).digest() for p in paths)
+        return check(paths, *args, **kwargs)
+
+    monkeypatch.setattr(prepare_mod, "check_images", counting)
+    again = prepare_dataset(_cfg(tmp_path / "t.parquet", out))
+    # the truncated photo was rejected before, so it has no check to reuse
+    assert again["reused_checks"] == again["counts"]["input_rows"] - 2
+    assert sorted(decoded) == sorted(
+        hashlib.sha256(b).digest() for b in (new, (tmp_path / "photos" / "cut.jpg").read_bytes())
+    )
 
 
 def test_an_image_folder_takes_captions_from_name_txt_and_name_ext_txt(tmp_path):

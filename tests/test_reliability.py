@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMALL_RUN as SMALL
-from conftest import train_cmd, write_jsonl
+from conftest import n_rows, train_cmd, write_jsonl
 
 from mmfast.demo import demo_dataset
 from mmfast.loader import MultimodalLoader
@@ -33,10 +33,12 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture
 def own_dataset(tmp_path) -> Path:
-    """A prepared demo set whose images this test may damage (200 samples: 160 train, 40 val)."""
-    manifest = demo_dataset(n=200, seed=4, root=tmp_path / "demo")
+    """A prepared demo set whose images this test may damage (160 samples, all train: 10 whole batches)."""
+    manifest = demo_dataset(n=160, seed=4, root=tmp_path / "demo")
     out = tmp_path / "prepared"
-    prepare_dataset(PrepareConfig(source=str(manifest), out=str(out), max_length=32, progress=False))
+    prepare_dataset(
+        PrepareConfig(source=str(manifest), out=str(out), max_length=32, val_fraction=0.0, progress=False)
+    )
     return out
 
 
@@ -119,13 +121,13 @@ def test_a_file_deleted_after_preparation_is_found_when_read(own_dataset, monkey
     assert not images & set(stats) and not loader.skipped  # nothing looked at the images yet
     ids = [i for batch in loader for i in batch["id"].tolist()]
     assert sorted(i for i in ids if i >= 0) == sorted(r["id"] for r in rows if r is not gone)
-    assert ids.count(-1) == 1  # the deleted sample's place, masked
+    assert ids.count(-1) == len(ids) - len(rows) + 1  # the deleted sample's place, masked (+ the last batch's pad)
     assert [(s["id"], s["image"]) for s in loader.skipped] == [(gone["id"], gone["image"])]
 
     checked = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, verify_files=True)
     assert [s["id"] for s in checked.skipped] == [gone["id"]]  # found at start-up, before any batch
 
-    strict = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, on_bad_image="error")
+    strict = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, on_bad_image="error", drop_last=False)
     with pytest.raises(ValueError, match=gone["image"]):
         for _ in strict:
             pass
@@ -148,7 +150,7 @@ def test_nan_losses_are_skipped_and_counted(prepared, tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert train_tool.main(["--data", str(prepared), "--out", str(out), "--epochs", "1", *SMALL]) == 0
     (m,) = _jsonl(out / "metrics.jsonl")
-    assert m["skipped_steps"] == 2 and m["step"] == 15
+    assert m["skipped_steps"] == 2 and m["step"] == n_rows(prepared, "train") // 16  # an epoch, batch 16
     assert m["train_loss"] == m["train_loss"]  # not NaN: skipped steps are not averaged in
     from safetensors.torch import load_file
 
@@ -174,7 +176,8 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(prepared, tmp_path
     base = train_cmd(prepared, out)
     first = subprocess.run([*base, "--epochs", "1"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
-    ckpt = out / "checkpoints" / "step-00000015"
+    steps = n_rows(prepared, "train") // 16  # an epoch (batch 16)
+    ckpt = out / "checkpoints" / f"step-{steps:08d}"
     before = {p.name: p.stat().st_size for p in ckpt.iterdir()}
 
     def small_files():  # 1 MiB per file: the model alone is ~37 MiB
@@ -190,13 +193,13 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(prepared, tmp_path
     assert full.returncode == 2, full.stderr[-2000:]
     assert "writing checkpoint" in full.stderr and "previous checkpoint is intact" in full.stderr
     assert "Traceback" not in full.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000015"]  # no partial left
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [ckpt.name]  # no partial left
     assert {p.name: p.stat().st_size for p in ckpt.iterdir()} == before
     again = subprocess.run(
         [*base, "--epochs", "2", "--resume", "latest"], capture_output=True, text=True, timeout=300
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads((out / "summary.json").read_text())["global_step"] == 30
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 2 * steps
 
 
 @pytest.mark.slow
@@ -241,10 +244,11 @@ def test_sigkill_at_random_points_then_resume_sees_each_sample_once(prepared, tm
     assert final.returncode == 0, final.stderr[-2000:]
     assert not list((out / "checkpoints").glob(".step-*.tmp"))  # a partial checkpoint is never kept or used
     rows = _jsonl(log)
+    steps = n_rows(prepared, "train") // 16  # an epoch's steps (batch 16, the last partial batch dropped)
     for epoch in (0, 1):
         ids = [i for r in rows if r["epoch"] == epoch for i in r["ids"]]
-        assert sorted(ids) == sorted(set(ids)) and len(ids) == (240 // 16) * 16  # each sample exactly once
-    assert [r["step"] for r in rows] == list(range(30))  # no step lost or repeated
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == steps * 16  # each sample exactly once
+    assert [r["step"] for r in rows] == list(range(2 * steps))  # no step lost or repeated
 
 
 def test_hostile_manifests_are_rejected_cleanly(tmp_path, capsys):

@@ -21,7 +21,7 @@ from conftest import ROOT, save_image, write_jsonl
 from mmfast import fsutil
 from mmfast.fsutil import MARKER, file_sha256
 from mmfast.manifest import ManifestError, read_input
-from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.prepare import PREPARE_VERSION, PrepareConfig, prepare_dataset
 from mmfast.validate import pixel_budget_reason
 from tools import prepare_data
 
@@ -87,7 +87,9 @@ def test_empty_marked_and_legacy_directories_are_replaced(tmp_path):
     (legacy / "prepare.json").write_text(json.dumps({"version": 1, "input_fingerprint": "x", "counts": {}}))
     (legacy / "train.jsonl").write_text("{}\n")
     _prepare(m, legacy)
-    assert (legacy / MARKER).is_file() and json.loads((legacy / "prepare.json").read_text())["version"] == 2
+    assert (legacy / MARKER).is_file() and json.loads((legacy / "prepare.json").read_text())[
+        "version"
+    ] == PREPARE_VERSION
 
 
 def test_out_that_contains_the_input_is_refused(tmp_path, capsys):
@@ -293,7 +295,7 @@ def test_prepare_json_records_every_file_and_a_changed_one_is_rebuilt(tmp_path, 
         | {f"tokens/{s}.{ext}" for s in ("train", "val") for ext in ("ids.bin", "offsets.npy", "meta.json")}
         | {f"tokenizer/{p.name}" for p in (out / "tokenizer").iterdir()}
     )
-    assert summary["version"] == 2 and set(summary["files"]) == expected
+    assert summary["version"] == PREPARE_VERSION and set(summary["files"]) == expected
     for rel, rec in summary["files"].items():
         assert rec == {"size": (out / rel).stat().st_size, "sha256": file_sha256(out / rel)}
     assert json.loads((out / "prepare.json").read_text()) == summary

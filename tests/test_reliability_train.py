@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_RUN, free_port, train_cmd
+from conftest import ROOT, SMALL_RUN, free_port, n_rows, save_image, train_cmd
 
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.train import engine
@@ -110,6 +110,26 @@ def test_a_second_run_on_the_same_out_exits_naming_the_first(prepared, tmp_path,
     assert (out / LOCK_FILE).is_file()
 
 
+def test_a_run_that_fails_before_it_starts_leaves_nothing_and_the_fixed_command_runs(prepared, tmp_path, capsys):
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    assert _run(tmp_path / "no-such-data", out, "--max-steps", "1") == 2
+    assert "no such prepared directory" in capsys.readouterr().err
+    assert not out.exists()  # the directory it made, gone
+    save_image(tmp_path / "a.jpg")
+    (tmp_path / "m.csv").write_text("picture,caption,cls\na.jpg,hello,x\n")  # columns mmfast-prepare would map
+    assert _run(tmp_path / "m.csv", out, "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert "--label-column" in err and f"mmfast-prepare {tmp_path / 'm.csv'} --out DIR" in err and not out.exists()
+    mine.mkdir()  # the user's own empty directory: kept, empty
+    assert _run(tmp_path / "no-such-data", mine, "--max-steps", "1") == 2
+    assert mine.is_dir() and not any(mine.iterdir())
+    out.mkdir()  # what a start killed before it could clean up leaves: the marker and the lock file
+    (out / LOCK_FILE).write_text("12345\n")
+    (out / RUN_MARKER).write_text('{"kind": "mmfast run"}\n')
+    assert _run(prepared, out, "--max-steps", "1") == 0  # no --overwrite needed: that start wrote nothing
+    assert (out / "config.json").is_file() and not [p for p in tmp_path.iterdir() if ".old-" in p.name]
+
+
 # --- 2. resume is exact or refused -----------------------------------------------------------------------
 
 
@@ -159,16 +179,17 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(prepare
     out = tmp_path / "run"
     assert _run(prepared, out, "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "3") == 0
     ckpts = sorted((out / "checkpoints").iterdir())
-    assert [p.name for p in ckpts] == ["step-00000005", "step-00000010", "step-00000015"]
+    steps = n_rows(prepared, "train") // 16  # an epoch (14 or 15)
+    assert [p.name for p in ckpts] == [f"step-{s:08d}" for s in (5, 10, steps)]
     weights = ckpts[-1] / "model.safetensors"
     with open(weights, "r+b") as f:  # 4 KiB of garbage in the middle of the latest weights
         f.seek(weights.stat().st_size // 2)
         f.write(os.urandom(4096))
     assert _run(prepared, out, "--epochs", "2", "--resume", "latest") == 0
     err = capsys.readouterr().err + caplog.text  # the warning goes through logging
-    assert "step-00000015 is damaged (model.safetensors differs" in err
+    assert f"step-{steps:08d} is damaged (model.safetensors differs" in err
     state = json.loads((sorted((out / "checkpoints").iterdir())[-1] / "trainer_state.json").read_text())
-    assert state["global_step"] == 30  # 10 from the intact step-10 checkpoint + the 20 after it
+    assert state["global_step"] == 2 * steps  # from the intact step-10 checkpoint to the end of epoch 2
     for p in (out / "checkpoints").iterdir():
         (p / "trainer_state.json").write_text("{cut off")
     assert _run(prepared, out, "--epochs", "3", "--resume", "latest") == 2
@@ -326,7 +347,8 @@ def test_sigkill_inside_a_checkpoint_write_keeps_the_previous_one_and_resume_is_
     assert train_tool.main(argv + ["--resume", "latest"]) == 0
     assert not list((out / "checkpoints").glob(".step-*"))  # the partial write was cleaned, never used
     ids = [i for r in _jsonl(seen) for i in r["ids"]]
-    assert len(ids) == len(set(ids)) == 15 * 16 and [r["step"] for r in _jsonl(seen)] == list(range(15))
+    steps = n_rows(prepared, "train") // 16  # an epoch (batch 16)
+    assert len(ids) == len(set(ids)) == steps * 16 and [r["step"] for r in _jsonl(seen)] == list(range(steps))
 
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:

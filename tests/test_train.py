@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, train_cmd
+from conftest import ROOT, free_port, n_rows, train_cmd
 from safetensors.torch import load_file
 
 from mmfast.train.config import parse_config
@@ -33,8 +33,10 @@ def test_run_directory_contract(prepared, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_tool.main(["--data", str(prepared), "--out", str(out), "--model", "late", *FAST]) == 0
     assert "val_acc" in capsys.readouterr().out
+    n_train, n_val = len(_jsonl(prepared / "train.jsonl")), len(_jsonl(prepared / "val.jsonl"))
+    steps = n_train // 32  # FAST: batch 32, one epoch, the last partial batch dropped
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model"] == "late" and cfg["image_backbone"] == "resnet10" and cfg["total_steps"] == 240 // 32
+    assert cfg["model"] == "late" and cfg["image_backbone"] == "resnet10" and cfg["total_steps"] == steps
     (metrics,) = _jsonl(out / "metrics.jsonl")
     for key in (
         "epoch",
@@ -48,7 +50,7 @@ def test_run_directory_contract(prepared, tmp_path, capsys):
         "skipped_steps",
     ):
         assert key in metrics, key
-    assert metrics["val_samples"] == 60 and metrics["step"] == 7
+    assert metrics["val_samples"] == n_val and metrics["step"] == steps
     summary = json.loads((out / "summary.json").read_text())
     for key in (
         "val_acc",
@@ -63,7 +65,7 @@ def test_run_directory_contract(prepared, tmp_path, capsys):
         assert key in summary, key
     assert summary["num_processes"] == 1 and summary["device"] == "cpu"
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert ckpts == ["step-00000007"]
+    assert ckpts == [f"step-{steps:08d}"]
 
 
 def test_no_flag_run_generates_the_demo_set_and_trains(tmp_path, monkeypatch):
@@ -122,7 +124,8 @@ def test_accumulating_4x16_equals_one_step_of_64(prepared, tmp_path):
 
 @pytest.mark.slow
 def test_last_partial_accumulation_window_of_an_epoch_is_stepped(prepared, tmp_path):
-    # 240 train samples / 32 = 7 micro-batches; with accumulation 3 the windows are 3 + 3 + 1.
+    # about 240 train samples / 32 = 7 micro-batches; with accumulation 3 the windows are 3 + 3 + 1.
+    assert n_rows(prepared, "train") // 32 == 7
     out = tmp_path / "run"
     assert (
         train_tool.main(
@@ -219,21 +222,22 @@ def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = _seen(out, 0), _seen(out, 1)
-    assert len(r0) == len(r1) == 2 * (240 // 32)  # the same number of steps on both ranks
+    n_train = n_rows(prepared, "train")
+    steps = n_train // 32  # an epoch's steps: global batch 2 x 16, the last partial one dropped
+    assert len(r0) == len(r1) == 2 * steps  # the same number of steps on both ranks
     for epoch in (0, 1):
         a = [i for r in r0 if r["epoch"] == epoch for i in r["ids"]]
         b = [i for r in r1 if r["epoch"] == epoch for i in r["ids"]]
-        # disjoint shards covering all whole global batches (train drops the last partial one: 240 -> 224)
-        assert (
-            not set(a) & set(b) and len(set(a) | set(b)) == (240 // 32) * 32 and set(a) | set(b) <= set(range(240))
-        )
+        # disjoint shards covering all whole global batches (train drops the last partial one)
+        seen = set(a) | set(b)
+        assert not set(a) & set(b) and len(seen) == steps * 32 and seen <= set(range(n_train))
     assert (out / "weights.rank0.sha256").read_text() == (out / "weights.rank1.sha256").read_text()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["num_processes"] == 2 and summary["global_step"] == 2 * (240 // 32)
+    assert summary["num_processes"] == 2 and summary["global_step"] == 2 * steps
     metrics = _jsonl(out / "metrics.jsonl")
     assert len(metrics) == 2  # only rank 0 writes run files: one line per epoch, not one per process
-    assert metrics[-1]["val_samples"] == 60  # evaluation gathered from both ranks, padding excluded
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000007", "step-00000014"]
+    assert metrics[-1]["val_samples"] == n_rows(prepared, "val")  # gathered from both ranks, padding excluded
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (steps, 2 * steps)]
 
 
 @pytest.mark.slow
@@ -347,7 +351,7 @@ def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_p
     assert 0 <= m["val_macro_f1"] <= 1 and set(m["val_per_class"]) == set(
         json.loads((prepared / "labels.json").read_text())
     )
-    assert sum(c["support"] for c in m["val_per_class"].values()) == 60
+    assert sum(c["support"] for c in m["val_per_class"].values()) == len(_jsonl(prepared / "val.jsonl"))
 
 
 def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path, monkeypatch):

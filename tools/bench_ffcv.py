@@ -60,6 +60,8 @@ def write_beton(data: Path, max_side: int, threads: int) -> Path:
         return beton
     # the split read by hand, not through mmfast's PreparedDataset: this script runs in FFCV's venv, without mmfast
     rows = [json.loads(ln) for ln in (data / "train.jsonl").read_text().splitlines() if ln]
+    for r in rows:  # an image the prepared directory holds is named relative to it
+        r["image"] = str(data / r["image"])  # (an absolute path stays as it is)
     tmp = beton.with_suffix(f".tmp{os.getpid()}")
     fields = {
         "image": RGBImageField(write_mode="jpg", max_resolution=max_side or None, jpeg_quality=90),

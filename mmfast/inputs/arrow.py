@@ -13,7 +13,9 @@ Needs pyarrow (``pip install mmfast[formats]``).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -238,8 +240,9 @@ def _read_rows(
                 if out_dir is None:
                     out_dir = image_dir / _safe(rel)
                     out_dir.mkdir(parents=True, exist_ok=True)
-                path = str(out_dir / f"{line:08d}{_extension(data, name)}")
-                _write(path, data)
+                # Named by content: the rows of one picture share its file (and the split groups them).
+                path = str(out_dir / f"{hashlib.sha256(data).hexdigest()[:32]}{_extension(data, name)}")
+                written = _write_new(path, data)
             else:
                 rejects.append(Reject(line, f"field '{columns.image}' has no image bytes or path", source, rel))
                 continue
@@ -251,17 +254,21 @@ def _read_rows(
                 c.source = source
             for r in more[1]:
                 r.row = source
-                if data is not None:  # the bytes written above belong to no sample
+                if data is not None and written:  # the bytes written above belong to no sample
                     Path(path).unlink(missing_ok=True)
             cands += more[0]
             rejects += more[1]
     return cands, rejects
 
 
-def _write(path: str, data: bytes) -> None:
+def _write_new(path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` unless an earlier row wrote the same bytes there; True if written now."""
+    if os.path.exists(path):
+        return False
     try:
         with open(path, "wb") as fh:
             fh.write(data)
+        return True
     except OSError as e:
         if e.filename is None:
             e.filename = path  # a failed write() names no file; the error (a full disk) should

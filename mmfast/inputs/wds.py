@@ -260,13 +260,16 @@ def _member_text(tar: tarfile.TarFile, ti: tarfile.TarInfo, what: str) -> tuple[
 def _caption(tar: tarfile.TarFile, ti: tarfile.TarInfo | None, key: str) -> tuple[str, str]:
     if ti is None:
         return "", f"no caption member (.{key}); set --wds-text-key"
-    text, why = _member_text(tar, ti, "the caption")
+    return _stripped_member(tar, ti, "caption")
+
+
+def _stripped_member(tar: tarfile.TarFile, ti: tarfile.TarInfo, what: str) -> tuple[str, str]:
+    """The member's text without surrounding space, or why there is none (unreadable, not UTF-8, empty)."""
+    text, why = _member_text(tar, ti, f"the {what}")
     if why:
         return "", why
     text = text.strip()
-    if not text:
-        return "", f"empty caption ({ti.name})"
-    return text, ""
+    return (text, "") if text else ("", f"empty {what} ({ti.name})")
 
 
 def _label(tar: tarfile.TarFile, members: dict, o: dict) -> tuple[str | int, str]:
@@ -294,12 +297,9 @@ def _label(tar: tarfile.TarFile, members: dict, o: dict) -> tuple[str | int, str
             f"no label member (.{o['label_key']}); pass --wds-label-key, --wds-label-field FIELD (of the .json) "
             "or --no-labels"
         )
-    text, why = _member_text(tar, ti, "the label")
+    text, why = _stripped_member(tar, ti, "label")
     if why:
         return "", why
-    text = text.strip()
-    if not text:
-        return "", f"empty label ({ti.name})"
     try:
         return int(text), ""
     except ValueError:

@@ -252,10 +252,12 @@ def _train(cfg: TrainConfig) -> dict:
     cfg = replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
-    lock = None
+    lock, failed = None, True
     try:
         lock, resume_from = _claim(cfg, accelerator, default_out)
-        return _run(cfg, accelerator, resume_from, t_start)
+        summary = _run(cfg, accelerator, resume_from, t_start)
+        failed = False
+        return summary
     except RuntimeError as e:
         if accelerator.num_processes > 1 and _is_collective_failure(e):
             raise heartbeat.explain(e, cfg.dist_timeout) from e
@@ -266,7 +268,9 @@ def _train(cfg: TrainConfig) -> dict:
         raise
     finally:
         heartbeat.close()
-        if lock is not None:
+        if lock is not None and failed:
+            lock.release_unused()  # a run that wrote nothing leaves nothing behind
+        elif lock is not None:
             lock.release()
 
 

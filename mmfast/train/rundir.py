@@ -37,6 +37,13 @@ def is_run_dir(path: Path) -> bool:
     return isinstance(cfg, dict) and {"model", "preset", "grad_accum"} <= set(cfg)
 
 
+def never_started(path: Path) -> bool:
+    """True when ``path`` holds only the marker and lock of a run that stopped before it wrote anything (a
+    wrong flag, a missing dataset): the corrected command may use it as if it were empty."""
+    names = {p.name for p in path.iterdir()}
+    return bool(names) and names <= {RUN_MARKER, LOCK_FILE}
+
+
 @dataclass(frozen=True)
 class RunDirPlan:
     """What to do with the run directory: "new" (absent or empty), "resume" or "move-aside"."""
@@ -68,7 +75,7 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, default_out: bool
         return RunDirPlan("new", run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"--out {run_dir} is a file, not a directory; choose another --out")
-    if not any(run_dir.iterdir()):
+    if not any(run_dir.iterdir()) or never_started(run_dir):
         return RunDirPlan("new", run_dir)
     if not is_run_dir(run_dir):
         raise RunDirError(
@@ -91,6 +98,22 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_FILE
         self._fd: int | None = None
+        self.created_dir = False  # the run made the directory (claim_run_dir): it may remove it unused
+
+    def release_unused(self) -> None:
+        """Release the lock of a run that failed; if it wrote nothing, take its marker and lock file away too
+        (and the directory, when the run made it), so nothing of the failed start is left behind."""
+        run_dir = self.path.parent
+        if self._fd is not None and never_started(run_dir):
+            (run_dir / RUN_MARKER).unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)  # still held: no other run can take it in between
+            self.release()
+            if self.created_dir:
+                try:
+                    run_dir.rmdir()
+                except OSError:  # something appeared in it meanwhile: leave it
+                    pass
+        self.release()
 
     def acquire(self) -> None:
         """Take the lock and write this pid into the lock file.
@@ -134,9 +157,11 @@ def claim_run_dir(plan: RunDirPlan) -> tuple[RunDirLock, Path | None]:
         moved_to = _aside_name(run_dir)
         os.rename(run_dir, moved_to)
         old_lock.release()
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir)
     lock.acquire()
+    lock.created_dir = created
     marker = run_dir / RUN_MARKER
     if not marker.exists():
         marker.write_text(json.dumps({"kind": "mmfast run", "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")

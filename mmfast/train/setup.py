@@ -123,6 +123,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
     from mmfast.demo import default_cache_dir, demo_dataset
     from mmfast.inputs.wds import is_wds_source
+    from mmfast.manifest import ManifestError
     from mmfast.prepare import PrepareConfig, prepare_dataset
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
@@ -135,16 +136,24 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             source, out = Path(cfg.data), Path(cfg.out) / "prepared"
             if not source.exists() and not is_wds_source(cfg.data):  # a shard pattern names no one file
                 raise ValueError(f"--data {source}: no such prepared directory, manifest or image folder")
-        prepare_dataset(
-            PrepareConfig(
-                source=str(source),
-                out=str(out),
-                tokenizer=cfg.tokenizer or pretrained_tokenizer(cfg.text_model),
-                max_length=cfg.max_length,
-                seed=0,
-                progress=cfg.progress and accelerator.is_local_main_process,
-            )
+        prep = PrepareConfig(
+            source=str(source),
+            out=str(out),
+            tokenizer=cfg.tokenizer or pretrained_tokenizer(cfg.text_model),
+            max_length=cfg.max_length,
+            seed=0,
+            progress=cfg.progress and accelerator.is_local_main_process,
         )
+        try:
+            prepare_dataset(prep)
+        except ManifestError as e:
+            if cfg.data is None or "--" not in str(e):
+                raise
+            # The reader's advice names mmfast-prepare's input flags, which mmfast-train does not take.
+            raise ManifestError(
+                f"{e}\n(mmfast-train reads a raw --data with the default input settings; to pass those flags, "
+                f"prepare it first: mmfast-prepare {source} --out DIR ..., then mmfast-train --data DIR)"
+            ) from e
     return out
 
 
