@@ -14,7 +14,8 @@ from PIL import Image
 from mmfast.export import LogitsModule, example_inputs, export_onnx, onnx_parity
 from mmfast.loader import MultimodalLoader
 from mmfast.model_dir import MmfastModel, load_model, save_model_dir
-from mmfast.predict import predict_rows, read_rows
+from mmfast.predict import predict_rows
+from mmfast.predict_inputs import read_rows
 from mmfast.tokenizer import load_tokenizer
 
 
@@ -84,7 +85,9 @@ def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest
     assert len(got) == 8
     errors = [bool(r["error"]) for r in got]
     assert errors == [False, False, False, True, True, True, True, False]
-    assert "not found" in got[3]["error"] and "unreadable" in got[4]["error"] and "not JSON" in got[6]["error"]
+    assert "not found" in got[3]["error"] and "unreadable" in got[4]["error"]
+    assert got[5]["error"] == f"{manifest}:6: field 'text' must be a string, got int"
+    assert got[6]["error"].startswith(f"{manifest}:7: invalid JSON")  # the reader's reason, its file and line
     model = load_model(model_dir)
     for r in [got[i] for i in (0, 1, 2, 7)]:
         assert r["class"] in model.class_names and r["top_k"][0] == [r["class"], r["prob"]]
