@@ -140,7 +140,9 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
     return model.to(device)
 
 
-def load_for_inference(model_dir: str | os.PathLike, device: str | None = None) -> tuple[MmfastModel, torch.device]:
+def load_for_inference(
+    model_dir: str | os.PathLike, device: str | None = None
+) -> tuple[MmfastModel, torch.device]:
     """The start-up of predict and evaluate: the device (the given one, else CUDA when there is one) and the
     model loaded onto it.
 

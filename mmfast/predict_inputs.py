@@ -13,7 +13,7 @@ read the way prediction needs:
   mmfast made for them (``input_rows``: a temporary folder, removed afterwards). A WebDataset sample's
   image is copied out of its shard (by the offset the reader found) because the predict loader reads
   files: simplest, and the shards stay untouched. Such a row's "image" names the image for the user
-  (``shard.tar:key.jpg``, ``file.parquet row 3``) and its "path" is the file predict reads.
+  (``shards/00000.tar:key.jpg``, ``data/file.parquet row 3``) and its "path" is the file predict reads.
 
 A flat folder of images (no class folders, which preparation refuses) is read too: no labels, each text a
 sidecar ``<image>.txt`` / ``<stem>.txt`` or "".
@@ -86,7 +86,7 @@ def read_rows(
         if isinstance(item, Reject):
             rows.append({"image": None, "text": None, "error": f"{_where(item, kind, path, base)}: {item.reason}"})
         else:
-            rows.append(_candidate_row(item, with_label, path, base, work_dir))
+            rows.append(_candidate_row(item, with_label, kind, path, base, work_dir))
     return rows
 
 
@@ -123,8 +123,8 @@ def _read(source: str | os.PathLike, opts: InputOptions, work_dir: Path | None, 
 
 
 def _copy_out_of_shards(cands: list[Candidate], image_dir: Path) -> None:
-    """Copy each WebDataset sample's image out of its shard into image_dir, the candidate's ``image`` then that
-    file; the sample's name (``<shard>:<member>``) stays in ``source["shown"]``."""
+    """Copy each WebDataset sample's image out of its shard into image_dir: the candidate's ``image`` is then
+    that file (``source["member"]`` still names it in the shard)."""
     image_dir.mkdir(parents=True, exist_ok=True)
     for i, c in enumerate(cands):
         member = c.source["member"]
@@ -134,16 +134,18 @@ def _copy_out_of_shards(cands: list[Candidate], image_dir: Path) -> None:
             data = f.read(c.source["nbytes"])
         out = image_dir / f"{i:08d}{Path(member).suffix.lower()}"
         out.write_bytes(data)
-        c.source = {**c.source, "shown": f"{c.file}:{member}"}
         c.image = str(out)
 
 
-def _candidate_row(c: Candidate, with_label: bool, path: Path, base: Path, work_dir: Path | None) -> dict:
+def _candidate_row(
+    c: Candidate, with_label: bool, kind: str, path: Path, base: Path, work_dir: Path | None
+) -> dict:
     row = {"image": c.image, "text": c.text}
     if with_label:
         row["label"] = c.label
-    if work_dir is not None and Path(c.image).is_relative_to(work_dir):  # bytes mmfast wrote out
-        shown = c.source.get("shown") or f"{base / c.file if c.file else path} row {c.line}"
+    if work_dir is not None and Path(c.image).is_relative_to(work_dir):  # a file mmfast wrote out: name the image
+        file = base / c.file if c.file else path
+        shown = f"{file}:{c.source['member']}" if kind == "wds" else f"{file} row {c.line}"
         row.update(image=shown, path=c.image)
     return row
 

@@ -385,7 +385,8 @@ def test_predict_on_webdataset_shards_equals_the_manifest(model_dir, labeled_pho
     assert bad["error"].startswith(f"{shards / '00000.tar'}:{half + 1}: no image member")
     assert "(sample 0nojpg)" in bad["error"]
     assert _figures(got) == _figures(reference)
-    assert got[0]["image"] == "00000.tar:00000.jpg" and got[half]["image"] == "00001.tar:10000.jpg"
+    assert got[0]["image"] == f"{shards / '00000.tar'}:00000.jpg"  # the sample named in its shard
+    assert got[half]["image"] == f"{shards / '00001.tar'}:10000.jpg"
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before  # the shards are only read
 
 
