@@ -1,5 +1,4 @@
-"""Predict with a trained model directory (RUN/model) on any input mmfast-prepare reads, a prepared split, or
-one image + text.
+"""Predict with a trained model directory (RUN/model) on any input mmfast-prepare reads, a split or one image.
 
     mmfast-predict --model runs/latest/model --input new.jsonl --out predictions.jsonl
     mmfast-predict --model runs/latest/model --input data/train-00000.parquet --out predictions.jsonl
