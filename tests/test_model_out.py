@@ -449,3 +449,28 @@ def test_a_binary_input_exits_2_naming_the_file(model_dir, photos_set, tmp_path,
         err = capsys.readouterr().err
         last = err.strip().splitlines()[-1]
         assert last.startswith("error: ") and str(path) in last and "Traceback" not in err
+
+
+def test_read_rows_keeps_every_input_row_and_labels_are_optional(photos_set, tmp_path):
+    """Preparation drops a duplicate and needs a label; prediction gives each input row a row of its own and
+    reads a label where there is one. A COCO file needs no --label-column to be predicted."""
+    a, b, c = (str(r["path"]) for r in photos_set[:3])
+    rows = [
+        {"image": a, "text": "one", "label": "x"},
+        {"image": a, "text": "one", "label": "x"},  # a duplicate: its own prediction
+        {"image": b, "text": "two"},  # no label: predicted without one
+        {"image": c, "text": " ", "label": "x"},
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_rows(manifest) == [
+        {"image": a, "text": "one", "label": "x"},
+        {"image": a, "text": "one", "label": "x"},
+        {"image": b, "text": "two"},
+        {"image": None, "text": None, "error": f"{manifest}:4: empty text"},
+    ]
+    images = [{"id": i, "file_name": p} for i, p in enumerate((a, b))]
+    annotations = [{"id": 9, "image_id": 1, "caption": "first"}, {"id": 8, "image_id": 0, "caption": "second"}]
+    coco = tmp_path / "captions.json"
+    coco.write_text(json.dumps({"images": images, "annotations": annotations}))
+    assert read_rows(coco) == [{"image": b, "text": "first"}, {"image": a, "text": "second"}]
