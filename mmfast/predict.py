@@ -1,4 +1,5 @@
-"""Run a model directory on new data: rows in, one prediction (or one error) per row out.
+"""Run a model directory on new data: rows in (a user's input read by ``mmfast.predict_inputs``, or a prepared
+split), one prediction (or one error) per row out.
 
 Images go through the same DALI eval pipeline and the texts through the same token cache as the training
 run's evaluation (resize + center crop, the model's mean/std, captions truncated to its max_length and

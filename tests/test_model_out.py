@@ -416,7 +416,7 @@ def test_predict_on_hf_imagefolder_metadata(model_dir, labeled_photos, reference
     assert not (tmp_path / "none.jsonl").exists()
 
 
-def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, tmp_path, capsys):
+def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, prepared, tmp_path, capsys):
     import tools.evaluate as evaluate_tool
     import tools.predict as predict_tool
 
@@ -433,6 +433,9 @@ def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, tmp_path, cap
     assert "image not found" in err and err.strip().splitlines()[-1].startswith("error: no row of")
     assert evaluate_tool.main([*mapped, "--no-labels", "--out", str(tmp_path / "e")]) == 2
     assert "has a label to score it by" in capsys.readouterr().err and not (tmp_path / "e").exists()
+    # a prepared dataset given as --input: the flag it takes instead
+    assert predict_tool.main(["--model", str(model_dir), "--input", str(prepared)]) == 2
+    assert f"pass it as --data {prepared}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["photo.jsonl", "photo.csv", "photo.parquet", "photo.tar", "photo.safetensors"])
