@@ -73,7 +73,11 @@ class Reject:
 
 
 def read_input(
-    path: str | Path, confine: bool = False, columns: Columns | None = None, fmt: str | None = None
+    path: str | Path,
+    confine: bool = False,
+    columns: Columns | None = None,
+    fmt: str | None = None,
+    dedupe: bool = True,
 ) -> tuple[list[Candidate], list[Reject], str]:
     """Read a JSONL/CSV manifest or an image folder.
 
@@ -83,6 +87,7 @@ def read_input(
         columns: the manifest's image/text/label columns (default: named image, text, label); a folder's
             labels are its class folders whatever this says.
         fmt: "jsonl", "csv" or "folder" (default: told from the path: a folder, or the file's suffix).
+        dedupe: reject exact duplicates of an earlier row (see ``finish_rows``).
 
     Returns:
         (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
@@ -117,7 +122,7 @@ def read_input(
             raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
         cands, more = check_rows(rows, path.parent.resolve(), confine, from_csv=kind == "csv", columns=columns)
         rejects.extend(more)
-    cands, rejects = finish_rows(cands, rejects)
+    cands, rejects = finish_rows(cands, rejects, dedupe)
     return cands, rejects, kind
 
 
@@ -145,10 +150,13 @@ def check_rows(
     return cands, rejects
 
 
-def finish_rows(cands: list[Candidate], rejects: list[Reject]) -> tuple[list[Candidate], list[Reject]]:
-    """Drop rows whose label type differs from the first row's and exact duplicates (same image, text and
-    label) into the rejects, and order the rejects by file and line."""
-    cands, more = _drop_mixed_labels_and_duplicates(cands)
+def finish_rows(
+    cands: list[Candidate], rejects: list[Reject], dedupe: bool = True
+) -> tuple[list[Candidate], list[Reject]]:
+    """Drop rows whose label type differs from the first row's and (``dedupe``) exact duplicates (same image,
+    text and label) into the rejects, and order the rejects by file and line. Prediction keeps duplicates:
+    each input row gets its own prediction; training would count a duplicate twice."""
+    cands, more = _drop_mixed_labels_and_duplicates(cands, dedupe)
     rejects = rejects + more
     rejects.sort(key=lambda r: (r.file, r.line))
     return cands, rejects
@@ -326,7 +334,9 @@ def _check_row(
     return Candidate(line, str(full), text.strip(), label, row), ""
 
 
-def _drop_mixed_labels_and_duplicates(cands: list[Candidate]) -> tuple[list[Candidate], list[Reject]]:
+def _drop_mixed_labels_and_duplicates(
+    cands: list[Candidate], dedupe: bool = True
+) -> tuple[list[Candidate], list[Reject]]:
     rejects, kept, seen = [], [], {}
     first_type = type(cands[0].label) if cands else None
     for c in cands:
@@ -342,7 +352,7 @@ def _drop_mixed_labels_and_duplicates(cands: list[Candidate]) -> tuple[list[Cand
             )
             continue
         key = (c.image, c.text, c.label)
-        if key in seen:
+        if dedupe and key in seen:
             where = f"{seen[key][0]}:{seen[key][1]}" if seen[key][0] != c.file else f"line {seen[key][1]}"
             rejects.append(Reject(c.line, f"duplicate of {where}", c.source, c.file))
             continue

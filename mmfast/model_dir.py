@@ -140,6 +140,22 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
     return model.to(device)
 
 
+def load_for_inference(
+    model_dir: str | os.PathLike, device: str | None = None
+) -> tuple[MmfastModel, torch.device]:
+    """The start-up of predict and evaluate: the device (the given one, else CUDA when there is one) and the
+    model loaded onto it.
+
+    Returns:
+        (model, device).
+
+    Raises:
+        FileNotFoundError: not a model directory.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return load_model(model_dir, device), device
+
+
 def model_config(cfg, dataset, model: nn.Module, weights: str) -> dict:
     """config.json of a run's model directory.
 

@@ -1,4 +1,5 @@
-"""Run a model directory on new data: rows in, one prediction (or one error) per row out.
+"""Run a model directory on new data: rows in (a user's input read by ``mmfast.predict_inputs``, or a prepared
+split), one prediction (or one error) per row out.
 
 Images go through the same DALI eval pipeline and the texts through the same token cache as the training
 run's evaluation (resize + center crop, the model's mean/std, captions truncated to its max_length and
@@ -18,64 +19,10 @@ import numpy as np
 import torch
 
 from mmfast.loader import ImageLoader
-from mmfast.manifest import IMAGE_SUFFIXES  # the images preparation reads, predicted the same
 from mmfast.model_dir import MmfastModel
 from mmfast.multimodal import MultimodalLoader
 from mmfast.token_cache import TokenCache
 from mmfast.validate import DEFAULT_MAX_PIXELS
-
-
-def read_rows(source: str | os.PathLike) -> list[dict]:
-    """Rows {"image", "text", "label" (optional)} of a JSONL/CSV manifest or an image folder.
-
-    A manifest's image paths are relative to its folder; a folder is ``root/<class>/<file>`` (the class is the
-    label, the text a sidecar ``<file>.txt`` or else the class name) or a flat folder of images (no labels;
-    text: a sidecar or ""). Rows that cannot be parsed come back with an "error" and are reported, not fatal.
-    """
-    source = Path(source)
-    if source.is_dir():
-        return _folder_rows(source)
-    rows = []
-    if source.suffix.lower() in (".csv", ".tsv"):
-        with open(source, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f, delimiter="\t" if source.suffix.lower() == ".tsv" else ",")
-            raw = [(i + 2, r) for i, r in enumerate(reader)]  # line 1 is the header
-    else:
-        raw = []
-        with open(source, encoding="utf-8") as f:
-            for i, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    raw.append((i, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raw.append((i, {"error": f"line {i}: not JSON ({e.msg})"}))
-    for line, r in raw:
-        row = {"line": line}
-        if "error" in r:
-            rows.append({**row, "image": None, "text": None, "error": r["error"]})
-            continue
-        image, text = r.get("image"), r.get("text")
-        if not isinstance(image, str) or not isinstance(text, str):
-            rows.append({**row, "image": image, "text": text, "error": "needs string 'image' and 'text' fields"})
-            continue
-        path = Path(image) if Path(image).is_absolute() else source.parent / image
-        rows.append({**row, "image": str(path), "text": text, **({"label": r["label"]} if "label" in r else {})})
-    return rows
-
-
-def _folder_rows(root: Path) -> list[dict]:
-    def text_of(p: Path, default: str) -> str:
-        side = p.with_name(p.name + ".txt")
-        return side.read_text(encoding="utf-8").strip() if side.is_file() else default
-
-    def images(d: Path) -> list[Path]:
-        return sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-
-    classes = sorted(d for d in root.iterdir() if d.is_dir())
-    if classes:
-        return [{"image": str(p), "text": text_of(p, d.name), "label": d.name} for d in classes for p in images(d)]
-    return [{"image": str(p), "text": text_of(p, "")} for p in images(root)]
 
 
 class RowsLoader(MultimodalLoader):
@@ -120,6 +67,10 @@ def predict_rows(
 ) -> list[dict]:
     """Predict every usable row; rows with an "error" (or whose image turns out unreadable) keep it.
 
+    Args:
+        rows: {"image", "text", "label" (optional), "path" (optional: the file to read when "image" only names
+            it, as ``mmfast.predict_inputs`` gives for images stored as bytes)} or {"error"}.
+
     Returns:
         one dict per input row, in order: the row's fields plus "class", "prob", "top_k" [[class, prob], ...]
         and "class_id", or "error".
@@ -129,7 +80,7 @@ def predict_rows(
     out = [dict(r) for r in rows]
     usable = [i for i, r in enumerate(rows) if not r.get("error")]
     for i in usable:  # a missing file is a reason worth saying in words; DALI would only skip it
-        if not Path(rows[i]["image"]).is_file():
+        if not Path(image_file(rows[i])).is_file():
             out[i]["error"] = f"image not found: {rows[i]['image']}"
     usable = [i for i in usable if not out[i].get("error")]
     if not usable:
@@ -137,7 +88,7 @@ def predict_rows(
     k = min(top_k, len(names))
     with tempfile.TemporaryDirectory(prefix="mmfast-predict-") as tmp:
         loader = RowsLoader(
-            [rows[i]["image"] for i in usable],
+            [image_file(rows[i]) for i in usable],
             [rows[i]["text"] for i in usable],
             model,
             Path(tmp),
@@ -166,6 +117,11 @@ def predict_rows(
         if "class" not in row and not row.get("error"):
             row["error"] = "no prediction came back for this row"
     return out
+
+
+def image_file(row: dict) -> str:
+    """The file a row's image is read from ("path" when "image" only names it for the user)."""
+    return row.get("path") or row["image"]
 
 
 def write_predictions(path: str | os.PathLike, results: list[dict]) -> Path:
@@ -206,7 +162,7 @@ def predict_pil(model: MmfastModel, rows: list[dict], batch_size: int = 64) -> l
     preds = []
     for s in range(0, len(rows), batch_size):
         chunk = rows[s : s + batch_size]
-        images = torch.stack([tf(Image.open(r["image"]).convert("RGB")) for r in chunk])
+        images = torch.stack([tf(Image.open(image_file(r)).convert("RGB")) for r in chunk])
         enc = model.tokenizer(
             [r["text"] for r in chunk], truncation=True, max_length=cfg["max_length"], padding=True,
             return_tensors="pt", return_token_type_ids=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+PHOTOS_SET_N = 12  # photos of the photos_set fixture: enough for a train and a val split of every class
 SMALL_RUN = ["--batch-size", "16", "--image-size", "32", "--hidden", "32", "--no-progress"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,6 +74,20 @@ def photos(tmp_path_factory) -> list[Path]:
             paths.append(out / n)
     assert len(paths) >= 4, f"scikit-image photos missing in {src}"
     return paths
+
+
+@pytest.fixture(scope="session")
+def photos_set(tmp_path_factory) -> list[dict]:
+    """PHOTOS_SET_N small JPEGs cut from scikit-image's photos: [{"path", "text", "label", "sha"}] (captions
+    unique)."""
+    from tools.benchlib.data import photo_manifest
+
+    manifest = photo_manifest(tmp_path_factory.mktemp("inputs"), n=PHOTOS_SET_N, width=64, height=48, seed=3)
+    rows = [json.loads(ln) for ln in manifest.read_text().splitlines()]
+    for r in rows:
+        r["path"] = manifest.parent / r["image"]
+        r["sha"] = hashlib.sha256(r["path"].read_bytes()).hexdigest()
+    return rows
 
 
 @pytest.fixture(scope="session")

@@ -35,9 +35,12 @@ def test_every_console_script_is_a_main_in_mmfast_cli():
 
 def test_a_command_imports_nothing_heavy_before_its_main_runs():
     """Ctrl-C during start-up must land under main's handler, and --help should not wait for torch."""
-    code = "import sys, mmfast.cli.train; print('torch' in sys.modules, 'mmfast.loader' in sys.modules)"
+    code = (
+        "import sys, mmfast.cli.train, mmfast.cli.predict, mmfast.cli.evaluate; "
+        "print('torch' in sys.modules, 'mmfast.loader' in sys.modules, 'nvidia.dali' in sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert res.stdout.split() == ["False", "False"]
+    assert res.stdout.split() == ["False", "False", "False"]
 
 
 def test_help_gives_each_flag_its_meaning_choices_and_group():

@@ -13,7 +13,7 @@ from datetime import date
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN
+from conftest import PHOTOS_SET_N, SMALL_RUN
 
 from mmfast.dataset import PreparedDataset
 from mmfast.inputs import InputOptions, read_source
@@ -23,20 +23,8 @@ from mmfast.token_cache import TokenCache
 from mmfast.tokenizer import load_tokenizer
 from tools import prepare_data
 from tools import train as train_tool
-from tools.benchlib.data import photo_manifest
 
-N = 12  # photos per input: enough for a train and a val split of every class
-
-
-@pytest.fixture(scope="session")
-def photos_set(tmp_path_factory) -> list[dict]:
-    """N small JPEGs cut from scikit-image's photos: [{"path", "text", "label", "sha"}] (captions unique)."""
-    manifest = photo_manifest(tmp_path_factory.mktemp("inputs"), n=N, width=64, height=48, seed=3)
-    rows = [json.loads(ln) for ln in manifest.read_text().splitlines()]
-    for r in rows:
-        r["path"] = manifest.parent / r["image"]
-        r["sha"] = hashlib.sha256(r["path"].read_bytes()).hexdigest()
-    return rows
+N = PHOTOS_SET_N  # photos per input (conftest.photos_set): a train and a val split of every class
 
 
 def _copy_images(rows: list[dict], folder: Path, by_label: bool = False) -> list[str]:

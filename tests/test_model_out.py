@@ -14,7 +14,8 @@ from PIL import Image
 from mmfast.export import LogitsModule, example_inputs, export_onnx, onnx_parity
 from mmfast.loader import MultimodalLoader
 from mmfast.model_dir import MmfastModel, load_model, save_model_dir
-from mmfast.predict import predict_rows, read_rows
+from mmfast.predict import predict_rows
+from mmfast.predict_inputs import read_rows
 from mmfast.tokenizer import load_tokenizer
 
 
@@ -84,7 +85,9 @@ def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest
     assert len(got) == 8
     errors = [bool(r["error"]) for r in got]
     assert errors == [False, False, False, True, True, True, True, False]
-    assert "not found" in got[3]["error"] and "unreadable" in got[4]["error"] and "not JSON" in got[6]["error"]
+    assert "not found" in got[3]["error"] and "unreadable" in got[4]["error"]
+    assert got[5]["error"] == f"{manifest}:6: field 'text' must be a string, got int"
+    assert got[6]["error"].startswith(f"{manifest}:7: invalid JSON")  # the reader's reason, its file and line
     model = load_model(model_dir)
     for r in [got[i] for i in (0, 1, 2, 7)]:
         assert r["class"] in model.class_names and r["top_k"][0] == [r["class"], r["prob"]]
@@ -298,3 +301,179 @@ def test_every_model_kind_exports_to_onnx_with_parity(kind, prepared, tmp_path):
     model = MmfastModel({**_config(prepared), "model": kind, **({"combine": "learned"} if kind == "late" else {})})
     path = export_onnx(model, tmp_path / f"{kind}.onnx")
     assert onnx_parity(model, path, example_inputs(model, batch=4, length=15, seed=4)) <= 1e-4
+
+
+# -- --input: whatever mmfast-prepare reads ---------------------------------------------------------------
+def _predict(model_dir: Path, source: Path | str, out: Path, *flags: str) -> list[dict]:
+    import tools.predict as predict_tool
+
+    assert predict_tool.main(["--model", str(model_dir), "--input", str(source), "--out", str(out), *flags]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _figures(rows: list[dict]) -> list[tuple]:
+    return [(r["class"], r["top_k"], r.get("label")) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def labeled_photos(photos_set, model_dir) -> list[dict]:
+    """The photos, labeled with the model's classes (so evaluate scores them), as a JSONL manifest's rows."""
+    names = load_model(model_dir).class_names
+    return [{**r, "label": names[i % len(names)]} for i, r in enumerate(photos_set)]
+
+
+@pytest.fixture(scope="module")
+def reference(labeled_photos, model_dir, tmp_path_factory) -> list[dict]:
+    """Predictions on the photos as a plain JSONL manifest: what every other input of them must give."""
+    tmp = tmp_path_factory.mktemp("reference")
+    rows = [{"image": str(r["path"]), "text": r["text"], "label": r["label"]} for r in labeled_photos]
+    manifest = tmp / "photos.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = _predict(model_dir, manifest, tmp / "pred.jsonl")
+    assert len(got) == len(rows) and not any(r["error"] for r in got)
+    return got
+
+
+def test_predict_on_parquet_equals_the_manifest_and_leaves_no_temp_folder(
+    model_dir, labeled_photos, reference, tmp_path, monkeypatch
+):
+    import tempfile
+
+    from test_inputs import _hf_dataset
+
+    import tools.evaluate as evaluate_tool
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _hf_dataset(labeled_photos, embed=True).to_parquet(data / "test.parquet")  # images as bytes, ClassLabel
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the images' bytes go, and must go away from
+    got = _predict(model_dir, data / "test.parquet", tmp_path / "pred.jsonl")
+    assert _figures(got) == _figures(reference)  # the same classes, probabilities and (ClassLabel) labels
+    assert [r["image"] for r in got] == [f"{data / 'test.parquet'} row {i + 1}" for i in range(len(got))]
+    assert _predict_temp(temp) == [] and [p.name for p in data.iterdir()] == ["test.parquet"]
+
+    assert evaluate_tool.main(["--model", str(model_dir), "--input", str(data), "--out", str(tmp_path / "e")]) == 0
+    metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert metrics["samples"] == len(reference) and metrics["errors"] == 0
+    assert metrics["acc"] == pytest.approx(sum(r["class"] == r["label"] for r in reference) / len(reference))
+    assert _predict_temp(temp) == []
+
+
+def _predict_temp(temp: Path) -> list[str]:
+    """What predict left in the temp folder (mmfast's lock folder is not predict's)."""
+    return [p.name for p in temp.iterdir() if p.name.startswith("mmfast-predict")]
+
+
+def test_predict_on_webdataset_shards_equals_the_manifest(model_dir, labeled_photos, reference, tmp_path):
+    wds = pytest.importorskip("webdataset")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    half = len(labeled_photos) // 2
+    for k, part in enumerate((labeled_photos[:half], labeled_photos[half:])):
+        with wds.TarWriter(str(shards / f"{k:05d}.tar")) as w:
+            for j, r in enumerate(part):
+                sample = {"jpg": r["path"].read_bytes(), "txt": r["text"], "cls": r["label"]}
+                w.write({"__key__": f"{k}{j:04d}", **sample})
+            if k == 0:  # a sample without its image: an error row naming the shard and the key
+                w.write({"__key__": "0nojpg", "txt": "a caption without its image", "cls": r["label"]})
+    before = {p.name: p.read_bytes() for p in shards.iterdir()}
+    got = _predict(model_dir, f"{shards}/{{00000..00001}}.tar", tmp_path / "pred.jsonl")
+    assert len(got) == len(reference) + 1
+    bad = got.pop(half)
+    assert bad["error"].startswith(f"{shards / '00000.tar'}:{half + 1}: no image member")
+    assert "(sample 0nojpg)" in bad["error"]
+    assert _figures(got) == _figures(reference)
+    assert got[0]["image"] == f"{shards / '00000.tar'}:00000.jpg"  # the sample named in its shard
+    assert got[half]["image"] == f"{shards / '00001.tar'}:10000.jpg"
+    assert {p.name: p.read_bytes() for p in shards.iterdir()} == before  # the shards are only read
+
+
+def test_predict_on_hf_imagefolder_metadata(model_dir, labeled_photos, reference, tmp_path):
+    from test_inputs import _copy_images
+
+    folder = tmp_path / "hf"
+    names = _copy_images(labeled_photos, folder)
+    meta = [{"file_name": n, "caption": r["text"]} for n, r in zip(names, labeled_photos, strict=True)]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meta))
+    # no label column and the images beside the metadata: predicted without labels
+    got = _predict(model_dir, folder / "metadata.jsonl", tmp_path / "pred.jsonl")
+    assert [r["class"] for r in got] == [r["class"] for r in reference] and not any("label" in r for r in got)
+    # the images in class folders (file_name "<class>/<image>"): labelled by their folder, as HF does
+    tree = tmp_path / "tree"
+    names = _copy_images(labeled_photos, tree, by_label=True)
+    meta = [{"file_name": n, "text": r["text"]} for n, r in zip(names, labeled_photos, strict=True)]
+    (tree / "metadata.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meta))
+    assert _figures(_predict(model_dir, tree, tmp_path / "tree.jsonl")) == _figures(reference)
+    # the trial's case: a label column, images not there -> every row says so, and the exit status does too
+    missing = [{**m, "file_name": f"gone/{m['file_name']}", "label": "x"} for m in meta]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(m) + "\n" for m in missing))
+    import tools.predict as predict_tool
+
+    argv = ["--model", str(model_dir), "--input", str(folder), "--out", str(tmp_path / "none.jsonl")]
+    assert predict_tool.main(argv) == 2
+    assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, prepared, tmp_path, capsys):
+    import tools.evaluate as evaluate_tool
+    import tools.predict as predict_tool
+
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"image": f"{i}.jpg", "caption": "x"}) + "\n" for i in range(3)))
+    assert predict_tool.main(["--model", str(model_dir), "--input", str(manifest)]) == 2
+    err = capsys.readouterr().err
+    assert f"{manifest}:1: missing field 'text'" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: no row of {manifest} can be predicted")
+    # mapped to the right column the rows are read, and then their images are missing: still nothing to predict
+    mapped = ["--model", str(model_dir), "--input", str(manifest), "--text-column", "caption"]
+    assert predict_tool.main(mapped) == 2
+    err = capsys.readouterr().err
+    assert "image not found" in err and err.strip().splitlines()[-1].startswith("error: no row of")
+    assert evaluate_tool.main([*mapped, "--no-labels", "--out", str(tmp_path / "e")]) == 2
+    assert "has a label to score it by" in capsys.readouterr().err and not (tmp_path / "e").exists()
+    # a prepared dataset given as --input: the flag it takes instead
+    assert predict_tool.main(["--model", str(model_dir), "--input", str(prepared)]) == 2
+    assert f"pass it as --data {prepared}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["photo.jsonl", "photo.csv", "photo.parquet", "photo.tar", "photo.safetensors"])
+def test_a_binary_input_exits_2_naming_the_file(model_dir, photos_set, tmp_path, capsys, name):
+    """A file that is not what its name says (here a JPEG) is an error naming it, never a traceback."""
+    import tools.evaluate as evaluate_tool
+    import tools.predict as predict_tool
+
+    path = tmp_path / name
+    path.write_bytes(photos_set[0]["path"].read_bytes())
+    for tool in (predict_tool, evaluate_tool):
+        argv = ["--model", str(model_dir), "--input", str(path), "--out", str(tmp_path / "o.jsonl")]
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and str(path) in last and "Traceback" not in err
+
+
+def test_read_rows_keeps_every_input_row_and_labels_are_optional(photos_set, tmp_path):
+    """Preparation drops a duplicate and needs a label; prediction gives each input row a row of its own and
+    reads a label where there is one. A COCO file needs no --label-column to be predicted."""
+    a, b, c = (str(r["path"]) for r in photos_set[:3])
+    rows = [
+        {"image": a, "text": "one", "label": "x"},
+        {"image": a, "text": "one", "label": "x"},  # a duplicate: its own prediction
+        {"image": b, "text": "two"},  # no label: predicted without one
+        {"image": c, "text": " ", "label": "x"},
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_rows(manifest) == [
+        {"image": a, "text": "one", "label": "x"},
+        {"image": a, "text": "one", "label": "x"},
+        {"image": b, "text": "two"},
+        {"image": None, "text": None, "error": f"{manifest}:4: empty text"},
+    ]
+    images = [{"id": i, "file_name": p} for i, p in enumerate((a, b))]
+    annotations = [{"id": 9, "image_id": 1, "caption": "first"}, {"id": 8, "image_id": 0, "caption": "second"}]
+    coco = tmp_path / "captions.json"
+    coco.write_text(json.dumps({"images": images, "annotations": annotations}))
+    assert read_rows(coco) == [{"image": b, "text": "first"}, {"image": a, "text": "second"}]

@@ -1,6 +1,11 @@
-"""Evaluate a trained model directory on a prepared dataset's split (or a labeled manifest).
+"""Evaluate a trained model directory on a prepared dataset's split (or any labeled input mmfast-prepare reads).
 
     mmfast-evaluate --model runs/latest/model --data prepared/ --split val --out runs/latest/eval
+    mmfast-evaluate --model runs/latest/model --input test.parquet --out runs/latest/eval-test
+
+--input is read as mmfast-predict reads it (preparation's readers and flags: --input-kind, --label-column,
+...); its rows without a label are predicted but not scored. Exit status 2 when the input cannot be read, no
+row can be predicted or none has a label.
 
 Prints accuracy, macro-F1 and a per-class precision/recall table; writes OUT/metrics.json,
 OUT/confusion.png and OUT/predictions.jsonl.
@@ -9,10 +14,13 @@ OUT/confusion.png and OUT/predictions.jsonl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
+from mmfast.cli.input_flags import add_input_flags
+from mmfast.cli.predict import load_rows, none_usable, report_errors
 from mmfast.quiet import filter_native_stderr
 
 
@@ -21,12 +29,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a model directory written by mmfast-train (RUN/model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="a prepared dataset directory")
-    src.add_argument("--input", help="a labeled JSONL/CSV manifest or class-folder tree")
+    src.add_argument(
+        "--input",
+        help="labeled data as mmfast-prepare reads it: a manifest, image folder, HF imagefolder, COCO .json, "
+        "Parquet/Arrow, WebDataset shards",
+    )
     p.add_argument("--split", default="val", choices=["train", "val"])
     p.add_argument("--out", help="output folder (default: <model>/../eval-<split>)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
+    add_input_flags(p, "--input")
     return p.parse_args(argv)
 
 
@@ -44,19 +57,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from mmfast.manifest import ManifestError
+    from mmfast.model_dir import load_for_inference
+    from mmfast.predict import plot_confusion, predict_rows, score, write_predictions
+
     args = parse_args(argv)
-    import torch
-
-    from mmfast.model_dir import load_model
-    from mmfast.predict import plot_confusion, predict_rows, prepared_rows, read_rows, score, write_predictions
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_model(args.model, device)
-    rows = prepared_rows(args.data, args.split) if args.data else read_rows(args.input)
-    unknown = sorted({str(r["label"]) for r in rows if "label" in r} - set(model.class_names))
-    if unknown:
-        print(f"warning: labels the model does not know are not scored: {unknown[:5]}", file=sys.stderr)
-    results = predict_rows(model, rows, batch_size=args.batch_size, device=device, num_workers=args.num_workers)
+    source = args.input or args.data
+    with contextlib.ExitStack() as stack:
+        try:
+            rows = load_rows(args, stack)
+            if none_usable(rows, source) or not _has_labels(rows, source):
+                return 2
+            model, device = load_for_inference(args.model, args.device)
+        except (ManifestError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        unknown = sorted({str(r["label"]) for r in rows if "label" in r} - set(model.class_names))
+        if unknown:
+            print(f"warning: labels the model does not know are not scored: {unknown[:5]}", file=sys.stderr)
+        results = predict_rows(
+            model, rows, batch_size=args.batch_size, device=device, num_workers=args.num_workers
+        )
+    if none_usable(results, source):
+        return 2
     figures = score(results, model.class_names)
     out = Path(args.out) if args.out else Path(args.model).resolve().parent / f"eval-{args.split}"
     out.mkdir(parents=True, exist_ok=True)
@@ -65,9 +88,22 @@ def _main(argv: list[str] | None) -> int:
     (out / "metrics.json").write_text(json.dumps(figures, indent=2))
     print_table(figures)
     if figures["errors"]:
+        report_errors(results, "predicted")
         print(f"{figures['errors']} rows could not be predicted (see {out / 'predictions.jsonl'})")
     print(f"wrote {out}/metrics.json, confusion.png, predictions.jsonl")
     return 0
+
+
+def _has_labels(rows: list[dict], source: str) -> bool:
+    """True when a usable row has a label to score it by; else says so on stderr."""
+    if any("label" in r for r in rows if not r.get("error")):
+        return True
+    print(
+        f"error: no row of {source} has a label to score it by; name the label column (--label-column) or "
+        "use mmfast-predict for unlabeled data",
+        file=sys.stderr,
+    )
+    return False
 
 
 if __name__ == "__main__":

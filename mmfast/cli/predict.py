@@ -1,24 +1,29 @@
-"""Predict with a trained model directory (RUN/model) on a manifest, an image folder, a prepared split, or one
-image + text.
+"""Predict with a trained model directory (RUN/model) on any input mmfast-prepare reads, a split or one image.
 
     mmfast-predict --model runs/latest/model --input new.jsonl --out predictions.jsonl
+    mmfast-predict --model runs/latest/model --input data/train-00000.parquet --out predictions.jsonl
     mmfast-predict --model runs/latest/model --image cat.jpg --text "a cat on a mat"
     mmfast-predict --model runs/latest/model --data prepared/ --split val --out val.csv
 
-Writes JSONL (or CSV for a .csv --out): per row the class, its probability and the top-k, or the reason the
-row could not be predicted (the other rows are predicted anyway). --compare-pil also times a plain PIL +
-torchvision + model loop on the same rows and prints both throughputs.
+--input is read by preparation's readers, with its flags (--input-kind, --image-column, ..., --wds-*; see
+mmfast/predict_inputs.py): a manifest, image folder, HF imagefolder metadata, COCO captions, Parquet/Arrow,
+WebDataset shards. Labels are optional. Writes JSONL (or CSV for a .csv --out): per input row the class, its
+probability and the top-k, or the reason the row could not be predicted (naming its file and line; the other
+rows are predicted anyway). Exit status 2 when the input cannot be read or no row of it can be predicted.
+--compare-pil also times a plain PIL + torchvision + model loop on the same rows and prints both throughputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.quiet import filter_native_stderr
 
 
@@ -26,7 +31,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model directory written by mmfast-train (RUN/model)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", help="a JSONL/CSV manifest (image, text[, label]) or an image folder")
+    src.add_argument(
+        "--input",
+        help="what mmfast-prepare reads: a manifest (.jsonl/.csv/.tsv), image folder, HF imagefolder, COCO .json, "
+        "Parquet/Arrow, WebDataset shards",
+    )
     src.add_argument("--data", help="a prepared dataset directory (with --split)")
     src.add_argument("--image", help="one image (with --text)")
     p.add_argument("--split", default="val", choices=["train", "val"])
@@ -44,25 +53,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="time predict and a plain PIL + model loop REPEATS times each; print images/s",
     )
     p.add_argument("--bench-json", help="with --compare-pil: write the timings here")
+    add_input_flags(p, "--input")
     return p.parse_args(argv)
 
 
-def load_rows(args: argparse.Namespace) -> list[dict]:
-    from mmfast.predict import prepared_rows, read_rows
+def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
+    """The rows of --data, --image or --input (its images stored as bytes in a temp folder ``stack`` removes).
 
-    if args.data:
+    Raises:
+        ManifestError, ValueError: --input cannot be read, or its flags exclude each other.
+    """
+    from mmfast.predict import prepared_rows
+    from mmfast.predict_inputs import input_rows
+
+    if getattr(args, "data", None):
         return prepared_rows(args.data, args.split)
-    if args.image:
+    if getattr(args, "image", None):
         return [{"image": str(Path(args.image).resolve()), "text": args.text}]
-    return read_rows(args.input)
+    return stack.enter_context(input_rows(args.input, input_options(args)))
+
+
+def report_errors(results: list[dict], done: str) -> None:
+    """The count of rows ``done`` and with errors, and the first ten errors, on stderr."""
+    errors = [r for r in results if r.get("error")]
+    print(f"{len(results) - len(errors)} rows {done}, {len(errors)} with errors", file=sys.stderr)
+    for r in errors[:10]:
+        print(f"  {r['image']}: {r['error']}" if r.get("image") else f"  {r['error']}", file=sys.stderr)
+
+
+def none_usable(rows: list[dict], source: str) -> bool:
+    """True (after saying why on stderr, in one line after the reasons) when no row is left to predict."""
+    if any(not r.get("error") for r in rows):
+        return False
+    if rows:
+        report_errors(rows, "usable")
+        print(
+            f"error: no row of {source} can be predicted (all {len(rows)} failed, reasons above); fix the input, "
+            "or say how to read it (--input-kind, --image-column, --text-column)",
+            file=sys.stderr,
+        )
+    else:
+        print(f"error: {source} holds no rows to predict", file=sys.stderr)
+    return True
 
 
 def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> dict:
     """Median images/s of predict_rows and of the plain PIL loop on the same rows (after one warm-up each,
     runs alternating)."""
-    from mmfast.predict import predict_pil, predict_rows
+    from mmfast.predict import image_file, predict_pil, predict_rows
 
-    good = [r for r in rows if not r.get("error") and Path(r["image"]).is_file()]
+    good = [r for r in rows if not r.get("error") and Path(image_file(r)).is_file()]
     bs = args.batch_size or model.config.get("eval_batch_size") or 64
     timings = {"mmfast_predict": [], "pil_loop": []}
     runs = {
@@ -102,30 +142,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    from mmfast.model_dir import load_model
+    from mmfast.manifest import ManifestError
+    from mmfast.model_dir import load_for_inference
     from mmfast.predict import predict_rows, write_predictions
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_model(args.model, device)
-    rows = load_rows(args)
-    if args.compare_pil:
-        compare_pil(model, rows, args, device)
-        return 0
-    results = predict_rows(
-        model, rows, batch_size=args.batch_size, top_k=args.top_k, device=device, num_workers=args.num_workers
-    )
+    args = parse_args(argv)
+    source = args.input or args.data or args.image
+    with contextlib.ExitStack() as stack:
+        try:
+            rows = load_rows(args, stack)
+            if none_usable(rows, source):
+                return 2
+            model, device = load_for_inference(args.model, args.device)
+        except (ManifestError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.compare_pil:
+            compare_pil(model, rows, args, device)
+            return 0
+        results = predict_rows(
+            model, rows, batch_size=args.batch_size, top_k=args.top_k, device=device, num_workers=args.num_workers
+        )
+    if none_usable(results, source):
+        return 2
     if args.out:
         write_predictions(args.out, results)
     else:
         for r in results:
             print(json.dumps({k: r.get(k) for k in ("image", "class", "prob", "top_k", "error")}))
-    errors = [r for r in results if r.get("error")]
-    print(f"{len(results) - len(errors)} rows predicted, {len(errors)} with errors", file=sys.stderr)
-    for r in errors[:10]:
-        print(f"  {r.get('image')}: {r['error']}", file=sys.stderr)
+    report_errors(results, "predicted")
     return 0
 
 

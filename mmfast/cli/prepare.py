@@ -31,8 +31,8 @@ import argparse
 import logging
 import sys
 
-from mmfast.inputs import READERS, InputOptions
-from mmfast.manifest import NO_LABEL, ManifestError
+from mmfast.cli.input_flags import add_input_flags, input_options
+from mmfast.manifest import ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.prepare_parts import parse_shard, part_dir
 from mmfast.validate import DEFAULT_MAX_PIXELS
@@ -90,52 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--merge", action="store_true", help="write OUT from the N parts that --shard I/N checked")
     p.add_argument("--no-progress", action="store_true")
-    g = p.add_argument_group("input format (default: told from SOURCE)")
-    g.add_argument("--input-kind", default="auto", choices=["auto", *READERS], help="how to read SOURCE")
-    g.add_argument("--image-column", help="column of the image path (or bytes); default image (file_name, ...)")
-    g.add_argument("--text-column", help="column of the caption; default text (caption, ... when detected)")
-    g.add_argument("--label-column", help="column (COCO: field) of the label; default label (or a ClassLabel)")
-    g.add_argument("--no-labels", action="store_true", help=f"no labels: every row is class '{NO_LABEL}'")
-    g.add_argument(
-        "--columns", help="column names of a CSV/TSV without a header line, e.g. text,image (CC3M's TSV)"
-    )
-    g.add_argument(
-        "--coco-captions", choices=["all", "first"], default="all", help="COCO: a row per caption or per image"
-    )
-    g.add_argument("--image-root", help="COCO: folder of the images' file_name (default: the JSON's folder)")
-    g.add_argument(
-        "--wds-image-key",
-        default="jpg;jpeg;png;webp",
-        help="WebDataset: the image member's extensions, by preference (default jpg;jpeg;png;webp)",
-    )
-    g.add_argument("--wds-text-key", default="txt", help="WebDataset: the caption member's extension")
-    g.add_argument(
-        "--wds-label-key", default="cls", help="WebDataset: the label member's extension (integer or name)"
-    )
-    g.add_argument("--wds-label-field", help="WebDataset: take the label from this field of the .json member")
+    add_input_flags(p)
     args = p.parse_args(argv)
     if (args.source is None) == (args.source_flag is None):
         p.error("pass the input once: SOURCE or --source SOURCE")
     return args
-
-
-def input_options(args: argparse.Namespace) -> InputOptions:
-    """The InputOptions of the parsed input-format flags."""
-    names = tuple(c.strip() for c in args.columns.split(",")) if args.columns else None
-    return InputOptions(
-        kind=args.input_kind,
-        image_column=args.image_column,
-        text_column=args.text_column,
-        label_column=args.label_column,
-        no_labels=args.no_labels,
-        columns=names,
-        coco_captions=args.coco_captions,
-        image_root=args.image_root,
-        wds_image_key=args.wds_image_key,
-        wds_text_key=args.wds_text_key,
-        wds_label_key=args.wds_label_key,
-        wds_label_field=args.wds_label_field,
-    )
 
 
 def print_summary(summary: dict) -> None:

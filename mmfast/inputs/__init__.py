@@ -87,7 +87,11 @@ Reader = Callable[[Path, InputOptions, bool, "Path | None"], tuple[list[Candidat
 
 
 def read_source(
-    path: str | Path, opts: InputOptions | None = None, confine: bool = False, image_dir: Path | None = None
+    path: str | Path,
+    opts: InputOptions | None = None,
+    confine: bool = False,
+    image_dir: Path | None = None,
+    dedupe: bool = True,
 ) -> tuple[list[Candidate], list[Reject], str]:
     """Read any supported input into candidate rows and rejects.
 
@@ -97,6 +101,7 @@ def read_source(
         opts: how to read it (default: told from the path, columns named image/text/label).
         confine: reject image paths that resolve outside the input's folder.
         image_dir: where readers of images stored as bytes write them (required for those inputs).
+        dedupe: reject exact duplicates of an earlier row (preparation); prediction keeps them.
 
     Returns:
         (candidates, rejects, kind): kind is the reader's name.
@@ -109,14 +114,14 @@ def read_source(
         from mmfast.inputs.wds import read_wds
 
         cands, rejects = read_wds(path, opts)
-        cands, rejects = finish_rows(cands, rejects)
+        cands, rejects = finish_rows(cands, rejects, dedupe)
         return cands, rejects, "wds"
     path = Path(path)
     if not path.exists():
         raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
     kind = opts.kind if opts.kind != "auto" else detect_kind(path)
     cands, rejects = READERS[kind](path, opts, confine, image_dir)
-    cands, rejects = finish_rows(cands, rejects)
+    cands, rejects = finish_rows(cands, rejects, dedupe)
     return cands, rejects, kind
 
 
@@ -189,10 +194,11 @@ def pick_column(present: list[str], given: str | None, names: tuple[str, ...], w
 
 
 def _manifest_reader(fmt: str) -> Reader:
-    """A reader of mmfast's own inputs (``manifest.read_input``) in format ``fmt``, whatever the file's suffix."""
+    """A reader of mmfast's own inputs (``manifest.read_input``) in format ``fmt``, whatever the file's suffix.
+    Duplicates are left to ``read_source``, which drops them or not."""
 
     def read(path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None):
-        cands, rejects, _ = read_input(path, confine=confine, columns=opts.table_columns(), fmt=fmt)
+        cands, rejects, _ = read_input(path, confine=confine, columns=opts.table_columns(), fmt=fmt, dedupe=False)
         return cands, rejects
 
     return read

@@ -1,0 +1,183 @@
+"""Any input mmfast-prepare reads, read for prediction: one row per input row, either ready to predict or
+carrying why it cannot be (its file, line and reason).
+
+The rows come from the preparation readers (``mmfast.inputs.read_source``: the same kinds, the same flags),
+read the way prediction needs:
+
+- a label is optional. The input is read with labels first; a row the readers reject then is read again
+  without (``no_labels``): if that takes it, its only fault was its label (none, empty, of another type)
+  and it is predicted without one. An input with no label column at all is read without labels, unless
+  the user named one (``--label-column``), which must then be there.
+- duplicates are kept: every input row gets its own prediction.
+- images stored as bytes (Parquet/Arrow) or inside tar shards (WebDataset) are written as files into a folder
+  mmfast made for them (``input_rows``: a temporary folder, removed afterwards). A WebDataset sample's
+  image is copied out of its shard (by the offset the reader found) because the predict loader reads
+  files: simplest, and the shards stay untouched. Such a row's "image" names the image for the user
+  (``shards/00000.tar:key.jpg``, ``data/file.parquet row 3``) and its "path" is the file predict reads.
+
+A flat folder of images (no class folders, which preparation refuses) is read too: no labels, each text a
+sidecar ``<image>.txt`` / ``<stem>.txt`` or "".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from mmfast.inputs import InputOptions, detect_kind, read_source
+from mmfast.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject
+
+_Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
+
+
+@contextlib.contextmanager
+def input_rows(source: str | os.PathLike, opts: InputOptions | None = None) -> Iterator[list[dict]]:
+    """``read_rows`` with a temporary folder for the images stored as bytes, removed (with everything in it)
+    when the block ends: use the rows' files inside it.
+
+    Raises:
+        ManifestError: as ``read_rows``.
+    """
+    with tempfile.TemporaryDirectory(prefix="mmfast-predict-input-") as tmp:
+        yield read_rows(source, Path(tmp), opts)
+
+
+def read_rows(
+    source: str | os.PathLike, work_dir: Path | None = None, opts: InputOptions | None = None
+) -> list[dict]:
+    """Rows to predict of anything ``read_source`` reads, or of a flat folder of images.
+
+    Args:
+        source: a manifest, HF imagefolder (metadata), COCO JSON, Parquet/Arrow, WebDataset shards, an image
+            folder (class folders, or flat).
+        work_dir: an empty folder mmfast owns, for the images of Parquet/Arrow bytes and WebDataset shards
+            (None: such inputs are refused).
+        opts: how to read it (default: told from the path).
+
+    Returns:
+        one dict per input row, in input order (by file, then line): "image", "text", "label" (when the row
+        has one) and "path" (the file to read, when "image" only names it), or "error" ("<file>:<line>:
+        <reason>", with "image" and "text" None).
+
+    Raises:
+        ManifestError: the input cannot be read as a whole (missing, unknown format, a named column absent,
+            a damaged file).
+    """
+    opts = opts or InputOptions()
+    path = Path(source)
+    if (path / "prepare.json").is_file():
+        raise ManifestError(f"{source} is a prepared dataset: pass it as --data {source} (with --split)")
+    if _is_flat_image_folder(path, opts):
+        return _flat_folder_rows(path)
+    work_dir = work_dir.resolve() if work_dir is not None else None
+    labeled, unlabeled, kind = _read_twice(source, opts, work_dir)
+    chosen = {key: (item, True) for key, item in labeled.items()}
+    for key, item in unlabeled.items():  # the read without labels decides every row the labeled read rejects
+        if key not in chosen or isinstance(chosen[key][0], Reject):
+            chosen[key] = (item, False)
+    base = path if path.is_dir() else path.parent  # what a row's file is relative to
+    rows = []
+    for key in sorted(chosen):
+        item, with_label = chosen[key]
+        if isinstance(item, Reject):
+            rows.append({"image": None, "text": None, "error": f"{_where(item, kind, path, base)}: {item.reason}"})
+        else:
+            rows.append(_candidate_row(item, with_label, kind, path, base, work_dir))
+    return rows
+
+
+def _read_twice(source: str | os.PathLike, opts: InputOptions, work_dir: Path | None) -> tuple[_Read, _Read, str]:
+    """(the read with labels, the read without, the reader's name); a read not needed is {}. The read without
+    labels is only needed when the first rejected rows or found no label column the user did not name."""
+    unlabeled_opts = replace(opts, no_labels=True, label_column=None)
+    if opts.no_labels:
+        return {}, *_read(source, unlabeled_opts, work_dir, "unlabeled")
+    try:
+        labeled, kind = _read(source, opts, work_dir, "labeled")
+    except ManifestError:
+        if opts.label_column:
+            raise
+        # No label column (or a reason not about labels: then the read without labels says it again).
+        return {}, *_read(source, unlabeled_opts, work_dir, "unlabeled")
+    if all(isinstance(item, Candidate) for item in labeled.values()):
+        return labeled, {}, kind
+    return labeled, *_read(source, unlabeled_opts, work_dir, "unlabeled")
+
+
+def _read(source: str | os.PathLike, opts: InputOptions, work_dir: Path | None, name: str) -> tuple[_Read, str]:
+    """One read of the input by ``read_source`` (duplicates kept; bytes written under work_dir/name) and the
+    reader's name."""
+    image_dir = work_dir / name if work_dir is not None else None
+    cands, rejects, kind = read_source(source, opts, image_dir=image_dir, dedupe=False)
+    if kind == "wds" and cands:
+        if image_dir is None:
+            raise ManifestError(f"{source}: WebDataset images need a folder to be copied to")
+        _copy_out_of_shards(cands, image_dir)
+    read: _Read = {(r.file, r.line): r for r in rejects}
+    read.update({(c.file, c.line): c for c in cands})
+    return read, kind
+
+
+def _copy_out_of_shards(cands: list[Candidate], image_dir: Path) -> None:
+    """Copy each WebDataset sample's image out of its shard into image_dir: the candidate's ``image`` is then
+    that file (``source["member"]`` still names it in the shard)."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+    for i, c in enumerate(cands):
+        member = c.source["member"]
+        shard = c.image[: -len(member) - 1]  # image is "<shard path>:<member>"
+        with open(shard, "rb") as f:
+            f.seek(c.source["offset"])
+            data = f.read(c.source["nbytes"])
+        out = image_dir / f"{i:08d}{Path(member).suffix.lower()}"
+        out.write_bytes(data)
+        c.image = str(out)
+
+
+def _candidate_row(
+    c: Candidate, with_label: bool, kind: str, path: Path, base: Path, work_dir: Path | None
+) -> dict:
+    row = {"image": c.image, "text": c.text}
+    if with_label:
+        row["label"] = c.label
+    if work_dir is not None and Path(c.image).is_relative_to(work_dir):  # a file mmfast wrote out: name the image
+        file = base / c.file if c.file else path
+        shown = f"{file}:{c.source['member']}" if kind == "wds" else f"{file} row {c.line}"
+        row.update(image=shown, path=c.image)
+    return row
+
+
+def _where(r: Reject, kind: str, path: Path, base: Path) -> str:
+    """The row a reject names: ``<file>:<line>`` (an image folder's row: its image; a whole shard: the shard)."""
+    if kind == "folder" and isinstance(r.row, dict) and isinstance(r.row.get("image"), str):
+        return str(path / r.row["image"])
+    file = base / r.file if r.file else path
+    return f"{file}:{r.line}" if r.line > 0 else str(file)
+
+
+def _is_flat_image_folder(path: Path, opts: InputOptions) -> bool:
+    """A folder of images with no class folders (and nothing else a reader takes)."""
+    if not path.is_dir() or opts.kind not in ("auto", "folder"):
+        return False
+    if opts.kind == "auto" and detect_kind(path) != "folder":
+        return False
+    entries = list(path.iterdir())
+    return not any(p.is_dir() and not p.name.startswith(".") for p in entries) and any(
+        p.suffix.lower() in IMAGE_SUFFIXES for p in entries
+    )
+
+
+def _flat_folder_rows(root: Path) -> list[dict]:
+    rows = []
+    for p in sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
+        side = next((s for s in (p.with_name(p.name + ".txt"), p.with_suffix(".txt")) if s.is_file()), None)
+        try:
+            text = side.read_bytes().decode("utf-8-sig").strip() if side else ""
+        except (OSError, UnicodeDecodeError) as e:
+            rows.append({"image": None, "text": None, "error": f"{side}: caption cannot be read ({e})"})
+            continue
+        rows.append({"image": str(p), "text": text})
+    return rows
