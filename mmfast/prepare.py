@@ -431,7 +431,7 @@ def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, i
         if not (out / MARKER).is_file():
             return {}
         earlier_set = PreparedDataset(out, verify=False)  # a row is trusted by its own size and mtime
-        if earlier_set.max_pixels() != cfg.max_pixels:
+        if earlier_set.max_pixels != cfg.max_pixels:
             return {}
         earlier = {}
         for split in ("train", "val"):
