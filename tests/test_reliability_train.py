@@ -83,11 +83,15 @@ def test_an_earlier_run_needs_resume_or_overwrite_and_overwrite_moves_it_aside(p
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
 
 
-def test_default_out_moves_the_previous_run_aside(prepared, tmp_path, monkeypatch):
+def test_default_out_moves_the_previous_run_aside(prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     flags = ["--data", str(prepared), *SMALL_RUN, "--max-steps", "1"]
     assert train_tool.main(flags) == 0
     first = _tree(tmp_path / "runs" / "latest")
+    # A run that fails before it begins (a typo in --data) puts the earlier run back where it was.
+    assert train_tool.main(["--data", str(tmp_path / "typo"), *flags[2:]]) == 2
+    assert "the earlier run is back in runs/latest" in capsys.readouterr().out
+    assert _tree(tmp_path / "runs" / "latest") == first and os.listdir(tmp_path / "runs") == ["latest"]
     assert train_tool.main(flags) == 0
     (aside,) = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("latest.old-")]
     assert _tree(aside) == first

@@ -268,8 +268,9 @@ def _train(cfg: TrainConfig) -> dict:
         raise
     finally:
         heartbeat.close()
-        if lock is not None and failed:
-            lock.release_unused()  # a run that wrote nothing leaves nothing behind
+        if lock is not None and failed:  # a run that wrote nothing leaves nothing behind
+            if (restored := lock.release_unused()) is not None:
+                accelerator.print(f"the earlier run is back in {restored} (this one stopped before it began)")
         elif lock is not None:
             lock.release()
 

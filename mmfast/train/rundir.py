@@ -99,11 +99,14 @@ class RunDirLock:
         self.path = run_dir / LOCK_FILE
         self._fd: int | None = None
         self.created_dir = False  # the run made the directory (claim_run_dir): it may remove it unused
+        self.moved_aside: Path | None = None  # where claim_run_dir moved an earlier run (put back if unused)
 
-    def release_unused(self) -> None:
+    def release_unused(self) -> Path | None:
         """Release the lock of a run that failed; if it wrote nothing, take its marker and lock file away too
-        (and the directory, when the run made it), so nothing of the failed start is left behind."""
+        (and the directory, when the run made it), and put back the earlier run it moved aside: nothing of
+        the failed start is left behind. Returns where an earlier run was put back, if one was."""
         run_dir = self.path.parent
+        restored = None
         if self._fd is not None and never_started(run_dir):
             (run_dir / RUN_MARKER).unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)  # still held: no other run can take it in between
@@ -111,9 +114,13 @@ class RunDirLock:
             if self.created_dir:
                 try:
                     run_dir.rmdir()
+                    if self.moved_aside is not None:
+                        os.rename(self.moved_aside, run_dir)
+                        restored = run_dir
                 except OSError:  # something appeared in it meanwhile: leave it
                     pass
         self.release()
+        return restored
 
     def acquire(self) -> None:
         """Take the lock and write this pid into the lock file.
@@ -161,7 +168,7 @@ def claim_run_dir(plan: RunDirPlan) -> tuple[RunDirLock, Path | None]:
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir)
     lock.acquire()
-    lock.created_dir = created
+    lock.created_dir, lock.moved_aside = created, moved_to
     marker = run_dir / RUN_MARKER
     if not marker.exists():
         marker.write_text(json.dumps({"kind": "mmfast run", "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
