@@ -27,7 +27,10 @@ def parse_args(argv):
     p.add_argument("--run", help="an existing run directory with profile.json (no training)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps to profile")
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
-    p.add_argument("--out", default="runs/profile")
+    p.add_argument(
+        "--out",
+        help="the profile's run directory (default: runs/profile, an earlier profile there moved aside)",
+    )
     return p.parse_known_args(argv)
 
 
@@ -68,31 +71,42 @@ def _main(argv: list[str] | None) -> int:
     args, train_flags = parse_args(argv)
     if args.run:
         path = Path(args.run) / "profile.json"
+        if not Path(args.run).is_dir():
+            print(f"error: --run {args.run}: no such run directory", file=sys.stderr)
+            return 2
         if not path.is_file():
             print(f"error: {path} not found; train with --profile first", file=sys.stderr)
             return 2
         report = json.loads(path.read_text())
         print_report(report)
         return 0
+    from mmfast.cli.train import user_errors
+
+    try:
+        summary = _profile(args, train_flags)
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not summary["is_main_process"]:
+        return 0
+    report = json.loads((Path(args.out) / "profile.json").read_text())
+    print_report(report)
+    print(f"\nwrote {args.out}/profile.json, {args.out}/profile.png" + (", trace.json" if args.trace else ""))
+    return 0
+
+
+def _profile(args, train_flags: list[str]) -> dict:
+    """The short training run with --profile; returns its summary."""
     from mmfast.train.config import parse_config
     from mmfast.train.engine import train
 
-    try:
-        cfg = parse_config(
-            [
-                *train_flags,
-                "--profile",
-                "--max-steps",
-                str(args.steps),
-                "--out",
-                args.out,
-                "--no-progress",
-                "--no-checkpoints",  # a profile is thrown away: no gigabytes of optimizer state written
-            ]
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    default_out = args.out is None
+    args.out = args.out or "runs/profile"
+    flags = [*train_flags, "--profile", "--max-steps", str(args.steps), "--out", args.out, "--no-progress"]
+    flags.append("--no-checkpoints")  # a profile is thrown away: no gigabytes of optimizer state written
+    if default_out and "--overwrite" not in train_flags:
+        flags.append("--overwrite")  # profiling again is the normal use: the earlier profile is moved aside
+    cfg = parse_config(flags)
     if args.trace:
         import torch
 
@@ -103,14 +117,8 @@ def _main(argv: list[str] | None) -> int:
             summary = train(cfg)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(args.out) / "trace.json"))
-    else:
-        summary = train(cfg)
-    if not summary["is_main_process"]:
-        return 0
-    report = json.loads((Path(args.out) / "profile.json").read_text())
-    print_report(report)
-    print(f"\nwrote {args.out}/profile.json, {args.out}/profile.png" + (", trace.json" if args.trace else ""))
-    return 0
+        return summary
+    return train(cfg)
 
 
 if __name__ == "__main__":

@@ -67,18 +67,25 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
 
 
-def _main(argv: list[str] | None) -> int:
-    # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
+def user_errors() -> tuple[type[Exception], ...]:
+    """What a training run raises about the user's data, flags or machine: said in one line, exit 2."""
     from mmfast.manifest import ManifestError
-    from mmfast.train.config import parse_config
-    from mmfast.train.engine import NonFiniteLossError, train
+    from mmfast.train.engine import NonFiniteLossError
     from mmfast.train.heartbeat import PeerFailure
     from mmfast.train.setup import LaunchError
+
+    return (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure)
+
+
+def _main(argv: list[str] | None) -> int:
+    # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
+    from mmfast.train.config import parse_config
+    from mmfast.train.engine import train
 
     try:
         cfg = parse_config(argv)
         summary = train(cfg)
-    except (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure) as e:
+    except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if summary.get("interrupted"):
