@@ -41,13 +41,18 @@ def train_wordpiece(texts: list[str], vocab_size: int = 4000):
 
 
 def load_tokenizer(name_or_path: str | Path):
-    """Load a fast tokenizer from a local directory or a hub name (the hub only when the user names one).
+    """Load a fast tokenizer from a local directory, a text model's short name ("minilm", as --text-model
+    takes it) or a hub name (the hub only when the user names one).
 
     Raises:
         ValueError: the tokenizer cannot be loaded or is not a fast tokenizer.
     """
     from transformers import AutoTokenizer
 
+    if str(name_or_path) == "minilm":
+        from mmfast.models.encoders import minilm_path
+
+        name_or_path = minilm_path()  # raises ValueError naming the package to install
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)
     except Exception as e:

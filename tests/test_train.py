@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from mmfast.train.config import parse_config
 from mmfast.train.setup import LaunchError, check_process_group
+from tools import prepare_data as prepare_tool
 from tools import train as train_tool
 
 FAST = ["--epochs", "1", "--batch-size", "32", "--no-progress", "--image-size", "32", "--hidden", "32"]
@@ -309,7 +310,9 @@ def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, 
         train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "a"), "--text-model", "minilm", *FAST])
         == 2
     )
-    assert f"prepare it with --tokenizer {minilm_dir}" in capsys.readouterr().err
+    assert "prepare it with --tokenizer minilm (mmfast-prepare SOURCE --out DIR --tokenizer minilm)" in (
+        capsys.readouterr().err
+    )
     # a raw manifest is prepared on the fly with the model's own tokenizer, so this trains
     assert (
         train_tool.main(
@@ -329,6 +332,10 @@ def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, 
     )
     prep = json.loads((tmp_path / "b" / "prepared" / "prepare.json").read_text())
     assert prep["tokenizer"] == minilm_dir and prep["vocab_size"] == 30522
+    # what the message says works: prepared with --tokenizer minilm (the --text-model name), it trains
+    assert prepare_tool.main([str(demo_manifest), "--out", str(tmp_path / "m"), "--tokenizer", "minilm"]) == 0
+    flags = ["--out", str(tmp_path / "c"), "--text-model", "minilm", "--max-steps", "1", *FAST]
+    assert train_tool.main(["--data", str(tmp_path / "m"), *flags]) == 0
 
 
 def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):

@@ -194,5 +194,6 @@ def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
     if tokenizer_fingerprint(model_tok) != tokenizer_fingerprint(data_tok):
         raise ValueError(
             f"{data_dir} was tokenized with another vocabulary than text model '{text_model}' "
-            f"uses; prepare it with --tokenizer {own}"
+            f"uses; prepare it with --tokenizer {text_model} (mmfast-prepare SOURCE --out DIR --tokenizer "
+            f"{text_model}), or pass the raw input as --data (prepared on the fly with that vocabulary)"
         )
