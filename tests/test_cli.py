@@ -33,6 +33,16 @@ def test_every_console_script_is_a_main_in_mmfast_cli():
         assert callable(getattr(importlib.import_module(module), func))
 
 
+@pytest.mark.parametrize("command", ["train", "prepare", "predict", "evaluate", "export", "profile_run"])
+def test_a_malformed_flag_is_one_line_and_exit_2(command, capsys):
+    main = importlib.import_module(f"mmfast.cli.{command}").main
+    with pytest.raises(SystemExit) as stop:
+        main(["--no-such-flag", "--lr", "abc"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert "--help)" in err and "usage:" not in err
+
+
 def test_a_command_imports_nothing_heavy_before_its_main_runs():
     """Ctrl-C during start-up must land under main's handler, and --help should not wait for torch."""
     code = (

@@ -5,3 +5,17 @@ mmfast-profile, mmfast-predict, mmfast-evaluate, mmfast-export. ``tools/*.py`` w
 a checkout, and ``accelerate launch -m mmfast.cli.train`` starts several processes. Nothing here imports
 torch at module level: ``--help`` is quick and a Ctrl-C during start-up reaches the command's handler.
 """
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with mmfast's one-line errors: ``error: ...`` and exit 2, not the whole usage above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def summary_of(doc: str) -> str:
+    """A module docstring's first paragraph on one line: a command's --help description."""
+    return " ".join(doc.strip().split("\n\n")[0].split())

@@ -14,9 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+from mmfast.cli import Parser, summary_of
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=summary_of(__doc__))
     p.add_argument("--model", required=True, help="a model directory written by mmfast-train (RUN/model)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", choices=["onnx", "torch", "both"], default="both")

@@ -23,12 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from mmfast.cli import Parser, summary_of
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.quiet import filter_native_stderr
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=summary_of(__doc__))
     p.add_argument("--model", required=True, help="a model directory written by mmfast-train (RUN/model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(

@@ -31,6 +31,7 @@ import argparse
 import logging
 import sys
 
+from mmfast.cli import Parser
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.manifest import ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
@@ -39,7 +40,7 @@ from mmfast.validate import DEFAULT_MAX_PIXELS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "source",
         nargs="?",

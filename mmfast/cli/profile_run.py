@@ -19,11 +19,12 @@ import json
 import sys
 from pathlib import Path
 
+from mmfast.cli import Parser
 from mmfast.quiet import filter_native_stderr
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="an existing run directory with profile.json (no training)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps to profile")
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")

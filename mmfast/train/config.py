@@ -8,6 +8,8 @@ import math
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from mmfast.cli import Parser
+
 
 def _opt(default, group: str, help: str):
     """A TrainConfig field: its default, its --help group and its meaning (the one place the meaning is written;
@@ -290,7 +292,7 @@ def _help(f, choice: tuple[str, ...] | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """argparse mirror of TrainConfig, grouped as GROUPS; every default is SUPPRESS so that only the flags the
     user gave are set. Each flag's help is its field's meaning, choices and default."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Train an image+text fusion model with mmfast. Flags map one to one to the keys of --config "
         "(a YAML/JSON file; flags win). Without --data it trains the tiny preset on the built-in demo set.",
         argument_default=argparse.SUPPRESS,
