@@ -133,6 +133,7 @@ def test_report_to_tensorboard_writes_per_step_scalars(prepared, tmp_path, capsy
     for tag in ("train/loss", "train/lr", "train/images_per_s", "train/data_wait_frac"):
         assert [e.step for e in acc.Scalars(tag)] == [2, 4, 6], tag
     assert [e.step for e in acc.Scalars("epoch/val_acc")] == [7] and "epoch/train_loss" in scalars
+    assert "train/lr_encoder" not in scalars  # no pretrained encoder in this model: one lr
     lrs = [e.value for e in acc.Scalars("train/lr")]
     assert lrs == sorted(lrs, reverse=True) and lrs[0] > 0  # cosine decay after a 0-step warm-up (7 x 0.1)
     assert all(e.value > 0 for e in acc.Scalars("train/images_per_s"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import signal
@@ -334,8 +335,17 @@ def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, 
     assert prep["tokenizer"] == minilm_dir and prep["vocab_size"] == 30522
     # what the message says works: prepared with --tokenizer minilm (the --text-model name), it trains
     assert prepare_tool.main([str(demo_manifest), "--out", str(tmp_path / "m"), "--tokenizer", "minilm"]) == 0
-    flags = ["--out", str(tmp_path / "c"), "--text-model", "minilm", "--max-steps", "1", *FAST]
-    assert train_tool.main(["--data", str(tmp_path / "m"), *flags]) == 0
+    flags = ["--out", str(tmp_path / "c"), "--text-model", "minilm", "--max-steps", "2", *FAST]
+    tracked = ["--encoder-lr", "1e-5", "--warmup-frac", "0", "--report-to", "tensorboard", "--log-every", "1"]
+    assert train_tool.main(["--data", str(tmp_path / "m"), *flags, *tracked]) == 0
+    if importlib.util.find_spec("tensorboard"):  # the pretrained encoder's own lr is logged beside the heads'
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "c" / "mmfast"))
+        events.Reload()
+        heads, encoder = (events.Scalars(f"train/{t}")[0].value for t in ("lr", "lr_encoder"))
+        lr = json.loads((tmp_path / "c" / "config.json").read_text())["lr"]
+        assert encoder / heads == pytest.approx(1e-5 / lr, rel=1e-3) and 0 < encoder < heads  # one schedule
 
 
 def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):

@@ -765,9 +765,14 @@ class EpochRunner:
         """The mean loss, the lr, images/s and the data-wait share since the window began. The loss is this
         process's (no collective per log); images/s counts every process (each takes equal batches)."""
         elapsed = max(1e-9, time.perf_counter() - w.t0)
+        lrs = self.sched.get_last_lr()
+        # train/lr: the heads' (the first group); a pretrained encoder's own lr (--encoder-lr, 0 during the
+        # --probe-frac linear probe) as train/lr_encoder
+        encoder = [lr for lr, g in zip(lrs, self.opt.param_groups, strict=True) if g.get("pretrained")]
         return {
             "train/loss": w.loss_sum / w.loss_samples if w.loss_samples else float("nan"),
-            "train/lr": self.sched.get_last_lr()[0],
+            "train/lr": lrs[0],
+            **({"train/lr_encoder": encoder[0]} if encoder else {}),
             "train/images_per_s": w.seen * self.acc.num_processes / elapsed,
             "train/data_wait_frac": min(1.0, (self.timer.total("data") - w.data0) / elapsed),
         }
