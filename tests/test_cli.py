@@ -137,8 +137,18 @@ def test_report_to_tensorboard_writes_per_step_scalars(prepared, tmp_path, capsy
     lrs = [e.value for e in acc.Scalars("train/lr")]
     assert lrs == sorted(lrs, reverse=True) and lrs[0] > 0  # cosine decay after a 0-step warm-up (7 x 0.1)
     assert all(e.value > 0 for e in acc.Scalars("train/images_per_s"))
-    hparams = (next(out.glob("mmfast/*/hparams.yml"))).read_text()
-    assert "model: concat" in hparams and "report_to: tensorboard" in hparams
+    # The hyper-parameters sit in the run that holds the scalars, naming the epoch figures as their metrics
+    # (what TensorBoard's HParams view compares runs by).
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = acc.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    given = session.session_start_info.hparams
+    assert given["model"].string_value == "concat" and given["report_to"].string_value == "tensorboard"
+    assert given["batch_size"].number_value == 32
+    assert {m.name.tag for m in experiment.experiment.metric_infos} >= {"epoch/val_acc", "epoch/val_loss"}
+    assert [p.name for p in out.glob("mmfast/*") if p.is_dir()] == []  # no sub-run beside it
 
 
 def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target(tmp_path):

@@ -323,7 +323,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if accelerator.is_main_process:
         _write_config(run_dir, identity, dataset, total_steps, resume_from, state["global_step"])
     if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
-        accelerator.init_trackers("mmfast", config=tracker_config(identity))
+        start_trackers(accelerator, tracker_config(identity))
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)
     ctx.class_names = sorted(dataset.labels, key=dataset.labels.get)
     sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
@@ -401,6 +401,27 @@ def tracker_config(identity: dict) -> dict:
     """The run's configuration as trackers take hyper-parameters: numbers, strings and bools (TensorBoard's
     hparams refuse None and containers, so those are written as text)."""
     return {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in identity.items()}
+
+
+# The scalars TensorBoard's HParams view shows beside each run's hyper-parameters.
+HPARAM_METRICS = ("epoch/val_acc", "epoch/val_macro_f1", "epoch/val_loss", "epoch/train_loss")
+
+
+def start_trackers(accelerator, config: dict) -> None:
+    """Start the --report-to trackers with ``config`` as hyper-parameters. TensorBoard gets them in the run
+    that holds the scalars, naming the epoch figures as their metrics (Accelerate's own call writes them
+    into a sub-run of their own, where the HParams view finds no metric to compare runs by)."""
+    accelerator.init_trackers("mmfast")
+    for tracker in accelerator.trackers:
+        if tracker.name != "tensorboard":
+            tracker.store_init_configuration(config)
+            continue
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = tracker.writer
+        for summary in hparams(config, dict.fromkeys(HPARAM_METRICS, 0.0)):  # experiment, session start/end
+            writer.file_writer.add_summary(summary)
+        writer.flush()
 
 
 def _build_model(cfg: TrainConfig, dataset: PreparedDataset) -> torch.nn.Module:
