@@ -147,7 +147,7 @@ class UtilizationSampler:
         except ImportError:
             self.gpu_error = "NVML bindings not installed (pip install nvidia-ml-py)"
         except Exception as e:  # pynvml.NVMLError and friends: no driver, no device
-            self.gpu_error = f"no GPU: NVML unavailable ({e})"
+            self.gpu_error = f"none: NVML unavailable ({e})"  # printed as "GPU: none: ..."
 
     def read_gpu(self) -> dict:
         """One NVML reading: utilization %, memory MiB, SM clock MHz, power W (empty without a GPU)."""
@@ -350,6 +350,13 @@ def verdict(report: dict) -> dict:
         steps += _compute_advice(settings, on_gpu)
         busy = f", GPU {gpu_util:.0f}% busy" if on_gpu else ""
         summary = f"compute-bound: data wait is {wait:.0%}{busy}; speed comes from the model side"
+    machine = util.get("machine_cpu_util_mean")
+    if cpu is not None and machine is not None and machine > 80 and machine - cpu > 30:
+        steps.insert(
+            0,
+            f"other processes kept the machine {machine:.0f}% busy while this run used {cpu:.0f}% of it: "
+            "profile on a quiet machine before acting on this verdict",
+        )
     return {"bound": bound, "summary": summary, "next_steps": steps}
 
 

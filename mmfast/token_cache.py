@@ -25,6 +25,7 @@ from mmfast.fsutil import atomic_write_bytes, atomic_write_json, file_lock
 from mmfast.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
+_NO_CACHE = "no cache yet"  # the reason for a first build
 FORMAT_VERSION = 1
 
 
@@ -134,8 +135,9 @@ class TokenCache:
         fp = cache_fingerprint(tokenizer, max_length, texts)
         with file_lock(directory / f".{split}.lock"):
             reason = _stale_reason(directory, split, fp, first_id)
-            if reason:
-                log.info("token cache %s/%s: building (%s)", directory, split, reason)
+            if reason:  # a first build (a preparation's temp directory) is no news; a rebuild is
+                level = logging.DEBUG if reason == _NO_CACHE else logging.INFO
+                log.log(level, "token cache %s/%s: building (%s)", directory, split, reason)
                 _write_split(directory, split, texts, tokenizer, max_length, first_id, fp, batch_size)
         return cls(directory, split)
 
@@ -159,7 +161,7 @@ def _check_files(directory: Path, split: str, meta: dict) -> str:
 def _stale_reason(directory: Path, split: str, fp: str, first_id: int) -> str:
     meta_path = directory / f"{split}.meta.json"
     if not meta_path.exists():
-        return "no cache yet"
+        return _NO_CACHE
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):

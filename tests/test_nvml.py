@@ -175,7 +175,7 @@ def test_nvml_that_cannot_start_is_reported_not_raised(monkeypatch, code, reason
     _install(monkeypatch, recording)
     with UtilizationSampler(0.01) as sampler:
         time.sleep(0.05)
-    assert sampler.gpu_error == f"no GPU: NVML unavailable ({reason})"
+    assert sampler.gpu_error == f"none: NVML unavailable ({reason})"
     assert sampler.read_gpu() == {}
     assert sampler.stats()["gpu"] == {"available": False, "reason": sampler.gpu_error}
 

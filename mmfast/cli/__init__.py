@@ -16,6 +16,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with the description as written and each flag's default (when it has one) after its meaning."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def summary_of(doc: str) -> str:
     """A module docstring's first paragraph on one line: a command's --help description."""
     return " ".join(doc.strip().split("\n\n")[0].split())

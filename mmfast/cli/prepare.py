@@ -10,11 +10,11 @@ mmfast-prepare SOURCE --out DIR [--tokenizer X] [--max-length N]
 
 SOURCE may also be WebDataset shards (img2dataset / open_clip layout: key.jpg + key.txt + key.cls or
 key.json): a folder of .tar files, a .tar, or a pattern such as 'shards/{00000..00099}.tar' (quoted). They are
-read in place and never written to: their DALI index files go into --out (see mmfast/inputs/wds.py), and
-the split is by sample (seeded, stratified by label, as for every input).
+read in place and never written to: their DALI index files go into --out, and the split is by sample (a
+hash of its key, as for every input: see --val-fraction).
 
 A big input can be prepared by several processes or machines: run `--shard I/N` for I = 0..N-1 (each checks
-the images of its part into OUT.parts/, see mmfast/prepare_parts.py), then the same command with --merge
+the images of its part into OUT.parts/), then the same command with --merge
 instead writes OUT. A re-preparation into the same OUT decodes only the images that changed or are new.
 
 SOURCE may also be given as --source SOURCE. When no row is usable, the first reasons are printed and all
@@ -31,7 +31,7 @@ import argparse
 import logging
 import sys
 
-from mmfast.cli import Parser
+from mmfast.cli import HelpFormatter, Parser
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.manifest import ManifestError
 from mmfast.prepare import PrepareConfig, prepare_dataset
@@ -40,7 +40,7 @@ from mmfast.validate import DEFAULT_MAX_PIXELS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "source",
         nargs="?",
@@ -53,11 +53,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer (local dir or hub name); default: WordPiece trained offline",
+        help="Hugging Face tokenizer: 'minilm' (the --text-model's, offline), a local directory or a hub name; "
+        "None: a WordPiece vocabulary trained offline on the training captions",
     )
     p.add_argument("--max-length", type=int, default=64, help="tokens per caption, special tokens included")
-    p.add_argument("--val-fraction", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.2,
+        help="share of the images that go to val, by a hash of each image (its captions stay together)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="changes which images the split puts in val")
     p.add_argument("--workers", type=int, default=0, help="processes for image validation (0: all cores)")
     p.add_argument("--vocab-size", type=int, default=4000, help="size of the trained WordPiece vocabulary")
     p.add_argument("--confine", action="store_true", help="reject image paths outside the manifest's folder")
@@ -81,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["files", "wds"],
         default="files",
         help="also write WebDataset tar shards + DALI index files (wds): jpg + txt + cls + json per sample, "
-        "readable by the webdataset library; tools/train.py --source wds trains from them alone",
+        "readable by the webdataset library; mmfast-train --source wds trains from them alone",
     )
     p.add_argument("--shard-size", type=int, default=1000, help="samples per exported WebDataset shard")
     p.add_argument(
@@ -90,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="check only part I of N of the input (I = 0..N-1) into OUT.parts/; then run --merge",
     )
     p.add_argument("--merge", action="store_true", help="write OUT from the N parts that --shard I/N checked")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (a log or CI)")
     add_input_flags(p)
     args = p.parse_args(argv)
     if (args.source is None) == (args.source_flag is None):

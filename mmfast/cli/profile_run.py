@@ -14,17 +14,16 @@ verdict: input-bound / host-bound / compute-bound, with the next step to try.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from mmfast.cli import Parser
+from mmfast.cli import HelpFormatter, Parser
 from mmfast.quiet import filter_native_stderr
 
 
 def parse_args(argv):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--run", help="an existing run directory with profile.json (no training)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps to profile")
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
