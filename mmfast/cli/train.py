@@ -30,6 +30,7 @@ def print_table(summary: dict) -> None:
         ("optimizer steps", str(summary["global_step"])),
         ("skipped steps", str(summary["skipped_steps"])),
         ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("run directory", summary["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))

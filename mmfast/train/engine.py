@@ -393,6 +393,7 @@ def _summary(
         "epochs_done": state["epoch"],
         "skipped_steps": state["skipped_steps"],
         "interrupted": interrupted,
+        "run_dir": str(run_dir),
     }
     return summary
 

@@ -145,7 +145,10 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             progress=cfg.progress and accelerator.is_local_main_process,
         )
         try:
-            prepare_dataset(prep)
+            summary = prepare_dataset(prep)
+            if cfg.data is not None:
+                c = summary["counts"]
+                accelerator.print(f"prepared {source} into {out}: {c['train']} train, {c['val']} val rows")
         except ManifestError as e:
             if cfg.data is None or "--" not in str(e):
                 raise
