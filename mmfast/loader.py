@@ -461,10 +461,10 @@ class ImageLoader:
         Defining checks every operator's argument names without touching CUDA, so tests define the GPU
         ("mixed") graph on machines without a GPU.
         """
-        reader = self.source.reader_kwargs(positions, self._health, self.shard_id, self.num_shards, self.shuffle)
+        read = self.source.reader(positions, self._health, self.shard_id, self.num_shards, self.shuffle)
         cuda = self.device.type == "cuda"
         return image_pipeline(
-            **reader,
+            read=read,
             train=self.train,
             size=self.size,
             decode_device="mixed" if cuda else "cpu",

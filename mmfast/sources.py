@@ -1,8 +1,9 @@
-"""Image sources: where a loader's DALI reader takes the encoded images from, one class per kind, registered
-by name in ``SOURCES``. Adding a source is a class here (and its reader in ``pipelines/image.py``).
+"""Image sources: where a loader's DALI reader takes the encoded images from, one class per kind with its own
+reader, registered by name in ``SOURCES``. Adding a source is a class and its reader here: the processing
+after the reader (``pipelines/image.py``) is shared by all of them.
 
 A source says what differs between readers, so the loader never branches on the kind:
-- the reader's arguments of ``image_pipeline`` (``reader_kwargs``);
+- the reader that ``image_pipeline`` starts from (``reader``: a callable building the DALI reader's nodes);
 - ``ordered_by_loader``: the loader's seeded, sharded, resumable positions decide what is read (True), or
   the reader shards and shuffles itself, one epoch per DALI reader epoch (False);
 - ``can_skip_bad``: a bad sample can be found and replaced at run time;
@@ -12,14 +13,64 @@ A source says what differs between readers, so the loader never branches on the 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from nvidia.dali import fn, types
+
+from mmfast.pipelines.image import READER_NAME
 
 if TYPE_CHECKING:
     from mmfast.file_health import FileHealth
+
+WDS_IMAGE_EXT = "img"  # the image component of mmfast's WebDataset index files (mmfast.inputs.wds)
+WDS_ID_DIGITS = 10  # the digits of the sample id that close each indexed image's name
+
+
+def read_files(files: list[str], ids: list[int]):
+    """The file source's reader: ``files`` read in the given order, labelled with their sample ``ids``.
+
+    Returns:
+        encoded images (B,) and sample ids (B, 1) int32.
+    """
+    return fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
+
+
+def read_wds(tars: list[str], index: list[str], shard_id: int = 0, num_shards: int = 1, shuffle: bool = False):
+    """The WebDataset source's reader: tars read through mmfast's index files, whose image names end with the
+    sample id (``mmfast.inputs.wds``); DALI shards them and, with ``shuffle``, shuffles (a buffer).
+
+    Returns:
+        encoded images (B,) and sample ids (B, 1) int32.
+    """
+    encoded = fn.readers.webdataset(
+        paths=tars,
+        index_paths=index,
+        ext=[WDS_IMAGE_EXT],
+        dtypes=[types.UINT8],
+        missing_component_behavior="error",
+        shard_id=shard_id,
+        num_shards=num_shards,
+        random_shuffle=shuffle,
+        pad_last_batch=True,
+        name=READER_NAME,
+    )
+    encoded = encoded[0] if isinstance(encoded, list | tuple) else encoded
+    return encoded, _wds_sample_ids(encoded)
+
+
+def _wds_sample_ids(encoded):
+    """(1,) int32 sample id of each WebDataset image: the last ``WDS_ID_DIGITS`` characters of its source_info
+    ("<tar>:<offset>:<name>"), which mmfast's index files end with the id (``mmfast.inputs.wds``). Read in
+    the graph, so the ids come out as a dense tensor like the file reader's labels."""
+    info = fn.get_property(encoded, key="source_info")  # (len,) uint8: the characters
+    digits = fn.cast(info[-WDS_ID_DIGITS:], dtype=types.INT64) - ord("0")
+    weights = types.Constant(np.array([10**k for k in range(WDS_ID_DIGITS - 1, -1, -1)], dtype=np.int64))
+    return fn.cast(fn.reductions.sum(digits * weights, axes=0, keep_dims=True), dtype=types.INT32)
 
 
 class FilesSource:
@@ -30,11 +81,11 @@ class FilesSource:
     can_skip_bad = True
     needs_paths = True
 
-    def reader_kwargs(
+    def reader(
         self, positions: np.ndarray, health: FileHealth, shard_id: int, num_shards: int, shuffle: bool
-    ) -> dict:
+    ) -> Callable[[], tuple]:
         files, ids = health.reader_list(positions)
-        return {"source": "files", "files": files, "ids": ids}
+        return functools.partial(read_files, files, ids)
 
     def samples_per_shard(self, n: int, num_shards: int) -> int | None:
         return None  # the loader's sampling decides
@@ -69,17 +120,10 @@ class WdsSource:
                     f"{tar}: WebDataset shard or its index {idx} missing; re-run tools/prepare_data.py"
                 )
 
-    def reader_kwargs(
+    def reader(
         self, positions: np.ndarray | None, health: FileHealth, shard_id: int, num_shards: int, shuffle: bool
-    ) -> dict:
-        return {
-            "source": "wds",
-            "wds_paths": self.tars,
-            "wds_index_paths": self.index,
-            "wds_shard_id": shard_id,
-            "wds_num_shards": num_shards,
-            "wds_shuffle": shuffle,
-        }
+    ) -> Callable[[], tuple]:
+        return functools.partial(read_wds, self.tars, self.index, shard_id, num_shards, shuffle)
 
     def samples_per_shard(self, n: int, num_shards: int) -> int:
         return math.ceil(n / num_shards)  # DALI pads every shard to the largest

@@ -1,8 +1,8 @@
 """Image pipelines: read -> decode (+ random crop) -> resize -> flip/jitter -> normalize to NCHW.
 
-A reader per source (``read_files``, ``read_wds``: see ``mmfast.sources``) and one processing function
-shared by all of them (``process_images``), as DALI's own ResNet-50 example shares its processing between
-readers.
+A source's reader (``mmfast.sources``: each source builds its own DALI reader) followed by one processing
+function shared by all of them (``process_images``), as DALI's own ResNet-50 example shares its processing
+between readers.
 
 One graph for CPU and GPU: ``decode_device`` is "mixed" (nvJPEG / hardware decoder, output on the GPU)
 or "cpu" (libjpeg-turbo threads); the later operators follow the decoder's output. Every reader has
@@ -11,25 +11,14 @@ or "cpu" (libjpeg-turbo threads); the later operators follow the decoder's outpu
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
+
 from nvidia.dali import fn, pipeline_def, types
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 READER_NAME = "Reader"
 EVAL_CROP_RATIO = 0.875  # eval: resize the shorter side to size / ratio, keep the centre size x size
-WDS_IMAGE_EXT = "img"  # the image component of mmfast's WebDataset index files (mmfast.inputs.wds)
-WDS_ID_DIGITS = 10  # the digits of the sample id that close each indexed image's name
-
-
-def _wds_sample_ids(encoded):
-    """(1,) int32 sample id of each WebDataset image: the last ``WDS_ID_DIGITS`` characters of its source_info
-    ("<tar>:<offset>:<name>"), which mmfast's index files end with the id (``mmfast.inputs.wds``). Read in
-    the graph, so the ids come out as a dense tensor like the file reader's labels."""
-    info = fn.get_property(encoded, key="source_info")  # (len,) uint8: the characters
-    digits = fn.cast(info[-WDS_ID_DIGITS:], dtype=types.INT64) - ord("0")
-    weights = types.Constant(np.array([10**k for k in range(WDS_ID_DIGITS - 1, -1, -1)], dtype=np.int64))
-    return fn.cast(fn.reductions.sum(digits * weights, axes=0, keep_dims=True), dtype=types.INT32)
 
 
 def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: int, size_hint: int) -> dict:
@@ -43,44 +32,6 @@ def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: 
         "preallocate_width_hint": size_hint,
         "preallocate_height_hint": size_hint,
     }
-
-
-def read_files(files: list[str], ids: list[int]):
-    """The file source: ``files`` read in the given order, labelled with their sample ``ids``.
-
-    Returns:
-        encoded images (B,) and sample ids (B, 1) int32.
-    """
-    return fn.readers.file(files=files, labels=ids, random_shuffle=False, name=READER_NAME)
-
-
-def read_wds(
-    wds_paths: list[str],
-    wds_index_paths: list[str],
-    wds_shard_id: int = 0,
-    wds_num_shards: int = 1,
-    wds_shuffle: bool = False,
-):
-    """The WebDataset source: tars read through mmfast's index files, whose image names end with the sample
-    id (``mmfast.inputs.wds``); DALI shards them and, with ``wds_shuffle``, shuffles (a buffer).
-
-    Returns:
-        encoded images (B,) and sample ids (B, 1) int32.
-    """
-    encoded = fn.readers.webdataset(
-        paths=wds_paths,
-        index_paths=wds_index_paths,
-        ext=[WDS_IMAGE_EXT],
-        dtypes=[types.UINT8],
-        missing_component_behavior="error",
-        shard_id=wds_shard_id,
-        num_shards=wds_num_shards,
-        random_shuffle=wds_shuffle,
-        pad_last_batch=True,
-        name=READER_NAME,
-    )
-    encoded = encoded[0] if isinstance(encoded, list | tuple) else encoded
-    return encoded, _wds_sample_ids(encoded)
 
 
 def process_images(
@@ -159,14 +110,7 @@ def process_images(
 @pipeline_def
 def image_pipeline(
     *,
-    source: str,
-    files: list[str] | None = None,
-    ids: list[int] | None = None,
-    wds_paths: list[str] | None = None,
-    wds_index_paths: list[str] | None = None,
-    wds_shard_id: int = 0,
-    wds_num_shards: int = 1,
-    wds_shuffle: bool = False,
+    read: Callable[[], tuple],
     train: bool,
     size: int,
     decode_device: str = "cpu",
@@ -183,14 +127,12 @@ def image_pipeline(
     size_hint: int = 1024,
     finish_on_host: bool = False,
 ):
-    """The image graph: the reader of ``source`` followed by ``process_images``.
+    """The image graph: a source's reader followed by ``process_images``.
 
     Args:
-        source: "files" (``files`` + sample ``ids``, read in the given order) or "wds" (WebDataset tars read
-            through mmfast's index files, whose image names end with the sample id: ``mmfast.inputs.wds``).
-        files, ids: the file source's list (``read_files``).
-        wds_paths, wds_index_paths, wds_shard_id, wds_num_shards, wds_shuffle: the WebDataset source's
-            (``read_wds``).
+        read: builds the reader's nodes and returns (encoded images (B,), sample ids (B, 1) int32): a source's
+            ``reader(...)`` (``mmfast.sources``), e.g. ``functools.partial(read_files, files, ids)``. Every
+            reader is named ``READER_NAME``.
         train: random resized crop + flip (+ jitter) if True; resize shorter side + center crop otherwise.
         size: output side in pixels.
         decode_device: "mixed" on a GPU, "cpu" otherwise.
@@ -208,12 +150,7 @@ def image_pipeline(
         images (B, 3, size, size) normalized, and sample ids (B, 1) int32; with ``finish_on_host``:
         images (B x (h, w, 3) uint8, ragged), flip draws (B,) int32 and sample ids (B, 1) int32.
     """
-    if source == "files":
-        encoded, sample_ids = read_files(files=files, ids=ids)
-    elif source == "wds":
-        encoded, sample_ids = read_wds(wds_paths, wds_index_paths, wds_shard_id, wds_num_shards, wds_shuffle)
-    else:
-        raise ValueError(f"unknown source '{source}'; choose from 'files', 'wds'")
+    encoded, sample_ids = read()
     processed = process_images(
         encoded,
         train=train,

@@ -9,6 +9,7 @@ small wire-format decoder because the DALI wheel ships no Python bindings for it
 
 from __future__ import annotations
 
+import functools
 import itertools
 import struct
 
@@ -21,6 +22,7 @@ from nvidia.dali import types
 
 import mmfast.loader as loader_module
 from mmfast.loader import ImageLoader
+from mmfast.sources import read_files, read_wds
 
 SIZE = 64
 DECODER_KNOBS = {"hw_decoder_load": 0.25, "memory_padding": 16 << 20, "size_hint": 2048}  # all non-default
@@ -122,14 +124,13 @@ def _names(graph: dict) -> list[str]:
 
 def _define(source: str, decode_device: str, **kwargs):
     """image_pipeline on a source that need not exist: defining and serializing never open it."""
-    where = (
-        {"files": ["/nowhere/0.jpg", "/nowhere/1.jpg"], "ids": [0, 1]}
+    read = (
+        functools.partial(read_files, ["/nowhere/0.jpg", "/nowhere/1.jpg"], [0, 1])
         if source == "files"
-        else {"wds_paths": ["/nowhere/a.tar"], "wds_index_paths": ["/nowhere/a.idx"]}
+        else functools.partial(read_wds, ["/nowhere/a.tar"], ["/nowhere/a.idx"])
     )
     return image_pipeline(
-        source=source,
-        **where,
+        read=read,
         size=SIZE,
         decode_device=decode_device,
         batch_size=2,
@@ -235,10 +236,12 @@ def test_the_loaders_gpu_graph_defines_with_its_own_arguments(tmp_path, monkeypa
     (kwargs,) = calls
     assert kwargs["decode_device"] == "mixed" and kwargs["device_id"] == 0
     assert kwargs["finish_on_host"] is False  # the GPU path always finishes in DALI
-    assert kwargs["train"] is train and kwargs["source"] == ("wds" if wds else "files")
+    assert kwargs["train"] is train and kwargs["read"].func is (read_wds if wds else read_files)
     if not wds:
-        assert kwargs["files"] == [files[p] for p in loader._positions(0)]
-        assert kwargs["ids"] == [int(p) for p in loader._positions(0)]
+        assert kwargs["read"].args == (
+            [files[p] for p in loader._positions(0)],
+            [int(p) for p in loader._positions(0)],
+        )
     # the same graph, serialized: device_id=None is the one change (a real id makes serialize() open CUDA)
     graph = _graph(image_pipeline(**{**kwargs, "device_id": None}).serialize())
     decoder = _only(graph, "decoders__ImageRandomCrop" if train else "decoders__Image")

@@ -5,6 +5,7 @@ trained from with the original images moved away."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -172,6 +173,7 @@ def test_dali_reads_each_image_with_its_sample_id(prepared_wds, shards):
     from mmfast.pipelines.image import image_pipeline
 
     from mmfast.loader import wds_split
+    from mmfast.sources import read_wds
 
     samples = shards[1]
     rows = {r["id"]: r for s in ("train", "val") for r in map(json.loads, open(prepared_wds / f"{s}.jsonl"))}
@@ -179,10 +181,7 @@ def test_dali_reads_each_image_with_its_sample_id(prepared_wds, shards):
     for split in ("train", "val"):
         tars, index = wds_split(prepared_wds, split)
         pipe = image_pipeline(
-            source="wds",
-            wds_paths=tars,
-            wds_index_paths=index,
-            wds_shuffle=True,
+            read=functools.partial(read_wds, tars, index, shuffle=True),
             train=False,
             size=32,
             finish_on_host=True,

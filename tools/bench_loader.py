@@ -16,6 +16,7 @@ timed epochs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -29,6 +30,7 @@ from benchlib.data import prepared_photos
 from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
 from mmfast.dataset import PreparedDataset
+from mmfast.sources import read_files
 
 
 def parse_args(argv):
@@ -104,9 +106,7 @@ def dali_decode_only_variant(data, args, device):
 
     rows = PreparedDataset(data, verify=False).rows("train")
     pipe = image_pipeline(
-        source="files",
-        files=[r["image"] for r in rows],
-        ids=[r["id"] for r in rows],
+        read=functools.partial(read_files, [r["image"] for r in rows], [r["id"] for r in rows]),
         train=True,
         size=args.size,
         finish_on_host=True,
@@ -321,9 +321,7 @@ def bare_dali_variant(data, args, device, host: bool | None = None):
     cuda = device.type == "cuda"
     host = not cuda if host is None else host
     pipe = image_pipeline(
-        source="files",
-        files=[r["image"] for r in rows],
-        ids=[r["id"] for r in rows],
+        read=functools.partial(read_files, [r["image"] for r in rows], [r["id"] for r in rows]),
         train=True,
         size=args.size,
         decode_device="mixed" if cuda else "cpu",

@@ -12,6 +12,7 @@ random crop (1 DALI thread, the crops handed over as they are), the host finishi
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mmfast.dataset import PreparedDataset
+from mmfast.sources import read_files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = PreparedDataset(data, verify=False).rows("train")
     files, batch = [r["image"] for r in rows], 64
     pipe = image_pipeline(
-        source="files",
-        files=files,
-        ids=[r["id"] for r in rows],
+        read=functools.partial(read_files, files, [r["id"] for r in rows]),
         train=True,
         size=args.size,
         finish_on_host=True,
