@@ -90,7 +90,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if summary.get("interrupted"):
-        print("interrupted; resume with --resume latest", file=sys.stderr)
+        print("interrupted", file=sys.stderr)  # the engine said where it stopped and how to resume
         return 130
     if summary["is_main_process"] and summary.get("images_per_s") is not None:
         print_table(summary)

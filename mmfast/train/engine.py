@@ -645,9 +645,11 @@ class EpochRunner:
                 if not stop_mid_epoch:  # fit() writes that one after the evaluation
                     self.checkpoint()
             if self.interrupted:
+                step = self.state["global_step"]
                 acc.print(
-                    f"stop signal: checkpoint written at step {self.state['global_step']}; "
-                    "resume with --resume latest"
+                    f"stop signal: checkpoint written at step {step}; resume with --resume latest"
+                    if self.cfg.checkpoints
+                    else f"stop signal: stopped at step {step} (--no-checkpoints: nothing to resume)"
                 )
                 break
             if stop_mid_epoch:
