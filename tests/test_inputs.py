@@ -303,6 +303,21 @@ def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
     assert write_wds(tmp_path / "out")["train"]["samples"] == summary["counts"]["train"]
 
 
+def test_parquet_rows_of_one_picture_share_its_file_and_an_exact_repeat_is_a_duplicate(tmp_path, photos_set):
+    rows = [photos_set[0], photos_set[0], {**photos_set[0], "text": "the same picture, another caption"}]
+    rows += photos_set[1:]
+    _hf_dataset(rows, embed=True).to_parquet(tmp_path / "t.parquet")
+    summary = _prepare(tmp_path / "t.parquet", tmp_path / "out")
+    assert summary["counts"]["accepted"] == N + 1  # the repeat of row 1 is rejected, the other caption kept
+    (rej,) = [json.loads(ln) for ln in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert rej["line"] == 2 and rej["reason"] == "duplicate of line 1"
+    ds = PreparedDataset(tmp_path / "out")
+    where = {s["text"]: (split, s["image"]) for split in ("train", "val") for s in ds.rows(split)}
+    first, other = where[photos_set[0]["text"]], where["the same picture, another caption"]
+    assert first == other  # one file for the picture, both rows on the same side of the split
+    assert len([p for p in (tmp_path / "out" / "images").rglob("*") if p.is_file()]) == N
+
+
 def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
