@@ -5,7 +5,10 @@ Directory contract (see DESIGN.md):
                           file below (written last, so its presence means the directory is complete)
     .mmfast-prepared      marker: mmfast wrote this directory (and may replace it)
     train.jsonl, val.jsonl  rows {"id", "image", "text", "label", "line", "size", "mtime_ns"}; labels are
-                          contiguous class ids 0..C-1
+                          contiguous class ids 0..C-1; an image the directory holds (images/: Parquet
+                          bytes, downscaled/: --max-side copies) is named relative to it, so the
+                          directory can be moved; ``iter_rows`` gives every path absolute; the split
+                          is by a hash of each row's image (``mmfast.split``)
     labels.json           original label -> class id
     rejected.jsonl        dropped input rows with their reasons
     tokenizer/, tokens/   the tokenizer and the token cache (``mmfast.token_cache``)
