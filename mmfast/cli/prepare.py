@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         i, n = cfg.shard
         c = summary["counts"]
         print(f"part {i}/{n}: {c['accepted']} of {c['input_rows']} rows kept, in {part_dir(cfg.out, i, n)}")
+        if not c["input_rows"]:  # more parts than rows (or shards): harmless, but likely not what was meant
+            print(f"note: part {i}/{n} holds no input rows; the input has fewer rows (or shards) than parts")
         print(f"when all {n} parts are done: the same command with --merge instead of --shard {args.shard}")
         return 0
     print_summary(summary)
