@@ -9,7 +9,12 @@ from pathlib import Path
 
 
 def train_wordpiece(texts: list[str], vocab_size: int = 4000):
-    """Train a lower-casing BERT-style WordPiece tokenizer on ``texts`` (no network).
+    """Train a lower-casing BERT-style WordPiece tokenizer on ``texts`` (no network), the same one on every run.
+
+    The tokenizers library's trainer numbers the word-continuing pieces ("##e") in its hash maps' order, which
+    differs from process to process, and those numbers break ties between equally frequent merges: the same
+    captions gave another vocabulary on each run (huggingface/tokenizers#1794). Every continuing piece is
+    numbered beforehand here (sorted, passed with the special tokens), so nothing is left to that order.
 
     Returns:
         a ``transformers.PreTrainedTokenizerFast`` with [PAD]=0, [UNK], [CLS], [SEP], [MASK].
@@ -24,11 +29,15 @@ def train_wordpiece(texts: list[str], vocab_size: int = 4000):
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
-        special_tokens=specials,
+        special_tokens=specials + _continuing_pieces(tok, texts),
         min_frequency=1,
         show_progress=sys.stderr.isatty(),  # its bars leave blank lines in a log
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    # the continuing pieces stay in the vocabulary as ordinary pieces, not as special (added) tokens
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in specials]
+    tok = Tokenizer.from_str(json.dumps(spec))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -44,6 +53,15 @@ def train_wordpiece(texts: list[str], vocab_size: int = 4000):
         mask_token="[MASK]",
         model_max_length=512,
     )
+
+
+def _continuing_pieces(tok, texts: list[str]) -> list[str]:
+    """ "##c" for every character of the normalized captions (a few that never continue a word, punctuation,
+    cost a vocabulary slot each), sorted."""
+    chars: set[str] = set()
+    for start in range(0, len(texts), 10_000):
+        chars.update(tok.normalizer.normalize_str("\n".join(texts[start : start + 10_000])))
+    return ["##" + c for c in sorted(c for c in chars if not c.isspace())]
 
 
 def load_tokenizer(name_or_path: str | Path):

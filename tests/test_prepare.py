@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import save_image, write_jsonl
+from conftest import ROOT, save_image, write_jsonl
 
 from mmfast.manifest import ManifestError, read_input
 from mmfast.prepare import PrepareConfig, prepare_dataset
@@ -197,6 +199,27 @@ def test_split_keeps_an_image_on_one_side_and_rows_in_place_when_rows_are_added(
     data.rename(moved)
     prepare_dataset(replace(cfg, source=str(moved / "m.jsonl"), out=str(tmp_path / "q")))
     assert _sides(tmp_path / "q") == grown
+
+
+def test_the_trained_vocabulary_is_the_same_in_every_process(tmp_path):
+    """Two preparations of one input in two fresh processes (another hash-map order each) write the same
+    tokenizer and token ids: the WordPiece trainer's continuing pieces are numbered beforehand."""
+    import skimage
+
+    rows = []
+    for i, line in enumerate(Path(skimage.__file__).with_name("__init__.py").read_text().splitlines()[:400]):
+        if line.strip():
+            rows.append({"image": "a.png", "text": f"{line.strip()[:80]} {i}", "label": "ab"[i % 2]})
+    save_image(tmp_path / "a.png")
+    m = write_jsonl(tmp_path / "m.jsonl", rows)
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"p{k}"
+        cmd = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), str(m), "--out", str(out), "--no-progress"]
+        subprocess.run([*cmd, "--vocab-size", "300", "--val-fraction", "0"], check=True, capture_output=True)
+        outs.append(out)
+    for name in ("tokenizer/tokenizer.json", "tokens/train.ids.bin", "tokens/train.meta.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
 
 
 def test_prepare_reuses_an_up_to_date_directory(demo_manifest, tmp_path):

@@ -53,8 +53,8 @@ def _photos(folder: Path, n: int = N) -> list[dict]:
 
 
 def _cfg(source: Path, out: Path, **kw) -> PrepareConfig:
-    # a given tokenizer: a WordPiece vocabulary trained here differs from run to run where the trainer meets
-    # ties (its hash maps' order), which would hide what the comparisons below check
+    # a given tokenizer: the comparisons below are about rows, checks and files, not the trained vocabulary
+    # (test_prepare.py checks that one is the same in every process)
     kw = {"max_length": 16, "tokenizer": minilm_dir(), "workers": 1, "progress": False, **kw}
     return PrepareConfig(source=str(source), out=str(out), **kw)
 
