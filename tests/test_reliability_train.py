@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_RUN, free_port, n_rows, save_image, train_cmd
+from conftest import ROOT, SMALL_RUN, free_port, n_rows, save_image, train_cmd, write_jsonl
 
 from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.train import engine
@@ -88,10 +88,14 @@ def test_default_out_moves_the_previous_run_aside(prepared, tmp_path, monkeypatc
     flags = ["--data", str(prepared), *SMALL_RUN, "--max-steps", "1"]
     assert train_tool.main(flags) == 0
     first = _tree(tmp_path / "runs" / "latest")
-    # A run that fails before it begins (a typo in --data) puts the earlier run back where it was.
-    assert train_tool.main(["--data", str(tmp_path / "typo"), *flags[2:]]) == 2
-    assert "the earlier run is back in runs/latest" in capsys.readouterr().out
-    assert _tree(tmp_path / "runs" / "latest") == first and os.listdir(tmp_path / "runs") == ["latest"]
+    # A run that fails before it begins (a typo in --data; a raw --data with no usable row, whose rejects the
+    # start wrote into the new run directory) puts the earlier run back where it was.
+    unusable = write_jsonl(tmp_path / "none.jsonl", [{"image": "gone.jpg", "text": "t", "label": "x"}])
+    for data in (tmp_path / "typo", unusable):
+        assert train_tool.main(["--data", str(data), *flags[2:]]) == 2
+        assert "the earlier run is back in runs/latest" in capsys.readouterr().out
+        assert _tree(tmp_path / "runs" / "latest") == first
+        assert set(os.listdir(tmp_path / "runs")) <= {"latest", "latest.rejected.jsonl"}  # the reasons, beside it
     assert train_tool.main(flags) == 0
     (aside,) = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("latest.old-")]
     assert _tree(aside) == first
@@ -124,6 +128,16 @@ def test_a_run_that_fails_before_it_starts_leaves_nothing_and_the_fixed_command_
     assert _run(tmp_path / "m.csv", out, "--max-steps", "1") == 2
     err = capsys.readouterr().err
     assert "--label-column" in err and f"mmfast-prepare {tmp_path / 'm.csv'} --out DIR" in err and not out.exists()
+    # A raw --data prepared into the run directory, then refused (one class) or with no usable row at all:
+    # the preparation goes with the directory the run made.
+    one_class = write_jsonl(
+        tmp_path / "one.jsonl", [{"image": "a.jpg", "text": f"t {i}", "label": "x"} for i in range(3)]
+    )
+    unusable = write_jsonl(tmp_path / "none.jsonl", [{"image": "gone.jpg", "text": "t", "label": "x"}])
+    for raw in (one_class, unusable):
+        assert _run(raw, out, "--max-steps", "1") == 2
+        assert not out.exists(), (raw, sorted(os.listdir(out)))
+    capsys.readouterr()
     mine.mkdir()  # the user's own empty directory: kept, empty
     assert _run(tmp_path / "no-such-data", mine, "--max-steps", "1") == 2
     assert mine.is_dir() and not any(mine.iterdir())

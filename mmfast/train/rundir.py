@@ -20,6 +20,10 @@ from mmfast.dataset import PREPARED_MARKER
 
 RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
+RAW_DATA_DIR = "prepared"  # a raw --data is prepared into <run>/prepared (mmfast.train.setup.resolve_data)
+# What a start writes before its first step: the marker, the lock, and a raw --data's preparation (or the
+# rejects of one that found no usable row).
+_START_FILES = {RUN_MARKER, LOCK_FILE, RAW_DATA_DIR, f"{RAW_DATA_DIR}.rejected.jsonl"}
 
 
 class RunDirError(ValueError):
@@ -38,10 +42,11 @@ def is_run_dir(path: Path) -> bool:
 
 
 def never_started(path: Path) -> bool:
-    """True when ``path`` holds only the marker and lock of a run that stopped before it wrote anything (a
-    wrong flag, a missing dataset): the corrected command may use it as if it were empty."""
+    """True when ``path`` holds only what a run writes before its first step (marker, lock, a raw --data's
+    preparation) and so stopped before training (a wrong flag, a missing or unusable dataset): the
+    corrected command may use it as if it were empty (and reuse that preparation)."""
     names = {p.name for p in path.iterdir()}
-    return bool(names) and names <= {RUN_MARKER, LOCK_FILE}
+    return bool(names) and names <= _START_FILES
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ class RunDirLock:
         run_dir = self.path.parent
         restored = None
         if self._fd is not None and never_started(run_dir):
+            if self.created_dir:  # this run made the directory, so what the start prepared in it is its own
+                _remove_raw_preparation(run_dir)
             (run_dir / RUN_MARKER).unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)  # still held: no other run can take it in between
             self.release()
@@ -147,6 +154,20 @@ class RunDirLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _remove_raw_preparation(run_dir: Path) -> None:
+    """Remove the preparation of a raw --data that a failed start wrote into the run directory it made (only a
+    directory carrying mmfast's prepared-dataset marker; anything else stays, and the run directory with it)."""
+    import shutil
+
+    from mmfast.fsutil import marker_kind
+    from mmfast.prepare import PREPARED_KIND
+
+    (run_dir / f"{RAW_DATA_DIR}.rejected.jsonl").unlink(missing_ok=True)
+    prepared = run_dir / RAW_DATA_DIR
+    if prepared.is_dir() and not prepared.is_symlink() and marker_kind(prepared) == PREPARED_KIND:
+        shutil.rmtree(prepared)
 
 
 def claim_run_dir(plan: RunDirPlan) -> tuple[RunDirLock, Path | None]:

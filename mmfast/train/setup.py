@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
+from mmfast.train.rundir import RAW_DATA_DIR
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -133,7 +134,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             source = demo_dataset(n=cfg.demo_size, seed=0)
             out = default_cache_dir() / "prepared" / f"{source.parent.name}-len{cfg.max_length}"
         else:
-            source, out = Path(cfg.data), Path(cfg.out) / "prepared"
+            source, out = Path(cfg.data), Path(cfg.out) / RAW_DATA_DIR
             if not source.exists() and not is_wds_source(cfg.data):  # a shard pattern names no one file
                 raise ValueError(f"--data {source}: no such prepared directory, manifest or image folder")
         prep = PrepareConfig(
@@ -150,14 +151,31 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
                 c = summary["counts"]
                 accelerator.print(f"prepared {source} into {out}: {c['train']} train, {c['val']} val rows")
         except ManifestError as e:
-            if cfg.data is None or "--" not in str(e):
+            if cfg.data is None:
                 raise
-            # The reader's advice names mmfast-prepare's input flags, which mmfast-train does not take.
-            raise ManifestError(
-                f"{e}\n(mmfast-train reads a raw --data with the default input settings; to pass those flags, "
-                f"prepare it first: mmfast-prepare {source} --out DIR ..., then mmfast-train --data DIR)"
-            ) from e
+            raise _raw_data_error(e, source, out, Path(cfg.out)) from e
     return out
+
+
+def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -> Exception:
+    """A raw --data's preparation failed: the error as the user should read it. The rejects of a preparation
+    that found no usable row move from the run directory to beside it (the failed start leaves nothing in
+    the run directory: ``rundir``), and the reader's advice that names mmfast-prepare's input flags, which
+    mmfast-train does not take, says to prepare first."""
+    from mmfast.manifest import ManifestError
+    from mmfast.prepare import failure_report_path
+
+    msg = str(e)
+    report, kept = failure_report_path(prepared), failure_report_path(run_dir)
+    if report.is_file():
+        os.replace(report, kept)
+        msg = msg.replace(str(report), str(kept))
+    if "--" in msg:
+        msg += (
+            "\n(mmfast-train reads a raw --data with the default input settings; to pass those flags, prepare it "
+            f"first: mmfast-prepare {source} --out DIR ..., then mmfast-train --data DIR)"
+        )
+    return ManifestError(msg)
 
 
 def _looks_prepared(path: Path) -> bool:
