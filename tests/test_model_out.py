@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_RUN, n_rows
+from conftest import SMALL_RUN, n_rows, write_jsonl
 from PIL import Image
 
 from mmfast.export import LogitsModule, example_inputs, export_onnx, onnx_parity
@@ -335,7 +335,7 @@ def reference(labeled_photos, model_dir, tmp_path_factory) -> list[dict]:
 
 
 def test_predict_on_parquet_equals_the_manifest_and_leaves_no_temp_folder(
-    model_dir, labeled_photos, reference, tmp_path, monkeypatch
+    model_dir, labeled_photos, reference, tmp_path, monkeypatch, capsys
 ):
     import tempfile
 
@@ -359,6 +359,18 @@ def test_predict_on_parquet_equals_the_manifest_and_leaves_no_temp_folder(
     assert metrics["samples"] == len(reference) and metrics["errors"] == 0
     assert metrics["acc"] == pytest.approx(sum(r["class"] == r["label"] for r in reference) / len(reference))
     assert _predict_temp(temp) == []
+    # class indices where the model knows names (img2dataset's .cls): nothing to score is an error, not "acc 0"
+    indexed = write_jsonl(
+        tmp_path / "indexed.jsonl",
+        [{"image": str(r["path"]), "text": r["text"], "label": i % 7} for i, r in enumerate(labeled_photos)],
+    )
+    capsys.readouterr()
+    assert (
+        evaluate_tool.main(["--model", str(model_dir), "--input", str(indexed), "--out", str(tmp_path / "i")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert f"error: no label of {indexed} is a class of the model ('0', '1', '2', '3', '4' and 2 more" in err
+    assert not (tmp_path / "i").exists()
 
 
 def _predict_temp(temp: Path) -> list[str]:

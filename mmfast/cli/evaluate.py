@@ -73,9 +73,17 @@ def _main(argv: list[str] | None) -> int:
         except (ManifestError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        unknown = sorted({str(r["label"]) for r in rows if "label" in r} - set(model.class_names))
+        labels = {str(r["label"]) for r in rows if "label" in r and not r.get("error")}
+        unknown = sorted(labels - set(model.class_names))
+        if unknown and len(unknown) == len(labels):  # nothing to score: say why instead of "accuracy 0"
+            print(
+                f"error: no label of {source} is a class of the model ({_listed(unknown)}; the model's classes: "
+                f"{_listed(model.class_names)}): the input's labels must be the class names it was trained on",
+                file=sys.stderr,
+            )
+            return 2
         if unknown:
-            print(f"warning: labels the model does not know are not scored: {unknown[:5]}", file=sys.stderr)
+            print(f"warning: labels the model does not know are not scored: {_listed(unknown)}", file=sys.stderr)
         results = predict_rows(
             model, rows, batch_size=args.batch_size, device=device, num_workers=args.num_workers
         )
@@ -93,6 +101,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"{figures['errors']} rows could not be predicted (see {out / 'predictions.jsonl'})")
     print(f"wrote {out}/metrics.json, confusion.png, predictions.jsonl")
     return 0
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _has_labels(rows: list[dict], source: str) -> bool:
