@@ -71,6 +71,8 @@ def test_an_earlier_run_needs_resume_or_overwrite_and_overwrite_moves_it_aside(p
     out = tmp_path / "run"
     assert _run(prepared, out, "--max-steps", "2", "--model", "concat") == 0
     first = _tree(out)
+    assert _run(tmp_path / "typo", out, "--max-steps", "2") == 2  # the --data mistake is said first
+    assert "--data" in capsys.readouterr().err and _tree(out) == first
     assert _run(prepared, out, "--max-steps", "2", "--model", "late") == 2
     assert "holds an earlier run" in capsys.readouterr().err
     assert _tree(out) == first
@@ -93,7 +95,8 @@ def test_default_out_moves_the_previous_run_aside(prepared, tmp_path, monkeypatc
     unusable = write_jsonl(tmp_path / "none.jsonl", [{"image": "gone.jpg", "text": "t", "label": "x"}])
     for data in (tmp_path / "typo", unusable):
         assert train_tool.main(["--data", str(data), *flags[2:]]) == 2
-        assert "the earlier run is back in runs/latest" in capsys.readouterr().out
+        # a --data naming nothing is refused before --out is touched; the unusable one was being prepared
+        assert ("the earlier run is back in runs/latest" in capsys.readouterr().out) == (data == unusable)
         assert _tree(tmp_path / "runs" / "latest") == first
         assert set(os.listdir(tmp_path / "runs")) <= {"latest", "latest.rejected.jsonl"}  # the reasons, beside it
     assert train_tool.main(flags) == 0
@@ -137,6 +140,8 @@ def test_a_run_that_fails_before_it_starts_leaves_nothing_and_the_fixed_command_
     for raw in (one_class, unusable):
         assert _run(raw, out, "--max-steps", "1") == 2
         assert not out.exists(), (raw, sorted(os.listdir(out)))
+        if raw == one_class:
+            assert "has one class ('x'); a classifier needs two or more" in capsys.readouterr().err
     capsys.readouterr()
     mine.mkdir()  # the user's own empty directory: kept, empty
     assert _run(tmp_path / "no-such-data", mine, "--max-steps", "1") == 2

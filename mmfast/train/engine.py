@@ -40,6 +40,7 @@ from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir
 from mmfast.train.setup import (
     all_processes_ok,
+    check_data_exists,
     check_tokenizer_matches,
     cpu_has_fast_bf16,
     make_accelerator,
@@ -254,6 +255,7 @@ def _train(cfg: TrainConfig) -> dict:
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
     lock, failed = None, True
     try:
+        check_data_exists(cfg)  # the cheaper mistake first: before --out is looked at
         lock, resume_from = _claim(cfg, accelerator, default_out)
         summary = _run(cfg, accelerator, resume_from, t_start)
         failed = False
@@ -426,6 +428,11 @@ def start_trackers(accelerator, config: dict) -> None:
 
 
 def _build_model(cfg: TrainConfig, dataset: PreparedDataset) -> torch.nn.Module:
+    if dataset.num_classes < 2:
+        raise ValueError(
+            f"{dataset.root} has one class ({next(iter(dataset.labels))!r}); a classifier needs two or more: "
+            "prepare it with --label-column naming the column that holds the classes"
+        )
     return build_model(
         cfg.model,
         dataset.num_classes,

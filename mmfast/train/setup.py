@@ -123,20 +123,18 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
     ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
     from mmfast.demo import default_cache_dir, demo_dataset
-    from mmfast.inputs.wds import is_wds_source
     from mmfast.manifest import ManifestError
     from mmfast.prepare import PrepareConfig, prepare_dataset
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
         return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
+    check_data_exists(cfg)
     with accelerator.main_process_first():
         if cfg.data is None:
             source = demo_dataset(n=cfg.demo_size, seed=0)
             out = default_cache_dir() / "prepared" / f"{source.parent.name}-len{cfg.max_length}"
         else:
             source, out = Path(cfg.data), Path(cfg.out) / RAW_DATA_DIR
-            if not source.exists() and not is_wds_source(cfg.data):  # a shard pattern names no one file
-                raise ValueError(f"--data {source}: no such prepared directory, manifest or image folder")
         prep = PrepareConfig(
             source=str(source),
             out=str(out),
@@ -149,7 +147,9 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             summary = prepare_dataset(prep)
             if cfg.data is not None:
                 c = summary["counts"]
-                accelerator.print(f"prepared {source} into {out}: {c['train']} train, {c['val']} val rows")
+                rows = f"{c['train']} train, {c['val']} val rows"
+                dropped = f", {c['rejected']} rejected (see {out / 'rejected.jsonl'})" if c["rejected"] else ""
+                accelerator.print(f"prepared {source} into {out}: {rows}{dropped}")
         except ManifestError as e:
             if cfg.data is None:
                 raise
@@ -176,6 +176,14 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
             f"first: mmfast-prepare {source} --out DIR ..., then mmfast-train --data DIR)"
         )
     return ManifestError(msg)
+
+
+def check_data_exists(cfg: TrainConfig) -> None:
+    """A --data that names nothing is refused before the run directory is touched."""
+    from mmfast.inputs.wds import is_wds_source
+
+    if cfg.data is not None and not Path(cfg.data).exists() and not is_wds_source(cfg.data):
+        raise ValueError(f"--data {cfg.data}: no such prepared directory, manifest or image folder")
 
 
 def _looks_prepared(path: Path) -> bool:
