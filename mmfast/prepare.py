@@ -473,6 +473,10 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> 
         common = Counter(_reason_kind(r.reason) for r in rejects[_SHOWN_REASONS:]).most_common(3)
         more = ", ".join(f"{why} ({n})" for why, n in common)
         lines.append(f"  ... and {len(rejects) - _SHOWN_REASONS} more ({more})")
+    if rejects and all(r.reason.startswith("missing file") for r in rejects):
+        root = cfg.inputs.image_root or base
+        where = f"relative paths are read from {root}; a COCO JSON's from --image-root DIR"
+        lines.append(f"  (every image is missing: {where})")
     report = failure_report_path(cfg.out)
     if not rejects:
         lines[0] = f"{cfg.source}: no rows to prepare (the input is empty)"

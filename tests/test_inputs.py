@@ -78,6 +78,7 @@ def test_no_usable_rows_prints_the_first_reasons_and_keeps_every_one(tmp_path, c
     for i in range(10):  # the first ten with their file and line, then a count of the rest
         assert f"{folder / 'metadata.jsonl'}:{i + 1}: missing file" in err
     assert "metadata.jsonl:11:" not in err and "... and 3 more (missing file (3))" in err
+    assert f"every image is missing: relative paths are read from {folder}" in err
     report = failure_report_path(out)
     assert report == tmp_path / "out.rejected.jsonl" and str(report) in err
     kept = [json.loads(ln) for ln in report.read_text().splitlines()]

@@ -446,6 +446,11 @@ def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, prepared, tmp
     assert predict_tool.main(mapped) == 2
     err = capsys.readouterr().err
     assert "image not found" in err and err.strip().splitlines()[-1].startswith("error: no row of")
+    # one --image: no advice about reading flags that do not apply to it
+    one = ["--model", str(model_dir), "--image", str(tmp_path / "nope.jpg"), "--text", "x"]
+    assert predict_tool.main(one) == 2
+    err = capsys.readouterr().err
+    assert "error: no row of" in err and "--input-kind" not in err
     assert evaluate_tool.main([*mapped, "--no-labels", "--out", str(tmp_path / "e")]) == 2
     assert "has a label to score it by" in capsys.readouterr().err and not (tmp_path / "e").exists()
     # a prepared dataset given as --input: the flag it takes instead

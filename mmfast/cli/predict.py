@@ -82,17 +82,16 @@ def report_errors(results: list[dict], done: str) -> None:
         print(f"  {r['image']}: {r['error']}" if r.get("image") else f"  {r['error']}", file=sys.stderr)
 
 
-def none_usable(rows: list[dict], source: str) -> bool:
-    """True (after saying why on stderr, in one line after the reasons) when no row is left to predict."""
+def none_usable(rows: list[dict], source: str, table: bool = True) -> bool:
+    """True (after saying why on stderr, in one line after the reasons) when no row is left to predict.
+    ``table``: the rows came from an input the reading flags apply to (not --image)."""
     if any(not r.get("error") for r in rows):
         return False
     if rows:
         report_errors(rows, "usable")
-        print(
-            f"error: no row of {source} can be predicted (all {len(rows)} failed, reasons above); fix the input, "
-            "or say how to read it (--input-kind, --image-column, --text-column)",
-            file=sys.stderr,
-        )
+        how = ", or say how to read it (--input-kind, --image-column, --text-column)" if table else ""
+        failed = f"all {len(rows)} failed, reasons above"
+        print(f"error: no row of {source} can be predicted ({failed}); fix the input{how}", file=sys.stderr)
     else:
         print(f"error: {source} holds no rows to predict", file=sys.stderr)
     return True
@@ -152,7 +151,7 @@ def _main(argv: list[str] | None) -> int:
     with contextlib.ExitStack() as stack:
         try:
             rows = load_rows(args, stack)
-            if none_usable(rows, source):
+            if none_usable(rows, source, table=args.image is None):
                 return 2
             model, device = load_for_inference(args.model, args.device)
         except (ManifestError, ValueError, FileNotFoundError) as e:
@@ -164,7 +163,7 @@ def _main(argv: list[str] | None) -> int:
         results = predict_rows(
             model, rows, batch_size=args.batch_size, top_k=args.top_k, device=device, num_workers=args.num_workers
         )
-    if none_usable(results, source):
+    if none_usable(results, source, table=args.image is None):
         return 2
     if args.out:
         write_predictions(args.out, results)

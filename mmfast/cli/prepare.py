@@ -119,7 +119,7 @@ def print_summary(summary: dict) -> None:
     )
     if summary.get("reused_checks"):
         print(f"{'checks reused':<22}{summary['reused_checks']:>8}  (images unchanged since the last preparation)")
-    print(f"{'time':<22}{summary['timings_s']['total']:.1f} s")
+    print(f"{'prepared in':<22}{summary['timings_s']['total']:.1f} s")  # a reused directory's: when it was
     if c["classes"] < 2:
         print(
             "note: one class only (labels.json): the loader reads it, but mmfast-train's classifiers need at "
