@@ -361,6 +361,11 @@ def _drop_mixed_labels_and_duplicates(
     return kept, rejects
 
 
+def caption_file(image: Path) -> Path | None:
+    """The sidecar caption of an image in a folder: ``img.png.txt``, else ``img.txt`` (the common convention)."""
+    return next((s for s in (image.with_name(image.name + ".txt"), image.with_suffix(".txt")) if s.exists()), None)
+
+
 def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
     cands, rejects = [], []
     classes = sorted(d.name for d in _listdir(root) if d.is_dir() and not d.name.startswith("."))
@@ -382,10 +387,8 @@ def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
                 rejects.append(Reject(n, f"not an image file name ('{f.suffix}')", src))
                 continue
             text = cls
-            side = f.with_name(f.name + ".txt")  # img.png.txt, else img.txt (the common convention)
-            if not side.exists():
-                side = f.with_suffix(".txt")
-            if side.exists():
+            side = caption_file(f)
+            if side is not None:
                 try:
                     text = side.read_bytes().decode("utf-8-sig").strip()
                 except UnicodeDecodeError as e:

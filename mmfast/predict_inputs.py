@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmfast.inputs import InputOptions, detect_kind, read_source
-from mmfast.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject
+from mmfast.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
 
 _Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
 
@@ -173,7 +173,7 @@ def _is_flat_image_folder(path: Path, opts: InputOptions) -> bool:
 def _flat_folder_rows(root: Path) -> list[dict]:
     rows = []
     for p in sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
-        side = next((s for s in (p.with_name(p.name + ".txt"), p.with_suffix(".txt")) if s.is_file()), None)
+        side = caption_file(p)
         try:
             text = side.read_bytes().decode("utf-8-sig").strip() if side else ""
         except (OSError, UnicodeDecodeError) as e:

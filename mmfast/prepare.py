@@ -274,8 +274,8 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     if not good:
         raise ManifestError(_no_usable_rows(cfg, checked.n_input, rejects))
     label_map = _label_map(good)
-    train, val = split_rows(good, cfg.val_fraction, cfg.seed, _split_bases(cfg), str(tmp.resolve()))
     work = tmp.resolve()
+    train, val = split_rows(good, cfg.val_fraction, cfg.seed, _split_bases(cfg), str(work))
     train_rows = [_row(c, i, label_map, work) for i, c in enumerate(train)]
     val_rows = [_row(c, len(train) + i, label_map, work) for i, c in enumerate(val)]
     tok = (
@@ -415,7 +415,8 @@ def _check(
             st = os.stat(c.image)
         except OSError:
             continue
-        if (st.st_size, known[1] if by_content else st.st_mtime_ns) == known[:2]:
+        # an image named by its bytes is the same image at the same size, whatever its (fresh) mtime
+        if st.st_size == known[0] and (by_content or st.st_mtime_ns == known[1]):
             checks[k] = ImageCheck(True, width=known[2], height=known[3])
     todo = [k for k, chk in enumerate(checks) if chk is None]
     fresh = check_images([cands[k].image for k in todo], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
@@ -563,13 +564,19 @@ def _files_map(root: Path) -> dict[str, dict]:
     return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
 
 
-def _split_bases(cfg: PrepareConfig) -> list[str]:
-    """The folders the split keys images relative to (see mmfast.split): the input's, then the image root."""
+def _input_folders(cfg: PrepareConfig) -> list[Path]:
+    """The folders the input's images are found in: the input's own (a folder, or a manifest's), then the
+    image root (COCO's --image-root)."""
     src = Path(cfg.source)
-    bases = [src.resolve() if src.is_dir() else src.resolve().parent]
+    folders = [src if src.is_dir() else src.parent]
     if cfg.inputs.image_root:
-        bases.insert(0, Path(cfg.inputs.image_root).resolve())
-    return [str(b) for b in bases]
+        folders.append(Path(cfg.inputs.image_root))
+    return folders
+
+
+def _split_bases(cfg: PrepareConfig) -> list[str]:
+    """The folders the split keys images relative to (see mmfast.split), the innermost first."""
+    return sorted((str(p.resolve()) for p in _input_folders(cfg)), key=len, reverse=True)
 
 
 def _row(c: Candidate, sample_id: int, label_map: dict[str, int], work: Path) -> dict:
@@ -634,10 +641,7 @@ def input_fingerprint(cfg: PrepareConfig) -> str:
         except OSError as e:
             raise ManifestError(f"{src}: cannot read the manifest: {e.strerror or e}") from e
     out, parts = os.path.abspath(cfg.out), os.path.abspath(parts_root(cfg.out))
-    bases = [src if src.is_dir() else src.parent]
-    if cfg.inputs.image_root:
-        bases.append(Path(cfg.inputs.image_root))
-    for p in (p for base in bases for p in sorted(base.rglob("*"))):
+    for p in (p for base in _input_folders(cfg) for p in sorted(base.rglob("*"))):
         path = os.path.abspath(p)
         if any(path == d or path.startswith(d + os.sep) for d in (out, parts)):  # mmfast's outputs
             continue
@@ -691,8 +695,9 @@ def _changed_files(root: Path, files: dict) -> list[str]:
 
 def _rebuild_token_cache(out: Path, summary: dict, splits: set[str]) -> None:
     tok = load_tokenizer(out / "tokenizer")
+    prepared = PreparedDataset(out, verify=False)
     for split in sorted(splits & {"train", "val"}):
-        rows = PreparedDataset(out, verify=False).rows(split)
+        rows = prepared.rows(split)
         first = rows[0]["id"] if rows else summary["counts"]["train"]
         (out / "tokens" / f"{split}.meta.json").unlink(missing_ok=True)  # forces the rebuild
         TokenCache.build(

@@ -81,7 +81,7 @@ def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return ImageCheck(False, f"missing file: {path}")  # the path as resolved (relative to what?)
+        return ImageCheck(False, f"missing file: {path}")  # where it was looked for (relative paths resolved)
     except OSError as e:
         if e.errno == errno.ELOOP:
             return ImageCheck(False, "symlink loop")

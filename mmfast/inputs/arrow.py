@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,12 +262,12 @@ def _read_rows(
 
 def _write_new(path: str, data: bytes) -> bool:
     """Write ``data`` to ``path`` unless an earlier row wrote the same bytes there; True if written now."""
-    if os.path.exists(path):
-        return False
     try:
-        with open(path, "wb") as fh:
+        with open(path, "xb") as fh:
             fh.write(data)
         return True
+    except FileExistsError:
+        return False
     except OSError as e:
         if e.filename is None:
             e.filename = path  # a failed write() names no file; the error (a full disk) should

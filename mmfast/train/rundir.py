@@ -111,23 +111,24 @@ class RunDirLock:
         (and the directory, when the run made it), and put back the earlier run it moved aside: nothing of
         the failed start is left behind. Returns where an earlier run was put back, if one was."""
         run_dir = self.path.parent
-        restored = None
-        if self._fd is not None and never_started(run_dir):
-            if self.created_dir:  # this run made the directory, so what the start prepared in it is its own
-                _remove_raw_preparation(run_dir)
-            (run_dir / RUN_MARKER).unlink(missing_ok=True)
-            self.path.unlink(missing_ok=True)  # still held: no other run can take it in between
+        if self._fd is None or not never_started(run_dir):
             self.release()
-            if self.created_dir:
-                try:
-                    run_dir.rmdir()
-                    if self.moved_aside is not None:
-                        os.rename(self.moved_aside, run_dir)
-                        restored = run_dir
-                except OSError:  # something appeared in it meanwhile: leave it
-                    pass
+            return None
+        if self.created_dir:  # this run made the directory, so what the start prepared in it is its own
+            _remove_raw_preparation(run_dir)
+        (run_dir / RUN_MARKER).unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)  # still held: no other run can take it in between
         self.release()
-        return restored
+        if not self.created_dir:
+            return None
+        try:
+            run_dir.rmdir()
+            if self.moved_aside is not None:
+                os.rename(self.moved_aside, run_dir)
+                return run_dir
+        except OSError:  # something appeared in it meanwhile: leave it
+            pass
+        return None
 
     def acquire(self) -> None:
         """Take the lock and write this pid into the lock file.

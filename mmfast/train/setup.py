@@ -128,7 +128,6 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
         return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
-    check_data_exists(cfg)
     with accelerator.main_process_first():
         if cfg.data is None:
             source = demo_dataset(n=cfg.demo_size, seed=0)
@@ -179,7 +178,7 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
 
 
 def check_data_exists(cfg: TrainConfig) -> None:
-    """A --data that names nothing is refused before the run directory is touched."""
+    """A --data that names nothing is refused (by the engine, before the run directory is touched)."""
     from mmfast.inputs.wds import is_wds_source
 
     if cfg.data is not None and not Path(cfg.data).exists() and not is_wds_source(cfg.data):
