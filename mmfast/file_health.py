@@ -81,8 +81,8 @@ class FileHealth:
         one of them is bad (and now marked), False when none is to blame. The stand-in file is checked too:
         without the start-up check nobody has looked at it yet."""
         todo = list(dict.fromkeys(int(p) for p in positions if p >= 0 and p not in self.bad))
-        if self._first_good_position() not in todo:
-            todo.append(self._first_good_position())
+        if self.first_good_position() not in todo:
+            todo.append(self.first_good_position())
         return self._check(todo)
 
     def _check(self, positions: list[int], **limits) -> bool:
@@ -95,9 +95,9 @@ class FileHealth:
     def first_good(self) -> str:
         """A file to stand in for padding and skipped samples (their ids are -1). Without the start-up check
         it may be bad too: then DALI fails on it, and the recovery marks it and picks the next one."""
-        return self.files[self._first_good_position()]
+        return self.files[self.first_good_position()]
 
-    def _first_good_position(self) -> int:
+    def first_good_position(self) -> int:
         return next(p for p in range(len(self.files)) if p not in self.bad)
 
     def reader_list(self, positions: np.ndarray) -> tuple[list[str], list[int]]:

@@ -160,25 +160,26 @@ class HostFinisher:
             scratch = self._scratch()
             for i in range(start, stop):
                 x = self._resized(crops[i].permute(2, 0, 1).unsqueeze(0), scratch.resized)[0]  # (3, S, S) HWC
-                if flips[i]:
-                    torch.ops.aten.flip.out(x, [-1], out=scratch.flipped)
-                    x = scratch.flipped
-                # straight from the HWC strides into planar float: a uint8 .contiguous() first costs more
-                dst = out[i] if self.dtype == torch.float32 else scratch.work  # float32, then one rounding
-                dst.copy_(x).mul_(self._scale).add_(self._shift)
-                if dst is not out[i]:
-                    out[i].copy_(dst)
+                hwc = x.permute(1, 2, 0).numpy()
+                # to planar uint8, mirrored on the way: numpy's strided copy takes half the time of torch's
+                np.copyto(scratch.planar_np, (hwc[:, ::-1] if flips[i] else hwc).transpose(2, 0, 1))
+                target = out[i]
+                dst = target if self.dtype == torch.float32 else scratch.work  # float32, then one rounding
+                dst.copy_(scratch.planar).mul_(self._scale).add_(self._shift)
+                if dst is not target:
+                    target.copy_(dst)
         finally:
             torch.set_num_threads(threads)
 
     def _scratch(self) -> threading.local:
-        """This thread's buffers: the resized image and its mirror ((3, S, S) uint8, HWC strides as the
-        resize writes them) and the float32 work image."""
+        """This thread's buffers: the resized image ((3, S, S) uint8, HWC strides as the resize writes it),
+        the same planar (and its numpy view) and the float32 work image."""
         local = self._local
         if not hasattr(local, "work"):
             s = self.size
             local.resized = torch.empty((1, s, s, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
-            local.flipped = torch.empty((s, s, 3), dtype=torch.uint8).permute(2, 0, 1)
+            local.planar = torch.empty((3, s, s), dtype=torch.uint8)
+            local.planar_np = local.planar.numpy()
             local.work = torch.empty((3, s, s))
         return local
 

@@ -28,6 +28,7 @@ importable from this module.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from mmfast.dataset import wds_split
+from mmfast.decoded import DecodedImages, DecodedIterator
 from mmfast.device import resolve_device, resolve_dtype
 from mmfast.dropin import (
     DATALOADER_NO_OPS,
@@ -67,6 +69,7 @@ from mmfast.stream import (
 )
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
+log = logging.getLogger(__name__)
 IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
@@ -135,7 +138,13 @@ class ImageLoader:
             torchvision's Resize + CenterCrop pixels) or "dali" (in the graph). The GPU path always does it
             in DALI.
         finish_threads: threads finishing each batch on the host (``cpu_resize="torch"``), the consuming
-            one included (default: ``host_finish.default_threads(num_threads)``).
+            one included (default: ``host_finish.default_threads(num_threads)``; with ``cache_decoded``,
+            ``num_threads``: no DALI thread decodes then).
+        cache_decoded: decode each image once and keep it in memory; later epochs crop from there
+            (``mmfast.decoded``: the CPU path's answer to small images, whose decode is most of the work).
+            True (up to half the memory available when it fills) or a budget in bytes; a set that does not
+            fit is streamed as usual, with a warning. CPU decoding with ``cpu_resize="torch"`` and the
+            file source only, and no ``color_jitter``.
         **options: ``image_pipeline`` options (scale, ratio, flip, color_jitter, crop_ratio, mean, std in
             0..255 units, hw_decoder_load, memory_padding, size_hint) and DataLoader's arguments that have
             nothing to do here, accepted without effect: persistent_workers (the pipeline lives across
@@ -187,6 +196,7 @@ class ImageLoader:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
         finish_threads: int | None = None,
+        cache_decoded: bool | int = False,
         **options,
     ):
         self.dataloader_options, pipeline_kwargs = split_options(type(self).__name__, options)
@@ -219,9 +229,10 @@ class ImageLoader:
         self.prefetch = prefetch
         self.prefetch_factor = self.prefetch
         self.pipeline_kwargs = pipeline_kwargs
-        self._finisher = self._make_finisher(cpu_resize, finish_threads)
+        self._finisher = self._make_finisher(cpu_resize, finish_threads, cache_decoded)
         source = image_source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
         self._set_source(source, on_bad_image, max_pixels, verify_files, file_stats)
+        self._decoded = self._decoded_cache(cache_decoded)
         n = len(self.files)
         if drop_last and n < batch_size * num_shards:
             raise ValueError(
@@ -258,7 +269,7 @@ class ImageLoader:
             raise ValueError("ids must be unique, non-negative int32 values")
         self._id_sorter = np.argsort(self.ids)
 
-    def _make_finisher(self, cpu_resize: str, finish_threads: int | None) -> HostFinisher | None:
+    def _make_finisher(self, cpu_resize: str, finish_threads: int | None, cache_decoded) -> HostFinisher | None:
         """The host finishing of CPU-decoded crops (``cpu_resize="torch"``), or None (DALI finishes)."""
         if cpu_resize not in CPU_RESIZE:
             raise ValueError(f"cpu_resize must be {' or '.join(map(repr, CPU_RESIZE))}, got '{cpu_resize}'")
@@ -269,6 +280,9 @@ class ImageLoader:
         shorter = None if self.train else self._eval_resize()
         finisher = TorchvisionFinisher if self._dataloader_sampling else HostFinisher
         threads = default_threads(self.num_threads) if finish_threads is None else finish_threads
+        self._finisher_threads_streaming = threads
+        if cache_decoded and finish_threads is None:
+            threads = self.num_threads  # the DALI threads will not be decoding
         finisher = finisher(self.size, mean, std, self.fp16, resize_shorter=shorter, threads=threads)
         finisher.dtype = self.dtype  # it allocates its output in this dtype (bfloat16 too)
         return finisher
@@ -283,6 +297,25 @@ class ImageLoader:
         # a shard's samples were checked when it was indexed; files are checked at start-up only if asked
         if verify_files and self.source.can_skip_bad:
             self._health.check_all(file_stats)
+
+    def _decoded_cache(self, cache_decoded: bool | int) -> DecodedImages | None:
+        """The in-memory decoded images (``cache_decoded``), or None; a combination it cannot serve is an
+        error that says why."""
+        if cache_decoded is False or cache_decoded is None:
+            return None
+        why = None
+        if self.device.type == "cuda":
+            why = "the GPU path decodes with nvJPEG; it is for CPU decoding"
+        elif self._finisher is None:
+            why = "it needs the host finishing (cpu_resize='torch')"
+        elif not self.source.ordered_by_loader:
+            why = f"the {self.source.name} source reads and shuffles itself; it works with the file source"
+        elif self.pipeline_kwargs.get("color_jitter", 0.0) > 0:
+            why = "colour jitter is applied by DALI while streaming; pass color_jitter=0"
+        if why:
+            raise ValueError(f"cache_decoded: {why}")
+        budget = None if cache_decoded is True else int(cache_decoded)
+        return DecodedImages(self._health, self.num_threads, budget)
 
     @property
     def wds_shards(self) -> list[str] | None:
@@ -422,6 +455,10 @@ class ImageLoader:
         """A DALI iterator whose next batch is batch ``step`` of ``epoch``."""
         restore = self._restore if self._restore is not None and self._restore.at(epoch, step) else None
         self._restore = None
+        if self._decoded is not None:
+            stream = self._decoded_stream(epoch, step)
+            if stream is not None:
+                return stream
         checkpoint = restore.checkpoint if restore is not None else None
         if not self.source.ordered_by_loader:  # one reader epoch per loader epoch, positioned by DALI
             stream = Stream(self._build_iterator(None, 0, checkpoint), SELF_ORDERED_CHUNK, epoch, step)
@@ -436,6 +473,32 @@ class ImageLoader:
         parts[0] = parts[0][chunk["offset"] * self.batch_size :]
         it = self._build_iterator(np.concatenate(parts), chunk["start"], checkpoint)
         return Stream(it, chunk, epoch, step)
+
+    def _decoded_stream(self, epoch: int, step: int) -> Stream | None:
+        """Batch ``step`` of ``epoch`` on from the decoded images, or None when they do not fit in the
+        budget (the cache is dropped and the loader streams from then on)."""
+        positions = self._positions(epoch)
+        if not self._decoded.ensure(positions):
+            log.warning(
+                "cache_decoded: the decoded images need more than %.1f MiB; streaming them instead",
+                self._decoded.budget / 2**20,
+            )
+            self._decoded = None
+            self._finisher.threads = self._finisher_threads_streaming
+            return None
+        options, b = self.pipeline_kwargs, self.batch_size
+        it = DecodedIterator(
+            self._decoded,
+            positions[step * b :],
+            self.ids,
+            b,
+            key=(self.seed, self.shard_id, epoch, step),
+            train=self.train,
+            scale=options.get("scale", (0.08, 1.0)),
+            ratio=options.get("ratio", (3 / 4, 4 / 3)),
+            flip=options.get("flip", True),
+        )
+        return Stream(it, {"start": epoch, "offset": step, "epochs": 1}, epoch, step)
 
     def _build_iterator(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy

@@ -95,6 +95,9 @@ class TrainConfig:
     cpu_resize: str = _opt(
         "torch", "data", "without a GPU: resize + normalize on the consuming thread (torch) or inside DALI (dali)"
     )
+    cache_decoded: bool = _opt(
+        False, "data", "without a GPU: decode each image once and crop later epochs from memory (small sets)"
+    )
     augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")
     color_jitter: float = _opt(0.0, "data", "brightness/contrast/saturation jitter strength (0: off)")

@@ -181,6 +181,10 @@ def build_loaders(
     """
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
+    if cfg.cache_decoded and accelerator.device.type == "cuda":
+        log.warning("--cache-decoded applies to decoding on the CPU; the GPU decodes every epoch (nvJPEG)")
+    elif cfg.cache_decoded:
+        extra["cache_decoded"] = True
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,

@@ -1,0 +1,211 @@
+"""Images decoded once and kept in memory (``cache_decoded``): on the CPU path every later epoch crops from RAM.
+
+Why: on small images the decode is most of the CPU path's work and nothing makes it cheaper (a PNG has no
+region-of-interest decode: a 128 px icon costs DALI 0.31 ms to decode and the host finishing 0.2 ms;
+BENCHMARKS.md). A set whose decoded pixels fit in memory need not pay it every epoch: FFCV stores such sets
+as raw pixels for the same reason. Here the loader decodes each image the first time an epoch needs it, with
+the same DALI decoder as the streaming path, and keeps the uint8 HWC array; each batch then draws its random
+resized crops and flips in numpy (the distribution of DALI's ``random_crop``: area and log aspect ratio
+uniform, 10 attempts, then the whole image clamped to the ratio range), takes the crops as views and hands
+them to the host finishing, exactly as the ragged DALI iterator does.
+
+The draws of a batch come from a generator seeded by (seed, shard, epoch, step), so a resumed run yields the
+same batches without any pipeline checkpoint. Colour jitter is not applied on this path (asking for both is
+an error), and the GPU path never uses it (nvJPEG decodes there).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import numpy as np
+import torch
+from nvidia.dali import fn, pipeline_def, types
+
+from mmfast.file_health import PAD_ID, FileHealth
+from mmfast.pipelines.image import READER_NAME
+
+log = logging.getLogger(__name__)
+MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the cache may take by default
+DECODE_BATCH = 32
+
+
+def default_budget() -> int:
+    """Bytes the cache may hold: ``MEMORY_SHARE`` of the memory available now."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # no such sysconf: assume 4 GiB
+        available = 4 << 30
+    return int(available * MEMORY_SHARE)
+
+
+@pipeline_def
+def _decode_graph(files: list[str], positions: list[int]):
+    encoded, labels = fn.readers.file(
+        files=files, labels=positions, random_shuffle=False, pad_last_batch=True, name=READER_NAME
+    )
+    return fn.decoders.image(encoded, device="cpu", output_type=types.RGB), labels
+
+
+class DecodedImages:
+    """The decoded images of a loader's files, by position, filled in as epochs need them.
+
+    Args:
+        health: the loader's file bookkeeping (a file DALI cannot decode is marked bad there and served as
+            a masked stand-in, as on the streaming path).
+        num_threads: DALI threads decoding.
+        budget: most bytes to keep (default: ``default_budget()`` when first filled).
+    """
+
+    def __init__(self, health: FileHealth, num_threads: int, budget: int | None = None):
+        self.health = health
+        self.num_threads = num_threads
+        self.budget = budget
+        self.images: list[np.ndarray | None] = [None] * len(health.files)
+        self.nbytes = 0
+
+    def ensure(self, positions: np.ndarray) -> bool:
+        """Decode the images at ``positions`` (-1 = padding) not yet held, and the stand-in for bad ones.
+        False when they would not fit in the budget (what was decoded is dropped: the loader streams)."""
+        if self.budget is None:
+            self.budget = default_budget()
+        wanted = [int(p) for p in dict.fromkeys(positions.tolist()) if p >= 0]
+        start, count = time.perf_counter(), 0
+        while True:  # a file found bad while decoding is marked, and may have been the stand-in
+            todo = [p for p in wanted + [self.stand_in()] if self.images[p] is None and p not in self.health.bad]
+            if not todo:
+                break
+            done = self._decode(list(dict.fromkeys(todo)))
+            if done is None:
+                self.images = [None] * len(self.images)
+                self.nbytes = 0
+                return False
+            count += done
+        if count:
+            log.info(
+                "decoded %d images in %.1f s; %d held in memory (%.0f MiB)",
+                count, time.perf_counter() - start, sum(i is not None for i in self.images), self.nbytes / 2**20,
+            )  # fmt: skip
+        return True
+
+    def stand_in(self) -> int:
+        """The position whose image stands in for padding and bad files (served with id ``PAD_ID``)."""
+        return self.health.first_good_position()
+
+    def _decode(self, todo: list[int]) -> int | None:
+        """Decode ``todo`` in order until done or DALI fails on a file (which is then found and marked bad);
+        returns how many were decoded, None when the budget is exceeded."""
+        batch = min(DECODE_BATCH, len(todo))
+        pipe = _decode_graph(
+            [self.health.files[p] for p in todo], todo,
+            batch_size=batch, num_threads=self.num_threads, device_id=None, prefetch_queue_depth=1,
+        )  # fmt: skip
+        done = 0
+        try:
+            pipe.build()
+            for first in range(0, len(todo), batch):  # noqa: B007 (read after a failure)
+                images, labels = pipe.run()
+                for k in range(len(labels)):
+                    p = int(np.asarray(labels[k]).reshape(-1)[0])
+                    if self.images[p] is None:
+                        image = np.array(images[k], copy=True)
+                        self.nbytes += image.nbytes
+                        if self.nbytes > self.budget:
+                            return None
+                        self.images[p] = image
+                        done += 1
+        except RuntimeError:  # DALI aborts the whole batch on a file it cannot read: find it, go on without it
+            if not self.health.check_window(np.asarray(todo[first : first + 2 * batch])):
+                raise
+        finally:
+            del pipe
+        return done
+
+
+def random_crop_boxes(
+    shapes: np.ndarray, rng: np.random.Generator, scale: tuple[float, float], ratio: tuple[float, float]
+) -> np.ndarray:
+    """(B, 4) crop boxes (top, left, height, width) for images of ``shapes`` (B, 2) = (height, width): the
+    random resized crop of DALI and torchvision (10 attempts at an area share in ``scale`` and a
+    log-uniform aspect ratio in ``ratio``; failing those, the whole image cut to the nearest allowed ratio)."""
+    n, attempts = len(shapes), 10
+    h, w = shapes[:, 0:1].astype(np.float64), shapes[:, 1:2].astype(np.float64)
+    area = h * w * rng.uniform(scale[0], scale[1], (n, attempts))
+    aspect = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), (n, attempts)))
+    cw, ch = np.round(np.sqrt(area * aspect)), np.round(np.sqrt(area / aspect))
+    fits = (cw > 0) & (ch > 0) & (cw <= w) & (ch <= h)
+    first = fits.argmax(axis=1)
+    rows = np.arange(n)
+    ch, cw, found = ch[rows, first], cw[rows, first], fits[rows, first]
+    h, w = h[:, 0], w[:, 0]
+    # the fallback: the whole image, cut at its centre to the nearest ratio in range
+    in_ratio = w / h
+    too_tall, too_wide = in_ratio < ratio[0], in_ratio > ratio[1]
+    fh = np.where(too_tall, np.minimum(np.round(w / ratio[0]), h), h)
+    fw = np.where(too_wide, np.minimum(np.round(h * ratio[1]), w), w)
+    ch, cw = np.where(found, ch, fh), np.where(found, cw, fw)
+    u = rng.random((n, 2))
+    top = np.where(found, np.floor(u[:, 0] * (h - ch + 1)), (h - ch) // 2)
+    left = np.where(found, np.floor(u[:, 1] * (w - cw + 1)), (w - cw) // 2)
+    return np.stack([top, left, ch, cw], axis=1).astype(np.int64)
+
+
+class DecodedIterator:
+    """Batches of ``positions`` from ``DecodedImages`` in the form of ``host_finish.ragged_iterator``'s:
+    ``[{"crops": B x (h, w, 3) uint8, "flips": (B, 1) int32, "id": (B, 1) int32}]``.
+
+    Args:
+        cache: the decoded images (``ensure``d for ``positions``).
+        positions: positions in the loader's files, whole batches (-1 = padding).
+        ids: sample id of each file position.
+        batch_size: B.
+        key: (seed, shard, epoch, first step) seeding each batch's draws with its step added.
+        train: random resized crops and flips; otherwise whole images (the eval finishing resizes them).
+        scale, ratio, flip: the random resized crop's ranges, and whether to mirror half the images.
+    """
+
+    def __init__(self, cache: DecodedImages, positions, ids, batch_size, key, train, scale, ratio, flip):
+        self.cache, self.positions, self.ids, self.batch_size = cache, positions, ids, batch_size
+        self.key, self.train, self.scale, self.ratio, self.flip = key, train, scale, ratio, flip
+        self.step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[dict]:
+        b = self.batch_size
+        pos = self.positions[self.step * b : (self.step + 1) * b]
+        if len(pos) == 0:
+            raise StopIteration
+        seed, shard, epoch, first = self.key
+        rng = np.random.default_rng([seed, shard, epoch, first + self.step])
+        self.step += 1
+        bad, images = self.cache.health.bad, self.cache.images
+        stand_in = self.cache.stand_in()
+        use = [p if p >= 0 and p not in bad else stand_in for p in pos.tolist()]
+        ids = np.array([self.ids[p] if p >= 0 and p not in bad else PAD_ID for p in pos.tolist()], dtype=np.int32)
+        whole = [images[p] for p in use]
+        if self.train:
+            boxes = random_crop_boxes(np.array([i.shape[:2] for i in whole]), rng, self.scale, self.ratio)
+            pairs = zip(whole, boxes.tolist(), strict=True)
+            crops = [torch.from_numpy(i[t : t + h, x : x + w]) for i, (t, x, h, w) in pairs]
+            flips = rng.random(len(pos)) < 0.5 if self.flip else np.zeros(len(pos), dtype=bool)
+        else:
+            crops, flips = [torch.from_numpy(i) for i in whole], np.zeros(len(pos), dtype=bool)
+        return [
+            {
+                "crops": crops,
+                "flips": torch.from_numpy(flips.astype(np.int32)).view(-1, 1),
+                "id": torch.from_numpy(ids).view(-1, 1),
+            }
+        ]
+
+    def checkpoints(self) -> list[None]:
+        """No pipeline state: (epoch, step) alone says where a resumed run continues."""
+        return [None]
+
+    def reset(self) -> None:
+        self.step = 0

@@ -1,0 +1,178 @@
+"""Images decoded once and kept in memory (``cache_decoded``): the same pixels as the streaming path, DALI's
+crop distribution, exact resume, bad files and a budget that does not fit."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmfast.dataset import PreparedDataset
+from mmfast.decoded import random_crop_boxes
+from mmfast.loader import ImageLoader, MultimodalLoader
+
+
+def _whole_image_copies(photos: list[Path], tmp_path: Path) -> list[str]:
+    """4:3 copies of each photo at three sizes, so scale (1, 1) and ratio 4/3 pin every crop to the image."""
+    files = []
+    for k in range(3):
+        for p in photos:
+            files.append(str(tmp_path / f"{k}_{p.stem}.jpg"))
+            Image.open(p).convert("RGB").resize((160 + 40 * k, 120 + 30 * k)).save(files[-1], quality=95)
+    return files
+
+
+def _batches(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b.ids.clone(), b.images.clone()) for b in loader]
+
+
+def test_cached_pixels_are_the_streamed_ones_in_train_and_eval(photos, tmp_path):
+    """Where no random draw differs (the crop pinned to the whole image, no flip; the eval path), the cached
+    loader must give exactly the streaming loader's tensors: the same decoder, the same finishing."""
+    files = _whole_image_copies(photos, tmp_path)
+    common = {"batch_size": 5, "size": 40, "fp16": False}
+    train = {"shuffle": True, "scale": (1.0, 1.0), "ratio": (4 / 3, 4 / 3), "flip": False}
+    for options in (train, {"shuffle": False}):
+        streamed = _batches(ImageLoader(files, **common, **options))
+        cached = _batches(ImageLoader(files, **common, **options, cache_decoded=True))
+        assert len(cached) == len(streamed) == math.ceil(len(files) / 5)
+        for (ids, images), (ref_ids, ref_images) in zip(cached, streamed, strict=True):
+            assert torch.equal(ids, ref_ids)
+            assert torch.equal(images, ref_images), (options, (images - ref_images).abs().max())
+
+
+def test_crop_draws_follow_dalis_random_crop(photos_set):
+    """The boxes stay inside the image, with area share and aspect ratio in range, and their distribution is
+    DALI's: the mean area share and log aspect ratio of DALI's own random crops on the same images agree."""
+    from mmfast.pipelines import image_pipeline
+    from nvidia.dali.plugin.pytorch import LastBatchPolicy
+
+    from mmfast.host_finish import ragged_iterator
+    from mmfast.sources import read_files
+
+    files = [str(r["path"]) for r in photos_set]
+    shapes = np.array([Image.open(f).size[::-1] for f in files])
+    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
+    rng = np.random.default_rng(0)
+    ours = np.concatenate([random_crop_boxes(shapes, rng, scale, ratio) for _ in range(20)])
+    all_shapes = np.tile(shapes, (20, 1))
+    top, left, h, w = ours.T
+    assert (top >= 0).all() and (left >= 0).all()
+    assert (top + h <= all_shapes[:, 0]).all() and (left + w <= all_shapes[:, 1]).all()
+    share = h * w / all_shapes.prod(axis=1)
+    assert share.min() > 0.05 and share.max() <= 1.0
+    pipe = image_pipeline(
+        read=functools.partial(read_files, files, list(range(len(files)))),
+        train=True, size=32, finish_on_host=True, batch_size=len(files), num_threads=1, device_id=None, seed=1,
+    )  # fmt: skip
+    it = ragged_iterator(pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP)
+    dali = []
+    for _ in range(20):
+        out = next(it)[0]
+        dali += [c.shape[:2] for c in out["crops"]]
+        it.reset()
+    dali = np.array(dali)
+    dali_share = dali.prod(axis=1) / all_shapes.prod(axis=1)
+    assert abs(share.mean() - dali_share.mean()) < 0.05, (share.mean(), dali_share.mean())
+    log_ratio, dali_log_ratio = np.log(w / h), np.log(dali[:, 1] / dali[:, 0])
+    assert abs(log_ratio.mean() - dali_log_ratio.mean()) < 0.05
+    assert abs(log_ratio.std() - dali_log_ratio.std()) < 0.05
+
+
+def test_crop_falls_back_to_the_whole_image_cut_to_the_ratio_range():
+    """A 30 x 2000 panorama has no crop with ratio <= 4/3 of any area in range: the fallback is its centre,
+    40 pixels wide (30 * 4/3), the full height."""
+    shapes, rng = np.array([[30, 2000], [2000, 30]]), np.random.default_rng(0)
+    boxes = random_crop_boxes(shapes, rng, (0.5, 1.0), (3 / 4, 4 / 3))
+    assert boxes[0].tolist() == [0, 980, 30, 40]
+    assert boxes[1].tolist() == [980, 0, 40, 30]
+
+
+def test_cached_resume_yields_exactly_the_rest_and_epochs_draw_anew(prepared):
+    def loader():
+        return MultimodalLoader(prepared, "train", batch_size=16, size=32, cache_decoded=True)
+
+    full = loader()
+    full.set_epoch(2)
+    reference = [(b["id"].clone(), b["image"].clone()) for b in full]
+    part = loader()
+    part.set_epoch(2)
+    for i, _ in enumerate(part):
+        if i == 3:
+            state = json.loads(json.dumps(part.state_dict()))
+            break
+    resumed = loader()
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)
+    rest = [(b["id"], b["image"]) for b in resumed]
+    assert len(rest) == len(reference) - 4
+    for (ref_ids, ref_img), (ids, img) in zip(reference[4:], rest, strict=True):
+        assert torch.equal(ref_ids, ids) and torch.equal(ref_img, img)
+    # later epochs crop each image anew and never decode one twice
+    decoded = []
+    original = full._decoded._decode
+    full._decoded._decode = lambda todo: decoded.append(original(todo)) or decoded[-1]
+    by_id = {int(i): img for ids, imgs in reference for i, img in zip(ids, imgs, strict=True)}
+    again = {}
+    for _ in range(3):
+        again |= {int(i): img for b in full for i, img in zip(b["id"], b["image"], strict=True)}
+    assert sum(decoded) + len(by_id) == sum(i is not None for i in full._decoded.images)
+    assert sum(not torch.equal(by_id[i], again[i]) for i in by_id) > 0.9 * len(by_id)
+
+
+def test_a_bad_file_is_skipped_or_named_as_on_the_streaming_path(photos, tmp_path):
+    files = _whole_image_copies(photos, tmp_path)
+    Path(files[4]).write_text("this is not an image\n")
+    loader = ImageLoader(files, batch_size=4, size=32, cache_decoded=True)
+    seen = [i for b in loader for i, m in zip(b.ids.tolist(), b.mask.tolist(), strict=True) if m]
+    assert sorted(seen) == [i for i in range(len(files)) if i != 4]
+    assert [s["image"] for s in loader.skipped] == [files[4]]
+    strict = ImageLoader(files, batch_size=4, size=32, cache_decoded=True, on_bad_image="error")
+    with pytest.raises(ValueError, match=Path(files[4]).name):
+        list(strict)
+
+
+def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):
+    rows = PreparedDataset(prepared, verify=False).rows("train")
+    with caplog.at_level(logging.WARNING):
+        small = MultimodalLoader(prepared, "train", batch_size=16, size=32, cache_decoded=100_000)
+        ids = [b["id"].tolist() for b in small]
+    assert "streaming them instead" in caplog.text
+    assert small._decoded is None and small._finisher.threads == small._finisher_threads_streaming
+    streamed = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    assert ids == [b["id"].tolist() for b in streamed] and len(ids) == len(rows) // 16
+
+
+def test_combinations_it_cannot_serve_are_refused_with_the_reason(prepared):
+    with pytest.raises(ValueError, match="color_jitter=0"):
+        MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=True, color_jitter=0.2)
+    with pytest.raises(ValueError, match="cpu_resize='torch'"):
+        MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=True, cpu_resize="dali")
+
+
+def test_training_with_cache_decoded_decodes_each_image_once(prepared, tmp_path, caplog):
+    """``--cache-decoded``: three epochs train and evaluate, and no image of either split is decoded twice."""
+    import re
+
+    from conftest import SMALL_RUN
+
+    from tools import train as train_tool
+
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="mmfast.decoded"):
+        code = train_tool.main(
+            ["--data", str(prepared), "--out", str(out), "--epochs", "3", "--cache-decoded", *SMALL_RUN]
+        )
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_acc"] is not None and (out / "model").is_dir()
+    decoded = [int(n) for n in re.findall(r"decoded (\d+) images", caplog.text)]
+    rows = sum(len(PreparedDataset(prepared, verify=False).rows(s)) for s in ("train", "val"))
+    assert decoded and sum(decoded) <= rows
