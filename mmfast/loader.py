@@ -318,6 +318,12 @@ class ImageLoader:
         return DecodedImages(self._health, self.num_threads, budget)
 
     @property
+    def cache_decoded(self) -> bool:
+        """Whether batches come from images decoded once and held in memory (False also once a set
+        asked to be cached did not fit and is streamed)."""
+        return self._decoded is not None
+
+    @property
     def wds_shards(self) -> list[str] | None:
         return self.source.tars if isinstance(self.source, WdsSource) else None
 

@@ -331,6 +331,11 @@ def verdict(report: dict) -> dict:
                 f"the CPU is saturated ({cpu:.0f}% mean): smaller --image-size, pre-resize large images "
                 "offline, or move decoding to the GPU"
             )
+            if not on_gpu and settings.get("cache_decoded") is False:
+                steps.append(
+                    "--cache-decoded: decode each image once and crop later epochs from memory (a set "
+                    "whose pixels fit in half the RAM; on small images the decode is most of the work)"
+                )
         else:
             steps.append(
                 f"raise DALI threads (--num-threads; now {settings.get('dali_threads', '?')}) and the "

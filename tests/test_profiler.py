@@ -92,6 +92,11 @@ def test_verdict_rules():
     assert any("GPU" in s for s in busy_cpu["next_steps"]) and any(
         "saturated" in s for s in busy_cpu["next_steps"]
     )
+    cpu_only = {"data_wait_frac": 0.6, "utilization": {"cpu_util_mean": 97.0}}
+    streaming = verdict({**cpu_only, "settings": {"decode_device": "cpu", "cache_decoded": False}})
+    assert any(s.startswith("--cache-decoded") for s in streaming["next_steps"])
+    cached = verdict({**cpu_only, "settings": {"decode_device": "cpu", "cache_decoded": True}})
+    assert not any("--cache-decoded" in s for s in cached["next_steps"] + busy_cpu["next_steps"])
     fp32 = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": {"mixed_precision": "no"}})
     assert fp32["bound"] == "compute" and any("mixed precision" in s for s in fp32["next_steps"])
     assert not any("other processes" in s for s in fp32["next_steps"])

@@ -89,6 +89,12 @@ def mmfast_finish_threads_variant(data, args, device):
     return mmfast_variant(data, args, device, finish_threads=args.threads)
 
 
+def mmfast_cached_variant(data, args, device):
+    """The loader with ``cache_decoded``: each image decoded once (in the first warm-up epoch, untimed), the
+    timed epochs cropping from memory."""
+    return mmfast_variant(data, args, device, cache_decoded=True)
+
+
 def mmfast_max_side_variant(data, args, device):
     """The loader over the same photos prepared with ``--max-side`` (downscaled JPEG copies)."""
     from benchlib.data import prepared_photos
@@ -389,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {
         "mmfast MultimodalLoader": mmfast_variant,
         "mmfast MultimodalLoader, fp32": mmfast_fp32_variant,
+        "mmfast MultimodalLoader, cache_decoded": mmfast_cached_variant,
         "mmfast, finish_threads = DALI threads": mmfast_finish_threads_variant,
         "mmfast MultimodalLoader, WebDataset source": mmfast_wds_variant,
         "mmfast MultimodalLoader, Parquet source": mmfast_parquet_variant,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mmfast.dataset import PreparedDataset
+from mmfast.decoded import default_budget
 from mmfast.fsutil import atomic_write_json
 from mmfast.loader import IGNORE_LABEL
 from mmfast.metrics import confusion_figures
@@ -184,7 +185,8 @@ def build_loaders(
     if cfg.cache_decoded and accelerator.device.type == "cuda":
         log.warning("--cache-decoded applies to decoding on the CPU; the GPU decodes every epoch (nvJPEG)")
     elif cfg.cache_decoded:
-        extra["cache_decoded"] = True
+        # the budget (half the memory available) shared by this machine's processes: each holds its own copy
+        extra["cache_decoded"] = default_budget() // processes_per_machine(accelerator)
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,
@@ -504,6 +506,7 @@ def _write_profile(
         "decode_device": "mixed" if loader.device.type == "cuda" else "cpu",
         "dali_threads": loader.num_threads,
         "prefetch": loader.prefetch,
+        "cache_decoded": loader.cache_decoded,
         "batch_size": cfg.batch_size,
         "image_size": cfg.image_size,
         "mixed_precision": accelerator.mixed_precision,
