@@ -78,6 +78,8 @@ class DecodedImages:
             todo = [p for p in wanted + [self.stand_in()] if self.images[p] is None and p not in self.health.bad]
             if not todo:
                 break
+            if not count:
+                log.info("cache_decoded: decoding %d images once", len(todo))
             done = self._decode(list(dict.fromkeys(todo)))
             if done is None:
                 self.images = [None] * len(self.images)
