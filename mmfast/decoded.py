@@ -16,6 +16,7 @@ an error), and the GPU path never uses it (nvJPEG decodes there).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -23,10 +24,10 @@ import time
 
 import numpy as np
 import torch
-from nvidia.dali import fn, pipeline_def, types
 
 from mmfast.file_health import PAD_ID, FileHealth
-from mmfast.pipelines.image import READER_NAME
+from mmfast.pipelines.image import decode_pipeline
+from mmfast.sources import read_files
 
 log = logging.getLogger(__name__)
 MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the cache may take by default
@@ -40,14 +41,6 @@ def default_budget() -> int:
     except (ValueError, OSError):  # no such sysconf: assume 4 GiB
         available = 4 << 30
     return int(available * MEMORY_SHARE)
-
-
-@pipeline_def
-def _decode_graph(files: list[str], positions: list[int]):
-    encoded, labels = fn.readers.file(
-        files=files, labels=positions, random_shuffle=False, pad_last_batch=True, name=READER_NAME
-    )
-    return fn.decoders.image(encoded, device="cpu", output_type=types.RGB), labels
 
 
 class DecodedImages:
@@ -101,11 +94,11 @@ class DecodedImages:
         """Decode ``todo`` in order until done or DALI fails on a file (which is then found and marked bad);
         returns how many were decoded, None when the budget is exceeded."""
         batch = min(DECODE_BATCH, len(todo))
-        pipe = _decode_graph(
-            [self.health.files[p] for p in todo], todo,
-            batch_size=batch, num_threads=self.num_threads, device_id=None, prefetch_queue_depth=1,
-        )  # fmt: skip
-        done = 0
+        read = functools.partial(read_files, [self.health.files[p] for p in todo], todo)  # labelled by position
+        pipe = decode_pipeline(
+            read=read, batch_size=batch, num_threads=self.num_threads, device_id=None, prefetch_queue_depth=1
+        )
+        done, first = 0, 0
         try:
             pipe.build()
             for first in range(0, len(todo), batch):  # noqa: B007 (read after a failure)

@@ -172,3 +172,17 @@ def image_pipeline(
     if finish_on_host:  # (images, flips)
         return (*processed, sample_ids)
     return processed, sample_ids
+
+
+@pipeline_def
+def decode_pipeline(*, read: Callable[[], tuple]):
+    """Whole images decoded on the CPU, as they are (``mmfast.decoded`` keeps them for ``cache_decoded``).
+
+    Args:
+        read: a source's reader, as for ``image_pipeline``.
+
+    Returns:
+        images (B x (h, w, 3) uint8, ragged) and the reader's labels (B, 1) int32.
+    """
+    encoded, labels = read()
+    return fn.decoders.image(encoded, device="cpu", output_type=types.RGB), labels
