@@ -265,6 +265,18 @@ class PreparedDataset:
             None if None in stats else stats,
         )
 
+    def decoded_bytes(self, split: str, limit: int) -> int | None:
+        """Bytes ``split``'s images take decoded (uint8 RGB), from the sizes preparation recorded; None when a
+        row lacks them or the total passes ``limit`` (the rows after are not read)."""
+        total = 0
+        for r in self.iter_rows(split):
+            if "width" not in r or "height" not in r:
+                return None
+            total += 3 * r["width"] * r["height"]
+            if total > limit:
+                return None
+        return total
+
     def source_for(self, split: str, kind: str = "files"):
         """The image source (``mmfast.sources``) a loader of ``split`` reads: ``kind`` ("files" or "wds"), but
         always the WebDataset shards when the dataset was prepared from them (its images are in them only).

@@ -333,8 +333,9 @@ def verdict(report: dict) -> dict:
             )
             if not on_gpu and settings.get("cache_decoded") is False:
                 steps.append(
-                    "--cache-decoded: decode each image once and crop later epochs from memory (a set "
-                    "whose pixels fit in half the RAM; on small images the decode is most of the work)"
+                    "--cache-decoded (the default) decodes each image once and crops later epochs from memory "
+                    "when the decoded images fit in half the RAM; this run decoded every epoch: prepare with "
+                    "--max-side to shrink them, and leave colour jitter off"
                 )
         else:
             steps.append(

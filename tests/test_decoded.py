@@ -176,3 +176,33 @@ def test_training_with_cache_decoded_decodes_each_image_once(prepared, tmp_path,
     decoded = [int(n) for n in re.findall(r"decoded (\d+) images", caplog.text)]
     rows = sum(len(PreparedDataset(prepared, verify=False).rows(s)) for s in ("train", "val"))
     assert decoded and sum(decoded) <= rows
+
+
+def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(prepared, monkeypatch):
+    """The engine's plan (``--cache-decoded``, on by default): train first, then val, while their decoded
+    sizes (3 x width x height of every row, as preparation recorded them) fit together in the budget."""
+    from types import SimpleNamespace
+
+    from mmfast.train import engine
+    from mmfast.train.config import parse_config
+
+    dataset = PreparedDataset(prepared)
+    sizes = {s: sum(3 * r["width"] * r["height"] for r in dataset.rows(s)) for s in ("train", "val")}
+    assert dataset.decoded_bytes("train", sizes["train"]) == sizes["train"]
+    assert dataset.decoded_bytes("train", sizes["train"] - 1) is None
+    cpu = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+
+    def plan(budget, *flags, accelerator=cpu):
+        monkeypatch.setattr(engine, "default_budget", lambda: budget)
+        return engine._cache_budgets(parse_config(["--data", str(prepared), *flags]), accelerator, dataset, True)
+
+    both = sizes["train"] + sizes["val"]
+    assert plan(both) == {"train": both, "val": sizes["val"]}
+    assert plan(both - 1) == {"train": both - 1}
+    assert plan(sizes["train"] - 1) == {}
+    assert plan(both, "--color-jitter", "0.2") == {"val": both}  # jitter is DALI's: the train split streams
+    assert plan(both, "--no-cache-decoded") == plan(both, "--cpu-resize", "dali") == {}
+    assert plan(2 * both, accelerator=SimpleNamespace(device=torch.device("cpu"), num_processes=2)) == {
+        "train": both,
+        "val": sizes["val"],
+    }  # two processes on the machine: each gets half

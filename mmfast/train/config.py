@@ -96,7 +96,10 @@ class TrainConfig:
         "torch", "data", "without a GPU: resize + normalize on the consuming thread (torch) or inside DALI (dali)"
     )
     cache_decoded: bool = _opt(
-        False, "data", "without a GPU: decode each image once and crop later epochs from memory (small sets)"
+        True,
+        "data",
+        "without a GPU: decode each image once and crop later epochs from memory, when the decoded images "
+        "fit in half the available memory (else they are streamed)",
     )
     augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")

@@ -182,11 +182,6 @@ def build_loaders(
     """
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
-    if cfg.cache_decoded and accelerator.device.type == "cuda":
-        log.warning("--cache-decoded applies to decoding on the CPU; the GPU decodes every epoch (nvJPEG)")
-    elif cfg.cache_decoded:
-        # the budget (half the memory available) shared by this machine's processes: each holds its own copy
-        extra["cache_decoded"] = default_budget() // processes_per_machine(accelerator)
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,
@@ -198,6 +193,9 @@ def build_loaders(
         num_workers=threads,
         fp16=accelerator.device.type == "cuda",
     )
+    # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
+    has_val = dataset.split_size("val") > 0
+    cached = _cache_budgets(cfg, accelerator, dataset, has_val)
     train_loader = MultimodalLoader(
         dataset,
         "train",
@@ -206,11 +204,36 @@ def build_loaders(
         scale=(cfg.crop_scale_min, 1.0),
         color_jitter=cfg.color_jitter,
         cpu_resize=cfg.cpu_resize,
+        cache_decoded=cached.get("train", False),
         **common,
     )
-    # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
-    has_val = dataset.split_size("val") > 0
-    return train_loader, MultimodalLoader(dataset, "val", cfg.eval_batch_size, **common) if has_val else None
+    if not has_val:
+        return train_loader, None
+    val_loader = MultimodalLoader(
+        dataset, "val", cfg.eval_batch_size, cache_decoded=cached.get("val", False), **common
+    )
+    return train_loader, val_loader
+
+
+def _cache_budgets(cfg: TrainConfig, accelerator, dataset: PreparedDataset, has_val: bool) -> dict[str, int]:
+    """The splits whose images are decoded once and held in memory (``--cache-decoded``), each with the
+    bytes it may take: train first, then val, while their decoded pixels fit together in half the memory
+    available, shared by this machine's processes (each holds its own copy). None on a GPU (nvJPEG
+    decodes there), from WebDataset shards, with DALI finishing, or for a train split with colour jitter."""
+    if not cfg.cache_decoded or accelerator.device.type == "cuda" or cfg.cpu_resize != "torch":
+        return {}
+    if dataset.source_for("train", cfg.source).name != "files":
+        return {}
+    left = default_budget() // processes_per_machine(accelerator)
+    budgets = {}
+    for split in (["train"] if cfg.color_jitter == 0 else []) + (["val"] if has_val else []):
+        need = dataset.decoded_bytes(split, left)
+        if need is None:
+            log.info("streaming the %s images: decoded, they would not fit in %.0f MiB", split, left / 2**20)
+            break
+        budgets[split], left = left, left - need
+        log.info("%s images: decoded once, held in memory (%.0f MiB)", split, need / 2**20)
+    return budgets
 
 
 def run_identity(cfg: TrainConfig, accelerator, dataset: PreparedDataset) -> dict:
