@@ -206,3 +206,36 @@ def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(p
         "train": both,
         "val": sizes["val"],
     }  # two processes on the machine: each gets half
+
+
+_FILL_SCRIPT = """
+import sys
+from mmfast.loader import ImageLoader
+files = sys.argv[1:]
+loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
+seen = [i for b in loader for i, m in zip(b.ids.tolist(), b.mask.tolist()) if m]
+print(len(seen), [s["image"] for s in loader.skipped])
+"""
+
+
+@pytest.mark.slow
+def test_filling_past_a_file_dali_cannot_parse_raises_inside_dali_instead_of_crashing(photos, tmp_path):
+    """DALI 2.4 parses a batch of 32 or more on several threads, and a file it cannot parse there crashed the
+    process (SIGSEGV) about every other run instead of raising; the fill decodes in batches under 32. Three
+    fresh processes over 40 images, one a text file: each must finish, with that file skipped."""
+    import subprocess
+    import sys
+
+    files = []
+    for k in range(40):  # 40 small JPEGs cut from the real photos
+        files.append(str(tmp_path / f"{k}.jpg"))
+        Image.open(photos[k % len(photos)]).convert("RGB").resize((48 + k, 40)).save(files[-1], quality=90)
+    bad = tmp_path / "not_a.jpg"
+    bad.write_text("<html>404 not found</html>\n")
+    files[2] = str(bad)
+    for _ in range(3):
+        run = subprocess.run(
+            [sys.executable, "-c", _FILL_SCRIPT, *files], capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+        assert run.stdout.split("\n")[0] == f"39 ['{bad}']"
