@@ -31,10 +31,7 @@ from mmfast.sources import read_files
 
 log = logging.getLogger(__name__)
 MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the cache may take by default
-# Images per DALI batch while filling. Below 32 on purpose: from 32 on, DALI 2.4's decoder parses the samples
-# of a batch on several threads, and a file it cannot parse (a text file named .jpg) then crashed the process
-# (SIGSEGV in ImageDecoder::RunImplImpl's setup, 4 runs in 8 here) instead of raising; under 32 it raises.
-DECODE_BATCH = 16
+DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (pipelines/image.py)
 
 
 def default_budget() -> int:

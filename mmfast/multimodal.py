@@ -38,6 +38,7 @@ class MultimodalLoader(ImageLoader):
 
     _default_dtype = torch.float16
     _dataloader_sampling = False
+    _files_checked = True  # preparation decoded every image: DALI runs whole batches (see ImageLoader)
 
     def __init__(
         self,
