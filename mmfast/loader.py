@@ -623,6 +623,8 @@ class ImageLoader:
     def _next_dali_batch(self, stream: Stream) -> dict:
         """The next batch's DALI output (one dict: DALI's iterator returns one per pipeline, we run one): one DALI
         batch, or the ``batch_size / _dali_batch`` parts of it joined."""
+        if isinstance(stream.it, DecodedIterator):  # whole batches from memory
+            return next(stream.it)[0]
         parts = [next(stream.it)[0] for _ in range(self.batch_size // self._dali_batch)]
         if len(parts) == 1:
             return parts[0]

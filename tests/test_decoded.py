@@ -48,6 +48,14 @@ def test_cached_pixels_are_the_streamed_ones_in_train_and_eval(photos, tmp_path)
             assert torch.equal(images, ref_images), (options, (images - ref_images).abs().max())
 
 
+def test_a_cached_loader_serves_whole_batches_of_any_size(photos, tmp_path):
+    """A batch DALI would run in parts (40 = 2 x 20) comes whole from memory."""
+    files = _whole_image_copies(photos, tmp_path) * 3
+    loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
+    assert loader._dali_batch == 20
+    assert [len(b.ids) for b in loader] == [40, len(files) - 40]
+
+
 def test_crop_draws_follow_dalis_random_crop(photos_set):
     """The boxes stay inside the image, with area share and aspect ratio in range, and their distribution is
     DALI's: the mean area share and log aspect ratio of DALI's own random crops on the same images agree."""
