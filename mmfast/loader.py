@@ -69,6 +69,7 @@ from mmfast.stream import (
     SELF_ORDERED_CHUNK,
     Restore,
     Stream,
+    chunk_dali_batch,
     chunk_epochs,
     decode_checkpoint,
     encode_checkpoint,
@@ -169,7 +170,7 @@ class ImageLoader:
 
     _default_dtype = torch.float32
     _dataloader_sampling = True  # DistributedSampler's order and shards, partial last batches (see module doc)
-    _files_checked = False  # nobody decoded the files before: a CPU graph runs DALI_SAFE_BATCH-sized parts
+    _files_checked = False  # nobody decoded the files before: DALI runs safe parts until each was read once
 
     def __init__(
         self,
@@ -241,10 +242,7 @@ class ImageLoader:
         source = image_source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
         self._set_source(source, on_bad_image, max_pixels, verify_files, file_stats)
         self._decoded = self._decoded_cache(cache_decoded)
-        # DALI's batch: the loader's, or for files nobody checked, on the CPU, equal parts of it that DALI parses
-        # safely (DALI_SAFE_BATCH; ~10% slower on 2 cores): a non-image among them is skipped, not a crash
-        split = not self._files_checked and self.device.type == "cpu" and self.source.ordered_by_loader
-        self._dali_batch = dali_batch_size(batch_size) if split else batch_size
+        self._read_ok = np.zeros(len(self.files), dtype=bool)  # positions DALI has read without failing
         n = len(self.files)
         if drop_last and n < batch_size * num_shards:
             raise ValueError(
@@ -437,7 +435,6 @@ class ImageLoader:
             "num_shards": self.num_shards,
             "shard_id": self.shard_id,
             "batch_size": self.batch_size,
-            "dali_batch": self._dali_batch,
             "chunk": chunk,
             "dali_checkpoint": encode_checkpoint(ck),
         }
@@ -456,8 +453,6 @@ class ImageLoader:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self._stream, self._restore, self._keep_position = None, None, True
         ck = state.get("dali_checkpoint")
-        if state.get("dali_batch", self.batch_size) != self._dali_batch:
-            ck = None  # a pipeline of other batches: the same samples, other augmentation draws
         if ck and state.get("chunk") is not None and state.get("shard_id", self.shard_id) == self.shard_id:
             self._restore = Restore(self.epoch, self.step, state["chunk"], decode_checkpoint(ck))
 
@@ -489,11 +484,28 @@ class ImageLoader:
                     next(stream.it)
                 stream.step = step
             return stream
-        chunk = restore.chunk if restore is not None else new_chunk(epoch, step, len(self) * self.batch_size)
+        if restore is not None:
+            chunk = restore.chunk
+        else:
+            chunk = new_chunk(epoch, step, len(self) * self.batch_size, self._dali_batch_now())
         parts = [self._positions(chunk["start"] + k) for k in range(chunk["epochs"])]
         parts[0] = parts[0][chunk["offset"] * self.batch_size :]
-        it = self._build_iterator(np.concatenate(parts), chunk["start"], checkpoint)
+        it = self._build_iterator(np.concatenate(parts), chunk["start"], checkpoint, chunk_dali_batch(chunk))
         return Stream(it, chunk, epoch, step)
+
+    def _dali_batch_now(self) -> int | None:
+        """DALI's batch for a new chunk: None (the loader's) once every file has been read, or when
+        preparation decoded them; on the CPU, until then, equal parts of the loader's batch that DALI parses
+        safely (``DALI_SAFE_BATCH``: a non-image among the files is then skipped, not a crash; ~12% slower on
+        2 cores, so only until each file has been read once)."""
+        if self._files_checked or self.device.type != "cpu":
+            return None
+        read = self._read_ok.copy()
+        read[list(self._health.bad)] = True  # a bad file is never handed to DALI again
+        if read.all():
+            return None
+        part = dali_batch_size(self.batch_size)
+        return part if part != self.batch_size else None
 
     def _decoded_stream(self, epoch: int, step: int) -> Stream | None:
         """Batch ``step`` of ``epoch`` on from the decoded images, or None when they do not fit in the
@@ -521,10 +533,16 @@ class ImageLoader:
         )
         return Stream(it, {"start": epoch, "offset": step, "epochs": 1}, epoch, step)
 
-    def _build_iterator(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
+    def _build_iterator(
+        self,
+        positions: np.ndarray | None,
+        seed_epoch: int,
+        checkpoint: bytes | None = None,
+        dali_batch: int | None = None,
+    ):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        pipe = self._pipeline(positions, seed_epoch, checkpoint)
+        pipe = self._pipeline(positions, seed_epoch, checkpoint, dali_batch)
         if self.source.ordered_by_loader:
             policy = LastBatchPolicy.DROP  # never used: the lists are whole batches
         else:
@@ -539,14 +557,22 @@ class ImageLoader:
             return ragged_iterator(pipe, **kwargs)
         return DALIGenericIterator(pipe, ["image", "id"], **kwargs)
 
-    def _pipeline(self, positions: np.ndarray | None, seed_epoch: int, checkpoint: bytes | None = None):
-        """The DALI graph reading ``positions`` (None: a source that orders itself), defined but not built.
+    def _pipeline(
+        self,
+        positions: np.ndarray | None,
+        seed_epoch: int,
+        checkpoint: bytes | None = None,
+        dali_batch: int | None = None,
+    ):
+        """The DALI graph reading ``positions`` (None: a source that orders itself), defined but not built;
+        ``dali_batch``: its batch, a divisor of the loader's (default: the loader's).
 
         Defining checks every operator's argument names without touching CUDA, so tests define the GPU
         ("mixed") graph on machines without a GPU.
         """
         read = self.source.reader(positions, self._health, self.shard_id, self.num_shards, self.shuffle)
         cuda = self.device.type == "cuda"
+        dali_batch = dali_batch or self.batch_size
         return image_pipeline(
             read=read,
             train=self.train,
@@ -555,11 +581,11 @@ class ImageLoader:
             fp16=self.fp16,  # bfloat16: the graph emits float32, converted in __iter__
             finish_on_host=self._finisher is not None,
             **self.pipeline_kwargs,
-            batch_size=self._dali_batch,
+            batch_size=dali_batch,
             num_threads=self.num_threads,
             device_id=self.device.index if cuda else None,
             seed=int(np.random.default_rng([self.seed, seed_epoch, self.shard_id]).integers(2**31)),
-            prefetch_queue_depth=self.prefetch * (self.batch_size // self._dali_batch),  # the same samples ahead
+            prefetch_queue_depth=self.prefetch * (self.batch_size // dali_batch),  # the same samples ahead
             enable_checkpointing=True,
             checkpoint=checkpoint,
         )
@@ -609,11 +635,13 @@ class ImageLoader:
             except RuntimeError as e:  # DALI aborts the whole pipeline on one file it cannot read
                 stream = self._stream = self._recover(e)
                 continue
+            ids = out["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
+            read = self._lookup(ids)
+            self._read_ok[read[read >= 0]] = True
             if self._finisher is not None:
                 images = self._finisher.finish(out)  # (B, 3, S, S)
             else:
                 images = out["image"]  # (B, 3, S, S)
-            ids = out["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
             step = self.step
             stream.step += 1
             self.step += 1
@@ -622,10 +650,12 @@ class ImageLoader:
 
     def _next_dali_batch(self, stream: Stream) -> dict:
         """The next batch's DALI output (one dict: DALI's iterator returns one per pipeline, we run one): one DALI
-        batch, or the ``batch_size / _dali_batch`` parts of it joined."""
+        batch, or the parts of it the stream's chunk runs DALI on, joined."""
         if isinstance(stream.it, DecodedIterator):  # whole batches from memory
             return next(stream.it)[0]
-        parts = [next(stream.it)[0] for _ in range(self.batch_size // self._dali_batch)]
+        parts = [
+            next(stream.it)[0] for _ in range(self.batch_size // chunk_dali_batch(stream.chunk, self.batch_size))
+        ]
         if len(parts) == 1:
             return parts[0]
         return {

@@ -11,7 +11,8 @@ for bit, that the uninterrupted one would have. Without a DALI checkpoint it sta
 epoch and step: the same samples in the same order, other augmentation draws.
 
 A chunk is kept as a plain dict because it travels in ``state_dict()`` (JSON): ``{"start": first epoch,
-"offset": batches of it already delivered, "epochs": epochs it spans}`` for a reader of the loader's
+"offset": batches of it already delivered, "epochs": epochs it spans[, "dali_batch": the DALI batch when it
+runs parts of the loader's]}`` for a reader of the loader's
 positions, ``{"wds": True}`` for a reader that shards and orders itself (one epoch at a time).
 """
 
@@ -61,9 +62,17 @@ def chunk_epochs(entries_per_epoch: int) -> int:
     return max(1, min(MAX_CHUNK_EPOCHS, MAX_CHUNK_ENTRIES // max(1, entries_per_epoch)))
 
 
-def new_chunk(epoch: int, step: int, entries_per_epoch: int) -> dict:
-    """A chunk starting at batch ``step`` of ``epoch``."""
-    return {"start": epoch, "offset": step, "epochs": chunk_epochs(entries_per_epoch)}
+def new_chunk(epoch: int, step: int, entries_per_epoch: int, dali_batch: int | None = None) -> dict:
+    """A chunk starting at batch ``step`` of ``epoch``; with ``dali_batch`` (its pipeline runs DALI on parts of
+    the loader's batch, until every file has been read once) it spans that one epoch only."""
+    if dali_batch is None:
+        return {"start": epoch, "offset": step, "epochs": chunk_epochs(entries_per_epoch)}
+    return {"start": epoch, "offset": step, "epochs": 1, "dali_batch": dali_batch}
+
+
+def chunk_dali_batch(chunk: dict, batch_size: int | None = None) -> int | None:
+    """The batch the chunk's pipeline runs DALI on (``batch_size``, the loader's, when it runs whole ones)."""
+    return chunk.get("dali_batch", batch_size)
 
 
 def encode_checkpoint(checkpoint: bytes | str | None) -> str | None:

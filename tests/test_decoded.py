@@ -52,7 +52,7 @@ def test_a_cached_loader_serves_whole_batches_of_any_size(photos, tmp_path):
     """A batch DALI would run in parts (40 = 2 x 20) comes whole from memory."""
     files = _whole_image_copies(photos, tmp_path) * 3
     loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
-    assert loader._dali_batch == 20
+    assert loader._dali_batch_now() == 20
     assert [len(b.ids) for b in loader] == [40, len(files) - 40]
 
 

@@ -354,8 +354,9 @@ def test_dali_batch_sizes_stay_under_the_size_dali_parses_safely():
 
 
 def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
-    """ImageLoader runs DALI on parts of its batch (64 = 4 x 16); joined, they are the whole batches: eval
-    pixels equal to one DALI batch of 64, the same ids in the same order in training."""
+    """Until every file has been read once, ImageLoader runs DALI on parts of its batch (64 = 4 x 16); joined,
+    they are the whole batches: eval pixels equal to one DALI batch of 64, the same ids in the same order in
+    training. Then it runs whole batches."""
     files = []
     for k in range(70):
         files.append(str(tmp_path / f"{k}.jpg"))
@@ -363,14 +364,17 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
     for train in (False, True):
         split = ImageLoader(files, batch_size=64, size=24, shuffle=train)
         whole = ImageLoader(files, batch_size=64, size=24, shuffle=train)
-        whole._dali_batch = 64
-        assert split._dali_batch == 16
+        whole._files_checked = True  # as MultimodalLoader: preparation decoded them
+        assert split._dali_batch_now() == 16 and whole._dali_batch_now() is None
         got, ref = list(split), list(whole)
         assert [len(b.ids) for b in got] == [64, 6]
         for a, b in zip(got, ref, strict=True):
             assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
             if not train:
                 assert torch.equal(a.images, b.images)
+        # every file read once: the next epochs run DALI on whole batches, the same samples in the same order
+        assert split._dali_batch_now() is None
+        assert [b.ids.tolist() for b in split] == [b.ids.tolist() for b in whole]
 
 
 _BAD_FILE_SCRIPT = """
@@ -401,3 +405,29 @@ def test_a_non_image_among_unchecked_files_is_skipped_not_a_crash(photos, tmp_pa
         )
         assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
         assert run.stdout.split("\n")[0] == f"63 ['{files[2]}']"
+
+
+def test_resume_inside_an_epoch_of_split_dali_batches_is_exact(photos, tmp_path):
+    """The chunk in the state records the DALI batch its checkpoint belongs to: a resume in the first epoch
+    (parts of 16) rebuilds that pipeline and yields exactly the rest, augmentation draws included."""
+    files = []
+    for k in range(96):
+        files.append(str(tmp_path / f"{k}.jpg"))
+        Image.open(photos[k % len(photos)]).convert("RGB").resize((60 + k, 50)).save(files[-1], quality=90)
+
+    def loader():
+        return ImageLoader(files, batch_size=32, size=24, shuffle=True, seed=5)
+
+    reference = [(b.ids.clone(), b.images.clone()) for b in loader()]
+    part = loader()
+    for i, _ in enumerate(part):
+        if i == 0:
+            state = json.loads(json.dumps(part.state_dict()))
+            break
+    assert state["chunk"]["dali_batch"] == 16
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [(b.ids, b.images) for b in resumed]
+    assert len(rest) == len(reference) - 1
+    for (ref_ids, ref_img), (ids, img) in zip(reference[1:], rest, strict=True):
+        assert torch.equal(ref_ids, ids) and torch.equal(ref_img, img)
