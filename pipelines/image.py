@@ -23,7 +23,8 @@ EVAL_CROP_RATIO = 0.875  # eval: resize the shorter side to size / ratio, keep t
 # several, and a file it cannot parse there (a text file named .jpg, a header zeroed out) crashed the process
 # (SIGSEGV in ImageDecoder's setup) about every other run instead of raising an error the loader can handle.
 # So on the CPU, ImageLoader (files nobody decoded before) runs its graph on equal parts of its batch no larger
-# (``mmfast.loader.dali_batch_size``), and ``cache_decoded`` fills in smaller batches.
+# until every file has been read once (``mmfast.loader.dali_batch_size``), and ``cache_decoded`` fills in
+# smaller batches.
 DALI_SAFE_BATCH = 31
 
 
