@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -268,11 +269,14 @@ class PreparedDataset:
     def decoded_bytes(self, split: str, limit: int) -> int | None:
         """Bytes ``split``'s images take decoded (uint8 RGB), from the sizes preparation recorded; None when a
         row lacks them or the total passes ``limit`` (the rows after are not read)."""
+        max_side = (self.summary.get("config") or {}).get("max_side") or 0
         total = 0
         for r in self.iter_rows(split):
             if "width" not in r or "height" not in r:
                 return None
-            total += 3 * r["width"] * r["height"]
+            w, h = r["width"], r["height"]  # of the original, for a --max-side copy: the copy is scaled down
+            scale = min(1.0, max_side / max(w, h)) if r.get("original") and max_side else 1.0
+            total += 3 * math.ceil(w * scale) * math.ceil(h * scale)
             if total > limit:
                 return None
         return total

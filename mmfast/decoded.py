@@ -10,7 +10,8 @@ uniform, 10 attempts, then the whole image clamped to the ratio range), takes th
 them to the host finishing, exactly as the ragged DALI iterator does.
 
 The draws of a batch come from a generator seeded by (seed, shard, epoch, step), so a resumed run yields the
-same batches without any pipeline checkpoint. Colour jitter is not applied on this path (asking for both is
+same batches without any pipeline checkpoint (when it caches too: one that finds less memory and streams reads
+the same samples with DALI's draws). Colour jitter is not applied on this path (asking for both is
 an error), and the GPU path never uses it (nvJPEG decodes there).
 """
 
@@ -19,8 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,13 +35,31 @@ MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the
 DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (pipelines/image.py)
 
 
+def available_memory() -> int:
+    """Bytes a process may still take: Linux's MemAvailable (free memory plus the page cache it can drop),
+    capped by a cgroup's limit less its use (a container's; v2 or v1); 4 GiB where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            cap, used = Path(limit).read_text().strip(), Path(usage).read_text().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:  # "max" / a huge number: no limit
+            found.append(max(0, int(cap) - int(used)))
+    return min(found) if found else 4 << 30
+
+
 def default_budget() -> int:
     """Bytes the cache may hold: ``MEMORY_SHARE`` of the memory available now."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # no such sysconf: assume 4 GiB
-        available = 4 << 30
-    return int(available * MEMORY_SHARE)
+    return int(available_memory() * MEMORY_SHARE)
 
 
 class DecodedImages:
@@ -127,6 +146,7 @@ def random_crop_boxes(
     random resized crop of DALI and torchvision (10 attempts at an area share in ``scale`` and a
     log-uniform aspect ratio in ``ratio``; failing those, the whole image cut to the nearest allowed ratio)."""
     n, attempts = len(shapes), 10
+    ratio = (min(ratio), max(ratio))
     h, w = shapes[:, 0:1].astype(np.float64), shapes[:, 1:2].astype(np.float64)
     area = h * w * rng.uniform(scale[0], scale[1], (n, attempts))
     aspect = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), (n, attempts)))

@@ -325,6 +325,8 @@ class ImageLoader:
         if why:
             raise ValueError(f"cache_decoded: {why}")
         budget = None if cache_decoded is True else int(cache_decoded)
+        if budget is not None and budget <= 0:
+            raise ValueError(f"cache_decoded: a budget in bytes must be positive, got {cache_decoded}")
         return DecodedImages(self._health, self.num_threads, budget)
 
     @property
@@ -484,25 +486,32 @@ class ImageLoader:
                     next(stream.it)
                 stream.step = step
             return stream
-        if restore is not None:
-            chunk = restore.chunk
-        else:
-            chunk = new_chunk(epoch, step, len(self) * self.batch_size, self._dali_batch_now())
-        parts = [self._positions(chunk["start"] + k) for k in range(chunk["epochs"])]
-        parts[0] = parts[0][chunk["offset"] * self.batch_size :]
-        it = self._build_iterator(np.concatenate(parts), chunk["start"], checkpoint, chunk_dali_batch(chunk))
+        entries = len(self) * self.batch_size
+        chunk = restore.chunk if restore is not None else new_chunk(epoch, step, entries)
+        positions = self._chunk_positions(chunk)
+        part = self._safe_part(positions) if restore is None else None
+        if part is not None:  # a file in it not read yet: one epoch in parts DALI parses safely
+            chunk = new_chunk(epoch, step, entries, part)
+            positions = self._chunk_positions(chunk)
+        it = self._build_iterator(positions, chunk["start"], checkpoint, chunk_dali_batch(chunk))
         return Stream(it, chunk, epoch, step)
 
-    def _dali_batch_now(self) -> int | None:
-        """DALI's batch for a new chunk: None (the loader's) once every file has been read, or when
-        preparation decoded them; on the CPU, until then, equal parts of the loader's batch that DALI parses
-        safely (``DALI_SAFE_BATCH``: a non-image among the files is then skipped, not a crash; ~12% slower on
-        2 cores, so only until each file has been read once)."""
+    def _chunk_positions(self, chunk: dict) -> np.ndarray:
+        """The positions a chunk's reader reads: its epochs' positions from its first batch on."""
+        parts = [self._positions(chunk["start"] + k) for k in range(chunk["epochs"])]
+        parts[0] = parts[0][chunk["offset"] * self.batch_size :]
+        return np.concatenate(parts)
+
+    def _safe_part(self, positions: np.ndarray) -> int | None:
+        """DALI's batch for a chunk reading ``positions``: None (the loader's) when DALI has read each of
+        those files before, or preparation decoded them; on the CPU, otherwise, an equal part of the loader's
+        batch that DALI parses safely (``DALI_SAFE_BATCH``: a non-image among the files is then skipped, not a
+        crash; ~12% slower on 2 cores, so only until each file has been read once)."""
         if self._files_checked or self.device.type != "cpu":
             return None
         read = self._read_ok.copy()
         read[list(self._health.bad)] = True  # a bad file is never handed to DALI again
-        if read.all():
+        if read[positions[positions >= 0]].all():
             return None
         part = dali_batch_size(self.batch_size)
         return part if part != self.batch_size else None
@@ -721,7 +730,7 @@ def _process_layout(accelerator, shard_id: int | None, num_shards: int | None, d
 def dali_batch_size(batch_size: int) -> int:
     """The batch a CPU loader's DALI graph runs: ``batch_size`` itself up to ``DALI_SAFE_BATCH``, else its largest
     divisor that is at most that (a batch of 64 runs as 4 x 16); ``batch_size`` when that divisor would be under 8
-    (a large prime: many tiny DALI batches would cost more than they save)."""
+    (37, 74, 94, ...: many tiny DALI batches would cost more than they save; such a batch is not protected)."""
     part = next(d for d in range(min(batch_size, DALI_SAFE_BATCH), 0, -1) if batch_size % d == 0)
     return part if part >= 8 or part == batch_size else batch_size
 

@@ -38,7 +38,7 @@ class MultimodalLoader(ImageLoader):
 
     _default_dtype = torch.float16
     _dataloader_sampling = False
-    _files_checked = True  # preparation decoded every image: DALI runs whole batches (``_dali_batch_now``)
+    _files_checked = True  # preparation decoded every image: DALI runs whole batches (``_safe_part``)
 
     def __init__(
         self,

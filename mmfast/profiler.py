@@ -333,9 +333,9 @@ def verdict(report: dict) -> dict:
             )
             if not on_gpu and settings.get("cache_decoded") is False:
                 steps.append(
-                    "--cache-decoded (the default) decodes each image once and crops later epochs from memory "
-                    "when the decoded images fit in half the RAM; this run decoded every epoch: prepare with "
-                    "--max-side to shrink them, and leave colour jitter off"
+                    "this run decoded every image every epoch (--cache-decoded, the default, holds them when "
+                    "they fit in half the available memory, from image files, without colour jitter or "
+                    "--cpu-resize dali): prepare with --max-side to shrink them"
                 )
         else:
             steps.append(

@@ -52,7 +52,7 @@ def test_a_cached_loader_serves_whole_batches_of_any_size(photos, tmp_path):
     """A batch DALI would run in parts (40 = 2 x 20) comes whole from memory."""
     files = _whole_image_copies(photos, tmp_path) * 3
     loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
-    assert loader._dali_batch_now() == 20
+    assert loader._safe_part(np.arange(len(files))) == 20
     assert [len(b.ids) for b in loader] == [40, len(files) - 40]
 
 
@@ -247,3 +247,19 @@ def test_filling_past_a_file_dali_cannot_parse_raises_inside_dali_instead_of_cra
         )
         assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
         assert run.stdout.split("\n")[0] == f"39 ['{bad}']"
+
+
+def test_the_planned_size_of_a_max_side_set_is_its_copies(demo_manifest, tmp_path):
+    """Rows of a --max-side directory record the original's size; the plan must count the smaller copies
+    the loader decodes (the 64 px demo images stored at 32 px take a quarter), not the originals."""
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    out = tmp_path / "small"
+    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(out), max_side=32, progress=False))
+    dataset = PreparedDataset(out)
+    planned = dataset.decoded_bytes("val", 1 << 40)
+    loader = MultimodalLoader(dataset, "val", batch_size=8, size=16, cache_decoded=True)
+    list(loader)
+    held = loader._decoded.nbytes
+    assert held <= planned <= 1.1 * held, (planned, held)
+    assert planned < 0.3 * sum(3 * r["width"] * r["height"] for r in dataset.rows("val"))

@@ -365,7 +365,8 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
         split = ImageLoader(files, batch_size=64, size=24, shuffle=train)
         whole = ImageLoader(files, batch_size=64, size=24, shuffle=train)
         whole._files_checked = True  # as MultimodalLoader: preparation decoded them
-        assert split._dali_batch_now() == 16 and whole._dali_batch_now() is None
+        every = np.arange(len(files))
+        assert split._safe_part(every) == 16 and whole._safe_part(every) is None
         got, ref = list(split), list(whole)
         assert [len(b.ids) for b in got] == [64, 6]
         for a, b in zip(got, ref, strict=True):
@@ -373,7 +374,7 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
             if not train:
                 assert torch.equal(a.images, b.images)
         # every file read once: the next epochs run DALI on whole batches, the same samples in the same order
-        assert split._dali_batch_now() is None
+        assert split._safe_part(every) is None
         assert [b.ids.tolist() for b in split] == [b.ids.tolist() for b in whole]
 
 
@@ -405,6 +406,21 @@ def test_a_non_image_among_unchecked_files_is_skipped_not_a_crash(photos, tmp_pa
         )
         assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
         assert run.stdout.split("\n")[0] == f"63 ['{files[2]}']"
+
+
+def test_a_shard_runs_whole_dali_batches_once_it_has_read_its_own_files(photos, tmp_path):
+    """Each process reads only its shard: once it has read every file its next chunk reads, DALI runs whole
+    batches, though the other shard's files were never read here."""
+    files = []
+    for k in range(64):
+        files.append(str(tmp_path / f"{k}.jpg"))
+        Image.open(photos[k % len(photos)]).convert("RGB").resize((40 + k, 30)).save(files[-1], quality=90)
+    for shuffle in (False, True):
+        loader = ImageLoader(files, batch_size=32, size=16, shuffle=shuffle, shard_id=0, num_shards=2)
+        assert loader._safe_part(loader._positions(0)) == 16
+        list(loader)
+        assert loader._read_ok.sum() == 32
+        assert (loader._safe_part(loader._positions(1)) is None) == (not shuffle)  # shuffled: other files
 
 
 def test_resume_inside_an_epoch_of_split_dali_batches_is_exact(photos, tmp_path):

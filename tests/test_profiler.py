@@ -94,7 +94,7 @@ def test_verdict_rules():
     )
     cpu_only = {"data_wait_frac": 0.6, "utilization": {"cpu_util_mean": 97.0}}
     streaming = verdict({**cpu_only, "settings": {"decode_device": "cpu", "cache_decoded": False}})
-    assert any(s.startswith("--cache-decoded") for s in streaming["next_steps"])
+    assert any("--cache-decoded" in s and "--max-side" in s for s in streaming["next_steps"])
     cached = verdict({**cpu_only, "settings": {"decode_device": "cpu", "cache_decoded": True}})
     assert not any("--cache-decoded" in s for s in cached["next_steps"] + busy_cpu["next_steps"])
     fp32 = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": {"mixed_precision": "no"}})
