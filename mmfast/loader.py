@@ -279,7 +279,9 @@ class ImageLoader:
             raise ValueError("ids must be unique, non-negative int32 values")
         self._id_sorter = np.argsort(self.ids)
 
-    def _make_finisher(self, cpu_resize: str, finish_threads: int | None, cache_decoded) -> HostFinisher | None:
+    def _make_finisher(
+        self, cpu_resize: str, finish_threads: int | None, cache_decoded: bool | int
+    ) -> HostFinisher | None:
         """The host finishing of CPU-decoded crops (``cpu_resize="torch"``), or None (DALI finishes)."""
         if cpu_resize not in CPU_RESIZE:
             raise ValueError(f"cpu_resize must be {' or '.join(map(repr, CPU_RESIZE))}, got '{cpu_resize}'")
