@@ -322,20 +322,31 @@ class ImageLoader:
             why = "it needs the host finishing (cpu_resize='torch')"
         elif not self.source.ordered_by_loader:
             why = f"the {self.source.name} source reads and shuffles itself; it works with the file source"
-        elif self.pipeline_kwargs.get("color_jitter", 0.0) > 0:
-            why = "colour jitter is applied by DALI while streaming; pass color_jitter=0"
+        elif self.train and self.pipeline_kwargs.get("color_jitter", 0.0) > 0:
+            why = (
+                "colour jitter (color_jitter=, or a ColorJitter in the dataset's transform) is applied by DALI "
+                "while streaming; drop it or leave cache_decoded off"
+            )
         if why:
             raise ValueError(f"cache_decoded: {why}")
-        budget = None if cache_decoded is True else int(cache_decoded)
-        if budget is not None and budget <= 0:
-            raise ValueError(f"cache_decoded: a budget in bytes must be positive, got {cache_decoded}")
-        return DecodedImages(self._health, self.num_threads, budget)
+        if cache_decoded is True:
+            return DecodedImages(self._health, self.num_threads)
+        if isinstance(cache_decoded, bool) or not isinstance(cache_decoded, int) or cache_decoded < 1 << 20:
+            raise ValueError(
+                f"cache_decoded must be True or a budget in bytes of at least 1 MiB, got {cache_decoded!r}"
+            )
+        return DecodedImages(self._health, self.num_threads, cache_decoded)
 
     @property
     def cache_decoded(self) -> bool:
         """Whether batches come from images decoded once and held in memory (False also once a set
         asked to be cached did not fit and is streamed)."""
         return self._decoded is not None
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of decoded images held in memory (0 when streaming)."""
+        return self._decoded.nbytes if self._decoded is not None else 0
 
     @property
     def wds_shards(self) -> list[str] | None:
@@ -524,7 +535,7 @@ class ImageLoader:
         positions = self._positions(epoch)
         if not self._decoded.ensure(positions):
             log.warning(
-                "cache_decoded: the decoded images need more than %.1f MiB; streaming them instead",
+                "cache_decoded: the decoded images need more than the budget of %.1f MiB; streaming them instead",
                 self._decoded.budget / 2**20,
             )
             self._decoded = None

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,7 @@ def test_a_bad_file_is_skipped_or_named_as_on_the_streaming_path(photos, tmp_pat
 def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):
     rows = PreparedDataset(prepared, verify=False).rows("train")
     with caplog.at_level(logging.WARNING):
-        small = MultimodalLoader(prepared, "train", batch_size=16, size=32, cache_decoded=100_000)
+        small = MultimodalLoader(prepared, "train", batch_size=16, size=32, cache_decoded=1 << 20)
         ids = [b["id"].tolist() for b in small]
     assert "streaming them instead" in caplog.text
     assert small._decoded is None and small._finisher.threads == small._finisher_threads_streaming
@@ -158,11 +159,37 @@ def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):
     assert ids == [b["id"].tolist() for b in streamed] and len(ids) == len(rows) // 16
 
 
+def test_the_run_summary_says_how_each_split_was_served(prepared, tmp_path):
+    from conftest import SMALL_RUN
+
+    from tools import train as train_tool
+
+    for flags, expected in (
+        ([], r"train decoded once, \d+ MiB in memory; val decoded once, \d+ MiB in memory"),
+        (
+            ["--color-jitter", "0.2"],
+            r"train streamed \(--color-jitter is applied while streaming\); val decoded once",
+        ),
+        (["--no-cache-decoded"], r"train streamed \(--no-cache-decoded\); val streamed \(--no-cache-decoded\)"),
+    ):
+        out = tmp_path / str(len(flags))
+        assert (
+            train_tool.main(["--data", str(prepared), "--out", str(out), "--epochs", "1", *flags, *SMALL_RUN]) == 0
+        )
+        summary = json.loads((out / "summary.json").read_text())
+        assert re.fullmatch(expected + ".*", summary["images"]), summary["images"]
+
+
 def test_combinations_it_cannot_serve_are_refused_with_the_reason(prepared):
-    with pytest.raises(ValueError, match="color_jitter=0"):
+    with pytest.raises(ValueError, match="ColorJitter in the dataset's transform"):
         MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=True, color_jitter=0.2)
     with pytest.raises(ValueError, match="cpu_resize='torch'"):
         MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=True, cpu_resize="dali")
+    for value in (0, -5, 1, 1000, 2.5, "yes", "1000"):
+        with pytest.raises(ValueError, match="True or a budget in bytes of at least 1 MiB"):
+            MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=value)
+    # jitter is a train augmentation: an eval loader caches with it
+    assert MultimodalLoader(prepared, "val", batch_size=16, cache_decoded=True, color_jitter=0.2).cache_decoded
 
 
 def test_training_with_cache_decoded_decodes_each_image_once(prepared, tmp_path, caplog):
@@ -202,12 +229,16 @@ def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(p
 
     def plan(budget, *flags, accelerator=cpu):
         monkeypatch.setattr(engine, "default_budget", lambda: budget)
-        return engine._cache_budgets(parse_config(["--data", str(prepared), *flags]), accelerator, dataset, True)
+        cfg = parse_config(["--data", str(prepared), *flags])
+        budgets, streamed = engine._cache_budgets(cfg, accelerator, dataset, True)
+        assert set(budgets) | set(streamed) == {"train", "val"} and not set(budgets) & set(streamed)
+        return budgets
 
     both = sizes["train"] + sizes["val"]
     assert plan(both) == {"train": both, "val": sizes["val"]}
     assert plan(both - 1) == {"train": both - 1}
-    assert plan(sizes["train"] - 1) == {}
+    assert plan(sizes["train"] - 1) == {"val": sizes["train"] - 1}  # train does not fit, val does
+    assert plan(sizes["val"] - 1) == {}
     assert plan(both, "--color-jitter", "0.2") == {"val": both}  # jitter is DALI's: the train split streams
     assert plan(both, "--no-cache-decoded") == plan(both, "--cpu-resize", "dali") == {}
     assert plan(2 * both, accelerator=SimpleNamespace(device=torch.device("cpu"), num_processes=2)) == {

@@ -29,6 +29,7 @@ def print_table(summary: dict) -> None:
         ("images/s", f"{summary['images_per_s']:.0f}"),
         ("optimizer steps", str(summary["global_step"])),
         ("skipped steps", str(summary["skipped_steps"])),
+        ("images", summary.get("images", "")),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]

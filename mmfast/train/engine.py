@@ -175,8 +175,9 @@ def train(cfg: TrainConfig) -> dict:
 
 def build_loaders(
     cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None = None
-) -> tuple[MultimodalLoader, MultimodalLoader | None]:
-    """This process's train loader (its shard, augmented) and val loader (None without a val split).
+) -> tuple[MultimodalLoader, MultimodalLoader | None, dict[str, str]]:
+    """This process's train loader (its shard, augmented), val loader (None without a val split), and why
+    a split's images are streamed rather than held in memory ({split: reason}, ``images_note``).
 
     ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
     """
@@ -195,7 +196,7 @@ def build_loaders(
     )
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = dataset.split_size("val") > 0
-    cached = _cache_budgets(cfg, accelerator, dataset, has_val)
+    cached, streamed = _cache_budgets(cfg, accelerator, dataset, has_val)
     train_loader = MultimodalLoader(
         dataset,
         "train",
@@ -208,32 +209,62 @@ def build_loaders(
         **common,
     )
     if not has_val:
-        return train_loader, None
+        return train_loader, None, streamed
     val_loader = MultimodalLoader(
         dataset, "val", cfg.eval_batch_size, cache_decoded=cached.get("val", False), **common
     )
-    return train_loader, val_loader
+    return train_loader, val_loader, streamed
 
 
-def _cache_budgets(cfg: TrainConfig, accelerator, dataset: PreparedDataset, has_val: bool) -> dict[str, int]:
+def _cache_budgets(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, has_val: bool
+) -> tuple[dict[str, int], dict[str, str]]:
     """The splits whose images are decoded once and held in memory (``--cache-decoded``), each with the
-    bytes it may take: train first, then val, while their decoded pixels fit together in half the memory
-    available, shared by this machine's processes (each holds its own copy). None on a GPU (nvJPEG
-    decodes there), from WebDataset shards, with DALI finishing, or for a train split with colour jitter."""
-    if not cfg.cache_decoded or accelerator.device.type == "cuda" or cfg.cpu_resize != "torch":
-        return {}
-    if dataset.source_for("train", cfg.source).name != "files":
-        return {}
+    bytes it may take, and why the others are streamed. Train first, then val, while their decoded pixels fit
+    together in half the memory available, shared by this machine's processes (each holds its own copy).
+    Never on a GPU (nvJPEG decodes there), from WebDataset shards, with DALI finishing, or for a train split
+    with colour jitter."""
+    splits = ["train"] + (["val"] if has_val else [])
+    why = None
+    if not cfg.cache_decoded:
+        why = "--no-cache-decoded"
+    elif accelerator.device.type == "cuda":
+        why = "the GPU decodes them (nvJPEG)"
+    elif cfg.cpu_resize != "torch":
+        why = "--cpu-resize dali"
+    elif dataset.source_for("train", cfg.source).name != "files":
+        why = "read from WebDataset shards"
+    if why:
+        return {}, dict.fromkeys(splits, why)
     left = default_budget() // processes_per_machine(accelerator)
-    budgets = {}
-    for split in (["train"] if cfg.color_jitter == 0 else []) + (["val"] if has_val else []):
+    budgets, streamed = {}, {}
+    for split in splits:
+        if split == "train" and cfg.color_jitter > 0:
+            streamed[split] = "--color-jitter is applied while streaming"
+            continue
         need = dataset.decoded_bytes(split, left)
         if need is None:
-            log.info("streaming the %s images: decoded, they would not fit in %.0f MiB", split, left / 2**20)
-            break
-        budgets[split], left = left, left - need
+            streamed[split] = f"decoded, they would not fit in the {left / 2**20:.0f} MiB left of half the memory"
+            continue
+        budgets[split], left = left, left - need  # the loader's own guard gets all that is left
         log.info("%s images: decoded once, held in memory (%.0f MiB)", split, need / 2**20)
-    return budgets
+    for split, reason in streamed.items():
+        log.info("streaming the %s images: %s", split, reason)
+    return budgets, streamed
+
+
+def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str, str]) -> str:
+    """The summary's line on how each split's images were served: held in memory (how much) or streamed
+    (why)."""
+    parts = []
+    for split, loader in loaders.items():
+        if loader is None:
+            continue
+        if loader.cache_decoded:
+            parts.append(f"{split} decoded once, {loader.cached_bytes / 2**20:.0f} MiB in memory")
+        else:
+            parts.append(f"{split} streamed ({streamed.get(split, 'did not fit in its memory budget')})")
+    return "; ".join(parts)
 
 
 def run_identity(cfg: TrainConfig, accelerator, dataset: PreparedDataset) -> dict:
@@ -325,7 +356,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
-    train_loader, val_loader = build_loaders(cfg, accelerator, dataset, norm)
+    train_loader, val_loader, streamed = build_loaders(cfg, accelerator, dataset, norm)
     if cfg.compile:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.encoder_lr), lr=cfg.lr)
@@ -367,6 +398,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if cfg.profile and accelerator.is_main_process:
         _write_profile(run_dir, ctx, train_loader, cfg, accelerator)
     summary = _summary(cfg, accelerator, state, last_metrics, ctx.interrupted, run_dir, t_start)
+    summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
     if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
         _write_weights_digest(accelerator, model, run_dir)
     if accelerator.is_main_process:
