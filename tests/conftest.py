@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +138,25 @@ def train_cmd(data: Path, out: Path, *flags: str, launcher: tuple[str, ...] = ()
     """argv of a real ``tools/train.py`` process on a small, fast configuration (batch 16, 32 px)."""
     script = str(ROOT / "tools" / "train.py")
     return [sys.executable, *launcher, script, "--data", str(data), "--out", str(out), *SMALL_RUN, *flags]
+
+
+def small_jpegs(photos: list[Path], folder: Path, n: int) -> list[str]:
+    """``n`` small JPEGs cut from the real ``photos``, each a different width, as path strings."""
+    from PIL import Image
+
+    files = []
+    for k in range(n):
+        files.append(str(folder / f"{k}.jpg"))
+        Image.open(photos[k % len(photos)]).convert("RGB").resize((48 + k, 40)).save(files[-1], quality=90)
+    return files
+
+
+def first_lines_of_fresh_runs(script: str, args: list[str], runs: int = 3) -> list[str]:
+    """The first stdout line of ``runs`` fresh ``python -c script *args`` processes, each of which must exit 0
+    (a crash in native code kills only its own process)."""
+    lines = []
+    for _ in range(runs):
+        run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+        lines.append(run.stdout.split("\n")[0])
+    return lines

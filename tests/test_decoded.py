@@ -262,22 +262,13 @@ def test_filling_past_a_file_dali_cannot_parse_raises_inside_dali_instead_of_cra
     """DALI 2.4 parses a batch of 32 or more on several threads, and a file it cannot parse there crashed the
     process (SIGSEGV) about every other run instead of raising; the fill decodes in batches under 32. Three
     fresh processes over 40 images, one a text file: each must finish, with that file skipped."""
-    import subprocess
-    import sys
+    from conftest import first_lines_of_fresh_runs, small_jpegs
 
-    files = []
-    for k in range(40):  # 40 small JPEGs cut from the real photos
-        files.append(str(tmp_path / f"{k}.jpg"))
-        Image.open(photos[k % len(photos)]).convert("RGB").resize((48 + k, 40)).save(files[-1], quality=90)
+    files = small_jpegs(photos, tmp_path, 40)
     bad = tmp_path / "not_a.jpg"
     bad.write_text("<html>404 not found</html>\n")
     files[2] = str(bad)
-    for _ in range(3):
-        run = subprocess.run(
-            [sys.executable, "-c", _FILL_SCRIPT, *files], capture_output=True, text=True, timeout=300
-        )
-        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
-        assert run.stdout.split("\n")[0] == f"39 ['{bad}']"
+    assert first_lines_of_fresh_runs(_FILL_SCRIPT, files) == [f"39 ['{bad}']"] * 3
 
 
 def test_the_planned_size_of_a_max_side_set_is_its_copies(demo_manifest, tmp_path):

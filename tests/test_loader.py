@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import n_rows
+from conftest import first_lines_of_fresh_runs, n_rows, small_jpegs
 from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
@@ -357,10 +357,7 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
     """Until every file has been read once, ImageLoader runs DALI on parts of its batch (64 = 4 x 16); joined,
     they are the whole batches: eval pixels equal to one DALI batch of 64, the same ids in the same order in
     training. Then it runs whole batches."""
-    files = []
-    for k in range(70):
-        files.append(str(tmp_path / f"{k}.jpg"))
-        Image.open(photos[k % len(photos)]).convert("RGB").resize((60 + k, 50)).save(files[-1], quality=90)
+    files = small_jpegs(photos, tmp_path, 70)
     for train in (False, True):
         split = ImageLoader(files, batch_size=64, size=24, shuffle=train)
         whole = ImageLoader(files, batch_size=64, size=24, shuffle=train)
@@ -392,29 +389,15 @@ def test_a_non_image_among_unchecked_files_is_skipped_not_a_crash(photos, tmp_pa
     """A text file named .jpg in a batch of 64: DALI 2.4 parsing a batch that size on several threads crashed
     the process (SIGSEGV) 8 runs in 10 instead of raising; ImageLoader's graph runs it in parts of 16. Three
     fresh processes must each finish with that file skipped."""
-    import subprocess
-    import sys
-
-    files = []
-    for k in range(64):
-        files.append(str(tmp_path / f"{k}.jpg"))
-        Image.open(photos[k % len(photos)]).convert("RGB").resize((48 + k, 40)).save(files[-1], quality=90)
+    files = small_jpegs(photos, tmp_path, 64)
     Path(files[2]).write_text("<html>404 not found</html>\n")
-    for _ in range(3):
-        run = subprocess.run(
-            [sys.executable, "-c", _BAD_FILE_SCRIPT, *files], capture_output=True, text=True, timeout=300
-        )
-        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
-        assert run.stdout.split("\n")[0] == f"63 ['{files[2]}']"
+    assert first_lines_of_fresh_runs(_BAD_FILE_SCRIPT, files) == [f"63 ['{files[2]}']"] * 3
 
 
 def test_a_shard_runs_whole_dali_batches_once_it_has_read_its_own_files(photos, tmp_path):
     """Each process reads only its shard: once it has read every file its next chunk reads, DALI runs whole
     batches, though the other shard's files were never read here."""
-    files = []
-    for k in range(64):
-        files.append(str(tmp_path / f"{k}.jpg"))
-        Image.open(photos[k % len(photos)]).convert("RGB").resize((40 + k, 30)).save(files[-1], quality=90)
+    files = small_jpegs(photos, tmp_path, 64)
     for shuffle in (False, True):
         loader = ImageLoader(files, batch_size=32, size=16, shuffle=shuffle, shard_id=0, num_shards=2)
         assert loader._safe_part(loader._positions(0)) == 16
@@ -426,10 +409,7 @@ def test_a_shard_runs_whole_dali_batches_once_it_has_read_its_own_files(photos, 
 def test_resume_inside_an_epoch_of_split_dali_batches_is_exact(photos, tmp_path):
     """The chunk in the state records the DALI batch its checkpoint belongs to: a resume in the first epoch
     (parts of 16) rebuilds that pipeline and yields exactly the rest, augmentation draws included."""
-    files = []
-    for k in range(96):
-        files.append(str(tmp_path / f"{k}.jpg"))
-        Image.open(photos[k % len(photos)]).convert("RGB").resize((60 + k, 50)).save(files[-1], quality=90)
+    files = small_jpegs(photos, tmp_path, 96)
 
     def loader():
         return ImageLoader(files, batch_size=32, size=24, shuffle=True, seed=5)
