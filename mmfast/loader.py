@@ -492,7 +492,7 @@ class ImageLoader:
                 return stream
         checkpoint = restore.checkpoint if restore is not None else None
         if not self.source.ordered_by_loader:  # one reader epoch per loader epoch, positioned by DALI
-            stream = Stream(self._build_iterator(None, 0, checkpoint), SELF_ORDERED_CHUNK, epoch, step)
+            stream = Stream(self._iterator(self._pipeline(None, 0, checkpoint)), SELF_ORDERED_CHUNK, epoch, step)
             if restore is None:
                 stream.step = 0
                 for _ in range(step):  # no checkpoint: re-read and drop what was already delivered
@@ -506,7 +506,7 @@ class ImageLoader:
         if part is not None:  # a file in it not read yet: one epoch in parts DALI parses safely
             chunk = new_chunk(epoch, step, entries, part)
             positions = self._chunk_positions(chunk)
-        it = self._build_iterator(positions, chunk["start"], checkpoint, chunk_dali_batch(chunk))
+        it = self._iterator(self._pipeline(positions, chunk["start"], checkpoint, chunk_dali_batch(chunk)))
         return Stream(it, chunk, epoch, step)
 
     def _chunk_positions(self, chunk: dict) -> np.ndarray:
@@ -555,16 +555,10 @@ class ImageLoader:
         )
         return Stream(it, {"start": epoch, "offset": step, "epochs": 1}, epoch, step)
 
-    def _build_iterator(
-        self,
-        positions: np.ndarray | None,
-        seed_epoch: int,
-        checkpoint: bytes | None = None,
-        dali_batch: int | None = None,
-    ):
+    def _iterator(self, pipe):
+        """DALI's iterator over ``pipe`` (a ``_pipeline``): ragged crops for the host finishing, else dense."""
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        pipe = self._pipeline(positions, seed_epoch, checkpoint, dali_batch)
         if self.source.ordered_by_loader:
             policy = LastBatchPolicy.DROP  # never used: the lists are whole batches
         else:
@@ -635,9 +629,12 @@ class ImageLoader:
         found = self._id_sorter[np.searchsorted(self.ids, ids, sorter=self._id_sorter).clip(0, len(self.ids) - 1)]
         return np.where(ids >= 0, found, -1)
 
-    def _batches(self, generation: int | None = None) -> Iterator[tuple[torch.Tensor, np.ndarray, int]]:
-        """(images on the DALI output device, sample ids as numpy, the batch's index in the epoch) for the
-        rest of the current epoch; whole DALI batches (B, ...).
+    def _batches(
+        self, generation: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, np.ndarray, np.ndarray, int]]:
+        """(images on the DALI output device, sample ids as numpy, their positions in ``files`` (-1 for
+        padding and stand-ins), the batch's index in the epoch) for the rest of the current epoch; whole
+        batches (B, ...).
 
         Counts a batch as delivered (``self.step``) when it is handed out, so a consumer that stops early
         leaves the loader at the right position. ``generation``: stop when another ``iter()`` has begun.
@@ -658,8 +655,8 @@ class ImageLoader:
                 stream = self._stream = self._recover(e)
                 continue
             ids = out["id"].view(-1).numpy().astype(np.int64)  # the reader's labels stay on the host
-            read = self._lookup(ids)
-            self._read_ok[read[read >= 0]] = True
+            pos = self._lookup(ids)
+            self._read_ok[pos[pos >= 0]] = True
             if self._finisher is not None:
                 images = self._finisher.finish(out)  # (B, 3, S, S)
             else:
@@ -667,7 +664,7 @@ class ImageLoader:
             step = self.step
             stream.step += 1
             self.step += 1
-            yield images, ids, step
+            yield images, ids, pos, step
         self._end_epoch()
 
     def _next_dali_batch(self, stream: Stream) -> dict:
@@ -711,10 +708,10 @@ class ImageLoader:
 
     def _epoch(self, generation: int) -> Iterator[Batch | dict[str, torch.Tensor]]:
         n, per_rank, b = len(self.files), self._samples_per_rank(), self.batch_size
-        for images, ids, step in self._batches(generation):
+        for images, ids, pos, step in self._batches(generation):
             if per_rank - step * b < len(ids):  # DataLoader's partial last batch: cut DALI's filler off
-                images, ids = images[: per_rank - step * b], ids[: per_rank - step * b]
-            pos = self._lookup(ids)
+                keep = per_rank - step * b
+                images, ids, pos = images[:keep], ids[:keep], pos[:keep]
             labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
             mask = ids >= 0  # not a skipped image ...
             if self.source.ordered_by_loader:  # ... nor a repeat that fills up a shard

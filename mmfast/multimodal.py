@@ -95,8 +95,7 @@ class MultimodalLoader(ImageLoader):
         self.num_classes = dataset.num_classes
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for images, ids, _ in self._batches():
-            pos = self._lookup(ids)
+        for images, ids, pos, _ in self._batches():
             labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
             text = self.tokens.gather(ids)  # pinned on CUDA machines, so the copies below are asynchronous
             if images.dtype != self.dtype:  # bfloat16 from a graph that emits float32
