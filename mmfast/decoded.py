@@ -62,6 +62,40 @@ def default_budget() -> int:
     return int(available_memory() * MEMORY_SHARE)
 
 
+AUTO_SAMPLE = 64  # image headers read to estimate a set's decoded size for cache_decoded="auto"
+# cache_decoded="auto" streams the train split of JPEGs larger than this many times the output's pixels: a
+# streamed random crop decodes only its region, while the cache's first epoch decodes each image whole and
+# writes it to memory (800x600 photos, 224 px: 351 against 923 images/s on the 2-core VM; BENCHMARKS.md)
+AUTO_JPEG_PIXELS = 4
+
+
+def auto_plan(files: list[str], size: int, train: bool, budget: int) -> tuple[bool, str]:
+    """Whether ``cache_decoded="auto"`` holds ``files`` decoded, and why: from the headers of up to
+    ``AUTO_SAMPLE`` of them (spread over the list), it does when their estimated decoded size fits in
+    ``budget`` with a quarter to spare, except for the train crops of large JPEGs (``AUTO_JPEG_PIXELS``)."""
+    from PIL import Image
+
+    picks = np.unique(np.linspace(0, len(files) - 1, min(AUTO_SAMPLE, len(files))).round().astype(int))
+    pixels, jpeg = [], 0
+    for p in picks.tolist():
+        try:
+            with Image.open(files[p]) as im:
+                pixels.append(im.width * im.height)
+                jpeg += im.format == "JPEG"
+        except Exception:  # noqa: BLE001 (a bad file: found and handled when it is read)
+            continue
+    if not pixels:
+        return False, "none of the sampled files could be opened"
+    mean = float(np.mean(pixels))
+    need = 3 * mean * len(files)
+    if need * 1.25 > budget:
+        return False, f"decoded, they would take ~{need / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB budget"
+    if train and jpeg * 2 >= len(pixels) and mean > AUTO_JPEG_PIXELS * size * size:
+        side = math.sqrt(mean)
+        return False, f"JPEGs of ~{side:.0f}x{side:.0f} px: a streamed random crop decodes only its region"
+    return True, f"~{need / 2**20:.0f} MiB decoded"
+
+
 class DecodedImages:
     """The decoded images of a loader's files, by position, filled in as epochs need them.
 
@@ -87,12 +121,13 @@ class DecodedImages:
         wanted = [int(p) for p in dict.fromkeys(positions.tolist()) if p >= 0]
         start, count = time.perf_counter(), 0
         while True:  # a file found bad while decoding is marked, and may have been the stand-in
-            todo = [p for p in wanted + [self.stand_in()] if self.images[p] is None and p not in self.health.bad]
+            todo = [p for p in dict.fromkeys(wanted + [self.stand_in()]) if self.images[p] is None]
+            todo = [p for p in todo if p not in self.health.bad]
             if not todo:
                 break
             if not count:
                 log.info("cache_decoded: decoding %d images once", len(todo))
-            done = self._decode(list(dict.fromkeys(todo)))
+            done = self._decode(todo)
             if done is None:
                 self.images = [None] * len(self.images)
                 self.nbytes = 0

@@ -41,6 +41,7 @@ class FileHealth:
         self.max_pixels = max_pixels
         self.num_threads = num_threads
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
+        self.prepared = False  # the files come from a prepared directory (its tool is named in errors)
 
     @property
     def skipped(self) -> list[dict]:
@@ -50,9 +51,9 @@ class FileHealth:
     def mark_bad(self, positions: list[int], reasons: list[str]) -> None:
         for p, reason in zip(positions, reasons, strict=True):
             if self.on_bad_image == "error":
+                again = " and re-run tools/prepare_data.py" if self.prepared else ""
                 raise ValueError(
-                    f"{self.files[p]}: {reason}. Fix or remove it and re-run tools/prepare_data.py, "
-                    "or pass on_bad_image='skip'"
+                    f"{self.files[p]}: {reason}. Fix or remove it{again}, or pass on_bad_image='skip'"
                 )
             log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             self.bad[p] = reason

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mmfast.dataset import wds_split
-from mmfast.decoded import DecodedImages, DecodedIterator
+from mmfast.decoded import DecodedImages, DecodedIterator, auto_plan, default_budget
 from mmfast.device import resolve_device, resolve_dtype
 from mmfast.dropin import (
     DATALOADER_NO_OPS,
@@ -150,9 +150,13 @@ class ImageLoader:
             ``num_threads``: no DALI thread decodes then).
         cache_decoded: decode each image once and keep it in memory; later epochs crop from there
             (``mmfast.decoded``: the CPU path's answer to small images, whose decode is most of the work).
-            True (up to half the memory available when it fills) or a budget in bytes; a set that does not
-            fit is streamed as usual, with a warning. CPU decoding with ``cpu_resize="torch"`` and the
-            file source only, and no ``color_jitter``.
+            "auto" (default): where it pays and fits, as ``decoded.auto_plan`` finds from a sample of the
+            files' headers (not the train crops of large JPEGs, whose streamed decode reads only the crop),
+            in half the memory available now shared by the machine's processes; otherwise streaming, the
+            reason in the log. True (up to half the memory available when it fills) or a budget in bytes:
+            always, streaming with a warning a set that does not fit; False: never. CPU decoding with
+            ``cpu_resize="torch"`` and the file source only, and no ``color_jitter`` (True or a budget with
+            those is an error).
         **options: ``image_pipeline`` options (scale, ratio, flip, color_jitter, crop_ratio, mean, std in
             0..255 units, hw_decoder_load, memory_padding, size_hint) and DataLoader's arguments that have
             nothing to do here, accepted without effect: persistent_workers (the pipeline lives across
@@ -205,7 +209,7 @@ class ImageLoader:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
         finish_threads: int | None = None,
-        cache_decoded: bool | int = False,
+        cache_decoded: bool | int | str = "auto",
         **options,
     ):
         self.dataloader_options, pipeline_kwargs = split_options(type(self).__name__, options)
@@ -238,10 +242,13 @@ class ImageLoader:
         self.prefetch = prefetch
         self.prefetch_factor = self.prefetch
         self.pipeline_kwargs = pipeline_kwargs
-        self._finisher = self._make_finisher(cpu_resize, finish_threads, cache_decoded)
+        self._finisher = self._make_finisher(cpu_resize, finish_threads)
         source = image_source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
         self._set_source(source, on_bad_image, max_pixels, verify_files, file_stats)
+        self._cache_auto = cache_decoded == "auto"
         self._decoded = self._decoded_cache(cache_decoded)
+        if self._decoded is not None and finish_threads is None:
+            self._finisher.threads = self.num_threads  # the DALI threads will not be decoding
         self._read_ok = np.zeros(len(self.files), dtype=bool)  # positions DALI has read without failing
         n = len(self.files)
         if drop_last and n < batch_size * num_shards:
@@ -279,9 +286,7 @@ class ImageLoader:
             raise ValueError("ids must be unique, non-negative int32 values")
         self._id_sorter = np.argsort(self.ids)
 
-    def _make_finisher(
-        self, cpu_resize: str, finish_threads: int | None, cache_decoded: bool | int
-    ) -> HostFinisher | None:
+    def _make_finisher(self, cpu_resize: str, finish_threads: int | None) -> HostFinisher | None:
         """The host finishing of CPU-decoded crops (``cpu_resize="torch"``), or None (DALI finishes)."""
         if cpu_resize not in CPU_RESIZE:
             raise ValueError(f"cpu_resize must be {' or '.join(map(repr, CPU_RESIZE))}, got '{cpu_resize}'")
@@ -293,8 +298,6 @@ class ImageLoader:
         finisher = TorchvisionFinisher if self._dataloader_sampling else HostFinisher
         threads = default_threads(self.num_threads) if finish_threads is None else finish_threads
         self._finisher_threads_streaming = threads
-        if cache_decoded and finish_threads is None:
-            threads = self.num_threads  # the DALI threads will not be decoding
         finisher = finisher(self.size, mean, std, self.fp16, resize_shorter=shorter, threads=threads)
         finisher.dtype = self.dtype  # it allocates its output in this dtype (bfloat16 too)
         return finisher
@@ -302,6 +305,7 @@ class ImageLoader:
     def _set_source(self, source: Source, on_bad_image, max_pixels, verify_files, file_stats) -> None:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
         self._health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads)
+        self._health.prepared = self._files_checked  # a prepared directory's: errors name its tool
         self.source = source
         self.on_bad_image = on_bad_image
         self.max_pixels = max_pixels
@@ -310,9 +314,9 @@ class ImageLoader:
         if verify_files and self.source.can_skip_bad:
             self._health.check_all(file_stats)
 
-    def _decoded_cache(self, cache_decoded: bool | int) -> DecodedImages | None:
+    def _decoded_cache(self, cache_decoded: bool | int | str) -> DecodedImages | None:
         """The in-memory decoded images (``cache_decoded``), or None; a combination it cannot serve is an
-        error that says why."""
+        error that says why ("auto": streaming, with the reason in the log)."""
         if cache_decoded is False or cache_decoded is None:
             return None
         why = None
@@ -327,15 +331,32 @@ class ImageLoader:
                 "colour jitter (color_jitter=, or a ColorJitter in the dataset's transform) is applied by DALI "
                 "while streaming; drop it or leave cache_decoded off"
             )
+        if why and self._cache_auto:
+            log.debug("cache_decoded='auto': streaming (%s)", why)
+            return None
         if why:
             raise ValueError(f"cache_decoded: {why}")
+        if self._cache_auto:
+            return self._auto_cache()
         if cache_decoded is True:
             return DecodedImages(self._health, self.num_threads)
         if isinstance(cache_decoded, bool) or not isinstance(cache_decoded, int) or cache_decoded < 1 << 20:
             raise ValueError(
-                f"cache_decoded must be True or a budget in bytes of at least 1 MiB, got {cache_decoded!r}"
+                f"cache_decoded must be 'auto', True, False or a budget in bytes of at least 1 MiB, got "
+                f"{cache_decoded!r}"
             )
         return DecodedImages(self._health, self.num_threads, cache_decoded)
+
+    def _auto_cache(self) -> DecodedImages | None:
+        """``cache_decoded="auto"``: the decoded images when ``decoded.auto_plan`` finds that they pay, with
+        half the memory available now shared by this machine's processes (each holds its own copy: a shuffled
+        shard reads every image over the epochs)."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        processes = int(local) if local.isdigit() and int(local) > 0 else self.num_shards
+        budget = default_budget() // processes
+        cache, why = auto_plan(self.files, self.size, self.train, budget)
+        log.info("cache_decoded='auto': %s (%s)", "decoding each image once" if cache else "streaming", why)
+        return DecodedImages(self._health, self.num_threads, budget) if cache else None
 
     @property
     def cache_decoded(self) -> bool:
@@ -534,7 +555,7 @@ class ImageLoader:
         budget (the cache is dropped and the loader streams from then on)."""
         positions = self._positions(epoch)
         if not self._decoded.ensure(positions):
-            log.warning(
+            (log.info if self._cache_auto else log.warning)(
                 "cache_decoded: the decoded images need more than the budget of %.1f MiB; streaming them instead",
                 self._decoded.budget / 2**20,
             )

@@ -30,7 +30,8 @@ class MultimodalLoader(ImageLoader):
         source: "files" (the split's image files) or "wds" (its WebDataset shards, see ``mmfast.wds``); a
             dataset prepared from WebDataset shards is always read from them.
         verify_files: check every image file at start-up (see ``ImageLoader``); default off.
-        **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16).
+        **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
+            False).
 
     Unlike ``ImageLoader``, it keeps whole batches and its own sampling (see ``mmfast.loader``): the
     training engine relies on both.
@@ -73,6 +74,7 @@ class MultimodalLoader(ImageLoader):
         )
         is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)
+        kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
         if table.file_stats is not None:
             kwargs.setdefault("file_stats", table.file_stats)
         super().__init__(

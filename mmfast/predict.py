@@ -41,9 +41,11 @@ class RowsLoader(MultimodalLoader):
             train=False,
             size=cfg["image_size"],
             max_pixels=cfg.get("max_pixels") or DEFAULT_MAX_PIXELS,
+            cache_decoded=False,  # one pass: nothing would read the held images again
             **_norm(cfg),
             **kwargs,
         )
+        self._health.prepared = False  # rows checked here, not by tools/prepare_data.py
         self.tokens = TokenCache.build(tokens_dir, "predict", texts, model.tokenizer, cfg["max_length"])
         self.texts = texts
         self.num_classes = cfg["num_classes"]

@@ -41,7 +41,7 @@ def test_cached_pixels_are_the_streamed_ones_in_train_and_eval(photos, tmp_path)
     common = {"batch_size": 5, "size": 40, "fp16": False}
     train = {"shuffle": True, "scale": (1.0, 1.0), "ratio": (4 / 3, 4 / 3), "flip": False}
     for options in (train, {"shuffle": False}):
-        streamed = _batches(ImageLoader(files, **common, **options))
+        streamed = _batches(ImageLoader(files, **common, **options, cache_decoded=False))
         cached = _batches(ImageLoader(files, **common, **options, cache_decoded=True))
         assert len(cached) == len(streamed) == math.ceil(len(files) / 5)
         for (ids, images), (ref_ids, ref_images) in zip(cached, streamed, strict=True):
@@ -144,8 +144,9 @@ def test_a_bad_file_is_skipped_or_named_as_on_the_streaming_path(photos, tmp_pat
     assert sorted(seen) == [i for i in range(len(files)) if i != 4]
     assert [s["image"] for s in loader.skipped] == [files[4]]
     strict = ImageLoader(files, batch_size=4, size=32, cache_decoded=True, on_bad_image="error")
-    with pytest.raises(ValueError, match=Path(files[4]).name):
+    with pytest.raises(ValueError, match=Path(files[4]).name) as error:
         list(strict)
+    assert "prepare_data" not in str(error.value)  # these files were never prepared: no tool to re-run
 
 
 def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):
@@ -186,7 +187,7 @@ def test_combinations_it_cannot_serve_are_refused_with_the_reason(prepared):
     with pytest.raises(ValueError, match="cpu_resize='torch'"):
         MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=True, cpu_resize="dali")
     for value in (0, -5, 1, 1000, 2.5, "yes", "1000"):
-        with pytest.raises(ValueError, match="True or a budget in bytes of at least 1 MiB"):
+        with pytest.raises(ValueError, match="True, False or a budget in bytes of at least 1 MiB"):
             MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=value)
     # jitter is a train augmentation: an eval loader caches with it
     assert MultimodalLoader(prepared, "val", batch_size=16, cache_decoded=True, color_jitter=0.2).cache_decoded
@@ -285,3 +286,35 @@ def test_the_planned_size_of_a_max_side_set_is_its_copies(demo_manifest, tmp_pat
     held = loader._decoded.nbytes
     assert held <= planned <= 1.1 * held, (planned, held)
     assert planned < 0.3 * sum(3 * r["width"] * r["height"] for r in dataset.rows("val"))
+
+
+def test_auto_holds_what_pays_and_fits_and_streams_the_rest(tmp_path, monkeypatch, caplog):
+    """``cache_decoded="auto"`` (ImageLoader's default) holds small PNGs and eval images, streams the train
+    crops of JPEGs over 4x the output's pixels (their streamed decode reads only the crop), and a set over its
+    budget (half the memory available, shared by LOCAL_WORLD_SIZE processes); where it cannot serve, it
+    streams instead of raising."""
+    from conftest import save_image
+
+    import mmfast.loader as loader_module
+
+    pngs = [str(save_image(tmp_path / "png" / f"{i}.png", size=(50, 40), seed=i)) for i in range(6)]
+    jpegs = [str(save_image(tmp_path / "jpg" / f"{i}.jpg", size=(50, 40), seed=i)) for i in range(6)]
+    kw = {"batch_size": 4, "size": 16}
+    png_train = ImageLoader(pngs, shuffle=True, **kw)
+    assert png_train.cache_decoded
+    assert sorted(i for _ in range(2) for b in png_train for i in b.ids.tolist()) == sorted(list(range(6)) * 2)
+    assert png_train.cached_bytes == 6 * 50 * 40 * 3
+    assert not ImageLoader(jpegs, shuffle=True, **kw).cache_decoded  # 2,000 px > 4 x 16 x 16
+    assert ImageLoader(jpegs, shuffle=False, **kw).cache_decoded  # eval decodes whole images anyway
+    assert ImageLoader(jpegs, shuffle=True, batch_size=4, size=32).cache_decoded  # 2,000 px < 4 x 32 x 32
+    assert not ImageLoader(pngs, shuffle=True, color_jitter=0.2, **kw).cache_decoded
+    assert not ImageLoader(pngs, shuffle=True, cpu_resize="dali", **kw).cache_decoded
+
+    monkeypatch.setattr(loader_module, "default_budget", lambda: 8 << 20)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ImageLoader(pngs, shuffle=True, **kw)._decoded.budget == 2 << 20
+    monkeypatch.setattr(loader_module, "default_budget", lambda: 4 * 6 * 50 * 40 * 3)  # a quarter each: 36,000 B
+    with caplog.at_level(logging.INFO, logger="mmfast.loader"):
+        over = ImageLoader(pngs, shuffle=True, **kw)
+    assert not over.cache_decoded and "over the 0 MiB budget" in caplog.text
+    assert len([i for b in over for i in b.ids.tolist()]) == 6  # streamed

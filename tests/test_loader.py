@@ -51,7 +51,8 @@ def _torchvision_eval_reference(path: Path, size: int) -> np.ndarray:
 
 @pytest.mark.parametrize("cpu_resize", ["torch", "dali"])
 def test_eval_output_matches_a_pil_reference_on_real_photos(photos, cpu_resize):
-    loader = ImageLoader([str(p) for p in photos], batch_size=4, size=64, cpu_resize=cpu_resize)
+    files = [str(p) for p in photos]
+    loader = ImageLoader(files, batch_size=4, size=64, cpu_resize=cpu_resize, cache_decoded=False)
     out = torch.cat([images for images, _ in loader])
     assert out.shape == (len(photos), 3, 64, 64) and out.dtype == torch.float32
     for i, p in enumerate(photos):
@@ -75,7 +76,7 @@ def test_eval_geometry_is_torchvisions_in_image_loader_and_the_graphs_in_multimo
     # shorter side 73 = round(64 / 0.875): torchvision's Resize makes the longer one 109 (truncated), the graph 110
     tv, graph = _torchvision_eval_reference(path, 64), _pil_eval_reference(path, 64)
     assert np.abs(tv - graph).mean() > 0.05  # the two geometries really differ on this image
-    ((images, labels),) = list(ImageLoader([str(path)], batch_size=1, size=64))
+    ((images, labels),) = list(ImageLoader([str(path)], batch_size=1, size=64, cache_decoded=False))
     assert np.abs(images[0].numpy() - tv).mean() < 1e-3 and labels.tolist() == [0]
     # MultimodalLoader keeps its outputs: the graph's rounding, float16
     mm = MultimodalLoader(prepared, "val", batch_size=4, size=64)
@@ -359,8 +360,8 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
     training. Then it runs whole batches."""
     files = small_jpegs(photos, tmp_path, 70)
     for train in (False, True):
-        split = ImageLoader(files, batch_size=64, size=24, shuffle=train)
-        whole = ImageLoader(files, batch_size=64, size=24, shuffle=train)
+        split = ImageLoader(files, batch_size=64, size=24, shuffle=train, cache_decoded=False)
+        whole = ImageLoader(files, batch_size=64, size=24, shuffle=train, cache_decoded=False)
         whole._files_checked = True  # as MultimodalLoader: preparation decoded them
         every = np.arange(len(files))
         assert split._safe_part(every) == 16 and whole._safe_part(every) is None
@@ -378,7 +379,7 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
 _BAD_FILE_SCRIPT = """
 import sys
 from mmfast.loader import ImageLoader
-loader = ImageLoader(sys.argv[1:], batch_size=64, size=16)
+loader = ImageLoader(sys.argv[1:], batch_size=64, size=16, cache_decoded=False)
 seen = sum(int(m) for b in loader for m in b.mask)
 print(seen, [s["image"] for s in loader.skipped])
 """
@@ -399,7 +400,9 @@ def test_a_shard_runs_whole_dali_batches_once_it_has_read_its_own_files(photos, 
     batches, though the other shard's files were never read here."""
     files = small_jpegs(photos, tmp_path, 64)
     for shuffle in (False, True):
-        loader = ImageLoader(files, batch_size=32, size=16, shuffle=shuffle, shard_id=0, num_shards=2)
+        loader = ImageLoader(
+            files, batch_size=32, size=16, shuffle=shuffle, shard_id=0, num_shards=2, cache_decoded=False
+        )
         assert loader._safe_part(loader._positions(0)) == 16
         list(loader)
         assert loader._read_ok.sum() == 32
@@ -412,7 +415,7 @@ def test_resume_inside_an_epoch_of_split_dali_batches_is_exact(photos, tmp_path)
     files = small_jpegs(photos, tmp_path, 96)
 
     def loader():
-        return ImageLoader(files, batch_size=32, size=24, shuffle=True, seed=5)
+        return ImageLoader(files, batch_size=32, size=24, shuffle=True, seed=5, cache_decoded=False)
 
     reference = [(b.ids.clone(), b.images.clone()) for b in loader()]
     part = loader()

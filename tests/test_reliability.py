@@ -128,9 +128,10 @@ def test_a_file_deleted_after_preparation_is_found_when_read(own_dataset, monkey
     assert [s["id"] for s in checked.skipped] == [gone["id"]]  # found at start-up, before any batch
 
     strict = MultimodalLoader(own_dataset, "train", batch_size=16, size=32, on_bad_image="error", drop_last=False)
-    with pytest.raises(ValueError, match=gone["image"]):
+    with pytest.raises(ValueError, match=gone["image"]) as error:
         for _ in strict:
             pass
+    assert "re-run tools/prepare_data.py" in str(error.value)  # the tool that made the directory
 
 
 @pytest.mark.slow

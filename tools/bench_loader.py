@@ -279,16 +279,19 @@ def _image_folder(data, root: Path, size: int, dtype: torch.dtype = torch.float3
     return datasets.ImageFolder(root, tf)
 
 
-def imageloader_variant(data, args, device, dtype: torch.dtype | None = None):
+def imageloader_variant(data, args, device, dtype: torch.dtype | None = None, **kwargs):
     """The drop-in: ``ImageLoader(ImageFolder(root, transform), ...)`` with its defaults, (images, labels)
-    tuples in float32 (or ``dtype``)."""
+    tuples in float32 (or ``dtype``); ``cache_decoded="auto"`` decides whether it holds the images decoded."""
     from mmfast.loader import ImageLoader
 
     folder = _image_folder(data, args.folder_root, args.size)
-    loader = ImageLoader(
-        folder, args.batch_size, shuffle=True, drop_last=True, num_workers=args.threads, device=device, dtype=dtype
-    )
+    options = {"num_workers": args.threads, "device": device, "dtype": dtype, **kwargs}
+    loader = ImageLoader(folder, args.batch_size, shuffle=True, drop_last=True, **options)
     return lambda: (images for images, _ in loader)
+
+
+def imageloader_streaming_variant(data, args, device):
+    return imageloader_variant(data, args, device, cache_decoded=False)
 
 
 def imageloader_fp16_variant(data, args, device):
@@ -404,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "DataLoader + PIL + v2, images only": dataloader_images_variant,
         "ImageLoader(ImageFolder), defaults: tuple, fp32": imageloader_variant,
         "ImageLoader(ImageFolder), dtype=float16": imageloader_fp16_variant,
+        "ImageLoader(ImageFolder), cache_decoded=False": imageloader_streaming_variant,
         "DataLoader(ImageFolder) + PIL + v2, fp32": torchvision_dataloader_variant,
     }
     if not args.data:
