@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +96,13 @@ def auto_plan(files: list[str], size: int, train: bool, budget: int) -> tuple[bo
 
 
 class DecodedImages:
-    """The decoded images of a loader's files, by position, filled in as epochs need them.
+    """The decoded images of a loader's files, by position, filled in as batches need them.
+
+    ``plan`` starts a DALI pipeline over an epoch's images not held yet, in the order the epoch reads them;
+    ``ensure`` takes its batches until a loader batch's images are at hand, so the first batch comes after
+    one DALI batch, not after the whole set, and DALI decodes ahead (its prefetch) while the batches before
+    are finished. Past the budget the rest of the epoch is decoded for its batch only (``over``): the loader
+    then streams from the next epoch on.
 
     Args:
         health: the loader's file bookkeeping (a file DALI cannot decode is marked bad there and served as
@@ -112,66 +117,110 @@ class DecodedImages:
         self.budget = budget
         self.images: list[np.ndarray | None] = [None] * len(health.files)
         self.nbytes = 0
+        self.decoded = 0  # images decoded so far
+        self.over = False  # the budget was passed: images beyond it are decoded for their batch only
+        self._passing: dict[int, np.ndarray] = {}  # those images, until their batch is built
+        self._fill: _Fill | None = None
 
-    def ensure(self, positions: np.ndarray) -> bool:
-        """Decode the images at ``positions`` (-1 = padding) not yet held, and the stand-in for bad ones.
-        False when they would not fit in the budget (what was decoded is dropped: the loader streams)."""
+    def plan(self, positions: np.ndarray) -> None:
+        """Start decoding the images of ``positions`` (-1 = padding) not held yet, in that order, the
+        stand-in first."""
         if self.budget is None:
             self.budget = default_budget()
-        wanted = [int(p) for p in dict.fromkeys(positions.tolist()) if p >= 0]
-        start, count = time.perf_counter(), 0
-        while True:  # a file found bad while decoding is marked, and may have been the stand-in
-            todo = [p for p in dict.fromkeys(wanted + [self.stand_in()]) if self.images[p] is None]
-            todo = [p for p in todo if p not in self.health.bad]
-            if not todo:
-                break
-            if not count:
-                log.info("cache_decoded: decoding %d images once", len(todo))
-            done = self._decode(todo)
-            if done is None:
-                self.images = [None] * len(self.images)
-                self.nbytes = 0
-                return False
-            count += done
-        if count:
-            log.info(
-                "decoded %d images in %.1f s; %d held in memory (%.0f MiB)",
-                count, time.perf_counter() - start, sum(i is not None for i in self.images), self.nbytes / 2**20,
-            )  # fmt: skip
-        return True
+        self.close()
+        todo = self._missing([self.stand_in()] + positions.tolist())
+        if todo:
+            log.info("cache_decoded: decoding %d images once, as the batches need them", len(todo))
+            self._fill = _Fill(self, todo)
+
+    def ensure(self, positions: list[int]) -> None:
+        """Decode until the image of each of ``positions`` (no padding) is at hand (``image``)."""
+        while todo := self._missing([self.stand_in()] + positions):
+            if self._fill is None or self._fill.done:  # not in the plan (a resume, a stand-in found bad)
+                self.close()
+                self._fill = _Fill(self, todo)
+            self._fill.step()
+
+    def image(self, p: int) -> np.ndarray | None:
+        held = self.images[p]
+        return held if held is not None else self._passing.get(p)
+
+    def release(self, positions: list[int]) -> None:
+        """The batch of ``positions`` is built: the images decoded for it only may go."""
+        stand_in = self.stand_in()
+        for p in positions:
+            if p != stand_in:
+                self._passing.pop(p, None)
+
+    def close(self) -> None:
+        """Stop the fill (its DALI pipeline)."""
+        if self._fill is not None:
+            self._fill.close()
+            self._fill = None
 
     def stand_in(self) -> int:
         """The position whose image stands in for padding and bad files (served with id ``PAD_ID``)."""
         return self.health.first_good_position()
 
-    def _decode(self, todo: list[int]) -> int | None:
-        """Decode ``todo`` in order until done or DALI fails on a file (which is then found and marked bad);
-        returns how many were decoded, None when the budget is exceeded."""
-        batch = min(DECODE_BATCH, len(todo))
-        read = functools.partial(read_files, [self.health.files[p] for p in todo], todo)  # labelled by position
-        pipe = decode_pipeline(
-            read=read, batch_size=batch, num_threads=self.num_threads, device_id=None, prefetch_queue_depth=1
-        )
-        done, first = 0, 0
+    def _missing(self, positions: list[int]) -> list[int]:
+        bad = self.health.bad
+        wanted = dict.fromkeys(p for p in positions if p >= 0)
+        return [p for p in wanted if p not in bad and self.image(p) is None]
+
+    def _keep(self, p: int, image: np.ndarray) -> None:
+        copy = np.array(image, copy=True)  # DALI reuses its output buffers
+        self.decoded += 1
+        if not self.over and self.nbytes + copy.nbytes <= self.budget:
+            self.images[p] = copy
+            self.nbytes += copy.nbytes
+        else:
+            self.over = True
+            self._passing[p] = copy
+
+
+class _Fill:
+    """A DALI pipeline decoding ``todo`` (positions) in batches of ``DECODE_BATCH``, a batch per ``step``."""
+
+    def __init__(self, cache: DecodedImages, todo: list[int]):
+        self.cache, self.todo = cache, todo
+        self.next = 0  # index in todo of the next batch's first image
+        self.pipe = None
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.todo)
+
+    def step(self) -> None:
+        """Decode the next batch into the cache; a file DALI fails on is found, marked bad, and the fill goes
+        on after it with a new pipeline."""
+        health = self.cache.health
+        if self.pipe is None:
+            rest = self.todo[self.next :]
+            read = functools.partial(read_files, [health.files[p] for p in rest], rest)  # labelled by position
+            self.batch = min(DECODE_BATCH, len(rest))
+            threads = self.cache.num_threads
+            self.pipe = decode_pipeline(
+                read=read, batch_size=self.batch, num_threads=threads, device_id=None, prefetch_queue_depth=2
+            )
+            self.pipe.build()
         try:
-            pipe.build()
-            for first in range(0, len(todo), batch):  # noqa: B007 (read after a failure)
-                images, labels = pipe.run()
-                for k in range(len(labels)):
-                    p = int(np.asarray(labels[k]).reshape(-1)[0])
-                    if self.images[p] is None:
-                        image = np.array(images[k], copy=True)
-                        self.nbytes += image.nbytes
-                        if self.nbytes > self.budget:
-                            return None
-                        self.images[p] = image
-                        done += 1
+            images, labels = self.pipe.run()
         except RuntimeError:  # DALI aborts the whole batch on a file it cannot read: find it, go on without it
-            if not self.health.check_window(np.asarray(todo[first : first + 2 * batch])):
+            self.close()
+            if not health.check_window(np.asarray(self.todo[self.next : self.next + 2 * DECODE_BATCH])):
                 raise
-        finally:
-            del pipe
-        return done
+            self.todo, self.next = self.cache._missing(self.todo[self.next :]), 0
+            return
+        self.next += self.batch
+        for k in range(len(labels)):  # past the end, the reader wraps around to images already at hand
+            p = int(np.asarray(labels[k]).reshape(-1)[0])
+            if self.cache.image(p) is None:
+                self.cache._keep(p, images[k])
+        if self.done:
+            self.close()
+
+    def close(self) -> None:
+        self.pipe = None  # DALI stops its threads when the pipeline is collected
 
 
 def random_crop_boxes(
@@ -233,11 +282,13 @@ class DecodedIterator:
         seed, shard, epoch, first = self.key
         rng = np.random.default_rng([seed, shard, epoch, first + self.step])
         self.step += 1
-        bad, images = self.cache.health.bad, self.cache.images
-        stand_in = self.cache.stand_in()
+        cache = self.cache
+        cache.ensure([p for p in pos.tolist() if p >= 0])  # may find files bad
+        bad, stand_in = cache.health.bad, cache.stand_in()
         use = [p if p >= 0 and p not in bad else stand_in for p in pos.tolist()]
         ids = np.array([self.ids[p] if p >= 0 and p not in bad else PAD_ID for p in pos.tolist()], dtype=np.int32)
-        whole = [images[p] for p in use]
+        whole = [cache.image(p) for p in use]
+        cache.release(use)  # the crops below hold what they need
         if self.train:
             boxes = random_crop_boxes(np.array([i.shape[:2] for i in whole]), rng, self.scale, self.ratio)
             pairs = zip(whole, boxes.tolist(), strict=True)

@@ -551,18 +551,12 @@ class ImageLoader:
         return part if part != self.batch_size else None
 
     def _decoded_stream(self, epoch: int, step: int) -> Stream | None:
-        """Batch ``step`` of ``epoch`` on from the decoded images, or None when they do not fit in the
-        budget (the cache is dropped and the loader streams from then on)."""
-        positions = self._positions(epoch)
-        if not self._decoded.ensure(positions):
-            (log.info if self._cache_auto else log.warning)(
-                "cache_decoded: the decoded images need more than the budget of %.1f MiB; streaming them instead",
-                self._decoded.budget / 2**20,
-            )
-            self._decoded = None
-            self._finisher.threads = self._finisher_threads_streaming
+        """Batch ``step`` of ``epoch`` on from the decoded images (decoded as the batches need them), or None
+        when an earlier epoch found that they do not fit in the budget (the loader streams from then on)."""
+        if self._drop_decoded_over_budget():
             return None
-        options, b = self.pipeline_kwargs, self.batch_size
+        positions, options, b = self._positions(epoch), self.pipeline_kwargs, self.batch_size
+        self._decoded.plan(positions[step * b :])
         it = DecodedIterator(
             self._decoded,
             positions[step * b :],
@@ -575,6 +569,19 @@ class ImageLoader:
             flip=options.get("flip", True),
         )
         return Stream(it, {"start": epoch, "offset": step, "epochs": 1}, epoch, step)
+
+    def _drop_decoded_over_budget(self) -> bool:
+        """After an epoch that passed the cache's budget: drop it and stream from now on (True)."""
+        if self._decoded is None or not self._decoded.over:
+            return False
+        (log.info if self._cache_auto else log.warning)(
+            "cache_decoded: the decoded images need more than the budget of %.1f MiB; streaming them instead",
+            self._decoded.budget / 2**20,
+        )
+        self._decoded.close()
+        self._decoded = None
+        self._finisher.threads = self._finisher_threads_streaming
+        return True
 
     def _iterator(self, pipe):
         """DALI's iterator over ``pipe`` (a ``_pipeline``): ragged crops for the host finishing, else dense."""
@@ -715,6 +722,7 @@ class ImageLoader:
             elif stream.chunk_ends_at(stream.epoch):
                 self._stream = None  # the chunk is consumed
         self.epoch, self.step = self.epoch + 1, 0
+        self._drop_decoded_over_budget()
 
     def __iter__(self) -> Iterator[Batch | dict[str, torch.Tensor]]:
         """One epoch of batches: the epoch ``set_epoch`` selected, else the one after the last; a restored
