@@ -99,7 +99,7 @@ class TrainConfig:
         True,
         "data",
         "without a GPU: decode each image once and crop later epochs from memory, when the decoded images "
-        "fit in half the available memory (else they are streamed)",
+        "fit in half the available memory (else they are streamed; a one-epoch run streams its train split)",
     )
     augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")

@@ -223,7 +223,7 @@ def _cache_budgets(
     bytes it may take, and why the others are streamed. Train first, then val, while their decoded pixels fit
     together in half the memory available, shared by this machine's processes (each holds its own copy).
     Never on a GPU (nvJPEG decodes there), from WebDataset shards, with DALI finishing, or for a train split
-    with colour jitter."""
+    with colour jitter or read in one epoch only."""
     splits = ["train"] + (["val"] if has_val else [])
     why = None
     if not cfg.cache_decoded:
@@ -241,6 +241,9 @@ def _cache_budgets(
     for split in splits:
         if split == "train" and cfg.color_jitter > 0:
             streamed[split] = "--color-jitter is applied while streaming"
+            continue
+        if split == "train" and cfg.epochs == 1:  # and the cache's first epoch decodes whole images
+            streamed[split] = "one epoch reads each image once"
             continue
         need = dataset.decoded_bytes(split, left)
         if need is None:
