@@ -46,6 +46,11 @@ def parse_args(argv):
     p.add_argument("--n", type=int, default=512, help="images in the built-in set")
     p.add_argument("--max-side", type=int, default=512, help="the --max-side rows' prepare_data --max-side")
     p.add_argument("--ffcv-python", help="python of a venv with ffcv 1.0.2: adds FFCV rows (see bench_ffcv.py)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="time each variant's first batch and first epoch from construction (a fresh loader per round)",
+    )
     p.add_argument("--json", default="bench_out/bench_loader.json")
     return p.parse_args(argv)
 
@@ -62,6 +67,35 @@ def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
         if e > 0:
             rates.append(n / (time.perf_counter() - t0))
     return rates
+
+
+def time_fresh(make, data, args, device) -> tuple[float, float]:
+    """(seconds to the first batch, images/s of the first epoch), both from the loader's construction."""
+    t0 = time.perf_counter()
+    batches = iter(make(data, args, device)())
+    n = next(batches).shape[0]
+    first = time.perf_counter() - t0
+    for images in batches:
+        n += images.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return first, n / (time.perf_counter() - t0)
+
+
+def fresh_report(variants: dict, data, args, device) -> dict:
+    """``--fresh``: each round builds every variant anew and times its first batch and first epoch."""
+    runs = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name, make in variants.items():
+            runs[name].append(time_fresh(make, data, args, device))
+            print(f"  round {r + 1}: {name}: first batch {runs[name][-1][0]:.3f} s", file=sys.stderr)
+    print(f"\n{'variant':<50}{'first batch s':>15}{'first epoch img/s':>20}")
+    results = {}
+    for name, pairs in runs.items():
+        first, rate = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+        results[name] = {"first_batch_s_median": first, "first_epoch_images_per_s_median": rate, "runs": pairs}
+        print(f"{name:<50}{first:>15.3f}{rate:>20.1f}")
+    return results
 
 
 def mmfast_variant(data, args, device, cpu_resize: str = "torch", **kwargs):
@@ -425,6 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = {k: v for k, v in variants.items() if not args.only or any(o in k for o in args.only)}
     folder_tmp = tempfile.TemporaryDirectory(prefix="bench_imagefolder_")
     args.folder_root = Path(folder_tmp.name)  # the ImageFolder tree of links the drop-in rows read
+    if args.fresh:
+        variants = {k: v for k, v in variants.items() if "FFCV" not in k}
+        results = fresh_report(variants, data, args, device)
+        folder_tmp.cleanup()
+        report = {"mode": "fresh", "device": str(device), "cpu_count": os.cpu_count(), "data": str(data)}
+        atomic_write_json(args.json, {**report, "rounds": args.rounds, "results": results})
+        print(f"\nwrote {args.json}")
+        return 0
     iters = {name: make(data, args, device) for name, make in variants.items()}
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
