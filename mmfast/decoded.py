@@ -108,13 +108,15 @@ class DecodedImages:
         health: the loader's file bookkeeping (a file DALI cannot decode is marked bad there and served as
             a masked stand-in, as on the streaming path).
         num_threads: DALI threads decoding.
-        budget: most bytes to keep (default: ``default_budget()`` when first filled).
+        budget: most bytes to keep (default: ``default_budget() // share`` when first filled: what other
+            loaders of the process hold by then is not available any more).
+        share: processes of the machine sharing the default budget.
     """
 
-    def __init__(self, health: FileHealth, num_threads: int, budget: int | None = None):
+    def __init__(self, health: FileHealth, num_threads: int, budget: int | None = None, share: int = 1):
         self.health = health
         self.num_threads = num_threads
-        self.budget = budget
+        self.budget, self.share = budget, share
         self.images: list[np.ndarray | None] = [None] * len(health.files)
         self.nbytes = 0
         self.decoded = 0  # images decoded so far
@@ -126,7 +128,7 @@ class DecodedImages:
         """Start decoding the images of ``positions`` (-1 = padding) not held yet, in that order, the
         stand-in first."""
         if self.budget is None:
-            self.budget = default_budget()
+            self.budget = default_budget() // self.share
         self.close()
         todo = self._missing([self.stand_in()] + positions.tolist())
         if todo:
@@ -136,10 +138,13 @@ class DecodedImages:
     def ensure(self, positions: list[int]) -> None:
         """Decode until the image of each of ``positions`` (no padding) is at hand (``image``)."""
         while todo := self._missing([self.stand_in()] + positions):
-            if self._fill is None or self._fill.done:  # not in the plan (a resume, a stand-in found bad)
-                self.close()
-                self._fill = _Fill(self, todo)
-            self._fill.step()
+            fill = self._fill
+            if fill is not None and all(fill.ahead(p) for p in todo):
+                fill.step()
+                continue
+            side = _Fill(self, todo)  # not next in the plan (a stand-in found bad): decode them now
+            while not side.done:
+                side.step()
 
     def image(self, p: int) -> np.ndarray | None:
         held = self.images[p]
@@ -182,13 +187,21 @@ class _Fill:
     """A DALI pipeline decoding ``todo`` (positions) in batches of ``DECODE_BATCH``, a batch per ``step``."""
 
     def __init__(self, cache: DecodedImages, todo: list[int]):
-        self.cache, self.todo = cache, todo
-        self.next = 0  # index in todo of the next batch's first image
+        self.cache = cache
+        self._start(todo)
         self.pipe = None
+
+    def _start(self, todo: list[int]) -> None:
+        self.todo, self.next = todo, 0  # next: index in todo of the next batch's first image
+        self.index = {p: i for i, p in enumerate(todo)}
 
     @property
     def done(self) -> bool:
         return self.next >= len(self.todo)
+
+    def ahead(self, p: int) -> bool:
+        """Whether ``p`` is still to come in this fill."""
+        return self.index.get(p, -1) >= self.next
 
     def step(self) -> None:
         """Decode the next batch into the cache; a file DALI fails on is found, marked bad, and the fill goes
@@ -209,10 +222,11 @@ class _Fill:
             self.close()
             if not health.check_window(np.asarray(self.todo[self.next : self.next + 2 * DECODE_BATCH])):
                 raise
-            self.todo, self.next = self.cache._missing(self.todo[self.next :]), 0
+            self._start(self.cache._missing([self.cache.stand_in()] + self.todo[self.next :]))
             return
+        fresh = min(self.batch, len(self.todo) - self.next)  # past the end, the reader wraps around
         self.next += self.batch
-        for k in range(len(labels)):  # past the end, the reader wraps around to images already at hand
+        for k in range(fresh):
             p = int(np.asarray(labels[k]).reshape(-1)[0])
             if self.cache.image(p) is None:
                 self.cache._keep(p, images[k])
@@ -281,7 +295,6 @@ class DecodedIterator:
             raise StopIteration
         seed, shard, epoch, first = self.key
         rng = np.random.default_rng([seed, shard, epoch, first + self.step])
-        self.step += 1
         cache = self.cache
         cache.ensure([p for p in pos.tolist() if p >= 0])  # may find files bad
         bad, stand_in = cache.health.bad, cache.stand_in()
@@ -296,6 +309,7 @@ class DecodedIterator:
             flips = rng.random(len(pos)) < 0.5 if self.flip else np.zeros(len(pos), dtype=bool)
         else:
             crops, flips = [torch.from_numpy(i) for i in whole], np.zeros(len(pos), dtype=bool)
+        self.step += 1  # only now: a batch that failed (a bad file with on_bad_image="error") comes again
         return [
             {
                 "crops": crops,

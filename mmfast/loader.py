@@ -353,10 +353,10 @@ class ImageLoader:
         shard reads every image over the epochs)."""
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         processes = int(local) if local.isdigit() and int(local) > 0 else self.num_shards
-        budget = default_budget() // processes
-        cache, why = auto_plan(self.files, self.size, self.train, budget)
+        cache, why = auto_plan(self.files, self.size, self.train, default_budget() // processes)
         log.info("cache_decoded='auto': %s (%s)", "decoding each image once" if cache else "streaming", why)
-        return DecodedImages(self._health, self.num_threads, budget) if cache else None
+        # the budget itself is taken when the fill starts, from what is available then
+        return DecodedImages(self._health, self.num_threads, share=processes) if cache else None
 
     @property
     def cache_decoded(self) -> bool:

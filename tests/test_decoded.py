@@ -30,6 +30,14 @@ def _whole_image_copies(photos: list[Path], tmp_path: Path) -> list[str]:
     return files
 
 
+def _record_passing(loader) -> list[int]:
+    """After each image the loader's cache decodes: how many it holds for their batch only (past the budget)."""
+    cache, sizes = loader._decoded, []
+    keep = cache._keep
+    cache._keep = lambda p, image: keep(p, image) or sizes.append(len(cache._passing))
+    return sizes
+
+
 def _batches(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b.ids.clone(), b.images.clone()) for b in loader]
 
@@ -150,11 +158,14 @@ def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):
     rows = PreparedDataset(prepared, verify=False).rows("train")
     with caplog.at_level(logging.WARNING):
         small = MultimodalLoader(prepared, "train", batch_size=16, size=32, cache_decoded=1 << 20)
+        passing = _record_passing(small)  # past the budget, images are decoded for their batch only
         ids = [b["id"].tolist() for b in small]
     assert "streaming them instead" in caplog.text
     assert small._decoded is None and small._finisher.threads == small._finisher_threads_streaming
+    assert 0 < max(passing) <= 3 * 16  # a batch's images and the DALI batches ahead, not the rest of the set
     streamed = MultimodalLoader(prepared, "train", batch_size=16, size=32)
     assert ids == [b["id"].tolist() for b in streamed] and len(ids) == len(rows) // 16
+    assert [b["id"].tolist() for b in small] == [b["id"].tolist() for b in streamed]  # the next epoch streams
 
 
 def test_the_run_summary_says_how_each_split_was_served(prepared, tmp_path):
@@ -169,7 +180,10 @@ def test_the_run_summary_says_how_each_split_was_served(prepared, tmp_path):
             r"train streamed \(--color-jitter is applied while streaming\); val decoded once",
         ),
         (["--epochs", "1"], r"train streamed \(one epoch reads each image once\); val decoded once"),
-        (["--no-cache-decoded"], r"train streamed \(--no-cache-decoded\); val streamed \(--no-cache-decoded\)"),
+        (
+            ["--epochs", "1", "--no-cache-decoded"],
+            r"train streamed \(--no-cache-decoded\); val streamed \(--no-cache-decoded\)",
+        ),
     ):
         out = tmp_path / str(len(flags)) / flags[-1]
         assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags, *SMALL_RUN]) == 0
@@ -306,9 +320,15 @@ def test_auto_holds_what_pays_and_fits_and_streams_the_rest(tmp_path, monkeypatc
     assert not ImageLoader(pngs, shuffle=True, color_jitter=0.2, **kw).cache_decoded
     assert not ImageLoader(pngs, shuffle=True, cpu_resize="dali", **kw).cache_decoded
 
-    monkeypatch.setattr(loader_module, "default_budget", lambda: 8 << 20)
+    import mmfast.decoded as decoded_module
+
+    for module in (loader_module, decoded_module):
+        monkeypatch.setattr(module, "default_budget", lambda: 8 << 20)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert ImageLoader(pngs, shuffle=True, **kw)._decoded.budget == 2 << 20
+    shared = ImageLoader(pngs, shuffle=True, **kw)
+    assert shared._decoded.budget is None  # taken when the fill starts, from what is available then
+    list(shared)
+    assert shared._decoded.budget == 2 << 20
     monkeypatch.setattr(loader_module, "default_budget", lambda: 4 * 6 * 50 * 40 * 3)  # a quarter each: 36,000 B
     with caplog.at_level(logging.INFO, logger="mmfast.loader"):
         over = ImageLoader(pngs, shuffle=True, **kw)
@@ -327,3 +347,38 @@ def test_the_first_batch_comes_before_the_whole_set_is_decoded(tmp_path):
     assert len(first.ids) == 4 and loader._decoded.decoded <= 3 * 16  # a DALI batch, and two ahead at most
     rest = [i for b in it for i in b.ids.tolist()]
     assert sorted(first.ids.tolist() + rest) == list(range(96)) and loader._decoded.decoded == 96
+
+
+def test_a_bad_first_file_is_stood_in_for_without_decoding_ahead(tmp_path):
+    """The first file stands in for padding and bad files; found bad, the next one takes its place at once:
+    the fill neither decodes the whole epoch first nor, past a small budget, holds it for the batch."""
+    from conftest import save_image
+
+    files = [str(save_image(tmp_path / f"{i}.png", size=(30, 20), seed=i)) for i in range(200)]
+    Path(files[0]).write_text("<html>not an image</html>\n")
+    for budget in (None, 1 << 20):
+        loader = ImageLoader(files, batch_size=4, size=16, shuffle=True, cache_decoded=budget or True)
+        if budget:
+            loader._decoded.budget = 5 * 30 * 20 * 3  # five images held, the rest for their batch only
+        passing = _record_passing(loader)
+        it = iter(loader)
+        first = next(it)
+        assert loader._decoded.decoded <= 4 * 16, loader._decoded.decoded
+        assert len(list(it)) == 49
+        assert bool(budget) == bool(passing[-1]) and max(passing) <= 4 * 16
+        assert [s["image"] for s in loader.skipped] == [files[0]] and len(first.ids) == 4
+
+
+def test_a_batch_that_failed_comes_again(tmp_path):
+    """A bad file with on_bad_image="error" fails its batch; once the file is fixed, iterating again serves
+    the whole epoch, that batch included."""
+    from conftest import save_image
+
+    files = [str(save_image(tmp_path / f"{i}.png", size=(30, 20), seed=i)) for i in range(24)]
+    Path(files[6]).write_text("not an image\n")
+    loader = ImageLoader(files, batch_size=4, size=16, cache_decoded=True, on_bad_image="error")
+    with pytest.raises(ValueError, match=Path(files[6]).name):
+        list(loader)
+    save_image(Path(files[6]), size=(30, 20), seed=6)
+    loader._health.bad.clear()  # the user fixed it
+    assert [i for b in loader for i in b.ids.tolist()] == list(range(24))
