@@ -10,7 +10,8 @@ for the drop-in rows (``ImageLoader`` with its defaults, as it replaces a ``Data
 against that DataLoader). The variants take turns: each round runs every variant for one
 warm-up epoch (it absorbs what a variant prefetched while it waited) and ``--epochs`` timed epochs, so a
 drift of the machine's speed during the run hits every variant alike; the figure is the median of all
-timed epochs.
+timed epochs. ``--fresh`` times instead what the warm-up hides: each round builds every variant anew and
+times its first batch and its first epoch from construction (the median of the rounds).
 """
 
 from __future__ import annotations
