@@ -64,7 +64,7 @@ def default_budget() -> int:
 AUTO_SAMPLE = 64  # image headers read to estimate a set's decoded size for cache_decoded="auto"
 # cache_decoded="auto" streams the train split of JPEGs larger than this many times the output's pixels: a
 # streamed random crop decodes only its region, while the cache's first epoch decodes each image whole and
-# writes it to memory (800x600 photos, 224 px: 351 against 923 images/s on the 2-core VM; BENCHMARKS.md)
+# writes it to memory (800x600 photos, 224 px: 463-577 against 723-923 images/s on the 2-core VM; BENCHMARKS.md)
 AUTO_JPEG_PIXELS = 4
 
 
