@@ -74,15 +74,18 @@ def auto_plan(files: list[str], size: int, train: bool, budget: int) -> tuple[bo
     ``budget`` with a quarter to spare, except for the train crops of large JPEGs (``AUTO_JPEG_PIXELS``)."""
     from PIL import Image
 
+    from mmfast.validate import image_header
+
     picks = np.unique(np.linspace(0, len(files) - 1, min(AUTO_SAMPLE, len(files))).round().astype(int))
     pixels, jpeg = [], 0
     for p in picks.tolist():
         try:
-            with Image.open(files[p]) as im:
-                pixels.append(im.width * im.height)
-                jpeg += im.format == "JPEG"
-        except Exception:  # noqa: BLE001 (a bad file: found and handled when it is read)
-            continue
+            header = image_header(files[p])
+        except Image.DecompressionBombError:
+            header = None
+        if header is not None:  # a bad file is found and handled when it is read
+            pixels.append(header[0] * header[1])
+            jpeg += header[2] == "JPEG"
     if not pixels:
         return False, "none of the sampled files could be opened"
     mean = float(np.mean(pixels))

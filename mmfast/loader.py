@@ -555,11 +555,12 @@ class ImageLoader:
         when an earlier epoch found that they do not fit in the budget (the loader streams from then on)."""
         if self._drop_decoded_over_budget():
             return None
-        positions, options, b = self._positions(epoch), self.pipeline_kwargs, self.batch_size
-        self._decoded.plan(positions[step * b :])
+        options, b = self.pipeline_kwargs, self.batch_size
+        positions = self._positions(epoch)[step * b :]
+        self._decoded.plan(positions)
         it = DecodedIterator(
             self._decoded,
-            positions[step * b :],
+            positions,
             self.ids,
             b,
             key=(self.seed, self.shard_id, epoch, step),

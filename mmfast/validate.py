@@ -50,16 +50,25 @@ def pixel_budget_reason(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_P
     from PIL import Image
 
     try:
-        with warnings.catch_warnings():
-            # PIL's own decompression-bomb warning is superseded by the budget checked here.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
-                w, h = im.size
+        header = image_header(path)
     except Image.DecompressionBombError as e:
         return f"image is over PIL's decompression-bomb limit ({e}); downscale it"
+    return _budget_reason(header[0], header[1], max_pixels) if header else ""
+
+
+def image_header(path: str | os.PathLike) -> tuple[int, int, str] | None:
+    """(width, height, PIL's format name) read from an image's header (nothing is decoded); None when the
+    header cannot be read. Raises PIL's ``DecompressionBombError`` past its hard limit; its warning below that
+    is silenced (the callers apply their own budget)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                return im.width, im.height, im.format or ""
     except (OSError, ValueError, SyntaxError):
-        return ""
-    return _budget_reason(w, h, max_pixels)
+        return None
 
 
 def _budget_reason(w: int, h: int, max_pixels: int) -> str:

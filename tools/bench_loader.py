@@ -460,12 +460,23 @@ def main(argv: list[str] | None = None) -> int:
     variants = {k: v for k, v in variants.items() if not args.only or any(o in k for o in args.only)}
     folder_tmp = tempfile.TemporaryDirectory(prefix="bench_imagefolder_")
     args.folder_root = Path(folder_tmp.name)  # the ImageFolder tree of links the drop-in rows read
+    report = {  # what every report says of the run
+        "device": str(device),
+        "cpu_count": os.cpu_count(),
+        "batch_size": args.batch_size,
+        "size": args.size,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "data": str(data),
+        "set": None if args.data else args.set,
+        "images": PreparedDataset(data, verify=False).split_size("train"),
+        "torch": torch.__version__,
+    }
     if args.fresh:
         variants = {k: v for k, v in variants.items() if "FFCV" not in k}
-        results = fresh_report(variants, data, args, device)
+        report |= {"mode": "fresh", "results": fresh_report(variants, data, args, device)}
         folder_tmp.cleanup()
-        report = {"mode": "fresh", "device": str(device), "cpu_count": os.cpu_count(), "data": str(data)}
-        atomic_write_json(args.json, {**report, "rounds": args.rounds, "results": results})
+        atomic_write_json(args.json, report)
         print(f"\nwrote {args.json}")
         return 0
     iters = {name: make(data, args, device) for name, make in variants.items()}
@@ -497,20 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f"{r[key]:>19.2f}x" if den else f"{'-':>20}"
         print(line)
     folder_tmp.cleanup()
-    report = {
-        "device": str(device),
-        "cpu_count": os.cpu_count(),
-        "batch_size": args.batch_size,
-        "size": args.size,
-        "rounds": args.rounds,
-        "epochs_per_round": args.epochs,
-        "threads": args.threads,
-        "data": str(data),
-        "set": None if args.data else args.set,
-        "images": PreparedDataset(data, verify=False).split_size("train"),
-        "results": results,
-        "torch": torch.__version__,
-    }
+    report |= {"epochs_per_round": args.epochs, "results": results}
     atomic_write_json(args.json, report)
     print(f"\nwrote {args.json}")
     return 0
