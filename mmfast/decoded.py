@@ -160,6 +160,15 @@ class DecodedImages:
             if p != stand_in:
                 self._passing.pop(p, None)
 
+    def forget(self, positions: list[int]) -> None:
+        """Drop the images of ``positions`` (their files changed): decoded again when next needed."""
+        for p in positions:
+            held = self.images[p]
+            if held is not None:
+                self.nbytes -= held.nbytes
+                self.images[p] = None
+            self._passing.pop(p, None)
+
     def close(self) -> None:
         """Stop the fill (its DALI pipeline)."""
         if self._fill is not None:

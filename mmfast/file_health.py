@@ -1,17 +1,26 @@
-"""File health: which of a loader's image files are missing or undecodable, found when DALI fails on one (or,
-when asked, by a start-up check), and what stands in for them in the reader's list.
+"""File health: which of a loader's image files are missing or undecodable, and what stands in for them in
+the reader's list.
 
-Why at run time by default: stat'ing every file at start-up costs a long start on a large split (a
-million rows: minutes on a network file system), while a file that breaks after preparation is rare. DALI
-aborts the whole pipeline on a file it cannot read; the loader then checks the files of the next few
-batches (the "recovery window"), marks the bad ones and reopens the stream at the same position.
+Two ways a bad file is found:
+- ``watch``: before DALI reads a set of files (a new stream, and once an epoch ahead of the next one), the
+  loader stats them and compares each with what it was when last known good (the size and mtime that
+  preparation recorded, or the first stat). Only a file that is missing, not a regular file, empty, or
+  changed is decoded again; one found bad is never handed to DALI. This is what keeps a file replaced after
+  validation (bytes that are no image, a FIFO) away from DALI's parser, which can crash the process on such
+  a file instead of raising (docs/architecture.md, "DALI hazards"), and what tells the decoded cache that an
+  image it holds has changed.
+- the recovery: DALI aborts the whole pipeline on a file it cannot decode (a JPEG truncated in place keeps
+  no trace in its stat when its mtime is put back); the loader then checks the files of the next few batches
+  (the "recovery window"), marks the bad ones and reopens the stream at the same position.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -20,6 +29,8 @@ from mmfast.validate import check_images
 log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
 ON_BAD_IMAGE = ("skip", "error")  # the choices of on_bad_image
+_UNKNOWN = -1  # a baseline not taken yet
+_STAT_THREADS_FROM = 4096  # files from which ``watch`` stats on several threads (a network file system's latency)
 
 
 class FileHealth:
@@ -31,9 +42,19 @@ class FileHealth:
         on_bad_image: "skip" (log it and serve a masked stand-in) or "error" (raise, naming the file).
         max_pixels: decoded-pixel budget per image checked at start-up (one over it is a bad image).
         num_threads: threads decoding the files that are checked.
+        file_stats: (size, mtime_ns) of each file when it was validated (a prepared directory's), the
+            baseline ``watch`` compares with; default: the first stat ``watch`` takes.
     """
 
-    def __init__(self, files: list[str], ids: np.ndarray, on_bad_image: str, max_pixels: int, num_threads: int):
+    def __init__(
+        self,
+        files: list[str],
+        ids: np.ndarray,
+        on_bad_image: str,
+        max_pixels: int,
+        num_threads: int,
+        file_stats: Sequence[tuple[int, int]] | None = None,
+    ):
         if on_bad_image not in ON_BAD_IMAGE:
             raise ValueError(f"on_bad_image must be {' or '.join(map(repr, ON_BAD_IMAGE))}, got '{on_bad_image}'")
         self.files, self.ids = files, ids
@@ -42,6 +63,11 @@ class FileHealth:
         self.num_threads = num_threads
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
         self.prepared = False  # the files come from a prepared directory (its tool is named in errors)
+        # (size, mtime_ns) of each file when last known good
+        if file_stats is not None:
+            self._known = np.array(file_stats, dtype=np.int64).reshape(len(files), 2)
+        else:
+            self._known = np.full((len(files), 2), _UNKNOWN, dtype=np.int64)
 
     @property
     def skipped(self) -> list[dict]:
@@ -60,22 +86,41 @@ class FileHealth:
         if len(self.bad) == len(self.files):
             raise ValueError("every image is missing or undecodable; nothing to load")
 
-    def check_all(self, file_stats: Sequence[tuple[int, int]] | None) -> None:
-        """The start-up check (``verify_files``): stat every file; decode again the ones that are missing,
-        empty, or changed (size, mtime) since they were validated."""
-        suspects = []
-        for p, path in enumerate(self.files):
-            try:
-                st = os.stat(path)
-            except OSError:
-                suspects.append(p)
-                continue
-            if file_stats is not None and (st.st_size, st.st_mtime_ns) != tuple(file_stats[p]):
-                suspects.append(p)
-            elif st.st_size == 0:
-                suspects.append(p)
+    def check_all(self) -> None:
+        """The start-up check (``verify_files``): ``watch`` every file now."""
+        self.watch(np.arange(len(self.files)))
+
+    def watch(self, positions: np.ndarray) -> list[int]:
+        """Stat the files at ``positions`` (-1 = padding; repeats allowed) before DALI reads them; decode again
+        those missing, not regular, empty, or changed (size, mtime) since they were last known good, and mark
+        the bad ones (``on_bad_image``). A file with no baseline yet takes its stat as one.
+
+        Returns:
+            the positions whose file changed or went bad (a holder of their decoded images drops them).
+        """
+        suspects = self._watch(positions)
+        while True:  # the stand-in is read for padding and skipped samples: watched too, the next if it went bad
+            stand_in = self.first_good_position()
+            suspects += [p for p in self._watch(np.array([stand_in])) if p not in suspects]
+            if stand_in not in self.bad:
+                return suspects
+
+    def _watch(self, positions: np.ndarray) -> list[int]:
+        todo = np.unique(positions[positions >= 0])
+        if self.bad:
+            todo = todo[~np.isin(todo, np.fromiter(self.bad, dtype=np.int64))]
+        now = _stat_files([self.files[p] for p in todo.tolist()])  # (n, 2); -1: not a regular file
+        known = self._known[todo]
+        fresh = known[:, 0] == _UNKNOWN
+        suspect = (now[:, 0] <= 0) | (~fresh & (now != known).any(axis=1))
+        self._known[todo[fresh & ~suspect]] = now[fresh & ~suspect]
+        suspects = todo[suspect].tolist()
         if suspects:
-            self._check(suspects, max_pixels=self.max_pixels)
+            log.info("%d image file(s) missing or changed since they were checked: checking them", len(suspects))
+            self._check(suspects)
+            good = [p for p in suspects if p not in self.bad]
+            self._known[good] = _stat_files([self.files[p] for p in good])
+        return suspects
 
     def check_window(self, positions: np.ndarray) -> bool:
         """After DALI failed: check the not yet known-bad files at ``positions`` (-1 = padding); True when
@@ -86,8 +131,8 @@ class FileHealth:
             todo.append(self.first_good_position())
         return self._check(todo)
 
-    def _check(self, positions: list[int], **limits) -> bool:
-        checks = check_images([self.files[p] for p in positions], self.num_threads, **limits)
+    def _check(self, positions: list[int]) -> bool:
+        checks = check_images([self.files[p] for p in positions], self.num_threads, max_pixels=self.max_pixels)
         bad = [(p, c.reason) for p, c in zip(positions, checks, strict=True) if not c.ok]
         if bad:
             self.mark_bad(*map(list, zip(*bad, strict=True)))
@@ -109,3 +154,21 @@ class FileHealth:
         files = [self.files[p] if p >= 0 and p not in bad else pad for p in positions]
         ids = [int(self.ids[p]) if p >= 0 and p not in bad else PAD_ID for p in positions]
         return files, ids
+
+
+def _stat_files(paths: list[str]) -> np.ndarray:
+    """(n, 2) int64 (size, mtime_ns) of each path; (-1, -1) for one that is missing or not a regular file."""
+
+    def one(path: str) -> tuple[int, int]:
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):  # ValueError: a NUL in the name
+            return _UNKNOWN, _UNKNOWN
+        return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else (_UNKNOWN, _UNKNOWN)
+
+    if len(paths) < _STAT_THREADS_FROM:
+        rows = [one(p) for p in paths]
+    else:  # os.stat releases the GIL: threads hide a network file system's round trips
+        with ThreadPoolExecutor(16) as pool:
+            rows = list(pool.map(one, paths, chunksize=1024))
+    return np.array(rows, dtype=np.int64).reshape(len(paths), 2)

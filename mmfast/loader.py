@@ -271,6 +271,7 @@ class ImageLoader:
         self._restore: Restore | None = None  # set by load_state_dict
         self._keep_position = False  # a restored position the next iter() continues from
         self._generation = 0  # bumped by each iter(): an older, abandoned iterator stops
+        self._held_positions: dict[int, np.ndarray] = {}  # _epoch_positions
 
     def _set_samples(self, files, labels, ids) -> None:
         """``files``, ``labels`` and ``ids`` as the loader keeps them (lists of str, int64 arrays), checked."""
@@ -304,15 +305,15 @@ class ImageLoader:
 
     def _set_source(self, source: Source, on_bad_image, max_pixels, verify_files, file_stats) -> None:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
-        self._health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads)
+        self._health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads, file_stats)
         self._health.prepared = self._files_checked  # a prepared directory's: errors name its tool
         self.source = source
         self.on_bad_image = on_bad_image
         self.max_pixels = max_pixels
         self.bad = self._health.bad  # position in files -> why it is skipped (the same dict)
-        # a shard's samples were checked when it was indexed; files are checked at start-up only if asked
-        if verify_files and self.source.can_skip_bad:
-            self._health.check_all(file_stats)
+        # a shard's samples were checked when it was indexed; files are watched before each stream reads them
+        if verify_files and self.source.needs_paths:
+            self._health.check_all()
 
     def _decoded_cache(self, cache_decoded: bool | int | str) -> DecodedImages | None:
         """The in-memory decoded images (``cache_decoded``), or None; a combination it cannot serve is an
@@ -508,6 +509,7 @@ class ImageLoader:
         restore = self._restore if self._restore is not None and self._restore.at(epoch, step) else None
         self._restore = None
         if self._decoded is not None:
+            self._watch(self._positions(epoch)[step * self.batch_size :])
             stream = self._decoded_stream(epoch, step)
             if stream is not None:
                 return stream
@@ -527,8 +529,64 @@ class ImageLoader:
         if part is not None:  # a file in it not read yet: one epoch in parts DALI parses safely
             chunk = new_chunk(epoch, step, entries, part)
             positions = self._chunk_positions(chunk)
-        it = self._iterator(self._pipeline(positions, chunk["start"], checkpoint, chunk_dali_batch(chunk)))
-        return Stream(it, chunk, epoch, step)
+        stream = Stream(None, chunk, epoch, step)
+        self._watch(self._upcoming(stream, 0, self._watch_lead()))  # the batches DALI reads first
+        stream.it = self._iterator(self._pipeline(positions, chunk["start"], checkpoint, chunk_dali_batch(chunk)))
+        return stream
+
+    def _watch_lead(self) -> int:
+        """How many batches ahead of the one it hands out next a file stream's files are watched: DALI's
+        iterator runs the pipeline ``prefetch`` batches ahead, and its reader loads the files of one more."""
+        return self.prefetch + 1
+
+    def _watch(self, positions: np.ndarray) -> bool:
+        """Before DALI reads the files at ``positions``: ``FileHealth.watch`` them (those missing or changed
+        since they were last known good are decoded again; a bad one is never handed to DALI), and the decoded
+        cache drops what changed. True when one of them went bad."""
+        if not self.source.needs_paths:  # a shard's samples were checked when it was indexed
+            return False
+        changed = self._health.watch(positions)
+        if changed and self._decoded is not None:
+            self._decoded.forget(changed)
+        return any(p in self.bad for p in changed)
+
+    def _watch_ahead(self, stream: Stream) -> bool:
+        """Watch the files of the batch a file stream will read ``_watch_lead()`` batches after the one it
+        hands out next, before DALI reaches it. True when one of them went bad: the rest of this epoch and the
+        next are watched at once (so many bad files cost one reopening), and the stream must be reopened
+        without them."""
+        if not self.source.ordered_by_loader or isinstance(stream.it, DecodedIterator):
+            return False  # the decoded cache reads in safe batches; its files are watched each epoch
+        lead = self._watch_lead()
+        if not self._watch(self._upcoming(stream, lead, lead + 1)):
+            return False
+        self._watch(self._upcoming(stream, 0, 2 * len(self)))
+        return True
+
+    def _upcoming(self, stream: Stream, first: int, stop: int) -> np.ndarray:
+        """Positions of the batches ``first`` to ``stop`` - 1 after the stream's next one, within its chunk."""
+        n, b = len(self), self.batch_size
+        ends = stream.chunk["start"] + stream.chunk["epochs"]
+        parts = []
+        for k in range(stream.epoch * n + stream.step + first, stream.epoch * n + stream.step + stop):
+            epoch, step = divmod(k, n)
+            if epoch >= ends:
+                break
+            if not parts or parts[-1][0] != epoch:
+                parts.append((epoch, step, step + 1))
+            else:
+                parts[-1] = (epoch, parts[-1][1], step + 1)
+        empty = np.zeros(0, dtype=np.int64)
+        return np.concatenate([empty] + [self._epoch_positions(e)[lo * b : hi * b] for e, lo, hi in parts])
+
+    def _epoch_positions(self, epoch: int) -> np.ndarray:
+        """``_positions(epoch)``, kept for the epochs the stream reads (the watch asks for them each batch)."""
+        held = self._held_positions
+        if epoch not in held:
+            if len(held) >= 3:
+                held.pop(min(held))
+            held[epoch] = self._positions(epoch)
+        return held[epoch]
 
     def _chunk_positions(self, chunk: dict) -> np.ndarray:
         """The positions a chunk's reader reads: its epochs' positions from its first batch on."""
@@ -678,6 +736,8 @@ class ImageLoader:
         while self.step < n:
             if generation is not None and generation != self._generation:
                 return  # an abandoned iterator: the loader has moved on
+            if self._watch_ahead(stream):  # a file DALI is about to read went bad: reopen without it
+                stream = self._stream = self._open_stream(self.epoch, self.step)
             try:
                 out = self._next_dali_batch(stream)
             except RuntimeError as e:  # DALI aborts the whole pipeline on one file it cannot read

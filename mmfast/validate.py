@@ -63,6 +63,8 @@ def image_header(path: str | os.PathLike) -> tuple[int, int, str] | None:
     from PIL import Image
 
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open until a writer came
+            return None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as im:
