@@ -10,6 +10,7 @@ gave it.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import tempfile
@@ -18,18 +19,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmfast.fsutil import atomic_write_bytes, atomic_write_jsonl
 from mmfast.loader import ImageLoader
 from mmfast.model_dir import MmfastModel
 from mmfast.multimodal import MultimodalLoader
 from mmfast.token_cache import TokenCache
-from mmfast.validate import DEFAULT_MAX_PIXELS
+from mmfast.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
 
 
 class RowsLoader(MultimodalLoader):
     """MultimodalLoader's eval path over rows that were never prepared: the same DALI graph and host finishing,
     and a token cache built in a temp folder with the model's tokenizer. Sample ids are row positions."""
 
-    def __init__(self, files: list[str], texts: list[str], model: MmfastModel, tokens_dir: Path, **kwargs):
+    def __init__(
+        self, files: list[str], texts: list[str], model: MmfastModel, tokens_dir: Path, max_pixels: int, **kwargs
+    ):
         cfg = model.config
         ImageLoader.__init__(
             self,
@@ -40,7 +44,7 @@ class RowsLoader(MultimodalLoader):
             drop_last=False,
             train=False,
             size=cfg["image_size"],
-            max_pixels=cfg.get("max_pixels") or DEFAULT_MAX_PIXELS,
+            max_pixels=max_pixels,
             cache_decoded=False,  # one pass: nothing would read the held images again
             **_norm(cfg),
             **kwargs,
@@ -66,59 +70,112 @@ def predict_rows(
     top_k: int = 3,
     device: str | torch.device = "cpu",
     num_workers: int | None = None,
+    max_pixels: int | None = None,
 ) -> list[dict]:
     """Predict every usable row; rows with an "error" (or whose image turns out unreadable) keep it.
 
     Args:
         rows: {"image", "text", "label" (optional), "path" (optional: the file to read when "image" only names
             it, as ``mmfast.predict_inputs`` gives for images stored as bytes)} or {"error"}.
+        max_pixels: decoded-pixel budget per image, read from its header (default: the model's, its data's).
 
     Returns:
         one dict per input row, in order: the row's fields plus "class", "prob", "top_k" [[class, prob], ...]
-        and "class_id", or "error".
+        and "class_id", or "error" (also when every image is unreadable: no row is predicted then).
     """
     device = torch.device(device)
-    names = model.class_names
     out = [dict(r) for r in rows]
-    usable = [i for i, r in enumerate(rows) if not r.get("error")]
-    for i in usable:  # a missing file is a reason worth saying in words; DALI would only skip it
-        if not Path(image_file(rows[i])).is_file():
-            out[i]["error"] = f"image not found: {rows[i]['image']}"
-    usable = [i for i in usable if not out[i].get("error")]
+    max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
+    for i, r in enumerate(rows):  # said in words, from the file's header; DALI would only skip it
+        problem = "" if r.get("error") else _image_problem(r, max_pixels)
+        if problem:
+            out[i]["error"] = problem
+    usable = [i for i, r in enumerate(out) if not r.get("error")]
     if not usable:
         return out
-    k = min(top_k, len(names))
     with tempfile.TemporaryDirectory(prefix="mmfast-predict-") as tmp:
+        names = Path(tmp) / "names"
         loader = RowsLoader(
-            [image_file(rows[i]) for i in usable],
+            [_dali_name(image_file(rows[i]), names, n) for n, i in enumerate(usable)],
             [rows[i]["text"] for i in usable],
             model,
             Path(tmp),
+            max_pixels,
             batch_size=batch_size or model.config.get("eval_batch_size") or 64,
             device=device,
             fp16=device.type == "cuda",
             num_workers=num_workers,
             on_bad_image="skip",
         )
+        _predict_batches(model, loader, [out[i] for i in usable], top_k)
+    for row in out:  # anything neither predicted nor flagged (should not happen) is said, not dropped
+        if "class" not in row and not row.get("error"):
+            row["error"] = "no prediction came back for this row"
+    return out
+
+
+def _predict_batches(model: MmfastModel, loader: RowsLoader, targets: list[dict], top_k: int) -> None:
+    """Fill in ``targets`` (the loader's rows, by sample id) with the class, its probability and the top-k, or
+    the reason a row has none (its image unreadable, its logits not finite)."""
+    names = model.class_names
+    k = min(top_k, len(names))
+    try:
         for batch in loader:
             ids = batch["id"].cpu().numpy()  # note: a sync point per batch (the rows the results belong to)
-            probs = torch.softmax(model(batch).float(), dim=1)  # (B, C)
-            top_p, top_i = probs.topk(k, dim=1)
+            logits = model(batch).float()  # (B, C)
+            finite = torch.isfinite(logits).all(dim=1).cpu().numpy()  # (B,)
+            top_p, top_i = torch.softmax(logits, dim=1).topk(k, dim=1)
             top_p, top_i = top_p.cpu().numpy(), top_i.cpu().numpy()
             for b in np.flatnonzero(ids >= 0):
-                row = out[usable[int(ids[b])]]
+                row = targets[int(ids[b])]
+                if not finite[b]:
+                    row["error"] = "the model gave non-finite logits (NaN or inf) for this row"
+                    continue
                 row.update(
                     class_id=int(top_i[b, 0]),
                     **{"class": names[top_i[b, 0]]},
                     prob=float(top_p[b, 0]),
                     top_k=[[names[c], float(p)] for c, p in zip(top_i[b], top_p[b], strict=True)],
                 )
-        for pos, reason in loader.bad.items():
-            out[usable[pos]]["error"] = f"image unreadable: {reason}"
-    for row in out:  # anything neither predicted nor flagged (should not happen) is said, not dropped
-        if "class" not in row and not row.get("error"):
-            row["error"] = "no prediction came back for this row"
-    return out
+    except ValueError:
+        if len(loader.bad) < len(targets):  # the loader stops when every image is bad; anything else is not ours
+            raise
+    for pos, reason in loader.bad.items():
+        targets[pos]["error"] = f"image unreadable: {reason}"
+
+
+def _image_problem(row: dict, max_pixels: int) -> str:
+    """Why a row's image cannot be predicted, read from its header only (nothing is decoded); "" when it may
+    be. A file DALI cannot parse is kept from it: DALI can crash on one instead of raising."""
+    from PIL import Image
+
+    path = image_file(row)
+    if not os.path.isfile(path):
+        return f"image not found: {row['image']}"
+    try:
+        header = image_header(path)  # one open per image; the budget's words only for one over it
+    except Image.DecompressionBombError:
+        return f"image unreadable: {pixel_budget_reason(path, max_pixels)}"
+    if header is not None and header[0] * header[1] > max_pixels:
+        return f"image unreadable: {pixel_budget_reason(path, max_pixels)}"
+    if header is None:
+        return "image unreadable: not an image (unrecognised content); pass a JPEG, PNG, BMP, TIFF or WebP file"
+    if header[2] not in DALI_FORMATS:
+        return f"image unreadable: unsupported image format {header[2]}; convert it to JPEG or PNG"
+    return ""
+
+
+def _dali_name(path: str, folder: Path, n: int) -> str:
+    """``path`` as DALI's file reader can take it: a name UTF-8 cannot encode (a Latin-1 byte, which Python
+    holds as a surrogate escape) is read through a symlink ``folder/<n>`` to it."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        folder.mkdir(exist_ok=True)
+        link = folder / str(n)
+        os.symlink(os.path.abspath(path), link)
+        return str(link)
 
 
 def image_file(row: dict) -> str:
@@ -127,20 +184,21 @@ def image_file(row: dict) -> str:
 
 
 def write_predictions(path: str | os.PathLike, results: list[dict]) -> Path:
-    """JSONL (default) or CSV (``.csv``: top-k as a JSON string) of predict_rows' results."""
+    """JSONL (default) or CSV (``.csv``: top-k as a JSON string) of predict_rows' results, written whole or not
+    at all (a temp file renamed into place). Text UTF-8 cannot encode (a file name with a Latin-1 byte, held
+    as a surrogate escape) is written escaped: ``\\udcXX`` (a JSON escape in JSONL, a backslash escape in CSV).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     keys = ["image", "text", "label", "class", "prob", "top_k", "error"]
     if path.suffix.lower() == ".csv":
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-            w.writeheader()
-            for r in results:
-                w.writerow({**r, "top_k": json.dumps(r.get("top_k"))} if "top_k" in r else r)
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for r in results:
+            w.writerow({**r, "top_k": json.dumps(r.get("top_k"))} if "top_k" in r else r)
+        atomic_write_bytes(path, buf.getvalue().encode("utf-8", errors="backslashreplace"))
     else:
-        with open(path, "w", encoding="utf-8") as f:
-            for r in results:
-                f.write(json.dumps({k: r.get(k) for k in ["id", *keys] if k in r or k == "error"}) + "\n")
+        atomic_write_jsonl(path, [{k: r.get(k) for k in ["id", *keys] if k in r or k == "error"} for r in results])
     return path
 
 

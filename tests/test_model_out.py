@@ -51,7 +51,7 @@ def test_model_dir_loads_offline_without_the_data(model_dir, tmp_path):
     moved = tmp_path / "elsewhere"
     shutil.copytree(model_dir, moved)  # the data dir's tokenizer is not reachable from here: the copy's is used
     names = sorted(p.name for p in moved.iterdir() if not p.name.startswith("."))
-    assert names == ["README.md", "config.json", "model.safetensors", "tokenizer"]
+    assert names == ["README.md", "checksums.json", "config.json", "model.safetensors", "tokenizer"]
     assert not [p for p in model_dir.parent.iterdir() if p.name.endswith(".tmp")]  # the atomic swap left nothing
     assert (model_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044  # others may read it (umask 022)
     a, b = load_model(model_dir), load_model(moved)
@@ -236,6 +236,7 @@ def test_without_a_best_checkpoint_both_dirs_hold_the_last_weights_and_say_so(pr
     for _ in range(2):  # a resumed run writes them again: the directories are replaced whole
         write_run_models(tmp_path, net, cfg, PreparedDataset(prepared), best_checkpoint=None)
     for name in ("model", "model-last"):
+        assert "model.safetensors" in json.loads((tmp_path / name / "checksums.json").read_text())
         loaded = load_model(tmp_path / name)
         assert loaded.config["weights"] == "last" and loaded.class_names == c["class_names"]
         got, want = loaded.model.state_dict(), net.state_dict()
@@ -450,7 +451,7 @@ def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, prepared, tmp
     one = ["--model", str(model_dir), "--image", str(tmp_path / "nope.jpg"), "--text", "x"]
     assert predict_tool.main(one) == 2
     err = capsys.readouterr().err
-    assert "error: no row of" in err and "--input-kind" not in err
+    assert err == f"error: cannot predict {tmp_path / 'nope.jpg'}: image not found: {tmp_path / 'nope.jpg'}\n"
     assert evaluate_tool.main([*mapped, "--no-labels", "--out", str(tmp_path / "e")]) == 2
     assert "has a label to score it by" in capsys.readouterr().err and not (tmp_path / "e").exists()
     # a prepared dataset given as --input: the flag it takes instead

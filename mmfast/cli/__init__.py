@@ -30,3 +30,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def summary_of(doc: str) -> str:
     """A module docstring's first paragraph on one line: a command's --help description."""
     return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def write_failure(out: object, e: OSError) -> str:
+    """The one-line message of an output that could not be written (``--out`` a file, no permission, a full
+    disk): what, where and why, for ``error: ...``."""
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""
+    return f"writing {out} failed: {e.strerror or e}{where}; free space or fix the path, and re-run"

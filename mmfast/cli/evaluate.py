@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
-from mmfast.cli import Parser, summary_of
+from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
-from mmfast.cli.predict import load_rows, none_usable, report_errors
+from mmfast.cli.predict import add_max_pixels_flag, load_rows, none_usable, report_errors
 from mmfast.quiet import filter_native_stderr
 
 
@@ -40,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
+    add_max_pixels_flag(p)
     add_input_flags(p, "--input")
     return p.parse_args(argv)
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from mmfast.fsutil import atomic_write_json
     from mmfast.manifest import ManifestError
     from mmfast.model_dir import load_for_inference
     from mmfast.predict import plot_confusion, predict_rows, score, write_predictions
@@ -85,16 +86,25 @@ def _main(argv: list[str] | None) -> int:
         if unknown:
             print(f"warning: labels the model does not know are not scored: {_listed(unknown)}", file=sys.stderr)
         results = predict_rows(
-            model, rows, batch_size=args.batch_size, device=device, num_workers=args.num_workers
+            model,
+            rows,
+            batch_size=args.batch_size,
+            device=device,
+            num_workers=args.num_workers,
+            max_pixels=args.max_pixels,
         )
     if none_usable(results, source):
         return 2
     figures = score(results, model.class_names)
     out = Path(args.out) if args.out else Path(args.model).resolve().parent / f"eval-{args.split}"
-    out.mkdir(parents=True, exist_ok=True)
-    write_predictions(out / "predictions.jsonl", results)
-    plot_confusion(figures["confusion"], model.class_names, out / "confusion.png")
-    (out / "metrics.json").write_text(json.dumps(figures, indent=2))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_predictions(out / "predictions.jsonl", results)
+        plot_confusion(figures["confusion"], model.class_names, out / "confusion.png")
+        atomic_write_json(out / "metrics.json", figures)
+    except OSError as e:  # --out a file, no permission, a full disk
+        print(f"error: {write_failure(out, e)}", file=sys.stderr)
+        return 2
     print_table(figures)
     if figures["errors"]:
         report_errors(results, "predicted")

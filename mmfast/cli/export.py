@@ -10,11 +10,11 @@ config.json says, input_ids and attention_mask (B, L) int64; output: logits (B, 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from mmfast.cli import Parser, summary_of
+from mmfast.cli import Parser, summary_of, write_failure
+from mmfast.fsutil import atomic_write_json
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,10 +30,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mmfast.export import export_onnx, export_program, onnx_parity
     from mmfast.model_dir import load_model
 
-    model = load_model(args.model)
+    try:
+        model = load_model(args.model)
+    except (ValueError, FileNotFoundError) as e:  # a model directory that cannot be used (ModelDirError)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return export(model, args)
+    except ImportError as e:  # onnx / onnxruntime: the export extra
+        print(
+            f"error: {e.name or e} is not installed: pip install 'mmfast[export]', or --format torch",
+            file=sys.stderr,
+        )
+    except OSError as e:
+        print(f"error: {write_failure(args.out, e)}", file=sys.stderr)
+    return 2
+
+
+def export(model, args: argparse.Namespace) -> int:
+    """Write the formats asked for and export.json; 1 when the ONNX file's logits are off by more than --atol."""
+    from mmfast.export import export_onnx, export_program, onnx_parity
+
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
     if args.format in ("onnx", "both"):
@@ -47,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     if args.format in ("torch", "both"):
         report["torch_export"] = str(export_program(model, out / "model.pt2"))
-    (out / "export.json").write_text(json.dumps(report, indent=2))
+    atomic_write_json(out / "export.json", report)
     print(f"exported to {out}")
     return 0
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from mmfast.cli import Parser, summary_of
+from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.quiet import filter_native_stderr
 
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
+    add_max_pixels_flag(p)
     p.add_argument(
         "--compare-pil",
         type=int,
@@ -56,6 +57,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bench-json", help="with --compare-pil: write the timings here")
     add_input_flags(p, "--input")
     return p.parse_args(argv)
+
+
+def add_max_pixels_flag(p: argparse.ArgumentParser) -> None:
+    """--max-pixels, as predict and evaluate take it."""
+    p.add_argument(
+        "--max-pixels",
+        type=_positive_int,
+        default=None,
+        help="images over this many pixels, w x h (read from the header), are errors, not decoded "
+        "(default: the model's, as its training data was prepared)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
@@ -84,10 +103,13 @@ def report_errors(results: list[dict], done: str) -> None:
 
 def none_usable(rows: list[dict], source: str, table: bool = True) -> bool:
     """True (after saying why on stderr, in one line after the reasons) when no row is left to predict.
-    ``table``: the rows came from an input the reading flags apply to (not --image)."""
+    ``table``: the rows came from an input the reading flags apply to (not --image, whose one reason is the
+    message)."""
     if any(not r.get("error") for r in rows):
         return False
-    if rows:
+    if not table and len(rows) == 1:
+        print(f"error: cannot predict {source}: {rows[0]['error']}", file=sys.stderr)
+    elif rows:
         report_errors(rows, "usable")
         how = ", or say how to read it (--input-kind, --image-column, --text-column)" if table else ""
         failed = f"all {len(rows)} failed, reasons above"
@@ -161,12 +183,22 @@ def _main(argv: list[str] | None) -> int:
             compare_pil(model, rows, args, device)
             return 0
         results = predict_rows(
-            model, rows, batch_size=args.batch_size, top_k=args.top_k, device=device, num_workers=args.num_workers
+            model,
+            rows,
+            batch_size=args.batch_size,
+            top_k=args.top_k,
+            device=device,
+            num_workers=args.num_workers,
+            max_pixels=args.max_pixels,
         )
     if none_usable(results, source, table=args.image is None):
         return 2
     if args.out:
-        write_predictions(args.out, results)
+        try:
+            write_predictions(args.out, results)
+        except OSError as e:  # written whole or not at all: nothing is left behind
+            print(f"error: {write_failure(args.out, e)}", file=sys.stderr)
+            return 2
     else:
         for r in results:
             print(json.dumps({k: r.get(k) for k in ("image", "class", "prob", "top_k", "error")}))
