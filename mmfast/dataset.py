@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from mmfast.fsutil import MARKER as PREPARED_MARKER
-from mmfast.fsutil import file_sha256
+from mmfast.fsutil import file_sha256, restore_interrupted_swap
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
 __all__ = [
@@ -118,12 +118,16 @@ class PreparedDataset:
         verify: check every recorded file's size and SHA-256 (default). Only skip it when the caller
             verified the same directory already in this process.
 
+    A directory a killed preparation left aside while replacing it (``fsutil.restore_interrupted_swap``) is
+    put back first.
+
     Raises:
         DatasetError: not a prepared directory, prepared by an older mmfast, or changed since preparation.
     """
 
     def __init__(self, root: str | os.PathLike, verify: bool = True):
         self.root = Path(root)
+        restore_interrupted_swap(self.root)
         summary_path = self.root / "prepare.json"
         if not summary_path.is_file():
             if (self.root / "train.jsonl").exists() or (self.root / "tokens").is_dir():

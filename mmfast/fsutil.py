@@ -13,6 +13,7 @@ import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,9 @@ _AT_FDCWD = -100  # <fcntl.h>: paths relative to the current directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>
 # What a full disk looks like to a writer: no space, over quota, over RLIMIT_FSIZE, read-only filesystem.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_RESTORE_WAIT_S = 10.0  # how long opening a directory waits for a preparation that holds its lock
+
+log = logging.getLogger(__name__)
 
 
 class OutputDirError(ValueError):
@@ -177,7 +181,7 @@ def atomic_dir(
                 remove_ours(tmp)  # the old directory, now under the temp name
                 return
             old = _old_name(final)
-            os.replace(final, old)  # a kill here leaves only `old`: recover_dir moves it back
+            os.replace(final, old)  # a kill here leaves only `old`: restore_interrupted_swap moves it back
             os.replace(tmp, final)
             fsync_dir(final.parent)
             remove_ours(old)
@@ -200,17 +204,59 @@ def recover_dir(final: str | os.PathLike, replaceable: Callable[[Path], bool] | 
     final = Path(final)
     replaceable = replaceable or is_replaceable
     old = _old_name(final)
-    if old.is_dir() and not old.is_symlink() and replaceable(old):
-        if not os.path.lexists(final):
-            os.replace(old, final)
-            fsync_dir(final.parent)
-        else:
-            remove_ours(old)
+    if not _put_back_old(final, replaceable) and old.is_dir() and not old.is_symlink() and replaceable(old):
+        remove_ours(old)
     if not final.parent.is_dir():
         return
     for p in final.parent.glob(f".{glob.escape(final.name)}.*.tmp"):
         if p.is_dir() and not p.is_symlink() and is_replaceable(p):
             remove_ours(p)
+
+
+def restore_interrupted_swap(final: str | os.PathLike, replaceable: Callable[[Path], bool] | None = None) -> bool:
+    """Put back the directory a killed swap left aside: ``.NAME.old`` (mmfast's) when ``final`` is missing.
+
+    A kill between the two renames of ``atomic_dir``'s fallback swap leaves ``final`` absent and the complete
+    old directory as ``.NAME.old``; whoever opens ``final`` next (a preparation, a training run) calls this
+    first. It takes ``final``'s lock (``dir_lock_path``), waiting a few seconds at most: a preparation that
+    holds the lock completes the swap itself. Nothing is deleted; a move that fails (a read-only folder) is
+    logged, and ``final`` stays missing.
+
+    Args:
+        final: the directory that should exist.
+        replaceable: whether ``.NAME.old`` is mmfast's (default: ``is_replaceable``).
+
+    Returns:
+        True when ``.NAME.old`` was moved back to ``final``.
+    """
+    final = Path(final)
+    if os.path.lexists(final) or not _old_name(final).is_dir():  # the usual case: no lock, no wait
+        return False
+    try:
+        with file_lock(dir_lock_path(final), timeout=_RESTORE_WAIT_S):
+            return _put_back_old(final, replaceable or is_replaceable)
+    except TimeoutError:
+        return False
+    except OSError as e:  # a folder this process may not write: the caller's own error follows
+        log.warning("cannot put %s back from %s (%s); move it back yourself", final, _old_name(final).name, e)
+        return False
+
+
+def _put_back_old(final: Path, replaceable: Callable[[Path], bool]) -> bool:
+    """Move ``.NAME.old`` back to ``final`` when ``final`` is missing; the caller holds ``final``'s lock."""
+    old = _old_name(final)
+    if os.path.lexists(final) or not old.is_dir() or old.is_symlink() or not replaceable(old):
+        return False
+    os.replace(old, final)
+    fsync_dir(final.parent)
+    log.warning("put %s back from %s (a preparation was killed while replacing it)", final, old.name)
+    return True
+
+
+def dir_lock_path(final: str | os.PathLike) -> Path:
+    """The path whose ``file_lock`` guards building and replacing the directory ``final``."""
+    final = Path(final)
+    return final.parent / f".{final.name}.lock"
 
 
 def remove_ours(path: Path) -> None:
@@ -286,8 +332,9 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive inter-process lock named by ``path`` for the duration of the block.
+def file_lock(path: str | os.PathLike, timeout: float = -1) -> Iterator[None]:
+    """Hold an exclusive inter-process lock named by ``path`` for the duration of the block (waiting for it
+    at most ``timeout`` seconds, then ``TimeoutError``; -1: as long as it takes).
 
     Used so that when several processes prepare the same dataset, one builds and the others wait. The lock
     file itself is not ``path``: on Unix a lock file must outlive its holders (``filelock`` leaves it on
@@ -297,7 +344,7 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
     from filelock import FileLock
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(lock_file_for(path)):
+    with FileLock(lock_file_for(path), timeout=timeout):
         yield
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
 _INT_RE = re.compile(r"^[+-]?\d+$")
+_DECIMAL_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+(?=[eE]))([eE][+-]?\d+)?$")  # 0.7, 3.0, .5, 1e3
 _URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 NO_LABEL = "unlabeled"  # the one label of every row of an input read with Columns(label=None) (--no-labels)
 
@@ -135,7 +137,7 @@ def check_rows(
         rows: (1-based line or row number, the row as a dict of column name -> value).
         root: the folder relative image paths are resolved against.
         confine: reject image paths that resolve outside ``root``.
-        from_csv: the values are CSV text (an integer-looking label is read as an integer).
+        from_csv: the values are CSV text (a label that reads as a number is one: see ``parse_label``).
         columns: which columns hold the image, text and label.
         file: the input file, recorded with each row when an input has several files.
     """
@@ -148,6 +150,43 @@ def check_rows(
             cand.file = file
             cands.append(cand)
     return cands, rejects
+
+
+def parse_label(value: object, from_text: bool = False) -> tuple[str | int | None, str]:
+    """A row's label as preparation keeps it: a class name (str) or an integer id; or None and why not.
+
+    A float that is a whole number (3.0, as pandas writes an integer column with gaps) is that integer. Any
+    other number (0.7, NaN, inf) is refused: labels name classes, and rounding one would merge classes
+    (1.5 and 1.2) without a word.
+
+    Args:
+        value: the label as read.
+        from_text: ``value`` is the text of a CSV/TSV cell or a WebDataset .cls member, where a number can
+            only be written as text: "3" and "3.0" are the integer 3 and "0.7" is refused too.
+
+    Returns:
+        (label, "") or (None, the reason).
+    """
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return None, f"unknown label type {type(value).__name__}; use a string or an integer"
+    if isinstance(value, str):
+        value = value.strip()
+        if not value:
+            return None, "empty label"
+        if not from_text or not (_INT_RE.match(value) or _DECIMAL_RE.match(value)):
+            return value, ""
+        number = float(value) if _DECIMAL_RE.match(value) else int(value)
+        hint = "give the class a name that is not a number"
+    else:
+        number = value
+        hint = f'write a class name as a string ("{value}")'
+    if isinstance(number, int):
+        return number, ""
+    if math.isnan(number):
+        return None, "label is NaN (a missing value); give the row a label or drop it"
+    if not math.isfinite(number) or not number.is_integer():
+        return None, f"label {value} is not a whole number: labels are class names or integer ids; {hint}"
+    return int(number), ""
 
 
 def finish_rows(
@@ -308,14 +347,9 @@ def _check_row(
         return None, f"field '{columns.text}' must be a string, got {type(text).__name__}"
     if not text.strip():
         return None, "empty text"
-    if isinstance(label, bool) or not isinstance(label, str | int):
-        return None, f"unknown label type {type(label).__name__}; use a string or an integer"
-    if isinstance(label, str):
-        label = label.strip()
-        if not label:
-            return None, "empty label"
-        if from_csv and _INT_RE.match(label):
-            label = int(label)
+    label, why = parse_label(label, from_text=from_csv)
+    if why:
+        return None, why
     for what, value in (("image path", image), ("text", text), ("label", label)):
         if isinstance(value, str) and (problem := _encoding_problem(what, value)):
             return None, problem

@@ -26,6 +26,7 @@ from mmfast.fsutil import (
     atomic_dir,
     atomic_write_json,
     atomic_write_jsonl,
+    dir_lock_path,
     file_lock,
     file_sha256,
     is_replaceable,
@@ -115,7 +116,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
         from mmfast.prepare_parts import prepare_part
 
         return prepare_part(cfg)
-    with file_lock(out.parent / f".{out.name}.lock"), write_errors(out, "the prepared dataset"):
+    with file_lock(dir_lock_path(out)), write_errors(out, "the prepared dataset"):
         recover_dir(out, _replaceable)
         _check_out(out)
         fp = input_fingerprint(cfg)

@@ -7,7 +7,8 @@ input, keeps its slice (a contiguous n-th of a manifest's rows, or of a WebDatas
 checks those images (and stores their --max-side copies), and writes what it found into
 
     OUT.parts/IIIII-of-NNNNN/     (beside OUT; written atomically, under a lock, marked as mmfast's)
-        part.json                 input fingerprint, part, counts, seconds (written last: the part is complete)
+        part.json                 input fingerprint, part, counts, seconds, the size and SHA-256 of the
+                                  two row files (written last: the part is complete)
         accepted.jsonl            the rows kept, with their images' sizes
         rejected.jsonl            the rows dropped, with their reasons
         images/, downscaled/      files the part wrote (image bytes of a Parquet input, --max-side copies)
@@ -16,13 +17,16 @@ The merge (the same command and settings with --merge instead of --shard) checks
 there and were made from the same input and settings, hard-links the files they wrote into OUT (a copy
 across filesystems), and writes OUT as a one-process preparation would: the same rows, split, ids and
 fingerprint. A part already complete for the same input and settings is not made again, so a failed machine's
-part is re-run alone. The parts stay until the user removes them (``rm -r OUT.parts``): they are mmfast's,
+part is re-run alone; a part whose files no longer match its part.json (rows deleted or edited, a file cut
+short, an image it wrote gone) is damaged: the merge names the file and the --shard command, which makes
+that part again. The parts stay until the user removes them (``rm -r OUT.parts``): they are mmfast's,
 but a merge may be re-run from them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict, replace
@@ -32,15 +36,24 @@ from mmfast.fsutil import (
     atomic_dir,
     atomic_write_json,
     atomic_write_jsonl,
+    dir_lock_path,
     file_lock,
+    file_sha256,
     is_replaceable,
     recover_dir,
     write_errors,
 )
 from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
 
+log = logging.getLogger(__name__)
 PART_KIND = "mmfast preparation part"  # the "kind" in a part directory's marker
 _FIELDS = ("line", "image", "text", "label", "source", "file", "original", "width", "height")
+_REJECT_FIELDS = ("line", "reason", "row")
+_ROW_FILES = ("accepted.jsonl", "rejected.jsonl")  # recorded in part.json's "files": {name: {size, sha256}}
+
+
+class _DamagedPart(Exception):
+    """A complete part's files are not what its part.json records (edited, cut short, rows deleted)."""
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -71,17 +84,21 @@ def part_dir(out: str | os.PathLike, i: int, n: int) -> Path:
 
 def prepare_part(cfg) -> dict:
     """Check part ``cfg.shard`` of the input into its part directory (or keep it when it is complete for the
-    same input and settings). Returns its part.json."""
+    same input and settings, and undamaged). Returns its part.json."""
     from mmfast.prepare import earlier_checks, input_fingerprint, read_and_check
 
     i, n = cfg.shard
     final = part_dir(cfg.out, i, n)
     fp = input_fingerprint(cfg)
-    with file_lock(final.parent / f".{final.name}.lock"), write_errors(final, "a preparation part"):
+    with file_lock(dir_lock_path(final)), write_errors(final, "a preparation part"):
         recover_dir(final, _is_part)
         summary = _read_part_summary(final)
         if summary is not None and summary["input_fingerprint"] == fp:
-            return summary
+            try:
+                _read_part(final, summary)
+                return summary
+            except _DamagedPart as e:
+                log.info("part %d/%d in %s is damaged (%s); checking it again", i, n, final.parent, e)
         if os.path.lexists(final) and not _is_part(final):
             raise ValueError(f"{final} is in the way and is not a part mmfast wrote; move it away")
         with atomic_dir(final, PART_KIND, _is_part) as tmp:
@@ -97,6 +114,7 @@ def prepare_part(cfg) -> dict:
                 "reused_checks": checked.reused,
                 "downscaled": checked.downscaled,
                 "seconds": checked.seconds,
+                "files": {name: _file_record(tmp / name) for name in _ROW_FILES},
             }
             atomic_write_json(tmp / "part.json", summary)  # last: the part is complete
     return summary
@@ -107,7 +125,8 @@ def merge_parts(cfg, tmp: Path, fp: str):
     being built), as one ``prepare.Checked``.
 
     Raises:
-        ManifestError: no parts, a part missing, or parts of another input or other settings.
+        ManifestError: no parts, a part missing or damaged (naming its file and the command that makes it
+            again), or parts of another input or other settings.
     """
     from mmfast.prepare import Checked
 
@@ -116,27 +135,16 @@ def merge_parts(cfg, tmp: Path, fp: str):
     if not dirs:
         raise ManifestError(f"--merge: no parts in {root}; run with --shard I/N (I = 0..N-1) first")
     n = int(dirs[0].name.split("-of-")[1])
-    summaries = {}
+    summaries, rows = {}, {}
     for i in range(n):
-        summary = _read_part_summary(part_dir(cfg.out, i, n))
-        if summary is None:
-            raise ManifestError(
-                f"--merge: part {i}/{n} is missing or incomplete in {root}; run it with --shard {i}/{n}"
-            )
-        if summary["input_fingerprint"] != fp:
-            raise ManifestError(
-                f"--merge: part {i}/{n} was made from another input or with other settings than this merge; "
-                f"run --shard {i}/{n} again with the merge's input and flags"
-            )
-        summaries[i] = summary
+        summaries[i], rows[i] = _checked_part(cfg.out, i, n, fp)
     good, rejects, n_input, reused, downscaled = [], [], 0, 0, 0
     seconds = {"read": 0.0, "validate": 0.0, "downscale": 0.0}
     for i in range(n):
         src = part_dir(cfg.out, i, n)
-        good += [_candidate(row, src, tmp / "parts" / f"{i:05d}") for row in _jsonl(src / "accepted.jsonl")]
-        rejects += [
-            Reject(r["line"], r["reason"], r["row"], r.get("file", "")) for r in _jsonl(src / "rejected.jsonl")
-        ]
+        accepted, rejected = rows[i]
+        good += [_candidate(row, src, tmp / "parts" / f"{i:05d}") for row in accepted]
+        rejects += [_reject(r) for r in rejected]
         s = summaries[i]
         n_input += s["counts"]["input_rows"]
         reused += s["reused_checks"]
@@ -146,6 +154,93 @@ def merge_parts(cfg, tmp: Path, fp: str):
     if kind == "wds":  # duplicates across the parts' shards
         good, rejects = finish_rows(good, rejects)
     return Checked(good, rejects, n_input, kind, seconds, reused, downscaled)
+
+
+def _checked_part(out, i: int, n: int, fp: str) -> tuple[dict, tuple[list[dict], list[dict]]]:
+    """Part i of n's part.json and its (accepted, rejected) rows, for the merge.
+
+    Raises:
+        ManifestError: the part is missing, incomplete, of another input or settings, or damaged.
+    """
+    src = part_dir(out, i, n)
+    summary = _read_part_summary(src)
+    if summary is None:
+        raise ManifestError(
+            f"--merge: part {i}/{n} is missing or incomplete in {src.parent}; run it with --shard {i}/{n}"
+        )
+    if summary["input_fingerprint"] != fp:
+        raise ManifestError(
+            f"--merge: part {i}/{n} was made from another input or with other settings than this merge; "
+            f"run --shard {i}/{n} again with the merge's input and flags"
+        )
+    try:
+        return summary, _read_part(src, summary)
+    except _DamagedPart as e:
+        raise ManifestError(
+            f"--merge: part {i}/{n} is damaged: {e}; make it again with the same command and --shard {i}/{n} "
+            "instead of --merge (it replaces the damaged part), then --merge"
+        ) from None
+
+
+def _read_part(src: Path, summary: dict) -> tuple[list[dict], list[dict]]:
+    """A complete part's (accepted, rejected) rows, checked against its part.json: the files' sizes and
+    SHA-256 (when recorded), every line a row with its fields, the counts, the files the part wrote.
+
+    Raises:
+        _DamagedPart: what is wrong, naming the file.
+    """
+    for name, want in (summary.get("files") or {}).items():
+        path = src / name
+        if not path.is_file() or _file_record(path) != want:
+            raise _DamagedPart(f"{path} is missing or changed since the part was made (size or SHA-256)")
+    accepted = _rows(src / "accepted.jsonl", _FIELDS)
+    rejected = _rows(src / "rejected.jsonl", _REJECT_FIELDS)
+    counts = summary.get("counts") or {}
+    if len(accepted) != counts.get("accepted"):
+        raise _DamagedPart(
+            f"{src / 'accepted.jsonl'} holds {len(accepted)} rows, part.json counts {counts.get('accepted')}"
+        )
+    if len(accepted) + len(rejected) != counts.get("input_rows"):
+        raise _DamagedPart(
+            f"{src / 'rejected.jsonl'} holds {len(rejected)} rows, part.json counts "
+            f"{counts.get('input_rows', 0) - len(accepted)}"
+        )
+    for row in accepted:
+        if row.get("in_part") and not (src / row["image"]).is_file():
+            raise _DamagedPart(f"{src / row['image']} (line {row['line']} of {src / 'accepted.jsonl'}) is missing")
+    return accepted, rejected
+
+
+def _rows(path: Path, fields: tuple[str, ...]) -> list[dict]:
+    """The rows of a part's JSONL file, each an object holding ``fields``.
+
+    Raises:
+        _DamagedPart: the file is unreadable, or a line is not such a row (cut short, edited).
+    """
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise _DamagedPart(f"{path} cannot be read: {e.strerror or e}") from None
+    rows = []
+    for k, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+            why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise _DamagedPart(
+                f"{path}, line {k}: not a JSON row ({why}); the file was cut short or edited"
+            ) from None
+        missing = [f for f in fields if not isinstance(row, dict) or f not in row]
+        if missing:
+            raise _DamagedPart(f"{path}, line {k}: no field {missing[0]!r}; the file was edited")
+        rows.append(row)
+    return rows
+
+
+def _file_record(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def _candidate_row(c: Candidate, base: Path) -> dict:
@@ -173,11 +268,6 @@ def _candidate(row: dict, part: Path, dest: Path) -> Candidate:
 
 def _reject(r: dict) -> Reject:
     return Reject(r["line"], r["reason"], r["row"], r.get("file", ""))
-
-
-def _jsonl(path: Path) -> list[dict]:
-    with open(path, "rb") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _read_part_summary(directory: Path) -> dict | None:

@@ -32,6 +32,7 @@ from mmfast.manifest import Candidate, Columns, ManifestError, Reject, finish_ro
 # Column names tried, in order, when a reader that knows its columns is not told which holds what.
 TEXT_NAMES = ("text", "caption", "captions", "sentence", "description", "prompt", "title")
 LABEL_NAMES = ("label", "labels", "class", "category", "class_name")
+COCO_LISTS = ("images", "annotations")  # a JSON object holding either list is read as COCO (``coco.read_coco``)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,9 @@ def _split_metadata(path: Path) -> bool:
 
 
 def _is_coco(path: Path) -> bool:
-    """A .json file holding one object with "images" and "annotations" (not a one-line JSONL manifest)."""
+    """A .json file holding one JSON object with an "images" or "annotations" list: COCO-shaped (an instances
+    or images-only file too, which ``coco.read_coco`` refuses saying what is missing), not a JSONL manifest,
+    whose rows are objects with image and text fields, one a line."""
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16).lstrip()
@@ -172,7 +175,7 @@ def _is_coco(path: Path) -> bool:
         obj = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return False
-    return isinstance(obj, dict) and "images" in obj and "annotations" in obj
+    return isinstance(obj, dict) and any(isinstance(obj.get(key), list) for key in COCO_LISTS)
 
 
 def pick_column(present: list[str], given: str | None, names: tuple[str, ...], what: str, where: str) -> str:

@@ -49,7 +49,9 @@ def read_parquet(
             batches = pf.iter_batches(batch_size=_BATCH_ROWS)
             schema = pf.schema_arrow
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-            raise ManifestError(f"{f}: cannot read the Parquet file: {e}") from e
+            raise ManifestError(
+                f"{f}: cannot read the Parquet file ({_one_line(e)}): it is corrupt or not Parquet; re-export it"
+            ) from e
         more = _read_table(f, root, schema, batches, _hf_features(schema), opts, confine, image_dir)
         cands += more[0]
         rejects += more[1]
@@ -130,7 +132,9 @@ def _open_arrow(f: Path):
             reader = pa.ipc.open_file(source)
             return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
     except (OSError, pa.ArrowInvalid) as e:
-        raise ManifestError(f"{f}: cannot read the Arrow file: {e}") from e
+        raise ManifestError(
+            f"{f}: cannot read the Arrow file ({_one_line(e)}): it is corrupt; re-export it"
+        ) from e
 
 
 def _info_features(folder: Path) -> dict:
@@ -197,10 +201,35 @@ def _read_table(
     """Check one file's rows; image bytes are written to ``image_dir`` as they are read."""
     import pyarrow as pa
 
+    columns = _columns(f, schema, features, opts)
     try:
-        return _read_rows(f, root, batches, features, _columns(f, schema, features, opts), confine, image_dir)
-    except pa.ArrowException as e:  # a damaged page or record batch, found while reading
-        raise ManifestError(f"{f}: cannot read the file past its first rows: {e}") from e
+        return _read_rows(f, root, _read_or_refuse(f, batches), features, columns, confine, image_dir)
+    except pa.ArrowException as e:  # a damaged value, found while converting a batch that was read
+        raise ManifestError(
+            f"{f}: the file is corrupt ({_one_line(e)}); re-export it, or remove it from the input"
+        ) from e
+
+
+def _read_or_refuse(f: Path, batches: Iterator) -> Iterator:
+    """``batches``, a failure to read the next one (a damaged page or record batch, a file cut short: pyarrow
+    raises ArrowInvalid, or OSError for a bad compressed page) raised as a ManifestError naming ``f``. Only
+    reading is wrapped: a failure to write the images of a batch (a full disk) stays an OSError."""
+    import pyarrow as pa
+
+    rows = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError, ValueError) as e:
+            where = f" after row {rows}" if rows else ""
+            raise ManifestError(
+                f"{f}: the file is corrupt: reading it failed{where} ({_one_line(e)}); re-export it, or remove "
+                "it from the input"
+            ) from e
+        rows += batch.num_rows
+        yield batch
 
 
 def _read_rows(
@@ -272,6 +301,11 @@ def _write_new(path: str, data: bytes) -> bool:
         if e.filename is None:
             e.filename = path  # a failed write() names no file; the error (a full disk) should
         raise
+
+
+def _one_line(e: Exception) -> str:
+    """pyarrow's message on one line (a thrift error ends in a newline)."""
+    return " ".join(str(e).split())
 
 
 def _jsonable(value: object) -> object:

@@ -69,14 +69,26 @@ def _has_id(entry: object) -> bool:
 
 
 def _load(path: Path) -> dict:
+    """The COCO file's object, checked to be a captions file: an ``images`` list and an ``annotations``
+    list whose entries carry captions."""
     try:
         data = json.loads(path.read_bytes())
     except OSError as e:
         raise ManifestError(f"{path}: cannot read the COCO file: {e.strerror or e}") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not a COCO JSON file: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+    if not isinstance(data, dict):
         raise ManifestError(f"{path}: a COCO file is an object with an 'images' list and an 'annotations' list")
-    if not isinstance(data.get("annotations"), list):
-        raise ManifestError(f"{path}: a COCO file is an object with an 'images' list and an 'annotations' list")
+    for key in ("annotations", "images"):
+        if not isinstance(data.get(key), list):
+            raise ManifestError(
+                f"{path}: a COCO JSON with no {key!r} list; pass a captions_*.json file (it has 'images' and "
+                "'annotations' with 'image_id' and 'caption')"
+            )
+    annotations = data["annotations"]
+    if annotations and not any(isinstance(a, dict) and "caption" in a for a in annotations):
+        raise ManifestError(
+            f"{path}: its annotations have no 'caption' (an instances_*/person_keypoints_* file?); pass a "
+            "captions_*.json file"
+        )
     return data

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from mmfast.fsutil import atomic_write_json
-from mmfast.manifest import Candidate, ManifestError, Reject
+from mmfast.manifest import Candidate, ManifestError, Reject, parse_label
 from mmfast.sources import WDS_ID_DIGITS, WDS_IMAGE_EXT
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
@@ -273,7 +273,8 @@ def _stripped_member(tar: tarfile.TarFile, ti: tarfile.TarInfo, what: str) -> tu
 
 
 def _label(tar: tarfile.TarFile, members: dict, o: dict) -> tuple[str | int, str]:
-    """The sample's label (an int when it reads as one) or why it has none."""
+    """The sample's label (an int when it reads as a whole number: ``manifest.parse_label``) or why it has
+    none."""
     if o["no_labels"]:
         return 0, ""
     if o["label_field"]:
@@ -290,7 +291,8 @@ def _label(tar: tarfile.TarFile, members: dict, o: dict) -> tuple[str | int, str
         value = meta.get(o["label_field"]) if isinstance(meta, dict) else None
         if value is None or isinstance(value, bool | dict | list):
             return "", f"no usable field '{o['label_field']}' (--wds-label-field) in {ti.name}"
-        return (value if isinstance(value, int) else str(value)), ""
+        label, why = parse_label(value)
+        return (label, "") if not why else ("", f"{why} ({ti.name})")
     ti = members.get(o["label_key"])
     if ti is None:
         return "", (
@@ -300,10 +302,8 @@ def _label(tar: tarfile.TarFile, members: dict, o: dict) -> tuple[str | int, str
     text, why = _stripped_member(tar, ti, "label")
     if why:
         return "", why
-    try:
-        return int(text), ""
-    except ValueError:
-        return text, ""
+    label, why = parse_label(text, from_text=True)
+    return (label, "") if not why else ("", f"{why} ({ti.name})")
 
 
 def write_split_index(out: Path, split: str, rows: list[dict]) -> dict:
