@@ -32,7 +32,6 @@ import os
 import re
 import tarfile
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +116,7 @@ def read_wds(
     the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
     (relative to the source's folder) and its reason names the sample's key.
     """
-    from mmfast.validate import DEFAULT_MAX_PIXELS, _die_with_parent
+    from mmfast.validate import DEFAULT_MAX_PIXELS, process_map
 
     shards = expand_shards(source)
     if part is not None:
@@ -128,10 +127,7 @@ def read_wds(
         (str(p), _relative(p, base.resolve()), _wds_opts(opts), max_pixels or DEFAULT_MAX_PIXELS) for p in shards
     ]
     if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(
-            min(workers, len(jobs)), initializer=_die_with_parent, initargs=(os.getpid(),)
-        ) as pool:
-            parts = list(pool.map(_read_shard_job, jobs))
+        parts = list(process_map(_read_shard_job, jobs, min(workers, len(jobs))))
     else:
         parts = [_read_shard_job(j) for j in jobs]
     cands = [c for part in parts for c in part[0]]

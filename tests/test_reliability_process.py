@@ -1,0 +1,90 @@
+"""Processes that must not hang: pools started from a process that holds DALI pipelines, a test that runs
+past its time limit, a run that a scheduler stops while it is stuck."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import ROOT
+
+# A loader's live DALI pipeline left in a reference cycle (garbage not collected yet), then a preparation
+# whose pool starts; the fork hook runs the garbage collector in each forked child, as it may run there by
+# chance: a forked child then finalizes the inherited pipeline, whose threads do not exist after the fork,
+# and waits for ever in its destructor (and so does the preparation).
+_POOL_AFTER_A_LOADER = """
+import gc, json, os, sys
+from mmfast import ImageLoader
+from mmfast.demo import demo_dataset
+from mmfast.prepare import PrepareConfig, prepare_dataset
+
+root = sys.argv[1]
+manifest = demo_dataset(n=200, seed=2, root=root + "/demo")
+rows = [json.loads(line) for line in open(manifest)]
+files = [os.path.join(os.path.dirname(manifest), r["image"]) for r in rows[:32]]
+loader = ImageLoader(files, batch_size=16, size=16, num_workers=2, cache_decoded=False)
+next(iter(loader))
+cycle = [loader]
+cycle.append(cycle)
+del loader, cycle
+gc.disable()
+os.register_at_fork(after_in_child=lambda: (gc.enable(), gc.collect()))
+prepare_dataset(PrepareConfig(source=str(manifest), out=root + "/prep", workers=2, progress=False))
+print(json.load(open(root + "/prep/prepare.json"))["counts"]["accepted"])
+"""
+
+
+def test_a_preparation_after_a_loader_does_not_hang_in_its_pool(tmp_path):
+    """The pool's workers come from a fork server, never from this process (forked, they hung for ever)."""
+    run = subprocess.run(
+        [sys.executable, "-c", _POOL_AFTER_A_LOADER, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["200"]
+
+
+def test_a_script_without_a_main_guard_prepares_once(tmp_path):
+    """The pool's workers import the function they run, not the caller's script: a script without an
+    ``if __name__ == "__main__":`` guard is not run again in each of them (as spawn would)."""
+    script = tmp_path / "prep.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from mmfast.demo import demo_dataset
+            from mmfast.prepare import PrepareConfig, prepare_dataset
+            print("script ran")
+            m = demo_dataset(n=200, seed=3, root={str(tmp_path / "demo")!r})
+            cfg = PrepareConfig(source=str(m), out={str(tmp_path / "prep")!r}, workers=2, progress=False)
+            prepare_dataset(cfg)
+            """
+        )
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("script ran") == 1
+
+
+def test_a_test_past_its_time_limit_fails_with_its_stack(tmp_path):
+    """The suite's own bound (pyproject's pytest-timeout settings): a test that sleeps past its limit is
+    ended and reported with the stack of the line it was stuck on, instead of holding CI for ever."""
+    test = tmp_path / "test_sleeps.py"
+    test.write_text(
+        "import time\nimport pytest\n\n\n@pytest.mark.timeout(3)\ndef test_sleeps():\n    time.sleep(120)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-c",
+         str(ROOT / "pyproject.toml"), str(test)],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "Timeout" in out and "test_sleeps.py" in out and "time.sleep(120)" in out, out[-3000:]
+
+
+def test_the_suite_is_bounded_by_its_configuration():
+    """Every test runs under a limit (no per-test opt-out beyond a larger one)."""
+    text = Path(ROOT / "pyproject.toml").read_text()
+    assert "\ntimeout = 300\n" in text and '\ntimeout_method = "thread"\n' in text
+    assert "pytest-timeout" in text
