@@ -318,6 +318,15 @@ def test_opening_a_dataset_puts_back_the_directory_a_killed_swap_left_aside(tmp_
     assert restore_interrupted_swap(out) is False  # nothing left to put back
 
 
+def test_a_training_run_on_it_puts_it_back_and_trains(tmp_path, capsys):
+    from tools import train as train_tool
+
+    _, out, files = _swap_killed_between_renames(tmp_path)
+    flags = ["--max-steps", "1", "--batch-size", "2", "--image-size", "16", "--hidden", "16", "--no-progress"]
+    assert train_tool.main(["--data", str(out), "--out", str(tmp_path / "run"), *flags]) == 0
+    assert _split_files(out) == files and (tmp_path / "run" / "summary.json").is_file()
+
+
 def test_the_next_preparation_puts_it_back_and_logs_it(tmp_path, capsys, caplog):
     m, out, files = _swap_killed_between_renames(tmp_path)
     with caplog.at_level(logging.INFO):

@@ -3,12 +3,15 @@ past its time limit, a run that a scheduler stops while it is stuck."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, train_cmd
 
 # A loader's live DALI pipeline left in a reference cycle (garbage not collected yet), then a preparation
 # whose pool starts; the fork hook runs the garbage collector in each forked child, as it may run there by
@@ -88,3 +91,65 @@ def test_the_suite_is_bounded_by_its_configuration():
     text = Path(ROOT / "pyproject.toml").read_text()
     assert "\ntimeout = 300\n" in text and '\ntimeout_method = "thread"\n' in text
     assert "pytest-timeout" in text
+
+
+# A run whose third training step never ends (as one stuck in a read or a collective would), which tells the
+# test when it is stuck there.
+_STUCK_TRAIN = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from mmfast.train import engine
+real = engine.compute_loss
+calls = []
+
+def stuck(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        open(os.environ["STUCK_FLAG"], "w").write("stuck")
+        time.sleep(600)  # stuck_here
+    return real(*args, **kwargs)
+
+engine.compute_loss = stuck
+from tools import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def _stuck_run(prepared, tmp_path, *flags) -> subprocess.Popen:
+    wrapper = tmp_path / "stuck_train.py"
+    wrapper.write_text(_STUCK_TRAIN.format(root=str(ROOT)))
+    flag = tmp_path / "stuck"
+    cmd = train_cmd(prepared, tmp_path / "run", "--epochs", "1", *flags)
+    cmd[1] = str(wrapper)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "STUCK_FLAG": str(flag)}
+    )
+    deadline = time.monotonic() + 240
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert flag.exists(), proc.communicate(timeout=60)[1][-3000:]
+    return proc
+
+
+def test_a_stuck_run_ends_within_its_grace_after_sigterm_with_every_stack(prepared, tmp_path):
+    """SIGTERM asks for a checkpoint at the next step; a run that never gets there exits after --stop-grace
+    seconds, saying so, with where each thread was (the handler swallowed the signal: only SIGKILL ended it)."""
+    proc = _stuck_run(prepared, tmp_path, "--stop-grace", "2")
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert time.monotonic() - sent < 30
+    assert "no step ended within 2 s of the stop signal" in err and "stuck_train.py" in err, err[-3000:]
+
+
+def test_a_second_stop_signal_ends_a_stuck_run_at_once(prepared, tmp_path):
+    proc = _stuck_run(prepared, tmp_path)  # the default grace: 60 s
+    proc.send_signal(signal.SIGINT)
+    time.sleep(3)  # a second signal within 2 s is the same stop (a terminal's Ctrl-C, forwarded by a launcher)
+    assert proc.poll() is None
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT and time.monotonic() - sent < 20, err[-3000:]
+    assert "a second stop signal (SIGINT)" in err

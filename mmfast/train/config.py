@@ -112,6 +112,12 @@ class TrainConfig:
         True, "checkpoints", "write checkpoints (off: a throwaway run, as mmfast-profile makes)"
     )
     resume: str | None = _opt(None, "checkpoints", "continue from a checkpoint: its PATH, or latest (in --out)")
+    stop_grace: float = _opt(
+        60.0,
+        "checkpoints",
+        "seconds a stop signal (SIGTERM/SIGINT) waits for the next step to write a checkpoint; past them (a "
+        "stuck run), or at a second signal, the run exits without one, printing where each thread was",
+    )
     on_bad_image: str = _opt(
         "skip", "data", "a missing/undecodable image: skip (log, count, mask it out) or error (stop the run)"
     )
@@ -210,6 +216,7 @@ class TrainConfig:
             (0 <= self.color_jitter <= 1, f"--color-jitter must be in [0, 1], got {self.color_jitter}"),
             (self.profile_interval > 0, f"--profile-interval must be > 0, got {self.profile_interval}"),
             (self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}"),
+            (self.stop_grace > 0, f"--stop-grace must be > 0 seconds, got {self.stop_grace}"),
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
             (self.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {self.max_nan_steps}"),
             (self.demo_size >= 10, f"--demo-size must be >= 10, got {self.demo_size}"),
@@ -379,6 +386,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "verify_files",
         "compile",
         "dist_timeout",
+        "stop_grace",
         "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written
     }
 )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from mmfast.fsutil import restore_interrupted_swap
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
 from mmfast.train.rundir import RAW_DATA_DIR
 
@@ -181,6 +182,8 @@ def check_data_exists(cfg: TrainConfig) -> None:
     """A --data that names nothing is refused (by the engine, before the run directory is touched)."""
     from mmfast.inputs.wds import is_wds_source
 
+    if cfg.data is not None:
+        restore_interrupted_swap(cfg.data)  # a preparation killed while replacing it left it aside
     if cfg.data is not None and not Path(cfg.data).exists() and not is_wds_source(cfg.data):
         raise ValueError(f"--data {cfg.data}: no such prepared directory, manifest or image folder")
 
