@@ -17,6 +17,11 @@ RANDOM_TEXT_CONFIGS = {
     "bert-mini": (256, 4, 4, 1024),
     "bert-base-random": (768, 12, 12, 3072),  # BERT-base's shape, for offline speed measurements
 }
+# Peak learning rate a pretrained encoder fine-tunes at when no recipe names one (AdamW; the write-ups of
+# these models): a text transformer's, by name, else the default; an image backbone with real weights.
+PRETRAINED_TEXT_LR = {"minilm": 5e-5, "bert-base-uncased": 3e-5}
+PRETRAINED_TEXT_LR_DEFAULT = 3e-5
+PRETRAINED_IMAGE_LR = 1e-4
 IMAGENET_MEAN_01 = (0.485, 0.456, 0.406)
 IMAGENET_STD_01 = (0.229, 0.224, 0.225)
 # Google's EfficientNet-Lite0 (ImageNet-1k, supervised; Apache-2.0), converted to PyTorch and shipped on PyPI
@@ -280,3 +285,14 @@ class TextEncoder(nn.Module):
     def encode_embeddings(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run the encoder on given input embeddings; returns the last hidden states (B, T, D)."""
         return self.model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+
+
+def pretrained_encoder_lr(image_backbone: str, image_weights: str | None, text_model: str) -> float | None:
+    """The learning rate for the pretrained ones among these encoders (the lowest, as they share one), or None
+    when both train from scratch: what a recipe made for random encoders should use for them."""
+    rates = []
+    if image_weights is not None or image_backbone == "efficientnet-lite0":
+        rates.append(PRETRAINED_IMAGE_LR)
+    if text_model not in RANDOM_TEXT_CONFIGS:
+        rates.append(PRETRAINED_TEXT_LR.get(text_model, PRETRAINED_TEXT_LR_DEFAULT))
+    return min(rates) if rates else None

@@ -415,14 +415,33 @@ PRESET_FIELDS = (
 
 
 def resolve_preset(cfg: TrainConfig) -> TrainConfig:
-    """The configuration with every "from the preset" field (None) filled in: what config.json records."""
+    """The configuration with every "from the preset" field (None) filled in: what config.json records. A
+    preset whose recipe has no encoder learning rate (its encoders train from scratch) gives a pretrained
+    encoder named by flag that encoder's own (``pretrained_encoder_lr``), not the new layers' ``--lr``."""
     from mmfast.models import get_preset
+    from mmfast.models.encoders import pretrained_encoder_lr
 
     preset = get_preset(cfg.preset)
     filled = {
         name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS
     }
-    if filled["encoder_lr"] is None:
-        filled["encoder_lr"] = filled["lr"]
+    if filled["encoder_lr"] is None:  # a recipe for encoders from scratch: a pretrained one named by flag
+        own = pretrained_encoder_lr(filled["image_backbone"], cfg.image_weights, filled["text_model"])
+        filled["encoder_lr"] = filled["lr"] if own is None else own
     resolved = replace(cfg, **filled)
     return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
+
+
+def encoder_lr_note(given: TrainConfig, resolved: TrainConfig) -> str | None:
+    """The line a run prints when a pretrained encoder named by flag took its own learning rate
+    (``resolve_preset``) instead of the preset's recipe for encoders from scratch; None otherwise."""
+    from mmfast.models import get_preset
+
+    if given.encoder_lr is not None or get_preset(given.preset).encoder_lr is not None:
+        return None
+    if resolved.encoder_lr == resolved.lr:
+        return None
+    return (
+        f"pretrained encoder(s) train at lr {resolved.encoder_lr:g}, their own (the {given.preset} preset's "
+        f"--lr {resolved.lr:g} is for layers trained from scratch); --encoder-lr sets it"
+    )

@@ -38,7 +38,7 @@ from mmfast.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
+from mmfast.train.config import TrainConfig, encoder_lr_note, resolve_preset, resume_differences
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir
 from mmfast.train.setup import (
@@ -344,8 +344,10 @@ def _claim(cfg: TrainConfig, accelerator, default_out: bool):
 def _train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
     default_out = cfg.out is None
-    cfg = replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
+    given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
+    if note := encoder_lr_note(given, cfg):
+        accelerator.print(note)
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
     lock, failed = None, True
     try:
