@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import resource
 from pathlib import Path
 
 import numpy as np
@@ -34,26 +35,66 @@ MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the
 DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (pipelines/image.py)
 
 
-def available_memory() -> int:
-    """Bytes a process may still take: Linux's MemAvailable (free memory plus the page cache it can drop),
-    capped by a cgroup's limit less its use (a container's; v2 or v1); 4 GiB where neither can be read."""
+def available_memory(cgroup_root: str = "/sys/fs/cgroup", proc: str = "/proc/self") -> int:
+    """Bytes this process may still take: Linux's MemAvailable (free memory plus the page cache it can drop),
+    capped by each memory cgroup the process is in and their parents (its own, as /proc/self/cgroup names it:
+    a Slurm job's or a systemd unit's, not only the root's; v2 or v1), each's limit less its use, and by its
+    address-space limit (``ulimit -v``) less what it maps already; 4 GiB where none can be read.
+
+    Args:
+        cgroup_root, proc: where the cgroup file systems and this process's /proc entry are (tests point
+            them at a layout of their own).
+    """
     found = []
     try:
-        with open("/proc/meminfo") as f:
+        with open("/proc/meminfo" if proc == "/proc/self" else f"{proc}/meminfo") as f:
             found += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")]
     except OSError:
         pass
-    for limit, usage in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+    found += [max(0, cap - used) for cap, used in _cgroup_limits(Path(cgroup_root), Path(proc))]
+    found += _address_space_left(Path(proc))
+    return min(found) if found else 4 << 30
+
+
+def _cgroup_limits(root: Path, proc: Path) -> list[tuple[int, int]]:
+    """(limit, usage) of every memory cgroup over this process that has a limit: the ones /proc/self/cgroup
+    names and their parents, then the root's own files (a container whose namespace shows "/")."""
+    folders = []
+    try:
+        lines = (proc / "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        base = root if controllers == "" else root / "memory" if "memory" in controllers.split(",") else None
+        if base is None:
+            continue
+        parts = [p for p in path.split("/") if p]
+        folders += [(base.joinpath(*parts[:k]), controllers == "") for k in range(len(parts), -1, -1)]
+    folders += [(root, True), (root / "memory", False)]
+    limits = []
+    for folder, v2 in dict.fromkeys(folders):
+        names = ("memory.max", "memory.current") if v2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
         try:
-            cap, used = Path(limit).read_text().strip(), Path(usage).read_text().strip()
+            cap, used = ((folder / n).read_text().strip() for n in names)
         except OSError:
             continue
-        if cap.isdigit() and int(cap) < 1 << 60:  # "max" / a huge number: no limit
-            found.append(max(0, int(cap) - int(used)))
-    return min(found) if found else 4 << 30
+        if cap.isdigit() and used.isdigit() and int(cap) < 1 << 60:  # "max" / a huge number: no limit
+            limits.append((int(cap), int(used)))
+    return limits
+
+
+def _address_space_left(proc: Path) -> list[int]:
+    """[bytes] the address-space limit (RLIMIT_AS, ``ulimit -v``) leaves this process, if it has one."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return []
+    try:
+        status = (proc / "status").read_text().splitlines()
+        mapped = next(int(ln.split()[1]) * 1024 for ln in status if ln.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return []
+    return [max(0, soft - mapped)]
 
 
 def default_budget() -> int:

@@ -8,6 +8,8 @@ import json
 import logging
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 from PIL import Image
 
 from mmfast.dataset import PreparedDataset
-from mmfast.decoded import random_crop_boxes
+from mmfast.decoded import available_memory, random_crop_boxes
 from mmfast.loader import ImageLoader, MultimodalLoader
 
 
@@ -382,3 +384,47 @@ def test_a_batch_that_failed_comes_again(tmp_path):
     save_image(Path(files[6]), size=(30, 20), seed=6)
     loader._health.bad.clear()  # the user fixed it
     assert [i for b in loader for i in b.ids.tolist()] == list(range(24))
+
+
+def _cgroup(folder: Path, limit: str, usage: int, v2: bool = True) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ("memory.max", "memory.current") if v2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    (folder / names[0]).write_text(limit + "\n")
+    (folder / names[1]).write_text(f"{usage}\n")
+
+
+def test_the_budget_reads_the_process_own_cgroups_not_only_the_root(tmp_path):
+    """A Slurm job or a systemd unit limits the process's own cgroup, deep in the tree: under a 3 GiB job limit
+    the budget planned 11,620 MiB from the root's (unlimited) files. Every cgroup over the process counts."""
+    root, proc = tmp_path / "cgroup", tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    job = root / "system.slice" / "slurmstepd.scope" / "job_42"
+    _cgroup(root, "max", 5 << 30)
+    _cgroup(job.parent, str(16 << 30), 4 << 30)  # the step: 12 GiB left
+    _cgroup(job, str(3 << 30), 1 << 30)  # the job: 2 GiB left
+    (proc / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_42\n")
+    assert available_memory(str(root), str(proc)) == 2 << 30
+    _cgroup(job.parent, str(2 << 30), 1 << 30)  # a parent's tighter limit binds its children too
+    assert available_memory(str(root), str(proc)) == 1 << 30
+    # cgroup v1: the memory controller's own hierarchy
+    v1 = tmp_path / "v1"
+    _cgroup(v1 / "memory" / "slurm" / "uid_0" / "job_7", str(5 << 30), 2 << 30, v2=False)
+    (proc / "cgroup").write_text("5:cpu,cpuacct:/slurm/uid_0/job_7\n4:memory:/slurm/uid_0/job_7\n0::/\n")
+    assert available_memory(str(v1), str(proc)) == 3 << 30
+    (proc / "cgroup").write_text("0::/\n")  # no limit anywhere: MemAvailable
+    assert available_memory(str(tmp_path / "none"), str(proc)) == 20000000 * 1024
+
+
+def test_the_budget_respects_the_address_space_limit():
+    """``ulimit -v``: the training cache filled past it and the run died in backward; the budget is now what
+    the limit leaves over what the process maps already."""
+    script = (
+        "import resource\nfrom mmfast.decoded import available_memory\n"
+        "vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))\n"
+        "print(available_memory())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (1 << 30) - (64 << 20) < int(out.stdout) <= 1 << 30
