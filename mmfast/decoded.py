@@ -262,7 +262,8 @@ class _Fill:
         health = self.cache.health
         if self.pipe is None:
             rest = self.todo[self.next :]
-            read = functools.partial(read_files, [health.files[p] for p in rest], rest)  # labelled by position
+            names = [health.dali_files[p] for p in rest]
+            read = functools.partial(read_files, names, rest)  # labelled by position
             self.batch = min(DECODE_BATCH, len(rest))
             threads = self.cache.num_threads
             self.pipe = decode_pipeline(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,6 +59,7 @@ class FileHealth:
         if on_bad_image not in ON_BAD_IMAGE:
             raise ValueError(f"on_bad_image must be {' or '.join(map(repr, ON_BAD_IMAGE))}, got '{on_bad_image}'")
         self.files, self.ids = files, ids
+        self.dali_files = self._dali_names(files)
         self.on_bad_image = on_bad_image
         self.max_pixels = max_pixels
         self.num_threads = num_threads
@@ -68,6 +70,20 @@ class FileHealth:
             self._known = np.array(file_stats, dtype=np.int64).reshape(len(files), 2)
         else:
             self._known = np.full((len(files), 2), _UNKNOWN, dtype=np.int64)
+
+    def _dali_names(self, files: list[str]) -> list[str]:
+        """``files`` as DALI's reader can take them: a name UTF-8 cannot encode (a byte of another encoding, as
+        Latin-1 file names have, which Python holds as a surrogate escape) is read through a symlink to it in
+        a folder of this object's own (removed with it). Messages name the file itself."""
+        odd = [p for p, f in enumerate(files) if not f.isascii() and not _utf8(f)]
+        if not odd:
+            return files
+        self._links = tempfile.TemporaryDirectory(prefix="mmfast-names-")
+        names = list(files)
+        for p in odd:
+            names[p] = os.path.join(self._links.name, str(p))
+            os.symlink(os.path.abspath(files[p]), names[p])
+        return names
 
     @property
     def skipped(self) -> list[dict]:
@@ -138,20 +154,17 @@ class FileHealth:
             self.mark_bad(*map(list, zip(*bad, strict=True)))
         return bool(bad)
 
-    def first_good(self) -> str:
-        """A file to stand in for padding and skipped samples (their ids are -1). Without the start-up check
-        it may be bad too: then DALI fails on it, and the recovery marks it and picks the next one."""
-        return self.files[self.first_good_position()]
-
     def first_good_position(self) -> int:
+        """The file that stands in for padding and skipped samples (their ids are -1): the first not known bad.
+        Watched before each read like the others; if it still fails, the recovery marks it and picks the next."""
         return next(p for p in range(len(self.files)) if p not in self.bad)
 
     def reader_list(self, positions: np.ndarray) -> tuple[list[str], list[int]]:
         """(files, sample ids) the file reader reads for ``positions``: padding (-1) and bad files replaced
-        by ``first_good()`` with id ``PAD_ID``."""
-        pad = self.first_good()
-        bad = self.bad
-        files = [self.files[p] if p >= 0 and p not in bad else pad for p in positions]
+        by the ``first_good_position()`` file with id ``PAD_ID``."""
+        pad = self.dali_files[self.first_good_position()]
+        bad, names = self.bad, self.dali_files
+        files = [names[p] if p >= 0 and p not in bad else pad for p in positions]
         ids = [int(self.ids[p]) if p >= 0 and p not in bad else PAD_ID for p in positions]
         return files, ids
 
@@ -172,3 +185,11 @@ def _stat_files(paths: list[str]) -> np.ndarray:
         with ThreadPoolExecutor(16) as pool:
             rows = list(pool.map(one, paths, chunksize=1024))
     return np.array(rows, dtype=np.int64).reshape(len(paths), 2)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

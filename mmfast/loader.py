@@ -81,6 +81,16 @@ log = logging.getLogger(__name__)
 IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
+class DaliFailure(RuntimeError):
+    """DALI failed on a batch and no file of it is to blame (memory, most often); the message says what to do."""
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of a DALI error that says something (its messages start with a banner and a C++ stack)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip() and "Critical error" not in ln]
+    return (lines[0] if lines else type(error).__name__)[:200]
+
+
 class ImageLoader:
     """A drop-in for ``torch.utils.data.DataLoader`` over image files, decoded and augmented by DALI.
 
@@ -223,6 +233,7 @@ class ImageLoader:
         size = 224 if size is None else size
         prefetch = _check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
         self._set_samples(files, labels, ids)
+        _check_batch(batch_size, len(self.files), num_shards, size, max_pixels)
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.drop_last = drop_last
@@ -275,11 +286,16 @@ class ImageLoader:
 
     def _set_samples(self, files, labels, ids) -> None:
         """``files``, ``labels`` and ``ids`` as the loader keeps them (lists of str, int64 arrays), checked."""
-        self.files = [str(f) for f in files]
+        if isinstance(files, str | bytes | os.PathLike):
+            raise TypeError(
+                f"files must be a list of image paths (or a dataset), got the path {str(files)!r}; for a folder "
+                f"of class folders use ImageLoader.from_folder({str(files)!r})"
+            )
+        self.files = [os.fsdecode(f) for f in files]
         n = len(self.files)
         if n == 0:
             raise ValueError("no image files given")
-        self.labels = np.asarray(labels if labels is not None else np.zeros(n), dtype=np.int64)
+        self.labels = _integer_labels(labels, n)
         self.ids = np.asarray(ids if ids is not None else np.arange(n), dtype=np.int64)
         if len(self.labels) != n or len(self.ids) != n:
             raise ValueError(f"{n} files but {len(self.labels)} labels and {len(self.ids)} ids")
@@ -707,7 +723,12 @@ class ImageLoader:
             : (self.prefetch + 2) * self.batch_size
         ]
         if not self._health.check_window(window):
-            raise error
+            raise DaliFailure(
+                f"DALI failed on batch {self.step} of epoch {self.epoch}, whose files each decode on their own "
+                f"({_first_line(error)}); the usual cause is memory: this process's limit (ulimit -v, a cgroup's) "
+                "or the machine's. Lower the batch size or the number of threads (--batch-size / --num-threads, "
+                "batch_size= / num_workers=)"
+            ) from error
         self._stream = None
         return self._open_stream(self.epoch, self.step)
 
@@ -818,6 +839,23 @@ class ImageLoader:
                 yield Batch.of(images, labels, ids, mask)
 
 
+def _integer_labels(labels, n: int) -> np.ndarray:
+    """``labels`` as int64 (zeros when None); a label that is not a whole number (0.7, NaN, "cat") is an error
+    naming it (numpy's cast would truncate 0.7 to class 0)."""
+    if labels is None:
+        return np.zeros(n, dtype=np.int64)
+    given = np.asarray(labels)
+    if given.dtype.kind in "iub":
+        return given.astype(np.int64)
+    if given.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(given) | (given != np.round(given)))
+        if not len(bad):
+            return given.astype(np.int64)
+        k = int(bad[0])
+        raise ValueError(f"labels must be integer class ids; label {k} is {float(given.reshape(-1)[k])}")
+    raise ValueError(f"labels must be integer class ids (map class names to ids first), got {given.dtype} values")
+
+
 def _process_layout(accelerator, shard_id: int | None, num_shards: int | None, device) -> tuple:
     """(shard_id, num_shards, device): as given, else the ``accelerator``'s, else (0, 1, None)."""
     if accelerator is not None:
@@ -833,6 +871,25 @@ def dali_batch_size(batch_size: int) -> int:
     (37, 74, 94, ...: many tiny DALI batches would cost more than they save; such a batch is not protected)."""
     part = next(d for d in range(min(batch_size, DALI_SAFE_BATCH), 0, -1) if batch_size % d == 0)
     return part if part >= 8 or part == batch_size else batch_size
+
+
+MAX_PADDED_BATCH = 4096  # a batch larger than a process's samples is padded up to its size only up to this
+
+
+def _check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels: int) -> None:
+    """Refuse sizes whose memory would blow up: a batch padded far past the samples (DALI runs whole batches),
+    an output image over the decoded-pixel budget."""
+    per_rank = math.ceil(n / num_shards)
+    if batch_size > max(per_rank, MAX_PADDED_BATCH):
+        raise ValueError(
+            f"batch_size {batch_size} is larger than the {per_rank} samples of each process; pass at most "
+            f"{per_rank} (one batch of all of them)"
+        )
+    if size * size > max_pixels:
+        raise ValueError(
+            f"size {size} makes {size}x{size} = {size * size / 1e6:.0f} MP output images, over the "
+            f"{max_pixels / 1e6:g} MP budget (max_pixels); pass a smaller size"
+        )
 
 
 def _check_sizes(

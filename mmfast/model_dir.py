@@ -261,7 +261,7 @@ def load_for_inference(
     return load_model(model_dir, device), device
 
 
-def model_config(cfg, dataset, model: nn.Module, weights: str) -> dict:
+def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Path | None = None) -> dict:
     """config.json of a run's model directory.
 
     Args:
@@ -269,6 +269,7 @@ def model_config(cfg, dataset, model: nn.Module, weights: str) -> dict:
         dataset: the PreparedDataset it trained on.
         model: the (unwrapped) network, for the normalization its image encoder expects.
         weights: "best" or "last".
+        tokenizer_dir: the tokenizer it trained with (default: the dataset's).
     """
     from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
     from mmfast.tokenizer import load_tokenizer
@@ -288,7 +289,7 @@ def model_config(cfg, dataset, model: nn.Module, weights: str) -> dict:
         "image_backbone": cfg.image_backbone,
         "text_model": cfg.text_model,
         **({"text_config": text_config} if text_config is not None else {}),
-        "vocab_size": len(load_tokenizer(dataset.tokenizer_dir)),
+        "vocab_size": len(load_tokenizer(tokenizer_dir or dataset.tokenizer_dir)),
         "hidden": cfg.hidden,
         "dropout": cfg.dropout,
         **({"combine": cfg.combine} if cfg.model == "late" else {}),
@@ -345,10 +346,14 @@ def _readable(root: Path) -> None:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def write_run_models(run_dir: Path, model: nn.Module, cfg, dataset, best_checkpoint: str | None) -> None:
+def write_run_models(
+    run_dir: Path, model: nn.Module, cfg, dataset, best_checkpoint: str | None, tokenizer_dir: Path | None = None
+) -> None:
     """RUN/model (the best evaluation's weights, read back from its protected checkpoint) and RUN/model-last
     (the weights as the run ended). Without a best checkpoint (--no-checkpoints, no evaluation), both hold the
-    last weights and config.json says so ("weights")."""
+    last weights and config.json says so ("weights"). ``tokenizer_dir``: the tokenizer the run trained with
+    (the training engine's copy, taken when it opened the data: the dataset's own may have been prepared
+    again since); default the dataset's."""
     from safetensors.torch import load_file
 
     last = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -358,8 +363,10 @@ def write_run_models(run_dir: Path, model: nn.Module, cfg, dataset, best_checkpo
         # DDP / torch.compile wrappers prefix the names
         best = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in saved.items()}
         which = "best"
-    save_model_dir(run_dir / "model", best, model_config(cfg, dataset, model, which), dataset.tokenizer_dir)
-    save_model_dir(run_dir / "model-last", last, model_config(cfg, dataset, model, "last"), dataset.tokenizer_dir)
+    tokenizer_dir = tokenizer_dir or dataset.tokenizer_dir
+    for name, weights, kind in (("model", best, which), ("model-last", last, "last")):
+        config = model_config(cfg, dataset, model, kind, tokenizer_dir)
+        save_model_dir(run_dir / name, weights, config, tokenizer_dir)
 
 
 def _number(v) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -159,3 +160,52 @@ def test_the_cache_sees_files_replaced_deleted_or_truncated_after_it_filled(tmp_
     assert not np.allclose(first[5].numpy(), red.numpy())
     reasons = {s["id"]: s["reason"] for s in loader.skipped}
     assert sorted(reasons) == [9, 13] and "missing" in reasons[9] and "truncated" in reasons[13]
+
+
+def test_a_latin1_file_name_is_read_like_any_other(tmp_path):
+    """A name UTF-8 cannot encode (Latin-1 bytes): DALI refused the whole list ("Unsupported argument type with
+    name files") where DataLoader(ImageFolder) reads it; it is read through a link of the loader's own."""
+    from torchvision.datasets import ImageFolder
+
+    files = _pngs(tmp_path / "imgs" / "cats", 12)
+    os.rename(files[4], os.fsencode(tmp_path / "imgs" / "cats") + b"/caf\xe9.png")
+    loader = ImageLoader.from_folder(tmp_path / "imgs", batch_size=4, size=16, num_workers=2, as_dict=True)
+    ids = [i for b in loader for i in b["id"].tolist()]
+    assert len(ImageFolder(str(tmp_path / "imgs"))) == 12
+    assert sorted(ids) == list(range(12)) and not loader.skipped
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"files": "photos/"}, "got the path 'photos/'; for a folder of class folders use ImageLoader.from_"),
+        ({"labels": [0.7] * 20}, "label 0 is 0.7"),
+        ({"labels": [1.0] * 19 + [float("nan")]}, "label 19 is nan"),
+        ({"labels": ["cat"] * 20}, "map class names to ids first"),
+        ({"batch_size": 10**9}, "batch_size 1000000000 is larger than the 20 samples of each process"),
+        ({"size": 100000}, "size 100000 makes 100000x100000 = 10000 MP output images, over the 64 MP budget"),
+    ],
+)
+def test_drop_in_arguments_that_would_go_wrong_are_refused_naming_them(tmp_path, kwargs, error):
+    """Each of these was silently wrong or a resource blow-up: a path string read as a list of one-character
+    files, labels truncated to class 0, a batch padded to 10**9 entries (23 GB), outputs of 447 GiB a batch."""
+    files = _pngs(tmp_path / "imgs", 20)
+    args = {"files": files, "batch_size": 4, "size": 16, "num_workers": 2, **kwargs}
+    with pytest.raises((TypeError, ValueError), match=re.escape(error)):
+        ImageLoader(args.pop("files"), **args)
+    assert ImageLoader(files, [3.0] * 20, batch_size=4, size=16).labels.tolist() == [3] * 20  # whole floats
+
+
+def test_running_out_of_memory_in_training_is_one_line(prepared, tmp_path, monkeypatch, capsys):
+    """Torch's CPU allocator raises a bare RuntimeError when a limit (ulimit -v) is reached: said in one line
+    with what to lower, exit 2."""
+    from mmfast.train import engine
+    from tools import train as train_tool
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(engine, "compute_loss", no_memory)
+    rc = train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "run"), "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: out of memory" in err and "--batch-size" in err and "Traceback" not in err

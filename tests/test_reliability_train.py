@@ -467,3 +467,32 @@ def test_sigterm_to_one_rank_or_the_launcher_stops_both_at_the_same_step_with_on
     for rank in (0, 1):
         rows = _jsonl(out / f"seen_ids.rank{rank}.jsonl")
         assert [r["step"] for r in rows] == list(range(2 * 7))  # nothing lost or repeated on either rank
+
+
+def test_a_dataset_prepared_again_during_a_run_leaves_the_model_its_own_tokenizer(
+    own_prepared, tmp_path, monkeypatch, demo_manifest, minilm_dir
+):
+    """The run trains on the data it opened (memory-mapped); RUN/model took the tokenizer/ of the directory as
+    it was at the end, another vocabulary once prepared again (evaluated 0.565 -> 0.503, or unloadable). It
+    carries the tokenizer the run opened."""
+    from mmfast.model_dir import load_model
+
+    before = _tree(own_prepared / "tokenizer")
+    real = engine.compute_loss
+    calls = []
+
+    def prepare_again_midway(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the user re-prepares the directory, with another tokenizer, while the run trains
+            again = {"source": str(demo_manifest), "out": str(own_prepared), "tokenizer": minilm_dir}
+            prepare_dataset(PrepareConfig(**again, progress=False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "compute_loss", prepare_again_midway)
+    out = tmp_path / "run"
+    assert _run(own_prepared, out, "--max-steps", "2") == 0
+    assert _tree(own_prepared / "tokenizer") != before  # the dataset is the new one now
+    for name in ("model", "model-last"):
+        assert _tree(out / name / "tokenizer") == before
+        model = load_model(out / name)
+        assert model.config["vocab_size"] == len(model.tokenizer) < 30522

@@ -71,12 +71,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """What a training run raises about the user's data, flags or machine: said in one line, exit 2."""
+    from mmfast.loader import DaliFailure
     from mmfast.manifest import ManifestError
     from mmfast.train.engine import NonFiniteLossError
     from mmfast.train.heartbeat import PeerFailure
     from mmfast.train.setup import LaunchError
 
-    return (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure)
+    return (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure, DaliFailure)
+
+
+_OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "std::bad_alloc", "cannot allocate memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says the process ran out of memory (Python's, torch's CPU / CUDA allocators')."""
+    return isinstance(error, MemoryError) or any(m in str(error).lower() for m in _OUT_OF_MEMORY)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -89,6 +98,16 @@ def _main(argv: list[str] | None) -> int:
         summary = train(cfg)
     except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+        if not out_of_memory(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(
+            f"error: out of memory ({first}); lower --batch-size (--grad-accum keeps the effective batch) or "
+            "--image-size, or free memory (a limit set by ulimit -v or a cgroup counts)",
+            file=sys.stderr,
+        )
         return 2
     if summary.get("interrupted"):
         print("interrupted", file=sys.stderr)  # the engine said where it stopped and how to resume

@@ -40,7 +40,7 @@ from mmfast.train.checkpoint import (
 )
 from mmfast.train.config import TrainConfig, encoder_lr_note, resolve_preset, resume_differences
 from mmfast.train.heartbeat import Heartbeat
-from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir
+from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, snapshot_tokenizer
 from mmfast.train.setup import (
     all_processes_ok,
     check_data_exists,
@@ -385,6 +385,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
 
     set_seed(cfg.seed)
     dataset = PreparedDataset(resolve_data(cfg, accelerator))
+    # what RUN/model will carry, whatever becomes of the dataset meanwhile
+    tokenizer = snapshot_tokenizer(dataset.tokenizer_dir, run_dir) if accelerator.is_main_process else None
     identity = run_identity(cfg, accelerator, dataset)
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
@@ -440,7 +442,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if accelerator.is_main_process:
         atomic_write_json(run_dir / "summary.json", summary)
         # RUN/model (best) and RUN/model-last: what users load, predict with and export
-        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, summary["best_checkpoint"])
+        best = summary["best_checkpoint"]
+        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, best, tokenizer)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from mmfast.dataset import PREPARED_MARKER
 
 RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
+RUN_TOKENIZER_DIR = "tokenizer"  # <run>/tokenizer: the tokenizer the run trains with (snapshot_tokenizer)
 RAW_DATA_DIR = "prepared"  # a raw --data is prepared into <run>/prepared (mmfast.train.setup.resolve_data)
 # What a start writes before its first step: the marker, the lock, and a raw --data's preparation (or the
 # rejects of one that found no usable row).
@@ -204,3 +206,17 @@ def _aside_name(run_dir: Path) -> Path:
         if not cand.exists():
             return cand
     raise RunDirError(f"cannot find a free name to move {run_dir} aside; choose another --out")
+
+
+def snapshot_tokenizer(source: Path, run_dir: Path) -> Path:
+    """Copy the prepared dataset's tokenizer into ``run_dir`` when the run opens the data, so that the model
+    directory written at the end carries the tokenizer the run trained with, even if the dataset is prepared
+    again meanwhile (its token cache stays mapped; its tokenizer/ would be the new one). Returns the copy."""
+    dest = run_dir / RUN_TOKENIZER_DIR
+    tmp = run_dir / f".{RUN_TOKENIZER_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftover: inside the run directory we hold
+    shutil.copytree(source, tmp)
+    if dest.exists():
+        shutil.rmtree(dest)  # a resumed run's earlier copy (the data's fingerprint matched)
+    os.replace(tmp, dest)
+    return dest
