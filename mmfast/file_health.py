@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mmfast.validate import check_images
+from mmfast.validate import check_images, pixel_budget_reason
 
 log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
@@ -130,6 +130,7 @@ class FileHealth:
         fresh = known[:, 0] == _UNKNOWN
         suspect = (now[:, 0] <= 0) | (~fresh & (now != known).any(axis=1))
         self._known[todo[fresh & ~suspect]] = now[fresh & ~suspect]
+        self._check_budget(todo[fresh & ~suspect].tolist())
         suspects = todo[suspect].tolist()
         if suspects:
             log.info("%d image file(s) missing or changed since they were checked: checking them", len(suspects))
@@ -137,6 +138,19 @@ class FileHealth:
             good = [p for p in suspects if p not in self.bad]
             self._known[good] = _stat_files([self.files[p] for p in good])
         return suspects
+
+    def _check_budget(self, positions: list[int]) -> None:
+        """Files seen for the first time (nobody validated them: a drop-in's) over the decoded-pixel budget, read
+        from their headers, are bad: one small PNG can declare a 600 MP image."""
+        paths = [self.files[p] for p in positions]
+        if len(paths) < _STAT_THREADS_FROM // 16:
+            reasons = [pixel_budget_reason(f, self.max_pixels) for f in paths]
+        else:  # PIL reads a header with the GIL released for the file's I/O
+            with ThreadPoolExecutor(8) as pool:
+                reasons = list(pool.map(pixel_budget_reason, paths, [self.max_pixels] * len(paths)))
+        over = [(p, r) for p, r in zip(positions, reasons, strict=True) if r]
+        if over:
+            self.mark_bad(*map(list, zip(*over, strict=True)))
 
     def check_window(self, positions: np.ndarray) -> bool:
         """After DALI failed: check the not yet known-bad files at ``positions`` (-1 = padding); True when

@@ -209,3 +209,20 @@ def test_running_out_of_memory_in_training_is_one_line(prepared, tmp_path, monke
     rc = train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "run"), "--max-steps", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and "error: out of memory" in err and "--batch-size" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("cache_decoded", ["auto", False])
+def test_an_image_over_the_pixel_budget_is_skipped_by_the_drop_in_before_it_is_decoded(tmp_path, cache_decoded):
+    """A 1-bit PNG of 9400x9400 is 11 KB on disk and 265 MB decoded: the 64 MP budget applied only with
+    verify_files, so the drop-in decoded it (MemoryError copying it into the cache, GBs of RSS). Its header is
+    read the first time the file is seen."""
+    from PIL import Image
+
+    files = _pngs(tmp_path / "imgs", 16)
+    Image.new("1", (9400, 9400)).save(files[6])
+    assert os.path.getsize(files[6]) < 100_000
+    loader = ImageLoader(files, batch_size=8, size=16, num_workers=2, as_dict=True, cache_decoded=cache_decoded)
+    ids = [i for b in loader for i in b["id"].tolist()]
+    assert sorted(i for i in ids if i >= 0) == [i for i in range(16) if i != 6]
+    (skipped,) = loader.skipped
+    assert skipped["id"] == 6 and "9400x9400 = 88.4 MP, over the 64 MP budget" in skipped["reason"]
