@@ -143,14 +143,15 @@ class ImageLoader:
             it in ``skipped``, and serve a masked sample in its place: id -1, label -100, mask False, so batch
             sizes and the other samples' order stay the same on every rank) or "error" (raise, naming the
             file).
-        verify_files: stat every file at start-up and decode again the missing, empty and changed ones
-            (default off: on a large split that is a long start; a file that breaks is then found when DALI
-            fails on it, and handled as ``on_bad_image`` says).
-        file_stats: (size, mtime_ns) of each file when it was validated; with ``verify_files``, files that
-            differ now are decoded again at start-up (MultimodalLoader passes what tools/prepare_data.py
-            recorded).
-        max_pixels: decoded-pixel budget per image, checked from the header of every file that is checked
-            again at start-up (one over it is a bad image): what bounds the decoder's memory.
+        verify_files: also check every file at start-up (default off: each batch's files are stat'ed anyway
+            just before DALI reads them, ``file_health.FileHealth.watch``; the missing, empty, non-regular and
+            changed ones are decoded again, and handled as ``on_bad_image`` says).
+        file_stats: (size, mtime_ns) of each file when it was validated (MultimodalLoader passes what
+            preparation recorded): a file that differs now is decoded again before it is read; default: each
+            file's first stat.
+        max_pixels: decoded-pixel budget per image, checked from the header of a file seen for the first time
+            (without ``file_stats``) or checked again (one over it is a bad image): what bounds the decoder's
+            memory.
         cpu_resize: who resizes, flips and normalizes the decoded crops when decoding on the CPU: "torch"
             (the consuming thread, ``mmfast.host_finish``; about 2x faster, and the eval path reproduces
             torchvision's Resize + CenterCrop pixels) or "dali" (in the graph). The GPU path always does it

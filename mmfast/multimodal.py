@@ -29,7 +29,8 @@ class MultimodalLoader(ImageLoader):
         accelerator: take shard_id / num_shards / device from an ``accelerate.Accelerator``.
         source: "files" (the split's image files) or "wds" (its WebDataset shards, see ``mmfast.wds``); a
             dataset prepared from WebDataset shards is always read from them.
-        verify_files: check every image file at start-up (see ``ImageLoader``); default off.
+        verify_files: also check every image file at start-up (see ``ImageLoader``: each batch's files are
+            compared with what preparation recorded just before they are read anyway); default off.
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
             False).
 

@@ -124,8 +124,9 @@ class TrainConfig:
     verify_files: bool = _opt(
         False,
         "data",
-        "stat every image at start-up and decode again the missing/changed ones (a long start on a large "
-        "split); off: a bad image is found when it is read, and handled as --on-bad-image says",
+        "also check every image at start-up (a long start on a large split); off: each batch's images are "
+        "stat'ed just before they are read, changed ones decoded again, and a bad one handled as --on-bad-image "
+        "says",
     )
     source: str = _opt(
         "files", "data", "images from their files (files) or from the prepared dir's WebDataset shards (wds)"
