@@ -114,12 +114,12 @@ class FileHealth:
         Returns:
             the positions whose file changed or went bad (a holder of their decoded images drops them).
         """
-        suspects = self._watch(positions)
-        while True:  # the stand-in is read for padding and skipped samples: watched too, the next if it went bad
+        stand_in = self.first_good_position()  # read for padding and skipped samples: watched too
+        suspects = self._watch(np.append(positions, stand_in))
+        while stand_in in self.bad:  # it went bad: the next one in its turn
             stand_in = self.first_good_position()
             suspects += [p for p in self._watch(np.array([stand_in])) if p not in suspects]
-            if stand_in not in self.bad:
-                return suspects
+        return suspects
 
     def _watch(self, positions: np.ndarray) -> list[int]:
         todo = np.unique(positions[positions >= 0])
@@ -142,12 +142,7 @@ class FileHealth:
     def _check_budget(self, positions: list[int]) -> None:
         """Files seen for the first time (nobody validated them: a drop-in's) over the decoded-pixel budget, read
         from their headers, are bad: one small PNG can declare a 600 MP image."""
-        paths = [self.files[p] for p in positions]
-        if len(paths) < _STAT_THREADS_FROM // 16:
-            reasons = [pixel_budget_reason(f, self.max_pixels) for f in paths]
-        else:  # PIL reads a header with the GIL released for the file's I/O
-            with ThreadPoolExecutor(8) as pool:
-                reasons = list(pool.map(pixel_budget_reason, paths, [self.max_pixels] * len(paths)))
+        reasons = [pixel_budget_reason(self.files[p], self.max_pixels) for p in positions]  # threads: no faster
         over = [(p, r) for p, r in zip(positions, reasons, strict=True) if r]
         if over:
             self.mark_bad(*map(list, zip(*over, strict=True)))
