@@ -153,3 +153,33 @@ def test_a_second_stop_signal_ends_a_stuck_run_at_once(prepared, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT and time.monotonic() - sent < 20, err[-3000:]
     assert "a second stop signal (SIGINT)" in err
+
+
+# A Ctrl-C that lands while the interpreter runs its exit handlers (DALI's pipelines tear down there): this
+# handler, registered before the run, runs last of all.
+_CTRL_C_AT_EXIT = """
+import atexit, os, signal, sys, time
+sys.path.insert(0, {root!r})
+
+def ctrl_c_during_exit():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+    print("still here")
+
+atexit.register(ctrl_c_during_exit)
+from tools import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_during_exit_ends_the_run_quietly(prepared, tmp_path):
+    """A second Ctrl-C while a finished run exits printed the traceback of an exit handler; now the process
+    ends at once with 130, and no traceback."""
+    wrapper = tmp_path / "exiting_train.py"
+    wrapper.write_text(_CTRL_C_AT_EXIT.format(root=str(ROOT)))
+    cmd = train_cmd(prepared, tmp_path / "run", "--max-steps", "1")
+    cmd[1] = str(wrapper)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert (tmp_path / "run" / "summary.json").is_file()
+    assert run.returncode == 130 and "still here" not in run.stdout, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr, run.stderr[-2000:]

@@ -9,7 +9,9 @@ With no flags it generates the built-in demo dataset and trains the tiny preset 
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import signal
 import sys
 
@@ -67,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        # registered last, so it runs first at exit: before DALI's own teardown handler
+        atexit.unregister(_quiet_interrupt_at_exit)
+        atexit.register(_quiet_interrupt_at_exit)
+
+
+def _quiet_interrupt_at_exit() -> None:
+    """At exit: a Ctrl-C while the interpreter shuts down (DALI tears its pipelines down in an exit handler of
+    its own) ends the process at once with 130, instead of printing that handler's traceback."""
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 
 
 def user_errors() -> tuple[type[Exception], ...]:
