@@ -2,13 +2,14 @@
 the reader's list.
 
 Two ways a bad file is found:
-- ``watch``: before DALI reads a set of files (a new stream, and once an epoch ahead of the next one), the
-  loader stats them and compares each with what it was when last known good (the size and mtime that
-  preparation recorded, or the first stat). Only a file that is missing, not a regular file, empty, or
-  changed is decoded again; one found bad is never handed to DALI. This is what keeps a file replaced after
-  validation (bytes that are no image, a FIFO) away from DALI's parser, which can crash the process on such
-  a file instead of raising (docs/architecture.md, "DALI hazards"), and what tells the decoded cache that an
-  image it holds has changed.
+- ``watch``: before DALI reads a batch's files (the loader watches them a few batches ahead of DALI's
+  reader; the decoded cache, each epoch's), they are stat'ed and compared with what they were when last
+  known good (the size and mtime that preparation recorded, or the first stat; a file seen for the first time
+  also has its header's pixel count checked against the budget). Only a file that is missing, not a regular
+  file, empty, or changed is decoded again; one found bad is never handed to DALI. This is what keeps a file
+  replaced after validation (bytes that are no image, a FIFO) away from DALI's parser, which can crash the
+  process on such a file instead of raising (README.md, "Reliability"), and what tells the decoded cache that
+  an image it holds has changed.
 - the recovery: DALI aborts the whole pipeline on a file it cannot decode (a JPEG truncated in place keeps
   no trace in its stat when its mtime is put back); the loader then checks the files of the next few batches
   (the "recovery window"), marks the bad ones and reopens the stream at the same position.
