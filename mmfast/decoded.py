@@ -32,7 +32,7 @@ from mmfast.sources import read_files
 
 log = logging.getLogger(__name__)
 MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the cache may take by default
-DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (pipelines/image.py)
+DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (mmfast/pipelines/image.py)
 
 
 def available_memory(cgroup_root: str = "/sys/fs/cgroup", proc: str = "/proc/self") -> int:

@@ -1,6 +1,6 @@
 """Image sources: where a loader's DALI reader takes the encoded images from, one class per kind with its own
 reader, registered by name in ``SOURCES``. Adding a source is a class and its reader here: the processing
-after the reader (``pipelines/image.py``) is shared by all of them.
+after the reader (``mmfast/pipelines/image.py``) is shared by all of them.
 
 A source says what differs between readers, so the loader never branches on the kind:
 - the reader that ``image_pipeline`` starts from (``reader``: a callable building the DALI reader's nodes);

@@ -64,7 +64,7 @@ def test_wheel_parts_install_offline_and_the_budget_skips_what_does_not_fit(tmp_
     assert "installed 1 wheels" in (out / "log.txt").read_text()
     (env,) = summary["steps"]
     assert env["status"] == "ok"
-    # the environment step imported mmfast from the source-tree copy, pipelines included
+    # the environment step imported mmfast from the source-tree copy
     assert "mmfast-gpucheck-" in "\n".join(env["tail"])
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "log.txt", "summary.json"]
 

@@ -8,8 +8,8 @@ Runs on a machine's own interpreter as it is (a lent GPU machine has torch, tran
 and nvidia-ml-py, no network and no DALI): ``--wheel-parts DIR`` unpacks a wheel tar split into parts
 (``cat DIR/part.*``, as ../shared/device/stage_dali.sh writes them) and installs the wheels with
 ``pip --no-index --no-deps --target DIR/site``; mmfast itself is used from this checkout, without a build,
-through a copy laid out as installed (``mmfast`` + ``mmfast/pipelines``) put first on PYTHONPATH; ``-c`` and
-``-m`` commands run with ``-P`` so that the checkout's own ``mmfast/`` (no ``pipelines`` inside) cannot shadow it.
+through a copy of its ``mmfast/`` put first on PYTHONPATH (the source tree is the import tree); ``-c`` and
+``-m`` commands run with ``-P`` so that the working directory cannot shadow it.
 
 Steps run in order of value and stop being started when ``--budget`` seconds are spent; each step's log,
 JSON and PNG go to ``OUT/gpu_check/``, packed at the end into ``OUT/gpu_check.tar.gz`` beside
@@ -193,10 +193,8 @@ def install_wheel_parts(parts_dir: Path, log) -> Path:
 
 
 def source_tree_copy(dest: Path) -> Path:
-    """This checkout's mmfast laid out as ``pip install .`` lays it out (pipelines/ -> mmfast/pipelines)."""
-    pkg = dest / "mmfast"
-    shutil.copytree(ROOT / "mmfast", pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "pipelines", pkg / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
+    """A copy of this checkout's ``mmfast/`` package in ``dest`` (what ``pip install .`` installs)."""
+    shutil.copytree(ROOT / "mmfast", dest / "mmfast", ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
 
