@@ -1,6 +1,6 @@
 """``PreparedDataset``: the one reader of a prepared dataset directory (written by tools/prepare_data.py).
 
-Directory contract (see DESIGN.md):
+Directory contract (docs/architecture.md, "Contracts"):
     prepare.json          what was done, and a ``files`` map {relative path: {"size", "sha256"}} of every
                           file below (written last, so its presence means the directory is complete)
     .mmfast-prepared      marker: mmfast wrote this directory (and may replace it)

@@ -1,4 +1,4 @@
-"""Turn a manifest or image folder into a prepared dataset directory (see DESIGN.md, Contracts).
+"""Turn a manifest or image folder into a prepared dataset directory (docs/architecture.md, "Contracts").
 
 Stages, in order: read rows -> validate images -> label map -> split -> tokenizer -> token cache -> write.
 The directory is built in a temp folder and renamed into place, under a lock, so concurrent runs

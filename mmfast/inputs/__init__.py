@@ -1,4 +1,4 @@
-"""Source readers: the data users already have, read into candidate rows (see DESIGN.md, Data flow).
+"""Source readers: the data users already have, read into candidate rows (docs/architecture.md, "Data flow").
 
 One reader per kind of input, registered by name in ``READERS``:
 
