@@ -314,6 +314,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
         }
         | ({"downscaled": checked.downscaled} if cfg.max_side else {}),  # copies stored under --max-side
         "rejected_by_reason": dict(Counter(_reason_kind(r.reason) for r in rejects).most_common()),
+        "largest_image": _largest_image(good, cfg.max_side),
         "reused_checks": checked.reused,
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
         "vocab_size": len(tok),
@@ -616,6 +617,18 @@ def _row(c: Candidate, sample_id: int, label_map: dict[str, int], work: Path) ->
 def _stat_pair(path: str) -> list[int]:
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
+
+
+def _largest_image(good: list, max_side: int) -> dict | None:
+    """The accepted image with the most pixels as the loaders decode it ({"image", "width", "height"}; a
+    --max-side copy's size): what bounds a batch's decoded memory."""
+    if not good:
+        return None
+    c = max(good, key=lambda c: c.width * c.height)
+    w, h = c.width, c.height
+    if max_side and max(w, h) > max_side:
+        w, h = round(w * max_side / max(w, h)), round(h * max_side / max(w, h))
+    return {"image": c.original or c.image, "width": w, "height": h}
 
 
 def input_fingerprint(cfg: PrepareConfig) -> str:

@@ -347,3 +347,25 @@ def test_a_foreign_old_directory_or_an_existing_one_is_left_alone(tmp_path):
     (aside / MARKER).write_text("")
     out.mkdir()  # the directory is there: the one aside is not moved (and not deleted)
     assert restore_interrupted_swap(out) is False and aside.is_dir() and not any(out.iterdir())
+
+
+# 6. Images within the pixel budget but huge decoded: preparation says what a batch of them costs.
+
+
+def test_a_huge_image_within_the_budget_is_noted_with_its_batch_memory(tmp_path, capsys):
+    """Sixteen 62 MP 1-bit PNGs (120 KB on disk) took 7.3 GB in training with no word; preparation now names
+    the largest image, what a batch of such images holds decoded, and --max-side."""
+    from PIL import Image
+
+    m = _manifest(tmp_path / "data", ["a", "b"] * 3)
+    Image.new("1", (6000, 4000)).save(tmp_path / "data" / "0.png")  # 24 MP, a few KB on disk
+    out = tmp_path / "ds"
+    assert main([str(m), "--out", str(out), *FLAGS]) == 0
+    printed = capsys.readouterr().out
+    assert "note: the largest image decodes to 6000x4000 (72 MB;" in printed and "0.png" in printed
+    assert "a batch of 64 such images holds 4.6 GB decoded" in printed and "--max-side" in printed
+    summary = json.loads((out / "prepare.json").read_text())
+    assert summary["largest_image"]["width"] == 6000 and summary["largest_image"]["height"] == 4000
+    small = tmp_path / "small"
+    assert main([str(m), "--out", str(small), "--max-side", "1024", *FLAGS]) == 0
+    assert "note: the largest image" not in capsys.readouterr().out  # its copy is 1024x683

@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+LARGE_IMAGE_PIXELS = 16_000_000  # a prepared image over this many pixels is worth a note about memory
+
+
 def print_summary(summary: dict) -> None:
     c = summary["counts"]
     print(f"\n{'input rows':<22}{c['input_rows']:>8}")
@@ -120,6 +123,14 @@ def print_summary(summary: dict) -> None:
     if summary.get("reused_checks"):
         print(f"{'checks reused':<22}{summary['reused_checks']:>8}  (images unchanged since the last preparation)")
     print(f"{'prepared in':<22}{summary['timings_s']['total']:.1f} s")  # a reused directory's: when it was
+    big = summary.get("largest_image")
+    if big and big["width"] * big["height"] > LARGE_IMAGE_PIXELS:
+        mb = big["width"] * big["height"] * 3 / 1e6
+        print(
+            f"note: the largest image decodes to {big['width']}x{big['height']} ({mb:.0f} MB; {big['image']}): a "
+            f"batch of 64 such images holds {64 * mb / 1e3:.1f} GB decoded at once, and the loaders decode "
+            "whole images; --max-side 2048 stores smaller copies (or lower --max-pixels)"
+        )
     if c["classes"] < 2:
         print(
             "note: one class only (labels.json): the loader reads it, but mmfast-train's classifiers need at "
