@@ -367,3 +367,56 @@ def lock_dir() -> Path:
         d = Path(tempfile.gettempdir()) / f"mmfast-locks-{os.getuid()}"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     return d
+
+
+class OutputError(ValueError):
+    """An output path that would replace what the user owns; the message says what to pass instead."""
+
+
+def claim_output_dir(path: str | os.PathLike, kind: str) -> Path:
+    """The folder a command writes its files into (evaluate's, export's): created and marked as mmfast's, or
+    one that is empty or already carries mmfast's marker. A folder holding files mmfast did not write is
+    refused (its same-named files would be replaced): nothing of the user's is overwritten.
+
+    Raises:
+        OutputError: ``path`` is a file, or a folder with files of the user's.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"--out {path}: is a file; pass a folder (new, or one mmfast wrote)")
+    if path.is_dir() and not is_replaceable(path):
+        raise OutputError(
+            f"--out {path}: holds files mmfast did not write (same-named ones would be replaced); pass a new or "
+            "empty folder"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / MARKER).is_file():
+        write_marker(path, kind)
+    return path
+
+
+def check_output_file(path: str | os.PathLike, inputs: list[str], written_by_us) -> None:
+    """Refuse an output file that would replace what the user owns: one of ``inputs`` (the file read, the
+    images it names) or an existing file that ``written_by_us(path)`` does not recognise as an earlier output
+    of the same command.
+
+    Raises:
+        OutputError: naming the path and what to pass instead.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_dir():
+        raise OutputError(f"--out {path}: is a folder; pass a file name")
+    for name in inputs:
+        try:
+            same = os.path.samefile(path, name)
+        except (OSError, ValueError):
+            continue
+        if same:
+            raise OutputError(f"--out {path}: is one of this command's inputs ({name}); pass another file name")
+    if not written_by_us(path):
+        raise OutputError(
+            f"--out {path}: exists and is not an earlier output of this command; pass a new file name (or move "
+            "it away first)"
+        )

@@ -183,13 +183,36 @@ def image_file(row: dict) -> str:
     return row.get("path") or row["image"]
 
 
+# the columns of a predictions file
+PREDICTION_KEYS = ["image", "text", "label", "class", "prob", "top_k", "error"]
+
+
+def is_predictions_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is what ``write_predictions`` writes (so a new run may replace it): a CSV with its
+    header, JSONL whose first row has only its keys, or an empty file."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16).decode("utf-8", errors="replace").strip()
+    except OSError:
+        return False
+    if not first:
+        return True
+    if Path(path).suffix.lower() == ".csv":
+        return first == ",".join(PREDICTION_KEYS)
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and "error" in row and set(row) <= {"id", *PREDICTION_KEYS}
+
+
 def write_predictions(path: str | os.PathLike, results: list[dict]) -> Path:
     """JSONL (default) or CSV (``.csv``: top-k as a JSON string) of predict_rows' results, written whole or not
     at all (a temp file renamed into place). Text UTF-8 cannot encode (a file name with a Latin-1 byte, held
     as a surrogate escape) is written escaped: ``\\udcXX`` (a JSON escape in JSONL, a backslash escape in CSV).
     """
     path = Path(path)
-    keys = ["image", "text", "label", "class", "prob", "top_k", "error"]
+    keys = PREDICTION_KEYS
     if path.suffix.lower() == ".csv":
         buf = io.StringIO(newline="")
         w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")

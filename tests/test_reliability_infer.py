@@ -174,7 +174,7 @@ def test_export_errors_are_one_line(model_dir, tmp_path, capsys):
     (tmp_path / "a-file").write_text("mine\n")
     rc = export_tool.main(["--model", str(model_dir), "--out", str(tmp_path / "a-file"), "--format", "torch"])
     assert rc == 2
-    _one_error_line(capsys.readouterr().err, f"writing {tmp_path / 'a-file'} failed")
+    _one_error_line(capsys.readouterr().err, f"--out {tmp_path / 'a-file'}: is a file; pass a folder")
     assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
@@ -301,3 +301,48 @@ def test_non_finite_logits_are_a_row_error_not_a_nan_probability(prepared, manif
     got = predict_rows(load_model(tmp_path / "model"), rows)
     assert [r.get("error") for r in got] == ["the model gave non-finite logits (NaN or inf) for this row"] * 4
     assert not any("prob" in r for r in got)
+
+
+def _bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def test_predict_never_writes_over_its_input_an_image_or_a_users_file(model_dir, manifest, tmp_path, capsys):
+    """--out was written whatever it named: the input manifest (rewritten as predictions), one of its images
+    (a JPEG replaced by JSONL), any file. Now those are refused, and an earlier predictions file is replaced."""
+    image = Path(json.loads(manifest.read_text().splitlines()[0])["image"])
+    mine = tmp_path / "notes.jsonl"
+    mine.write_text('{"my": "notes"}\n')
+    before = {p: _bytes(p) for p in (manifest, image, mine)}
+    for out, says in ((manifest, "is one of this command's inputs"), (image, "is one of this command's inputs"),
+                      (mine, "exists and is not an earlier output")):  # fmt: skip
+        capsys.readouterr()
+        rc = predict_tool.main(["--model", str(model_dir), "--input", str(manifest), "--out", str(out)])
+        _one_error_line(capsys.readouterr().err, f"--out {out}: {says}")
+        assert rc == 2
+    assert {p: _bytes(p) for p in before} == before
+    again = tmp_path / "p.csv"
+    for _ in range(2):  # the second run replaces the first one's file
+        assert predict_tool.main(["--model", str(model_dir), "--input", str(manifest), "--out", str(again)]) == 0
+    assert len(again.read_text().splitlines()) == 5
+
+
+def test_evaluate_and_export_never_write_into_a_folder_of_the_users(model_dir, manifest, tmp_path, capsys):
+    """export replaced a user's model.onnx; evaluate wrote metrics.json, confusion.png and predictions.jsonl into
+    the images' folder. A folder with files mmfast did not write is refused; a new one is marked as mmfast's
+    and may be written again."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "model.onnx").write_text("my own onnx\n")
+    (folder / "metrics.json").write_text("{}\n")
+    for tool, flags in (("export", ["--format", "torch"]), ("evaluate", ["--input", str(manifest)])):
+        capsys.readouterr()
+        rc = TOOLS[tool].main(["--model", str(model_dir), "--out", str(folder), *flags])
+        _one_error_line(capsys.readouterr().err, f"--out {folder}: holds files mmfast did not write")
+        assert rc == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["metrics.json", "model.onnx"]
+    assert (folder / "model.onnx").read_text() == "my own onnx\n"
+    for _ in range(2):
+        assert TOOLS["evaluate"].main(["--model", str(model_dir), "--out", str(tmp_path / "ev"), "--input",
+                                       str(manifest)]) == 0  # fmt: skip
+    assert (tmp_path / "ev" / "metrics.json").is_file()

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from mmfast.fsutil import atomic_write_json
+    from mmfast.fsutil import OutputError, atomic_write_json, claim_output_dir
     from mmfast.manifest import ManifestError
     from mmfast.model_dir import load_for_inference
     from mmfast.predict import plot_confusion, predict_rows, score, write_predictions
@@ -98,11 +98,14 @@ def _main(argv: list[str] | None) -> int:
     figures = score(results, model.class_names)
     out = Path(args.out) if args.out else Path(args.model).resolve().parent / f"eval-{args.split}"
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out = claim_output_dir(out, "evaluation")  # a folder of the user's is refused, never written into
         write_predictions(out / "predictions.jsonl", results)
         plot_confusion(figures["confusion"], model.class_names, out / "confusion.png")
         atomic_write_json(out / "metrics.json", figures)
-    except OSError as e:  # --out a file, no permission, a full disk
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # no permission, a full disk
         print(f"error: {write_failure(out, e)}", file=sys.stderr)
         return 2
     print_table(figures)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
-from mmfast.fsutil import atomic_write_json
+from mmfast.fsutil import OutputError, atomic_write_json, claim_output_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        claim_output_dir(args.out, "export")  # a folder of the user's is refused, never written into
         return export(model, args)
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
     except ImportError as e:  # onnx / onnxruntime: the export extra
         print(
             f"error: {e.name or e} is not installed: pip install 'mmfast[export]', or --format torch",

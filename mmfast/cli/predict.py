@@ -164,15 +164,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from mmfast.fsutil import check_output_file
     from mmfast.manifest import ManifestError
     from mmfast.model_dir import load_for_inference
-    from mmfast.predict import predict_rows, write_predictions
+    from mmfast.predict import image_file, is_predictions_file, predict_rows, write_predictions
 
     args = parse_args(argv)
     source = args.input or args.data or args.image
     with contextlib.ExitStack() as stack:
         try:
             rows = load_rows(args, stack)
+            if args.out:  # never the input, one of its images, or a file of the user's
+                inputs = [str(source)] + [image_file(r) for r in rows if r.get("image")]
+                check_output_file(args.out, inputs, is_predictions_file)
             if none_usable(rows, source, table=args.image is None):
                 return 2
             model, device = load_for_inference(args.model, args.device)
