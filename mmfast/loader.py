@@ -99,7 +99,8 @@ class ImageLoader:
     batch is partial unless ``drop_last``, ``len()``, ``.dataset`` (``classes``, ``class_to_idx``,
     ``samples``, ``targets``, ``len()``), ``.batch_size``, ``.sampler`` (``set_epoch``, ``len()``) and
     ``.drop_last`` mean what they mean there, and each ``iter()`` starts a new epoch (also after a
-    ``break``). With ``shard_id``/``num_shards`` each process gets exactly the samples that
+    ``break``; one epoch runs at a time: an older iterator advanced after a newer one began raises). With
+    ``shard_id``/``num_shards`` each process gets exactly the samples that
     ``DistributedSampler(dataset, num_shards, shard_id, shuffle, seed)`` gives it, in its order.
 
     Args:
@@ -282,7 +283,7 @@ class ImageLoader:
         self._stream: Stream | None = None  # the live DALI iterator and the position of its next batch
         self._restore: Restore | None = None  # set by load_state_dict
         self._keep_position = False  # a restored position the next iter() continues from
-        self._generation = 0  # bumped by each iter(): an older, abandoned iterator stops
+        self._generation = 0  # bumped by each iter(): an older iterator raises if it is advanced again
         self._held_positions: dict[int, np.ndarray] = {}  # _epoch_positions
 
     def _set_samples(self, files, labels, ids) -> None:
@@ -746,7 +747,7 @@ class ImageLoader:
         batches (B, ...).
 
         Counts a batch as delivered (``self.step``) when it is handed out, so a consumer that stops early
-        leaves the loader at the right position. ``generation``: stop when another ``iter()`` has begun.
+        leaves the loader at the right position. ``generation``: raise when another ``iter()`` has begun.
         """
         n = len(self)
         if self.step >= n:  # restored at the very end of an epoch
@@ -757,7 +758,11 @@ class ImageLoader:
         stream = self._stream
         while self.step < n:
             if generation is not None and generation != self._generation:
-                return  # an abandoned iterator: the loader has moved on
+                raise RuntimeError(
+                    f"this iterator of {type(self).__name__} was replaced by a newer iter(loader): the loader "
+                    "runs one epoch at a time (its DALI pipeline is shared), so an older iterator cannot go on; "
+                    "finish or drop one before starting the next"
+                )
             if self._watch_ahead(stream):  # a file DALI is about to read went bad: reopen without it
                 stream = self._stream = self._open_stream(self.epoch, self.step)
             try:

@@ -255,7 +255,13 @@ def test_each_iter_starts_a_new_epoch_also_after_a_break(folder):
     stale = iter(loader)
     next(stale)
     fresh = [i for b in loader for i in b.ids.tolist()]
-    assert fresh == expected(5) and next(stale, None) is None  # an abandoned iterator ends, harmlessly
+    assert fresh == expected(5)
+    with pytest.raises(RuntimeError, match="replaced by a newer iter"):  # it ended silently, a short epoch
+        next(stale)
+    a, b = iter(loader), iter(loader)  # the replay's case: the first one, never started, gave 0 samples
+    assert [i for x in b for i in x.ids.tolist()] == expected(6)
+    with pytest.raises(RuntimeError, match="replaced by a newer iter"):
+        next(a)
 
 
 def test_a_restored_position_survives_set_epoch_and_continues(folder):
