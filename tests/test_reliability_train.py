@@ -496,3 +496,13 @@ def test_a_dataset_prepared_again_during_a_run_leaves_the_model_its_own_tokenize
         assert _tree(out / name / "tokenizer") == before
         model = load_model(out / name)
         assert model.config["vocab_size"] == len(model.tokenizer) < 30522
+
+
+def test_a_prepared_split_given_as_data_is_refused_naming_its_directory(prepared, tmp_path, capsys):
+    """``--data PREPARED/train.jsonl`` was prepared again as a raw manifest: class ids became class names and
+    the train rows were split again, with rc 0."""
+    out = tmp_path / "run"
+    assert _run(prepared / "train.jsonl", out, "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert f"is a split of the prepared dataset {prepared}; pass --data {prepared}" in err
+    assert "Traceback" not in err and not out.exists()

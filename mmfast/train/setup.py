@@ -129,6 +129,12 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
         return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
+    if cfg.data is not None and _is_prepared_split(Path(cfg.data)):
+        raise ValueError(
+            f"--data {cfg.data}: is a split of the prepared dataset {Path(cfg.data).parent}; pass --data "
+            f"{Path(cfg.data).parent} (as a raw manifest its class ids would become class names, and its rows "
+            "would be split again)"
+        )
     with accelerator.main_process_first():
         if cfg.data is None:
             source = demo_dataset(n=cfg.demo_size, seed=0)
@@ -186,6 +192,11 @@ def check_data_exists(cfg: TrainConfig) -> None:
         restore_interrupted_swap(cfg.data)  # a preparation killed while replacing it left it aside
     if cfg.data is not None and not Path(cfg.data).exists() and not is_wds_source(cfg.data):
         raise ValueError(f"--data {cfg.data}: no such prepared directory, manifest or image folder")
+
+
+def _is_prepared_split(path: Path) -> bool:
+    """``train.jsonl`` / ``val.jsonl`` of a prepared directory (which it lies in)."""
+    return path.name in ("train.jsonl", "val.jsonl") and (path.parent / "prepare.json").is_file()
 
 
 def _looks_prepared(path: Path) -> bool:
