@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -32,6 +33,7 @@ from mmfast.fsutil import atomic_dir, file_lock, file_sha256
 from mmfast.models import build_model
 from mmfast.models.encoders import _quiet_transformers
 
+log = logging.getLogger(__name__)
 FORMAT = "mmfast-model/1"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -172,6 +174,12 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
         ) from e
     _load_weights(model, model_dir / WEIGHTS_FILE)
     model.tokenizer = _load_tokenizer(model_dir / TOKENIZER_DIR)
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and len(model.tokenizer) != vocab:  # another run's tokenizer/
+        raise ModelDirError(
+            f"{model_dir / TOKENIZER_DIR}: has {len(model.tokenizer)} tokens where {model_dir / CONFIG_FILE} says "
+            f"the model was trained with {vocab}: not the tokenizer it was trained with; {_REMEDY}"
+        )
     return model.eval().to(device)
 
 
@@ -186,6 +194,12 @@ def verify_model_dir(model_dir: str | os.PathLike) -> None:
     model_dir = Path(model_dir)
     path = model_dir / CHECKSUMS_FILE
     if not path.exists():
+        log.warning(
+            "%s: no %s, so its files cannot be checked (written before mmfast wrote checksums, or the file was "
+            "removed); loading it unchecked",
+            model_dir,
+            CHECKSUMS_FILE,
+        )
         return
     try:
         sums = json.loads(path.read_text())

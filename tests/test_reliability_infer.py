@@ -346,3 +346,22 @@ def test_evaluate_and_export_never_write_into_a_folder_of_the_users(model_dir, m
         assert TOOLS["evaluate"].main(["--model", str(model_dir), "--out", str(tmp_path / "ev"), "--input",
                                        str(manifest)]) == 0  # fmt: skip
     assert (tmp_path / "ev" / "metrics.json").is_file()
+
+
+def test_without_checksums_another_tokenizer_is_still_refused_and_the_load_says_unchecked(
+    model_dir, manifest, tmp_path, capsys, caplog, minilm_dir
+):
+    """With checksums.json removed every check was off: another run's tokenizer (31 tokens for a model of 196)
+    predicted with rc 0. Its size is checked against config.json, and the load says it is unchecked."""
+    import logging
+
+    model = _copy(model_dir, tmp_path, checksums=False)
+    with caplog.at_level(logging.WARNING):
+        load_model(model)
+    assert f"{model}: no checksums.json, so its files cannot be checked" in caplog.text
+    shutil.rmtree(model / "tokenizer")
+    shutil.copytree(minilm_dir, model / "tokenizer")
+    rc, err = _run("predict", model, manifest, tmp_path, capsys)
+    assert rc == 2
+    _one_error_line(err, f"{model / 'tokenizer'}: has 30522 tokens where")
+    assert "not the tokenizer it was trained with" in err
