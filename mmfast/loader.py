@@ -276,6 +276,12 @@ class ImageLoader:
         self._sampler: ShardSampler | None = None
         self._start_position()
 
+    def __reduce__(self):
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied (it holds a live DALI pipeline); build one in "
+            "each process, and save its position with state_dict()"
+        )
+
     def _start_position(self) -> None:
         """Before the first batch: epoch 0, no stream yet."""
         self.epoch = 0
@@ -497,6 +503,10 @@ class ImageLoader:
     def load_state_dict(self, state: dict) -> None:
         """Restore a position from ``state_dict()`` (same data, seed, batch size and process count); the
         next ``iter()`` continues from it."""
+        keys = ("epoch", "step", "seed", "num_samples", "num_shards", "batch_size")
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"not a loader state (from state_dict()): it lacks {', '.join(missing)}")
         for key, mine in (
             ("seed", self.seed),
             ("num_samples", len(self.files)),
@@ -898,6 +908,12 @@ def _check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels
         )
 
 
+def _check_int(name: str, value) -> None:
+    """``value`` is an int (numpy's too), not a bool, float or string: numpy would slice with it later."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+
+
 def _check_sizes(
     batch_size: int | None,
     shard_id: int,
@@ -911,9 +927,16 @@ def _check_sizes(
     default 2)."""
     if batch_size is None:
         raise ValueError("batch_size=None (one unbatched sample at a time) is not supported; pass a batch size")
+    for name, value in (("batch_size", batch_size), ("shard_id", shard_id), ("num_shards", num_shards)):
+        _check_int(name, value)
+    if isinstance(size, tuple | list):
+        raise TypeError(f"size must be one int (square outputs, the side in pixels), got {size!r}")
+    _check_int("size", size)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_shards < 1 or not 0 <= shard_id < num_shards:
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if not 0 <= shard_id < num_shards:
         raise ValueError(f"shard_id must be in [0, num_shards={num_shards}), got {shard_id}")
     if size < 8:
         raise ValueError(f"size must be >= 8 pixels, got {size}")

@@ -184,6 +184,10 @@ def test_a_latin1_file_name_is_read_like_any_other(tmp_path):
         ({"labels": ["cat"] * 20}, "map class names to ids first"),
         ({"batch_size": 10**9}, "batch_size 1000000000 is larger than the 20 samples of each process"),
         ({"size": 100000}, "size 100000 makes 100000x100000 = 10000 MP output images, over the 64 MP budget"),
+        ({"shard_id": 1.5, "num_shards": 2}, "shard_id must be an int, got 1.5"),  # failed deep in iteration
+        ({"shard_id": "0"}, "shard_id must be an int, got '0'"),
+        ({"num_shards": 0}, "num_shards must be >= 1, got 0"),
+        ({"size": (32, 48)}, "size must be one int (square outputs"),
     ],
 )
 def test_drop_in_arguments_that_would_go_wrong_are_refused_naming_them(tmp_path, kwargs, error):
@@ -226,3 +230,15 @@ def test_an_image_over_the_pixel_budget_is_skipped_by_the_drop_in_before_it_is_d
     assert sorted(i for i in ids if i >= 0) == [i for i in range(16) if i != 6]
     (skipped,) = loader.skipped
     assert skipped["id"] == 6 and "9400x9400 = 88.4 MP, over the 64 MP budget" in skipped["reason"]
+
+
+def test_pickling_a_loader_or_restoring_a_foreign_state_says_what_to_do(tmp_path):
+    import copy
+    import pickle
+
+    loader = ImageLoader(_pngs(tmp_path / "imgs", 8), batch_size=4, size=16, num_workers=2)
+    for attempt in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot be pickled or copied .* build one in each process"):
+            attempt(loader)
+    with pytest.raises(ValueError, match="not a loader state .* it lacks epoch, step, seed"):
+        loader.load_state_dict({"foo": 1})
