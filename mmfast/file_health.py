@@ -101,7 +101,17 @@ class FileHealth:
             log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             self.bad[p] = reason
         if len(self.bad) == len(self.files):
-            raise ValueError("every image is missing or undecodable; nothing to load")
+            first = min(self.bad)
+            moved = (
+                "; a prepared dataset's rows name its images where they were when it was prepared: if they moved, "
+                "prepare it again"
+                if self.prepared
+                else ""
+            )
+            raise ValueError(
+                f"every image is missing or undecodable ({len(self.files)} of them; the first, "
+                f"{self.files[first]}: {self.bad[first]}){moved}; nothing to load"
+            )
 
     def check_all(self) -> None:
         """The start-up check (``verify_files``): ``watch`` every file now."""

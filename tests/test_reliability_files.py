@@ -242,3 +242,16 @@ def test_pickling_a_loader_or_restoring_a_foreign_state_says_what_to_do(tmp_path
             attempt(loader)
     with pytest.raises(ValueError, match="not a loader state .* it lacks epoch, step, seed"):
         loader.load_state_dict({"foo": 1})
+
+
+def test_a_prepared_set_whose_images_all_moved_says_to_prepare_again(tmp_path):
+    """Every image missing said only "nothing to load": it now names the first file and why, and that the
+    prepared rows name the images where they were."""
+    from mmfast import MultimodalLoader
+
+    d = _prepared(tmp_path, n=40)
+    images = Path(_rows(d)[0]["image"]).parent
+    os.rename(images, images.with_name("moved"))
+    with pytest.raises(ValueError, match=r"every image is missing or undecodable \(40 of them; the first, ") as e:
+        next(iter(MultimodalLoader(d, "train", batch_size=8, size=16)))
+    assert "missing file" in str(e.value) and "if they moved, prepare it again" in str(e.value)
