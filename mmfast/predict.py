@@ -150,6 +150,8 @@ def _image_problem(row: dict, max_pixels: int) -> str:
     from PIL import Image
 
     path = image_file(row)
+    if os.path.isdir(path):
+        return f"image is a directory, not an image file: {row['image']}"
     if not os.path.isfile(path):
         return f"image not found: {row['image']}"
     try:

@@ -135,7 +135,9 @@ def save_checkpoint(
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         msg = f"writing checkpoint {final} failed" + (f": {err}" if err is not None else " on another process")
-        raise OSError(msg + "; the previous checkpoint is intact. Free disk space and --resume latest")
+        kept = [p for p in final.parent.iterdir() if p.is_dir() and p.name.startswith("step-")]
+        after = "the previous checkpoint is intact" if kept else "there is no earlier checkpoint to resume from"
+        raise OSError(f"{msg}; {after}. Free disk space and {'--resume latest' if kept else 'run again'}")
     if accelerator.is_main_process:
         if final.exists():
             shutil.rmtree(final)
