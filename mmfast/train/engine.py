@@ -40,7 +40,7 @@ from mmfast.train.checkpoint import (
 )
 from mmfast.train.config import TrainConfig, encoder_lr_note, resolve_preset, resume_differences
 from mmfast.train.heartbeat import Heartbeat
-from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, snapshot_tokenizer
+from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
 from mmfast.train.setup import (
     all_processes_ok,
     check_data_exists,
@@ -385,8 +385,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
 
     set_seed(cfg.seed)
     dataset = PreparedDataset(resolve_data(cfg, accelerator))
-    # what RUN/model will carry, whatever becomes of the dataset meanwhile
-    tokenizer = snapshot_tokenizer(dataset.tokenizer_dir, run_dir) if accelerator.is_main_process else None
+    tokenizer_files = read_tree(dataset.tokenizer_dir)  # the one opened, whatever becomes of the dataset
     identity = run_identity(cfg, accelerator, dataset)
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
@@ -422,6 +421,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if accelerator.is_main_process:
         _write_config(run_dir, identity, dataset, total_steps, resume_from, state["global_step"])
+    # written once the run has started (a run that stops before leaves nothing; a refused resume changes nothing)
+    tokenizer = snapshot_tokenizer(tokenizer_files, run_dir) if accelerator.is_main_process else None
     if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
         start_trackers(accelerator, tracker_config(identity))
     ctx = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, total_steps, state)

@@ -208,14 +208,22 @@ def _aside_name(run_dir: Path) -> Path:
     raise RunDirError(f"cannot find a free name to move {run_dir} aside; choose another --out")
 
 
-def snapshot_tokenizer(source: Path, run_dir: Path) -> Path:
-    """Copy the prepared dataset's tokenizer into ``run_dir`` when the run opens the data, so that the model
-    directory written at the end carries the tokenizer the run trained with, even if the dataset is prepared
-    again meanwhile (its token cache stays mapped; its tokenizer/ would be the new one). Returns the copy."""
+def read_tree(root: Path) -> dict[str, bytes]:
+    """{relative path: bytes} of every file under ``root``: a small folder held as it is now."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def snapshot_tokenizer(files: dict[str, bytes], run_dir: Path) -> Path:
+    """Write the tokenizer the run opened (``read_tree`` of the prepared dataset's, taken when it opened the
+    data) into ``run_dir``, so that the model directory written at the end carries the tokenizer the run
+    trained with, even if the dataset is prepared again meanwhile (its token cache stays mapped; its
+    tokenizer/ would be the new one). Returns the folder."""
     dest = run_dir / RUN_TOKENIZER_DIR
     tmp = run_dir / f".{RUN_TOKENIZER_DIR}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftover: inside the run directory we hold
-    shutil.copytree(source, tmp)
+    for rel, data in files.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(data)
     if dest.exists():
         shutil.rmtree(dest)  # a resumed run's earlier copy (the data's fingerprint matched)
     os.replace(tmp, dest)
