@@ -365,3 +365,15 @@ def test_without_checksums_another_tokenizer_is_still_refused_and_the_load_says_
     assert rc == 2
     _one_error_line(err, f"{model / 'tokenizer'}: has 30522 tokens where")
     assert "not the tokenizer it was trained with" in err
+
+
+def test_evaluating_an_empty_split_says_it_is_empty(model_dir, demo_manifest, tmp_path, capsys):
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
+    data = tmp_path / "all-train"
+    prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(data), val_fraction=0.0, progress=False))
+    capsys.readouterr()
+    rc = evaluate_tool.main(["--model", str(model_dir), "--data", str(data), "--split", "val", "--out",
+                             str(tmp_path / "ev")])  # fmt: skip
+    assert rc == 2
+    _one_error_line(capsys.readouterr().err, f"{data}: its val split is empty (prepared with --val-fraction 0?)")

@@ -369,3 +369,14 @@ def test_a_huge_image_within_the_budget_is_noted_with_its_batch_memory(tmp_path,
     small = tmp_path / "small"
     assert main([str(m), "--out", str(small), "--max-side", "1024", *FLAGS]) == 0
     assert "note: the largest image" not in capsys.readouterr().out  # its copy is 1024x683
+
+
+def test_a_manifest_without_a_suffix_is_told_about_input_kind(tmp_path, capsys):
+    """``mmfast-prepare <(cat m.jsonl)``: a pipe's name has no suffix, and the error did not say how to name
+    the format."""
+    m = _manifest(tmp_path / "data", ["a", "b"] * 3)
+    bare = tmp_path / "data" / "manifest"
+    bare.write_bytes(m.read_bytes())
+    assert main([str(bare), "--out", str(tmp_path / "ds"), *FLAGS]) == 2
+    assert "name the format with --input-kind" in _error(capsys)
+    assert main([str(bare), "--out", str(tmp_path / "ds"), "--input-kind", "jsonl", *FLAGS]) == 0

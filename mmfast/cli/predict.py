@@ -87,7 +87,13 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
     from mmfast.predict_inputs import input_rows
 
     if getattr(args, "data", None):
-        return prepared_rows(args.data, args.split)
+        rows = prepared_rows(args.data, args.split)
+        if not rows:
+            raise ValueError(
+                f"{args.data}: its {args.split} split is empty (prepared with --val-fraction 0?); pass --split "
+                "train or another input"
+            )
+        return rows
     if getattr(args, "image", None):
         return [{"image": str(Path(args.image).resolve()), "text": args.text}]
     return stack.enter_context(input_rows(args.input, input_options(args)))

@@ -155,7 +155,7 @@ def detect_kind(path: Path) -> str:
         return "csv"
     raise ManifestError(
         f"{path}: unknown manifest format '{suffix}'; use .jsonl/.csv/.tsv, metadata.jsonl, COCO .json, .parquet, "
-        ".arrow, .tar shards or a folder"
+        ".arrow, .tar shards or a folder, or name the format with --input-kind (a pipe or a file without a suffix)"
     )
 
 
