@@ -506,3 +506,15 @@ def test_a_prepared_split_given_as_data_is_refused_naming_its_directory(prepared
     err = capsys.readouterr().err
     assert f"is a split of the prepared dataset {prepared}; pass --data {prepared}" in err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_resuming_a_run_already_at_its_last_step_says_nothing_is_left(prepared, tmp_path, capsys):
+    """``--resume latest --max-steps 2`` on a run at step 3 printed only "resumed from ..." and wrote the model
+    directories again, as if it had trained."""
+    out = tmp_path / "run"
+    assert _run(prepared, out, "--max-steps", "3") == 0
+    capsys.readouterr()
+    assert _run(prepared, out, "--max-steps", "2", "--resume", "latest") == 0
+    printed = capsys.readouterr().out
+    assert "nothing left to train: the checkpoint is at step 3 of 2 (--epochs / --max-steps)" in printed
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 3

@@ -419,6 +419,11 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         check_finite_weights(model, f"the weights loaded from {resume_from}")
         train_loader.load_state_dict(state["loader"][accelerator.process_index])
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
+        if state["global_step"] >= total_steps:  # the model directories are written again, nothing is trained
+            accelerator.print(
+                f"nothing left to train: the checkpoint is at step {state['global_step']} of {total_steps} "
+                "(--epochs / --max-steps); raise them to train on"
+            )
     if accelerator.is_main_process:
         _write_config(run_dir, identity, dataset, total_steps, resume_from, state["global_step"])
     # written once the run has started (a run that stops before leaves nothing; a refused resume changes nothing)
