@@ -41,6 +41,11 @@ from mmfast.fsutil import MARKER as PREPARED_MARKER
 from mmfast.fsutil import file_sha256, restore_interrupted_swap
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
+# mmfast's WebDataset index files (wds/, mmfast.inputs.wds writes them, mmfast.sources reads through them): the
+# image component's name, and the digits of the sample id that close each indexed image's name
+WDS_IMAGE_EXT = "img"
+WDS_ID_DIGITS = 10
+
 __all__ = [
     "DatasetError",
     "PREPARED_MARKER",

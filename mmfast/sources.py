@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from nvidia.dali import fn, types
 
+from mmfast.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
 from mmfast.pipelines.image import READER_NAME
 
 if TYPE_CHECKING:
     from mmfast.file_health import FileHealth
-
-WDS_IMAGE_EXT = "img"  # the image component of mmfast's WebDataset index files (mmfast.inputs.wds)
-WDS_ID_DIGITS = 10  # the digits of the sample id that close each indexed image's name
 
 
 def read_files(files: list[str], ids: list[int]):

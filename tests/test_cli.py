@@ -191,3 +191,15 @@ def test_files_and_directories_mmfast_writes_get_the_users_umask(tmp_path):
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640  # not mkstemp's 0600
     assert (tmp_path / "d").stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0700
+
+
+def test_prepare_help_imports_neither_torch_nor_dali():
+    """``mmfast-prepare --help`` took seconds: the WebDataset input took a constant from the DALI module, and the
+    command imported the token cache (torch) before parsing its flags."""
+    script = (
+        "import sys\nfrom mmfast.cli import prepare\ntry:\n    prepare.main(['--help'])\nexcept SystemExit:\n"
+        "    pass\nprint(sorted(m for m in ('torch', 'nvidia.dali') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"

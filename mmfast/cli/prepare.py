@@ -34,7 +34,6 @@ import sys
 from mmfast.cli import HelpFormatter, Parser
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.manifest import ManifestError
-from mmfast.prepare import PrepareConfig, prepare_dataset
 from mmfast.prepare_parts import parse_shard, part_dir
 from mmfast.validate import DEFAULT_MAX_PIXELS
 
@@ -140,6 +139,9 @@ def print_summary(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # imported once there is something to prepare: it loads torch (the token cache), which --help need not wait for
+    from mmfast.prepare import PrepareConfig, prepare_dataset
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         cfg = PrepareConfig(

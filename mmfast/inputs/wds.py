@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mmfast.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
 from mmfast.fsutil import atomic_write_json
 from mmfast.manifest import Candidate, ManifestError, Reject, parse_label
-from mmfast.sources import WDS_ID_DIGITS, WDS_IMAGE_EXT
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
