@@ -94,9 +94,8 @@ def predict_rows(
     if not usable:
         return out
     with tempfile.TemporaryDirectory(prefix="mmfast-predict-") as tmp:
-        names = Path(tmp) / "names"
-        loader = RowsLoader(
-            [_dali_name(image_file(rows[i]), names, n) for n, i in enumerate(usable)],
+        loader = RowsLoader(  # a name UTF-8 cannot encode reaches DALI through the loader's own link
+            [image_file(rows[i]) for i in usable],
             [rows[i]["text"] for i in usable],
             model,
             Path(tmp),
@@ -165,19 +164,6 @@ def _image_problem(row: dict, max_pixels: int) -> str:
     if header[2] not in DALI_FORMATS:
         return f"image unreadable: unsupported image format {header[2]}; convert it to JPEG or PNG"
     return ""
-
-
-def _dali_name(path: str, folder: Path, n: int) -> str:
-    """``path`` as DALI's file reader can take it: a name UTF-8 cannot encode (a Latin-1 byte, which Python
-    holds as a surrogate escape) is read through a symlink ``folder/<n>`` to it."""
-    try:
-        path.encode("utf-8")
-        return path
-    except UnicodeEncodeError:
-        folder.mkdir(exist_ok=True)
-        link = folder / str(n)
-        os.symlink(os.path.abspath(path), link)
-        return str(link)
 
 
 def image_file(row: dict) -> str:
