@@ -1,7 +1,7 @@
 """mmfast: fast multimodal (image + text) training.
 
 The pieces most users touch: ``MultimodalLoader`` / ``ImageLoader`` (DALI loaders), ``TokenCache``,
-``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``mmfast.profiler``,
+``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``mmfast.train.profiler``,
 ``load_model`` (a trained run's model directory). The command-line entry points live in ``mmfast.cli``.
 """
 
@@ -10,23 +10,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from mmfast.util import moved
+
+moved.install()  # the modules that moved in 0.2 keep their old names (mmfast.util.moved.MOVED)
+
 # Imported on first use (PEP 562): `import mmfast.cli.train` must not pull in torch and DALI, so that a
 # command's --help is quick and a Ctrl-C during start-up lands under the command's own handler.
 _LAZY = {
-    "ImageLoader": "mmfast.loader",
-    "MultimodalLoader": "mmfast.multimodal",
-    "MmfastModel": "mmfast.model_dir",
-    "load_model": "mmfast.model_dir",
+    "ImageLoader": "mmfast.loading.image_loader",
+    "MultimodalLoader": "mmfast.loading.multimodal",
+    "MmfastModel": "mmfast.infer.model_dir",
+    "load_model": "mmfast.infer.model_dir",
     "build_model": "mmfast.models",
-    "TokenCache": "mmfast.token_cache",
+    "TokenCache": "mmfast.data.token_cache",
 }
 
 if TYPE_CHECKING:
-    from mmfast.loader import ImageLoader
-    from mmfast.model_dir import MmfastModel, load_model
+    from mmfast.data.token_cache import TokenCache
+    from mmfast.infer.model_dir import MmfastModel, load_model
+    from mmfast.loading.image_loader import ImageLoader
+    from mmfast.loading.multimodal import MultimodalLoader
     from mmfast.models import build_model
-    from mmfast.multimodal import MultimodalLoader
-    from mmfast.token_cache import TokenCache
 
 
 def __getattr__(name: str):

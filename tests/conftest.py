@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def demo_manifest(tmp_path_factory) -> Path:
-    from mmfast.demo import demo_dataset
+    from mmfast.prepare.demo import demo_dataset
 
     return demo_dataset(n=300, seed=1, root=tmp_path_factory.mktemp("demo"))
 
@@ -53,7 +53,7 @@ def demo_manifest(tmp_path_factory) -> Path:
 def prepared(tmp_path_factory, demo_manifest) -> Path:
     """A prepared demo dataset (300 samples, about 240 train / 60 val: ``n_rows`` says how many), shared
     read-only by tests."""
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     out = tmp_path_factory.mktemp("prepared") / "demo"
     prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(out), max_length=32, progress=False))

@@ -47,7 +47,7 @@ def test_a_command_imports_nothing_heavy_before_its_main_runs():
     """Ctrl-C during start-up must land under main's handler, and --help should not wait for torch."""
     code = (
         "import sys, mmfast.cli.train, mmfast.cli.predict, mmfast.cli.evaluate; "
-        "print('torch' in sys.modules, 'mmfast.loader' in sys.modules, 'nvidia.dali' in sys.modules)"
+        "print('torch' in sys.modules, 'mmfast.loading.image_loader' in sys.modules, 'nvidia.dali' in sys.modules)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert res.stdout.split() == ["False", "False", "False"]
@@ -155,11 +155,11 @@ def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target
     """fsutil.file_lock (filelock): a second process waits for the first; no lock file in the user's folder."""
     import time
 
-    from mmfast.fsutil import file_lock, lock_file_for
+    from mmfast.util.fsutil import file_lock, lock_file_for
 
     target = tmp_path / "data" / "prepared"
     code = (
-        "import sys, time\nfrom mmfast.fsutil import file_lock\n"
+        "import sys, time\nfrom mmfast.util.fsutil import file_lock\n"
         "with file_lock(sys.argv[1]):\n    print(time.time(), flush=True)\n"
     )
     with file_lock(target):
@@ -179,7 +179,7 @@ def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target
 def test_files_and_directories_mmfast_writes_get_the_users_umask(tmp_path):
     import os
 
-    from mmfast.fsutil import atomic_dir, atomic_write_json, current_umask
+    from mmfast.util.fsutil import atomic_dir, atomic_write_json, current_umask
 
     old = os.umask(0o027)
     try:

@@ -17,9 +17,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmfast.dataset import PreparedDataset
-from mmfast.decoded import available_memory, random_crop_boxes
-from mmfast.loader import ImageLoader, MultimodalLoader
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.decoded import available_memory, random_crop_boxes
+from mmfast.loading.image_loader import ImageLoader
+from mmfast.loading.multimodal import MultimodalLoader
 
 
 def _whole_image_copies(photos: list[Path], tmp_path: Path) -> list[str]:
@@ -70,11 +71,11 @@ def test_a_cached_loader_serves_whole_batches_of_any_size(photos, tmp_path):
 def test_crop_draws_follow_dalis_random_crop(photos_set):
     """The boxes stay inside the image, with area share and aspect ratio in range, and their distribution is
     DALI's: the mean area share and log aspect ratio of DALI's own random crops on the same images agree."""
-    from mmfast.pipelines import image_pipeline
     from nvidia.dali.plugin.pytorch import LastBatchPolicy
 
-    from mmfast.host_finish import ragged_iterator
-    from mmfast.sources import read_files
+    from mmfast.loading.graphs import image_pipeline
+    from mmfast.loading.host_finish import ragged_iterator
+    from mmfast.loading.sources import read_files
 
     files = [str(r["path"]) for r in photos_set]
     shapes = np.array([Image.open(f).size[::-1] for f in files])
@@ -214,7 +215,7 @@ def test_training_with_cache_decoded_decodes_each_image_once(prepared, tmp_path,
     from tools import train as train_tool
 
     out = tmp_path / "run"
-    with caplog.at_level(logging.INFO, logger="mmfast.decoded"):
+    with caplog.at_level(logging.INFO, logger="mmfast.loading.decoded"):
         code = train_tool.main(
             ["--data", str(prepared), "--out", str(out), "--epochs", "3", "--cache-decoded", *SMALL_RUN]
         )
@@ -262,7 +263,7 @@ def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(p
 
 _FILL_SCRIPT = """
 import sys
-from mmfast.loader import ImageLoader
+from mmfast.loading.image_loader import ImageLoader
 files = sys.argv[1:]
 loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
 seen = [i for b in loader for i, m in zip(b.ids.tolist(), b.mask.tolist()) if m]
@@ -287,7 +288,7 @@ def test_filling_past_a_file_dali_cannot_parse_raises_inside_dali_instead_of_cra
 def test_the_planned_size_of_a_max_side_set_is_its_copies(demo_manifest, tmp_path):
     """Rows of a --max-side directory record the original's size; the plan must count the smaller copies
     the loader decodes (the 64 px demo images stored at 32 px take a quarter), not the originals."""
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     out = tmp_path / "small"
     prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(out), max_side=32, progress=False))
@@ -307,7 +308,7 @@ def test_auto_holds_what_pays_and_fits_and_streams_the_rest(tmp_path, monkeypatc
     streams instead of raising."""
     from conftest import save_image
 
-    import mmfast.loader as loader_module
+    import mmfast.loading.image_loader as loader_module
 
     pngs = [str(save_image(tmp_path / "png" / f"{i}.png", size=(50, 40), seed=i)) for i in range(6)]
     jpegs = [str(save_image(tmp_path / "jpg" / f"{i}.jpg", size=(50, 40), seed=i)) for i in range(6)]
@@ -322,7 +323,7 @@ def test_auto_holds_what_pays_and_fits_and_streams_the_rest(tmp_path, monkeypatc
     assert not ImageLoader(pngs, shuffle=True, color_jitter=0.2, **kw).cache_decoded
     assert not ImageLoader(pngs, shuffle=True, cpu_resize="dali", **kw).cache_decoded
 
-    import mmfast.decoded as decoded_module
+    import mmfast.loading.decoded as decoded_module
 
     for module in (loader_module, decoded_module):
         monkeypatch.setattr(module, "default_budget", lambda: 8 << 20)
@@ -332,7 +333,7 @@ def test_auto_holds_what_pays_and_fits_and_streams_the_rest(tmp_path, monkeypatc
     list(shared)
     assert shared._decoded.budget == 2 << 20
     monkeypatch.setattr(loader_module, "default_budget", lambda: 4 * 6 * 50 * 40 * 3)  # a quarter each: 36,000 B
-    with caplog.at_level(logging.INFO, logger="mmfast.loader"):
+    with caplog.at_level(logging.INFO, logger="mmfast.loading.image_loader"):
         over = ImageLoader(pngs, shuffle=True, **kw)
     assert not over.cache_decoded and "over the 0 MiB budget" in caplog.text
     assert len([i for b in over for i in b.ids.tolist()]) == 6  # streamed
@@ -420,7 +421,7 @@ def test_the_budget_respects_the_address_space_limit():
     """``ulimit -v``: the training cache filled past it and the run died in backward; the budget is now what
     the limit leaves over what the process maps already."""
     script = (
-        "import resource\nfrom mmfast.decoded import available_memory\n"
+        "import resource\nfrom mmfast.loading.decoded import available_memory\n"
         "vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))\n"
         "print(available_memory())\n"

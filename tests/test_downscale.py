@@ -12,9 +12,9 @@ import pytest
 from conftest import write_jsonl
 from PIL import Image
 
-from mmfast.dataset import PreparedDataset
-from mmfast.loader import MultimodalLoader
-from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
 MAX_SIDE = 200
 

@@ -22,7 +22,8 @@ from torchvision import datasets
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from mmfast.loader import ImageLoader, options_from_transform
+from mmfast.loading.dropin import options_from_transform
+from mmfast.loading.image_loader import ImageLoader
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 EVAL_TF = T.Compose([T.Resize(73), T.CenterCrop(64), T.ToTensor(), T.Normalize(MEAN, STD)])  # 64 / 0.875 = 73

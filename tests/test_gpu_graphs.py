@@ -13,16 +13,16 @@ import functools
 import itertools
 import struct
 
-import mmfast.pipelines.image as image_module
 import pytest
 import torch
 from conftest import save_image
-from mmfast.pipelines.image import image_pipeline
 from nvidia.dali import types
 
-import mmfast.loader as loader_module
-from mmfast.loader import ImageLoader
-from mmfast.sources import read_files, read_wds
+import mmfast.loading.graphs as image_module
+import mmfast.loading.image_loader as loader_module
+from mmfast.loading.graphs import image_pipeline
+from mmfast.loading.image_loader import ImageLoader
+from mmfast.loading.sources import read_files, read_wds
 
 SIZE = 64
 DECODER_KNOBS = {"hw_decoder_load": 0.25, "memory_padding": 16 << 20, "size_hint": 2048}  # all non-default

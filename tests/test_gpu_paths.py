@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
-from mmfast.loader import MultimodalLoader
-from mmfast.prepare import PrepareConfig, prepare_dataset
-from mmfast.wds import write_wds
+from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.prepare.wds_export import write_wds
 from tools import train as train_tool
 from tools.benchlib.data import photo_manifest
 

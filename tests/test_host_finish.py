@@ -7,11 +7,11 @@ import gc
 import numpy as np
 import pytest
 import torch
-from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
-from mmfast.host_finish import BatchBuffers, HostFinisher
-from mmfast.loader import ImageLoader
+from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.host_finish import BatchBuffers, HostFinisher
+from mmfast.loading.image_loader import ImageLoader
 
 
 def _crops(photos, n: int = 13, seed: int = 0) -> list[torch.Tensor]:

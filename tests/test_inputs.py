@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import PHOTOS_SET_N, SMALL_RUN
 
-from mmfast.dataset import PreparedDataset
+from mmfast.data.dataset import PreparedDataset
+from mmfast.data.token_cache import TokenCache
+from mmfast.data.tokenizer import load_tokenizer
 from mmfast.inputs import InputOptions, read_source
-from mmfast.manifest import NO_LABEL, ManifestError
-from mmfast.prepare import PrepareConfig, failure_report_path, prepare_dataset
-from mmfast.token_cache import TokenCache
-from mmfast.tokenizer import load_tokenizer
+from mmfast.inputs.manifest import NO_LABEL, ManifestError
+from mmfast.prepare.core import PrepareConfig, failure_report_path, prepare_dataset
 from tools import prepare_data
 from tools import train as train_tool
 
@@ -299,7 +299,7 @@ def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
     assert _prepare(data, tmp_path / "out") == summary  # unchanged input: reused, images and all
     assert (tmp_path / "out" / "train.jsonl").stat().st_mtime_ns == stamp
     _assert_joined(tmp_path / "out", photos_set)
-    from mmfast.wds import write_wds  # the WebDataset export reads the written-out images
+    from mmfast.prepare.wds_export import write_wds  # the WebDataset export reads the written-out images
 
     assert write_wds(tmp_path / "out")["train"]["samples"] == summary["counts"]["train"]
 

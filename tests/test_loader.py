@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import first_lines_of_fresh_runs, n_rows, small_jpegs
-from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
-from mmfast.loader import IGNORE_LABEL, ImageLoader, MultimodalLoader, epoch_order, shard_positions
-from mmfast.token_cache import TokenCache
-from mmfast.wds import write_wds
+from mmfast.data.token_cache import TokenCache
+from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.image_loader import IGNORE_LABEL, ImageLoader
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.loading.sampling import epoch_order, shard_positions
+from mmfast.prepare.wds_export import write_wds
 
 
 def _pil_eval_reference(path: Path, size: int, crop_ratio: float = 0.875) -> np.ndarray:
@@ -69,7 +71,7 @@ def test_eval_output_matches_a_pil_reference_on_real_photos(photos, cpu_resize):
 def test_eval_geometry_is_torchvisions_in_image_loader_and_the_graphs_in_multimodal_loader(
     photos, prepared, tmp_path
 ):
-    from mmfast.host_finish import HostFinisher
+    from mmfast.loading.host_finish import HostFinisher
 
     path = tmp_path / "wide.png"
     Image.open(photos[0]).convert("RGB").resize((150, 100)).save(path)
@@ -312,7 +314,7 @@ def test_gpu_loader_outputs_on_the_device_and_matches_cpu(prepared):
 def test_odd_formats_pass_preparation_and_load_in_train_and_eval(tmp_path, photos):
     """Formats users bring: progressive JPEG, palette PNG with transparency, LA, 16-bit gray, RGBA TIFF and
     WebP, palette BMP, CMYK and EXIF-rotated JPEG, a 1-pixel image, a 30x2000 panorama."""
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     d = tmp_path / "odd"
     d.mkdir()
@@ -347,7 +349,7 @@ def test_odd_formats_pass_preparation_and_load_in_train_and_eval(tmp_path, photo
 
 
 def test_dali_batch_sizes_stay_under_the_size_dali_parses_safely():
-    from mmfast.loader import dali_batch_size
+    from mmfast.loading.image_loader import dali_batch_size
 
     assert [dali_batch_size(b) for b in (1, 16, 31, 32, 48, 64, 96, 100, 256, 37)] == [
         1, 16, 31, 16, 24, 16, 24, 25, 16, 37,
@@ -378,7 +380,7 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
 
 _BAD_FILE_SCRIPT = """
 import sys
-from mmfast.loader import ImageLoader
+from mmfast.loading.image_loader import ImageLoader
 loader = ImageLoader(sys.argv[1:], batch_size=64, size=16, cache_decoded=False)
 seen = sum(int(m) for b in loader for m in b.mask)
 print(seen, [s["image"] for s in loader.skipped])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmfast.metrics import confusion_figures
+from mmfast.tasks.classification import confusion_figures
 
 
 def test_figures_of_a_known_confusion_matrix():

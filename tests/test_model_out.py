@@ -11,12 +11,12 @@ import torch
 from conftest import SMALL_RUN, n_rows, write_jsonl
 from PIL import Image
 
-from mmfast.export import LogitsModule, example_inputs, export_onnx, onnx_parity
-from mmfast.loader import MultimodalLoader
-from mmfast.model_dir import MmfastModel, load_model, save_model_dir
-from mmfast.predict import predict_rows
-from mmfast.predict_inputs import read_rows
-from mmfast.tokenizer import load_tokenizer
+from mmfast.data.tokenizer import load_tokenizer
+from mmfast.infer.export import LogitsModule, example_inputs, export_onnx, onnx_parity
+from mmfast.infer.model_dir import MmfastModel, load_model, save_model_dir
+from mmfast.infer.predict import predict_rows
+from mmfast.infer.predict_inputs import read_rows
+from mmfast.loading.multimodal import MultimodalLoader
 
 
 def _config(prepared: Path) -> dict:
@@ -226,8 +226,8 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
 def test_without_a_best_checkpoint_both_dirs_hold_the_last_weights_and_say_so(prepared, tmp_path):
     from types import SimpleNamespace
 
-    from mmfast.dataset import PreparedDataset
-    from mmfast.model_dir import write_run_models
+    from mmfast.data.dataset import PreparedDataset
+    from mmfast.infer.model_dir import write_run_models
 
     c = _config(prepared)
     cfg = SimpleNamespace(**{k: c[k] for k in ("model", "image_backbone", "text_model", "hidden", "dropout")})
@@ -268,8 +268,8 @@ def test_a_pretrained_text_model_loads_without_its_package(prepared, tmp_path, m
     from types import SimpleNamespace
 
     import mmfast.models.encoders as encoders
-    from mmfast.dataset import PreparedDataset
-    from mmfast.model_dir import model_config
+    from mmfast.data.dataset import PreparedDataset
+    from mmfast.infer.model_dir import model_config
 
     c = {**_config(prepared), "text_model": "minilm"}
     net = MmfastModel(c).model  # built from the package

@@ -17,7 +17,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from mmfast.profiler import UtilizationSampler
+from mmfast.train.profiler import UtilizationSampler
 from tools import nvml_record
 
 RECORDING = json.loads((Path(__file__).parent / "data" / "nvml_h200.json").read_text())

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, save_image, write_jsonl
 
-from mmfast.manifest import ManifestError, read_input
-from mmfast.prepare import PrepareConfig, prepare_dataset
-from mmfast.validate import check_image, check_images
+from mmfast.data.validate import check_image, check_images
+from mmfast.inputs.manifest import ManifestError, read_input
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from tools import prepare_data
 
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from conftest import write_jsonl
 
-import mmfast.prepare as prepare_mod
-from mmfast.dataset import PreparedDataset
-from mmfast.prepare import PrepareConfig, prepare_dataset
-from mmfast.prepare_parts import parse_shard, part_dir, parts_root
+import mmfast.prepare.core as prepare_mod
+from mmfast.data.dataset import PreparedDataset
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.prepare.parts import parse_shard, part_dir, parts_root
 from tools import prepare_data
 
 N = 18
@@ -248,7 +248,7 @@ def test_parts_of_a_parquet_input_keep_their_images_in_the_merged_directory(tmp_
 def test_an_image_folder_takes_captions_from_name_txt_and_name_ext_txt(tmp_path):
     from conftest import save_image
 
-    from mmfast.manifest import read_input
+    from mmfast.inputs.manifest import read_input
 
     save_image(tmp_path / "f" / "cat" / "a.png", seed=1)
     save_image(tmp_path / "f" / "cat" / "b.png", seed=2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmfast.profiler import StepTimer, UtilizationSampler, build_report, verdict
+from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, verdict
 from tools import profile_run as profile_tool
 from tools import train as train_tool
 

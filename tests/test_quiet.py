@@ -1,4 +1,4 @@
-"""mmfast.quiet: libpng's harmless colour-profile warnings are dropped from fd 2, nothing else is."""
+"""mmfast.util.quiet: libpng's harmless colour-profile warnings are dropped from fd 2, nothing else is."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SCRIPT = """
 import os, sys
 import numpy as np
 from nvidia.dali import fn, pipeline_def, types
-from mmfast.quiet import filter_native_stderr
+from mmfast.util.quiet import filter_native_stderr
 
 @pipeline_def(batch_size=1, num_threads=1, device_id=None)
 def decode():

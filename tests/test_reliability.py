@@ -19,9 +19,9 @@ import torch
 from conftest import SMALL_RUN as SMALL
 from conftest import n_rows, train_cmd, write_jsonl
 
-from mmfast.demo import demo_dataset
-from mmfast.loader import MultimodalLoader
-from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.prepare.demo import demo_dataset
 from mmfast.train import engine
 from tools import prepare_data
 from tools import train as train_tool
@@ -307,7 +307,7 @@ def test_two_processes_preparing_the_same_dataset_at_once(tmp_path):
     ]  # no lock file beside it
     summary = json.loads((out / "prepare.json").read_text())
     assert summary["counts"]["accepted"] == 300
-    from mmfast.token_cache import TokenCache
+    from mmfast.data.token_cache import TokenCache
 
     assert len(TokenCache(out / "tokens", "train")) == summary["counts"]["train"]
     shutil.rmtree(out)

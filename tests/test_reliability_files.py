@@ -17,8 +17,8 @@ import pytest
 from conftest import train_cmd
 
 from mmfast import ImageLoader
-from mmfast.demo import demo_dataset
-from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.prepare.demo import demo_dataset
 
 
 def _prepared(root: Path, n: int = 320) -> Path:

@@ -17,8 +17,8 @@ from test_model_out import _config
 import tools.evaluate as evaluate_tool
 import tools.export as export_tool
 import tools.predict as predict_tool
-from mmfast.model_dir import MmfastModel, ModelDirError, load_model, save_model_dir
-from mmfast.predict import predict_rows
+from mmfast.infer.model_dir import MmfastModel, ModelDirError, load_model, save_model_dir
+from mmfast.infer.predict import predict_rows
 
 TOOLS = {"predict": predict_tool, "evaluate": evaluate_tool, "export": export_tool}
 
@@ -368,7 +368,7 @@ def test_without_checksums_another_tokenizer_is_still_refused_and_the_load_says_
 
 
 def test_evaluating_an_empty_split_says_it_is_empty(model_dir, demo_manifest, tmp_path, capsys):
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     data = tmp_path / "all-train"
     prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(data), val_fraction=0.0, progress=False))

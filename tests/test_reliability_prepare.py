@@ -19,10 +19,10 @@ import pytest
 from conftest import ROOT, save_image, write_jsonl
 
 from mmfast import fsutil
-from mmfast.fsutil import MARKER, file_sha256
-from mmfast.manifest import ManifestError, read_input
-from mmfast.prepare import PREPARE_VERSION, PrepareConfig, prepare_dataset
-from mmfast.validate import pixel_budget_reason
+from mmfast.data.validate import pixel_budget_reason
+from mmfast.inputs.manifest import ManifestError, read_input
+from mmfast.prepare.core import PREPARE_VERSION, PrepareConfig, prepare_dataset
+from mmfast.util.fsutil import MARKER, file_sha256
 from tools import prepare_data
 
 FILES = {"train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl"}
@@ -405,8 +405,8 @@ def test_full_disk_during_preparation_exits_2_and_leaves_the_previous_directory(
 _SLOW_PREPARE = textwrap.dedent(
     """
     import sys, time
-    import mmfast.validate as validate
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    import mmfast.data.validate as validate
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     check = validate.check_image
 

@@ -15,12 +15,12 @@ import pytest
 from conftest import save_image, write_jsonl
 
 from mmfast.cli.prepare import main
-from mmfast.dataset import DatasetError, PreparedDataset
-from mmfast.fsutil import MARKER, restore_interrupted_swap
+from mmfast.data.dataset import DatasetError, PreparedDataset
 from mmfast.inputs import detect_kind
-from mmfast.manifest import parse_label
-from mmfast.prepare import failure_report_path
-from mmfast.prepare_parts import part_dir
+from mmfast.inputs.manifest import parse_label
+from mmfast.prepare.core import failure_report_path
+from mmfast.prepare.parts import part_dir
+from mmfast.util.fsutil import MARKER, restore_interrupted_swap
 
 FLAGS = ["--max-length", "16", "--vocab-size", "200", "--workers", "1", "--no-progress"]
 SPLIT_FILES = ("train.jsonl", "val.jsonl", "rejected.jsonl", "labels.json")

@@ -20,8 +20,8 @@ from conftest import ROOT, train_cmd
 _POOL_AFTER_A_LOADER = """
 import gc, json, os, sys
 from mmfast import ImageLoader
-from mmfast.demo import demo_dataset
-from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.prepare.demo import demo_dataset
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
 root = sys.argv[1]
 manifest = demo_dataset(n=200, seed=2, root=root + "/demo")
@@ -55,8 +55,8 @@ def test_a_script_without_a_main_guard_prepares_once(tmp_path):
     script.write_text(
         textwrap.dedent(
             f"""
-            from mmfast.demo import demo_dataset
-            from mmfast.prepare import PrepareConfig, prepare_dataset
+            from mmfast.prepare.demo import demo_dataset
+            from mmfast.prepare.core import PrepareConfig, prepare_dataset
             print("script ran")
             m = demo_dataset(n=200, seed=3, root={str(tmp_path / "demo")!r})
             cfg = PrepareConfig(source=str(m), out={str(tmp_path / "prep")!r}, workers=2, progress=False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, SMALL_RUN, free_port, n_rows, save_image, train_cmd, write_jsonl
 
-from mmfast.prepare import PrepareConfig, prepare_dataset
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.train import engine
 from mmfast.train.rundir import LOCK_FILE, RUN_MARKER, RunDirLock
 from tools import train as train_tool
@@ -475,7 +475,7 @@ def test_a_dataset_prepared_again_during_a_run_leaves_the_model_its_own_tokenize
     """The run trains on the data it opened (memory-mapped); RUN/model took the tokenizer/ of the directory as
     it was at the end, another vocabulary once prepared again (evaluated 0.565 -> 0.503, or unloadable). It
     carries the tokenizer the run opened."""
-    from mmfast.model_dir import load_model
+    from mmfast.infer.model_dir import load_model
 
     before = _tree(own_prepared / "tokenizer")
     real = engine.compute_loss

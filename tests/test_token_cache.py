@@ -8,8 +8,8 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from mmfast.token_cache import TokenCache
-from mmfast.tokenizer import load_tokenizer, train_wordpiece
+from mmfast.data.token_cache import TokenCache
+from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
 
 TEXTS = [
     "a small red circle",

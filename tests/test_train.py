@@ -269,7 +269,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_
 
 
 def test_training_without_a_val_split(demo_manifest, tmp_path, capsys):
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     data = tmp_path / "p"
     prepare_dataset(PrepareConfig(source=str(demo_manifest), out=str(data), val_fraction=0.0, progress=False))

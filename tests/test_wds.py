@@ -19,12 +19,12 @@ import torch
 from conftest import SMALL_RUN
 from PIL import Image
 
+from mmfast.data.tokenizer import load_tokenizer
 from mmfast.inputs import InputOptions
-from mmfast.loader import MultimodalLoader
-from mmfast.manifest import ManifestError
-from mmfast.prepare import PrepareConfig, failure_report_path, prepare_dataset
-from mmfast.prepare_parts import part_dir
-from mmfast.tokenizer import load_tokenizer
+from mmfast.inputs.manifest import ManifestError
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.prepare.core import PrepareConfig, failure_report_path, prepare_dataset
+from mmfast.prepare.parts import part_dir
 from tools import prepare_data
 from tools import train as train_tool
 
@@ -170,10 +170,9 @@ def test_index_offsets_are_dalis_own(prepared_wds, shards):
 def test_dali_reads_each_image_with_its_sample_id(prepared_wds, shards):
     """The real image graph over the user's shards: each decoded image (shape and pixels) is PIL's decode of
     the member that the row of its sample id names."""
-    from mmfast.pipelines.image import image_pipeline
-
-    from mmfast.loader import wds_split
-    from mmfast.sources import read_wds
+    from mmfast.data.dataset import wds_split
+    from mmfast.loading.graphs import image_pipeline
+    from mmfast.loading.sources import read_wds
 
     samples = shards[1]
     rows = {r["id"]: r for s in ("train", "val") for r in map(json.loads, open(prepared_wds / f"{s}.jsonl"))}
@@ -382,7 +381,7 @@ def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, pr
     """``PreparedDataset.table``: a split's ids and labels as arrays (from wds/<split>.rows.npy when no path is
     needed, else from the rows, with their image paths); ``source_for``: the source a loader reads, by name,
     and always the shards for a dataset prepared from them."""
-    from mmfast.dataset import PreparedDataset, wds_split
+    from mmfast.data.dataset import PreparedDataset, wds_split
 
     _, out = exported
     dataset = PreparedDataset(out)

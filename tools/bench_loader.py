@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 from benchlib.data import prepared_photos
-from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
-from mmfast.dataset import PreparedDataset
-from mmfast.sources import read_files
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.sources import read_files
 
 
 def parse_args(argv):
@@ -100,7 +100,7 @@ def fresh_report(variants: dict, data, args, device) -> dict:
 
 
 def mmfast_variant(data, args, device, cpu_resize: str = "torch", **kwargs):
-    from mmfast.loader import MultimodalLoader
+    from mmfast.loading.multimodal import MultimodalLoader
 
     loader = MultimodalLoader(
         data,
@@ -140,10 +140,10 @@ def mmfast_max_side_variant(data, args, device):
 def dali_decode_only_variant(data, args, device):
     """The CPU path's ceiling: DALI's fused ROI decode + random crop alone (no resize, no normalize), the
     crops handed over as they are."""
-    from mmfast.pipelines import image_pipeline
     from nvidia.dali.plugin.pytorch import LastBatchPolicy
 
-    from mmfast.host_finish import ragged_iterator
+    from mmfast.loading.graphs import image_pipeline
+    from mmfast.loading.host_finish import ragged_iterator
 
     rows = PreparedDataset(data, verify=False).rows("train")
     pipe = image_pipeline(
@@ -230,7 +230,7 @@ def mmfast_wds_variant(data, args, device):
     import io
     import tarfile
 
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_wds_")
     args.wds_tmp = tmp  # lives as long as the run
@@ -264,7 +264,7 @@ def mmfast_parquet_variant(data, args, device):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_parquet_")
     args.parquet_tmp = tmp  # lives as long as the run
@@ -317,7 +317,7 @@ def _image_folder(data, root: Path, size: int, dtype: torch.dtype = torch.float3
 def imageloader_variant(data, args, device, dtype: torch.dtype | None = None, **kwargs):
     """The drop-in: ``ImageLoader(ImageFolder(root, transform), ...)`` with its defaults, (images, labels)
     tuples in float32 (or ``dtype``); ``cache_decoded="auto"`` decides whether it holds the images decoded."""
-    from mmfast.loader import ImageLoader
+    from mmfast.loading.image_loader import ImageLoader
 
     folder = _image_folder(data, args.folder_root, args.size)
     options = {"num_workers": args.threads, "device": device, "dtype": dtype, **kwargs}
@@ -356,10 +356,10 @@ def mmfast_dali_resize_variant(data, args, device):
 def bare_dali_variant(data, args, device, host: bool | None = None):
     """DALI's own iterator over the same graph and file list, built once, reset each epoch; on the CPU the
     same host finishing as the loader (``host``), so the difference is the loader's own overhead."""
-    from mmfast.pipelines import image_pipeline
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from mmfast.host_finish import HostFinisher, ragged_iterator
+    from mmfast.loading.graphs import image_pipeline
+    from mmfast.loading.host_finish import HostFinisher, ragged_iterator
 
     rows = PreparedDataset(data, verify=False).rows("train")
     cuda = device.type == "cuda"
@@ -425,7 +425,7 @@ def gpu_decode_variant(data, args, device):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmfast.fsutil import atomic_write_json
+    from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
     data = Path(args.data) if args.data else prepared_photos(args.n, kind=args.set)

@@ -33,10 +33,10 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmfast.fsutil import atomic_write_json
     from mmfast.models import MODELS, build_model, get_preset
     from mmfast.train.engine import training_loss
     from mmfast.train.setup import resolve_mixed_precision
+    from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
     preset = get_preset(args.preset)

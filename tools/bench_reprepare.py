@@ -31,9 +31,9 @@ def parse_args(argv):
 def main(argv=None) -> int:
     from benchlib.data import photo_manifest
 
-    from mmfast.demo import default_cache_dir
-    from mmfast.fsutil import atomic_write_json
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+    from mmfast.prepare.demo import default_cache_dir
+    from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
     source = photo_manifest(default_cache_dir() / "bench", n=args.n)

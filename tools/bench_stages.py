@@ -22,18 +22,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmfast.dataset import PreparedDataset
-from mmfast.sources import read_files
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.sources import read_files
 
 
 def main(argv: list[str] | None = None) -> int:
     from benchlib.data import prepared_photos
-    from mmfast.pipelines import IMAGENET_MEAN, IMAGENET_STD, image_pipeline
     from nvidia.dali.plugin.pytorch import LastBatchPolicy
     from PIL import Image
 
-    from mmfast.fsutil import atomic_write_json
-    from mmfast.host_finish import HostFinisher, ragged_iterator
+    from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD, image_pipeline
+    from mmfast.loading.host_finish import HostFinisher, ragged_iterator
+    from mmfast.util.fsutil import atomic_write_json
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="prepared dataset directory (default: the built-in --set)")

@@ -53,10 +53,10 @@ def timed(fn, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmfast.fsutil import atomic_write_json
+    from mmfast.data.token_cache import TokenCache
+    from mmfast.data.tokenizer import load_tokenizer
     from mmfast.models.encoders import resolve_text_model
-    from mmfast.token_cache import TokenCache
-    from mmfast.tokenizer import load_tokenizer
+    from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
     tok = load_tokenizer(resolve_text_model(args.tokenizer))

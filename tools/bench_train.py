@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mmfast.dataset import PreparedDataset
+from mmfast.data.dataset import PreparedDataset
 
 
 def parse_args(argv):
@@ -104,7 +104,7 @@ def _endless(make_epoch):
 def claims(args, data: Path, device, mp: str) -> dict:
     from benchlib.baseline import baseline_loader
 
-    from mmfast.loader import MultimodalLoader
+    from mmfast.loading.multimodal import MultimodalLoader
 
     dataset = PreparedDataset(data, verify=False)
     vocab, num_classes = dataset.vocab_size, dataset.num_classes
@@ -166,7 +166,7 @@ def loop_overhead(args, data: Path, device) -> dict:
     """mmfast's EpochRunner vs minimal_loop over the same in-memory batches and precision."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from mmfast.loader import MultimodalLoader
+    from mmfast.loading.multimodal import MultimodalLoader
     from mmfast.train.config import TrainConfig
     from mmfast.train.engine import EpochRunner, initial_state, make_scheduler, param_groups
     from mmfast.train.setup import make_accelerator
@@ -243,8 +243,8 @@ def plot(res: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from benchlib.data import prepared_photos
 
-    from mmfast.fsutil import atomic_write_json
     from mmfast.train.setup import resolve_mixed_precision
+    from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
     data = Path(args.data) if args.data else prepared_photos()

@@ -35,7 +35,7 @@ def peak():  # VmHWM: this program's peak (ru_maxrss would carry the parent's ov
     line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
     return int(line.split()[1]) * 1024
 import torch  # noqa: F401  (imports are not the loader's memory)
-from mmfast.loader import MultimodalLoader
+from mmfast.loading.multimodal import MultimodalLoader
 r0, t0 = rss(), time.perf_counter()
 loader = MultimodalLoader(sys.argv[1], "train", int(sys.argv[2]), size=32, num_workers=int(sys.argv[3]))
 t_open = time.perf_counter() - t0
@@ -121,8 +121,8 @@ def _peak_rss() -> int:
 
 
 def main(argv=None) -> int:
-    from mmfast.fsutil import atomic_write_json
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+    from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="bench_wds_scale_")

@@ -35,7 +35,7 @@ def prepared_dir(data: str, preset: str, out: Path) -> Path:
     """The prepared split every model shares: ``data`` itself, or ``data`` prepared once with the tokenizer
     of the preset's text model."""
     from mmfast.models import get_preset
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
     from mmfast.train.setup import pretrained_tokenizer
 
     if (Path(data) / "prepare.json").is_file():
@@ -56,7 +56,7 @@ def tfidf_baseline(data_dir: Path) -> dict | None:
     except ImportError:
         logging.warning("scikit-learn is not installed: no TF-IDF baseline (pip install scikit-learn)")
         return None
-    from mmfast.dataset import PreparedDataset
+    from mmfast.data.dataset import PreparedDataset
 
     ds = PreparedDataset(data_dir)
     train, val = ds.rows("train"), ds.rows("val")
@@ -184,7 +184,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from mmfast.fsutil import atomic_write_json
+    from mmfast.util.fsutil import atomic_write_json
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

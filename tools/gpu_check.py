@@ -50,7 +50,7 @@ for mod in ("nvidia.dali", "torchvision", "transformers", "accelerate", "timm", 
         info[mod] = getattr(m, "__version__", "present")
     except Exception as e:
         info[mod] = f"missing: {e}"
-import mmfast, mmfast.pipelines
+import mmfast, mmfast.loading.graphs
 info["mmfast"] = mmfast.__file__
 print(json.dumps(info, indent=1))
 """

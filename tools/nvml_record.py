@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("nvml_record: nvidia-ml-py is not installed (pip install nvidia-ml-py)", file=sys.stderr)
         return 1
-    from mmfast.fsutil import atomic_write_json
-    from mmfast.profiler import UtilizationSampler
+    from mmfast.train.profiler import UtilizationSampler
+    from mmfast.util.fsutil import atomic_write_json
 
     recorder = Recorder(pynvml)
     sys.modules["pynvml"] = recorder  # what the sampler's `import pynvml` gets

@@ -21,7 +21,7 @@ from pathlib import Path
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
 from mmfast.cli.predict import add_max_pixels_flag, load_rows, none_usable, report_errors
-from mmfast.quiet import filter_native_stderr
+from mmfast.util.quiet import filter_native_stderr
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,15 +53,15 @@ def print_table(figures: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    from mmfast.fsutil import OutputError, atomic_write_json, claim_output_dir
-    from mmfast.manifest import ManifestError
-    from mmfast.model_dir import load_for_inference
-    from mmfast.predict import plot_confusion, predict_rows, score, write_predictions
+    from mmfast.infer.model_dir import load_for_inference
+    from mmfast.infer.predict import plot_confusion, predict_rows, score, write_predictions
+    from mmfast.inputs.manifest import ManifestError
+    from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 
     args = parse_args(argv)
     source = args.input or args.data

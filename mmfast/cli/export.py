@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
-from mmfast.fsutil import OutputError, atomic_write_json, claim_output_dir
+from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mmfast.model_dir import load_model
+    from mmfast.infer.model_dir import load_model
 
     try:
         model = load_model(args.model)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def export(model, args: argparse.Namespace) -> int:
     """Write the formats asked for and export.json; 1 when the ONNX file's logits are off by more than --atol."""
-    from mmfast.export import export_onnx, export_program, onnx_parity
+    from mmfast.infer.export import export_onnx, export_program, onnx_parity
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}

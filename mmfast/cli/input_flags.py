@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from mmfast.manifest import NO_LABEL
+from mmfast.inputs.manifest import NO_LABEL
 
 if TYPE_CHECKING:  # mmfast.inputs imports DALI (for WebDataset): not before a command's main runs
     from mmfast.inputs import InputOptions

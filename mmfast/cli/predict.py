@@ -6,7 +6,7 @@
     mmfast-predict --model runs/latest/model --data prepared/ --split val --out val.csv
 
 --input is read by preparation's readers, with its flags (--input-kind, --image-column, ..., --wds-*; see
-mmfast/predict_inputs.py): a manifest, image folder, HF imagefolder metadata, COCO captions, Parquet/Arrow,
+mmfast/infer/predict_inputs.py): a manifest, image folder, HF imagefolder metadata, COCO captions, Parquet/Arrow,
 WebDataset shards. Labels are optional. Writes JSONL (or CSV for a .csv --out): per input row the class, its
 probability and the top-k, or the reason the row could not be predicted (naming its file and line; the other
 rows are predicted anyway). Exit status 2 when the input cannot be read or no row of it can be predicted.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags, input_options
-from mmfast.quiet import filter_native_stderr
+from mmfast.util.quiet import filter_native_stderr
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,8 +83,8 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
     Raises:
         ManifestError, ValueError: --input cannot be read, or its flags exclude each other.
     """
-    from mmfast.predict import prepared_rows
-    from mmfast.predict_inputs import input_rows
+    from mmfast.infer.predict import prepared_rows
+    from mmfast.infer.predict_inputs import input_rows
 
     if getattr(args, "data", None):
         rows = prepared_rows(args.data, args.split)
@@ -128,7 +128,7 @@ def none_usable(rows: list[dict], source: str, table: bool = True) -> bool:
 def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> dict:
     """Median images/s of predict_rows and of the plain PIL loop on the same rows (after one warm-up each,
     runs alternating)."""
-    from mmfast.predict import image_file, predict_pil, predict_rows
+    from mmfast.infer.predict import image_file, predict_pil, predict_rows
 
     good = [r for r in rows if not r.get("error") and Path(image_file(r)).is_file()]
     bs = args.batch_size or model.config.get("eval_batch_size") or 64
@@ -165,15 +165,15 @@ def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    from mmfast.fsutil import check_output_file
-    from mmfast.manifest import ManifestError
-    from mmfast.model_dir import load_for_inference
-    from mmfast.predict import image_file, is_predictions_file, predict_rows, write_predictions
+    from mmfast.infer.model_dir import load_for_inference
+    from mmfast.infer.predict import image_file, is_predictions_file, predict_rows, write_predictions
+    from mmfast.inputs.manifest import ManifestError
+    from mmfast.util.fsutil import check_output_file
 
     args = parse_args(argv)
     source = args.input or args.data or args.image

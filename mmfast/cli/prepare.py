@@ -33,9 +33,9 @@ import sys
 
 from mmfast.cli import HelpFormatter, Parser
 from mmfast.cli.input_flags import add_input_flags, input_options
-from mmfast.manifest import ManifestError
-from mmfast.prepare_parts import parse_shard, part_dir
-from mmfast.validate import DEFAULT_MAX_PIXELS
+from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.inputs.manifest import ManifestError
+from mmfast.prepare.parts import parse_shard, part_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -140,7 +140,7 @@ def print_summary(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # imported once there is something to prepare: it loads torch (the token cache), which --help need not wait for
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

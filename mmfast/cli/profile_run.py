@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from mmfast.cli import HelpFormatter, Parser
-from mmfast.quiet import filter_native_stderr
+from mmfast.util.quiet import filter_native_stderr
 
 
 def parse_args(argv):
@@ -63,7 +63,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.quiet)
+    with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)
 
 

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from mmfast.quiet import filter_native_stderr
+from mmfast.util.quiet import filter_native_stderr
 
 
 def print_table(summary: dict) -> None:
@@ -82,8 +82,8 @@ def _quiet_interrupt_at_exit() -> None:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """What a training run raises about the user's data, flags or machine: said in one line, exit 2."""
-    from mmfast.loader import DaliFailure
-    from mmfast.manifest import ManifestError
+    from mmfast.inputs.manifest import ManifestError
+    from mmfast.loading.image_loader import DaliFailure
     from mmfast.train.engine import NonFiniteLossError
     from mmfast.train.heartbeat import PeerFailure
     from mmfast.train.setup import LaunchError

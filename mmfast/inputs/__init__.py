@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, finish_rows, read_input
 from mmfast.inputs.wds import is_wds_source
-from mmfast.manifest import Candidate, Columns, ManifestError, Reject, finish_rows, read_input
 
 # Column names tried, in order, when a reader that knows its columns is not told which holds what.
 TEXT_NAMES = ("text", "caption", "captions", "sentence", "description", "prompt", "title")

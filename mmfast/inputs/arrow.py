@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mmfast.inputs import LABEL_NAMES, TEXT_NAMES, InputOptions, pick_column
-from mmfast.manifest import IMAGE_SUFFIXES, Candidate, Columns, ManifestError, Reject, check_rows
+from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, Columns, ManifestError, Reject, check_rows
 
 _BATCH_ROWS = 256  # rows per record batch read: bounds the memory held by image bytes
 _MAGIC = (

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from mmfast.inputs import InputOptions
-from mmfast.manifest import Candidate, Columns, ManifestError, Reject, check_rows
+from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, check_rows
 
 
 def read_coco(

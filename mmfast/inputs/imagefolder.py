@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmfast.inputs import LABEL_NAMES, TEXT_NAMES, InputOptions, pick_column
-from mmfast.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
+from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
 
 _FOLDER = "label (the image's folder)"  # the label column of metadata that has none: the class folders
 

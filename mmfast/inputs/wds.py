@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
-from mmfast.fsutil import atomic_write_json
-from mmfast.manifest import Candidate, ManifestError, Reject, parse_label
+from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
+from mmfast.inputs.manifest import Candidate, ManifestError, Reject, parse_label
+from mmfast.util.fsutil import atomic_write_json
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
@@ -116,7 +116,8 @@ def read_wds(
     the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
     (relative to the source's folder) and its reason names the sample's key.
     """
-    from mmfast.validate import DEFAULT_MAX_PIXELS, process_map
+    from mmfast.data.validate import DEFAULT_MAX_PIXELS
+    from mmfast.util.pool import process_map
 
     shards = expand_shards(source)
     if part is not None:
@@ -180,8 +181,8 @@ def _samples(tar: tarfile.TarFile) -> Iterator[tuple[str, dict[str, tarfile.TarI
 
 def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Candidate], list[Reject]]:
     """Candidates and rejects of one shard (see ``read_wds``); ``o`` is ``_wds_opts``' dict."""
-    from mmfast.manifest import NO_LABEL
-    from mmfast.validate import _dali_rejects, check_image_bytes
+    from mmfast.data.validate import _dali_rejects, check_image_bytes
+    from mmfast.inputs.manifest import NO_LABEL
 
     cands: list[Candidate] = []
     rejects: list[Reject] = []

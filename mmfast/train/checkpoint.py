@@ -15,8 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
-from mmfast.fsutil import atomic_write_json, file_sha256, fsync_dir, fsync_tree
 from mmfast.train.setup import all_processes_ok
+from mmfast.util.fsutil import atomic_write_json, file_sha256, fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"

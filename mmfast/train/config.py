@@ -248,11 +248,11 @@ def _one_of(allowed: tuple[str, ...]) -> str:
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each field that takes a name, read from where each choice is made (the model and
     preset registries, the sources registry, the loader's and the late fusion's options)."""
-    from mmfast.file_health import ON_BAD_IMAGE
-    from mmfast.host_finish import CPU_RESIZE
+    from mmfast.loading.file_health import ON_BAD_IMAGE
+    from mmfast.loading.host_finish import CPU_RESIZE
+    from mmfast.loading.sources import SOURCES
     from mmfast.models import MODELS, PRESETS
     from mmfast.models.fusion import COMBINE
-    from mmfast.sources import SOURCES
 
     return {
         "model": tuple(MODELS),

@@ -21,15 +21,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmfast.dataset import PreparedDataset
-from mmfast.decoded import default_budget
-from mmfast.fsutil import atomic_write_json
-from mmfast.loader import IGNORE_LABEL
-from mmfast.metrics import confusion_figures
-from mmfast.model_dir import write_run_models
+from mmfast.data.dataset import PreparedDataset
+from mmfast.infer.model_dir import write_run_models
+from mmfast.loading.decoded import default_budget
+from mmfast.loading.image_loader import IGNORE_LABEL
+from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.models import build_model
-from mmfast.multimodal import MultimodalLoader
-from mmfast.profiler import StepTimer, UtilizationSampler, build_report, plot_report
+from mmfast.tasks.classification import confusion_figures
 from mmfast.train.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -40,6 +38,7 @@ from mmfast.train.checkpoint import (
 )
 from mmfast.train.config import TrainConfig, encoder_lr_note, resolve_preset, resume_differences
 from mmfast.train.heartbeat import Heartbeat
+from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
 from mmfast.train.setup import (
     all_processes_ok,
@@ -50,6 +49,7 @@ from mmfast.train.setup import (
     processes_per_machine,
     resolve_data,
 )
+from mmfast.util.fsutil import atomic_write_json
 
 log = logging.getLogger(__name__)
 PROFILE_WARMUP_STEPS = 5  # micro-batches left out of a profile's figures (when the run has more)

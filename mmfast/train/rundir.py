@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmfast.dataset import PREPARED_MARKER
+from mmfast.data.dataset import PREPARED_MARKER
 
 RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
@@ -164,8 +164,8 @@ def _remove_raw_preparation(run_dir: Path) -> None:
     directory carrying mmfast's prepared-dataset marker; anything else stays, and the run directory with it)."""
     import shutil
 
-    from mmfast.fsutil import marker_kind
-    from mmfast.prepare import PREPARED_KIND
+    from mmfast.prepare.core import PREPARED_KIND
+    from mmfast.util.fsutil import marker_kind
 
     (run_dir / f"{RAW_DATA_DIR}.rejected.jsonl").unlink(missing_ok=True)
     prepared = run_dir / RAW_DATA_DIR

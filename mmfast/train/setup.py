@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from mmfast.fsutil import restore_interrupted_swap
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
 from mmfast.train.rundir import RAW_DATA_DIR
+from mmfast.util.fsutil import restore_interrupted_swap
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -123,9 +123,9 @@ def installed_trackers(names: tuple[str, ...]) -> list[str]:
 def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
     ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
-    from mmfast.demo import default_cache_dir, demo_dataset
-    from mmfast.manifest import ManifestError
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.inputs.manifest import ManifestError
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+    from mmfast.prepare.demo import default_cache_dir, demo_dataset
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
         return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
@@ -168,8 +168,8 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
     that found no usable row move from the run directory to beside it (the failed start leaves nothing in
     the run directory: ``rundir``), and the reader's advice that names mmfast-prepare's input flags, which
     mmfast-train does not take, says to prepare first."""
-    from mmfast.manifest import ManifestError
-    from mmfast.prepare import failure_report_path
+    from mmfast.inputs.manifest import ManifestError
+    from mmfast.prepare.core import failure_report_path
 
     msg = str(e)
     report, kept = failure_report_path(prepared), failure_report_path(run_dir)
@@ -223,7 +223,7 @@ def pretrained_tokenizer(text_model: str | None) -> str | None:
 
 def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
     """Refuse to feed a pretrained text model token ids from another vocabulary (it would train, badly)."""
-    from mmfast.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     own = pretrained_tokenizer(text_model)
     if own is None:

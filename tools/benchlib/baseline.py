@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 import torch
-from mmfast.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
-from mmfast.dataset import PreparedDataset
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
 
 
 def pil_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)):
@@ -81,7 +81,7 @@ def baseline_loader(
 ):
     """DataLoader over a prepared train split with num_workers = cores and pin_memory on CUDA; ``text``
     tokenizes the captions in the collate function (else images and labels only)."""
-    from mmfast.tokenizer import load_tokenizer
+    from mmfast.data.tokenizer import load_tokenizer
 
     dataset = PreparedDataset(data_dir, verify=False)  # the benchmark verified it once already, or needs not
     rows = dataset.rows("train")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.fsutil import atomic_dir, file_lock
+from mmfast.util.fsutil import atomic_dir, file_lock
 
 _PHOTOS = (
     "rocket.jpg",
@@ -77,8 +77,8 @@ SETS = {  # name: (width, height, format) of the images photo_manifest cuts
 def prepared_photos(n: int = 512, max_side: int = 0, kind: str = "photos") -> Path:
     """The benchmark images of ``kind`` (a ``SETS`` name), prepared (all in the train split; with
     ``max_side``, downscaled copies) under the mmfast cache folder."""
-    from mmfast.demo import default_cache_dir
-    from mmfast.prepare import PrepareConfig, prepare_dataset
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+    from mmfast.prepare.demo import default_cache_dir
 
     width, height, fmt = SETS[kind]
     manifest = photo_manifest(default_cache_dir() / "bench", n, width, height, fmt=fmt)

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.fsutil import atomic_write_bytes, atomic_write_json, file_lock
-from mmfast.tokenizer import tokenizer_fingerprint
+from mmfast.data.tokenizer import tokenizer_fingerprint
+from mmfast.util.fsutil import atomic_write_bytes, atomic_write_json, file_lock
 
 log = logging.getLogger(__name__)
 _NO_CACHE = "no cache yet"  # the reason for a first build

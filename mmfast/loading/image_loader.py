@@ -3,15 +3,15 @@ torch DataLoader over image files. It assembles the pipeline (a source's reader 
 graph) and runs the epoch protocol (``len``, ``iter``, ``set_epoch``, ``state_dict``) on top of the modules
 that do each part:
 
-    mmfast.sampling      the order and the shards of each epoch (and ``loader.sampler``)
-    mmfast.sources       where the encoded images come from (files, WebDataset shards)
-    mmfast.stream        the live DALI stream, its chunk of epochs and the resume state
-    mmfast.file_health   missing/undecodable files: found, skipped or reported
-    mmfast.dropin        what DataLoader code passes and expects (arguments, datasets, transforms, batches)
-    mmfast.device        the device and dtype of the batches
-    mmfast.multimodal    ``MultimodalLoader``: a prepared split's images joined with its cached tokens
+    mmfast.loading.sampling      the order and the shards of each epoch (and ``loader.sampler``)
+    mmfast.loading.sources       where the encoded images come from (files, WebDataset shards)
+    mmfast.loading.stream        the live DALI stream, its chunk of epochs and the resume state
+    mmfast.loading.file_health   missing/undecodable files: found, skipped or reported
+    mmfast.loading.dropin        what DataLoader code passes and expects (arguments, datasets, transforms, batches)
+    mmfast.loading.device        the device and dtype of the batches
+    mmfast.loading.multimodal    ``MultimodalLoader``: a prepared split's images joined with its cached tokens
 
-Two samplings (``mmfast.sampling``):
+Two samplings (``mmfast.loading.sampling``):
 - ``ImageLoader`` does what ``DataLoader(dataset, sampler=DistributedSampler(dataset, num_shards, shard_id,
   shuffle, seed))`` does (one process: what ``DataLoader(shuffle=...)`` does): the order is
   ``torch.randperm`` seeded by ``seed + epoch``, a rank's list is DistributedSampler's (the first samples of
@@ -21,8 +21,6 @@ Two samplings (``mmfast.sampling``):
   (seed, epoch), each sample at most once per epoch, the last eval batch padded (id -1, label -100), and
   ``drop_last`` keeping only whole global batches.
 
-The names other code imports from here (``MultimodalLoader``, ``Batch``, ``epoch_order``, ...) stay
-importable from this module.
 """
 
 from __future__ import annotations
@@ -36,24 +34,19 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from mmfast.dataset import wds_split
-from mmfast.decoded import DecodedImages, DecodedIterator, auto_plan, default_budget
-from mmfast.device import resolve_device, resolve_dtype
-from mmfast.dropin import (
-    DATALOADER_NO_OPS,
-    DATALOADER_REFUSED,
-    PIPELINE_OPTIONS,
+from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.loading.decoded import DecodedImages, DecodedIterator, auto_plan, default_budget
+from mmfast.loading.device import resolve_device, resolve_dtype
+from mmfast.loading.dropin import (
     Batch,
     ImageFiles,
     TorchvisionFinisher,
     from_dataset,
-    options_from_transform,
     split_options,
     torchvision_equivalent,
 )
-from mmfast.file_health import ON_BAD_IMAGE, PAD_ID, FileHealth
-from mmfast.host_finish import CPU_RESIZE, HostFinisher, default_threads, ragged_iterator
-from mmfast.pipelines.image import (
+from mmfast.loading.file_health import FileHealth
+from mmfast.loading.graphs import (
     DALI_SAFE_BATCH,
     EVAL_CROP_RATIO,
     IMAGENET_MEAN,
@@ -61,21 +54,18 @@ from mmfast.pipelines.image import (
     READER_NAME,
     image_pipeline,
 )
-from mmfast.sampling import ShardSampler, distributed_sampler_indices, epoch_order, shard_positions
-from mmfast.sources import FilesSource, Source, WdsSource
-from mmfast.stream import (
-    MAX_CHUNK_ENTRIES,
-    MAX_CHUNK_EPOCHS,
+from mmfast.loading.host_finish import CPU_RESIZE, HostFinisher, default_threads, ragged_iterator
+from mmfast.loading.sampling import ShardSampler, distributed_sampler_indices, epoch_order, shard_positions
+from mmfast.loading.sources import FilesSource, Source, WdsSource
+from mmfast.loading.stream import (
     SELF_ORDERED_CHUNK,
     Restore,
     Stream,
     chunk_dali_batch,
-    chunk_epochs,
     decode_checkpoint,
     encode_checkpoint,
     new_chunk,
 )
-from mmfast.validate import DEFAULT_MAX_PIXELS
 
 log = logging.getLogger(__name__)
 IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -132,13 +122,13 @@ class ImageLoader:
         fp16: the older way to say dtype=torch.float16 (True) or torch.float32 (False).
         prefetch: DALI prefetch queue depth (default 2); ``prefetch_factor`` sets the same.
         wds_shards: read these WebDataset tars instead of ``files``, through mmfast's index files (by default
-            the ``.idx`` beside each tar, as ``mmfast.wds.write_wds`` writes them); ``files``/``labels``/``ids``
+            the ``.idx`` beside each tar, as ``write_wds`` writes them); ``files``/``labels``/``ids``
             still describe the samples, and no file of ``files`` is opened. DALI then shards and shuffles (a
             shuffle buffer that runs on across epochs; ``set_epoch`` does not re-seed it), unlike
             DistributedSampler.
         wds_index: the index file of each of ``wds_shards`` (``mmfast.inputs.wds``: a prepared directory
             holds those of the user's shards).
-        image_source: the source object to read (``mmfast.sources``, e.g. ``PreparedDataset.source_for``)
+        image_source: the source object to read (``mmfast.loading.sources``, e.g. ``PreparedDataset.source_for``)
             instead of ``wds_shards``/``files``; ``files`` still describe the samples.
         on_bad_image: what to do with an image that is missing or cannot be decoded: "skip" (log it, count
             it in ``skipped``, and serve a masked sample in its place: id -1, label -100, mask False, so batch
@@ -154,14 +144,14 @@ class ImageLoader:
             (without ``file_stats``) or checked again (one over it is a bad image): what bounds the decoder's
             memory.
         cpu_resize: who resizes, flips and normalizes the decoded crops when decoding on the CPU: "torch"
-            (the consuming thread, ``mmfast.host_finish``; about 2x faster, and the eval path reproduces
+            (the consuming thread, ``mmfast.loading.host_finish``; about 2x faster, and the eval path reproduces
             torchvision's Resize + CenterCrop pixels) or "dali" (in the graph). The GPU path always does it
             in DALI.
         finish_threads: threads finishing each batch on the host (``cpu_resize="torch"``), the consuming
             one included (default: ``host_finish.default_threads(num_threads)``; with ``cache_decoded``,
             ``num_threads``: no DALI thread decodes then).
         cache_decoded: decode each image once and keep it in memory; later epochs crop from there
-            (``mmfast.decoded``: the CPU path's answer to small images, whose decode is most of the work).
+            (``mmfast.loading.decoded``: the CPU path's answer to small images, whose decode is most of the work).
             "auto" (default): where it pays and fits, as ``decoded.auto_plan`` finds from a sample of the
             files' headers (not the train crops of large JPEGs, whose streamed decode reads only the crop),
             in half the memory available now shared by the machine's processes; otherwise streaming, the
@@ -948,37 +938,3 @@ def _check_sizes(
     if prefetch is not None and prefetch < 1:
         raise ValueError(f"prefetch must be >= 1, got {prefetch}")
     return 2 if prefetch is None else prefetch
-
-
-def __getattr__(name: str):
-    """``MultimodalLoader``, still importable from here (imported when first asked for: ``mmfast.multimodal``
-    builds on this module)."""
-    if name == "MultimodalLoader":
-        from mmfast.multimodal import MultimodalLoader
-
-        return MultimodalLoader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "CPU_RESIZE",
-    "DATALOADER_NO_OPS",
-    "DATALOADER_REFUSED",
-    "IGNORE_LABEL",
-    "MAX_CHUNK_ENTRIES",
-    "MAX_CHUNK_EPOCHS",
-    "ON_BAD_IMAGE",
-    "PAD_ID",
-    "PIPELINE_OPTIONS",
-    "Batch",
-    "ImageFiles",
-    "ImageLoader",
-    "ShardSampler",
-    "chunk_epochs",
-    "distributed_sampler_indices",
-    "epoch_order",
-    "options_from_transform",
-    "shard_positions",
-    "torchvision_equivalent",
-    "wds_split",
-]

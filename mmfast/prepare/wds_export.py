@@ -25,9 +25,9 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-from mmfast.dataset import PreparedDataset
-from mmfast.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
+from mmfast.data.dataset import PreparedDataset
 from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
+from mmfast.util.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
 
 _EXT = {
     ".jpeg": "jpg",

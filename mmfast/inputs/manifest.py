@@ -1,7 +1,7 @@
 """Read a manifest (JSONL / CSV) or an image folder into candidate rows.
 
 Every input row ends up either in the returned candidates or in the returned rejects with a reason and
-its line number, so counts always add up. Images are not opened here (see ``mmfast.validate``).
+its line number, so counts always add up. Images are not opened here (see ``mmfast.data.validate``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmfast.inputs import InputOptions, detect_kind, read_source
-from mmfast.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
+from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
 
 _Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
 

@@ -8,11 +8,11 @@ Directory contract (docs/architecture.md, "Contracts"):
                           contiguous class ids 0..C-1; an image the directory holds (images/: Parquet
                           bytes, downscaled/: --max-side copies) is named relative to it, so the
                           directory can be moved; ``iter_rows`` gives every path absolute; the split
-                          is by a hash of each row's image (``mmfast.split``)
+                          is by a hash of each row's image (``mmfast.prepare.split``)
     labels.json           original label -> class id
     rejected.jsonl        dropped input rows with their reasons
-    tokenizer/, tokens/   the tokenizer and the token cache (``mmfast.token_cache``)
-    wds/                  optional WebDataset source of each split (``mmfast.wds`` export, or the index of
+    tokenizer/, tokens/   the tokenizer and the token cache (``mmfast.data.token_cache``)
+    wds/                  optional WebDataset source of each split (``prepare.wds_export``, or the index of
                           the user's shards it was prepared from, ``mmfast.inputs.wds``):
                           <split>.json {"tars", "index", "stats": [[size, mtime_ns]] of each tar, ...} and
                           <split>.rows.npy (N, 2) int64 [sample id, class id]
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.fsutil import MARKER as PREPARED_MARKER
-from mmfast.fsutil import file_sha256, restore_interrupted_swap
-from mmfast.validate import DEFAULT_MAX_PIXELS
+from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.util.fsutil import MARKER as PREPARED_MARKER
+from mmfast.util.fsutil import file_sha256, restore_interrupted_swap
 
-# mmfast's WebDataset index files (wds/, mmfast.inputs.wds writes them, mmfast.sources reads through them): the
+# mmfast's WebDataset index files (wds/: inputs.wds writes them, loading.sources reads through them): the
 # image component's name, and the digits of the sample id that close each indexed image's name
 WDS_IMAGE_EXT = "img"
 WDS_ID_DIGITS = 10
@@ -88,7 +88,7 @@ class SplitTable:
 
 def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
     """(tars, index files) of a split's WebDataset source in a prepared directory: mmfast's export
-    (``mmfast.wds``) or the user's shards it was prepared from (``mmfast.inputs.wds``).
+    (``mmfast.prepare.wds_export``) or the user's shards it was prepared from (``mmfast.inputs.wds``).
 
     Raises:
         FileNotFoundError: no WebDataset source for the split.
@@ -202,7 +202,7 @@ class PreparedDataset:
     def vocab_size(self) -> int:
         """Token ids the tokenizer in tokenizer/ produces: the size of a text model's embedding table. Read
         from the tokenizer itself (what the token cache was built with), not from prepare.json's figure."""
-        from mmfast.tokenizer import load_tokenizer
+        from mmfast.data.tokenizer import load_tokenizer
 
         return len(load_tokenizer(self.tokenizer_dir))
 
@@ -291,13 +291,13 @@ class PreparedDataset:
         return total
 
     def source_for(self, split: str, kind: str = "files"):
-        """The image source (``mmfast.sources``) a loader of ``split`` reads: ``kind`` ("files" or "wds"), but
+        """The image source (``loading.sources``) a loader of ``split`` reads: ``kind`` ("files" or "wds"), but
         always the WebDataset shards when the dataset was prepared from them (its images are in them only).
 
         Raises:
             ValueError: an unknown kind. FileNotFoundError: the split has no WebDataset shards.
         """
-        from mmfast.sources import FilesSource, WdsSource, check_source_name
+        from mmfast.loading.sources import FilesSource, WdsSource, check_source_name
 
         check_source_name(kind)
         if kind == "files" and self.summary.get("input_kind") == "wds":

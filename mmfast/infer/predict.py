@@ -1,4 +1,4 @@
-"""Run a model directory on new data: rows in (a user's input read by ``mmfast.predict_inputs``, or a prepared
+"""Run a model directory on new data: rows in (a user's input read by ``infer.predict_inputs``, or a prepared
 split), one prediction (or one error) per row out.
 
 Images go through the same DALI eval pipeline and the texts through the same token cache as the training
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.fsutil import atomic_write_bytes, atomic_write_jsonl
-from mmfast.loader import ImageLoader
-from mmfast.model_dir import MmfastModel
-from mmfast.multimodal import MultimodalLoader
-from mmfast.token_cache import TokenCache
-from mmfast.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
+from mmfast.data.token_cache import TokenCache
+from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
+from mmfast.infer.model_dir import MmfastModel
+from mmfast.loading.image_loader import ImageLoader
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.util.fsutil import atomic_write_bytes, atomic_write_jsonl
 
 
 class RowsLoader(MultimodalLoader):
@@ -76,7 +76,7 @@ def predict_rows(
 
     Args:
         rows: {"image", "text", "label" (optional), "path" (optional: the file to read when "image" only names
-            it, as ``mmfast.predict_inputs`` gives for images stored as bytes)} or {"error"}.
+            it, as ``mmfast.infer.predict_inputs`` gives for images stored as bytes)} or {"error"}.
         max_pixels: decoded-pixel budget per image, read from its header (default: the model's, its data's).
 
     Returns:
@@ -245,7 +245,7 @@ def predict_pil(model: MmfastModel, rows: list[dict], batch_size: int = 64) -> l
 
 def prepared_rows(data_dir: str | os.PathLike, split: str) -> list[dict]:
     """The rows of a prepared dataset's split, labels as class names (``id``: the prepared sample id)."""
-    from mmfast.dataset import PreparedDataset
+    from mmfast.data.dataset import PreparedDataset
 
     dataset = PreparedDataset(data_dir)
     names = {i: name for name, i in dataset.labels.items()}
@@ -262,7 +262,7 @@ def score(results: list[dict], class_names: list[str]) -> dict:
         ``confusion_figures``' dict plus "confusion" (C x C list, rows = true class), "samples" (scored rows)
         and "errors" (rows not predicted, left out of the figures).
     """
-    from mmfast.metrics import confusion_figures
+    from mmfast.tasks.classification import confusion_figures
 
     index = {name: i for i, name in enumerate(class_names)}
     c = len(class_names)

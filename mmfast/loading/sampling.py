@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from mmfast.loader import ImageLoader
+    from mmfast.loading.image_loader import ImageLoader
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:

@@ -32,7 +32,8 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from mmfast.fsutil import (
+from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows
+from mmfast.util.fsutil import (
     atomic_dir,
     atomic_write_json,
     atomic_write_jsonl,
@@ -43,7 +44,6 @@ from mmfast.fsutil import (
     recover_dir,
     write_errors,
 )
-from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
 
 log = logging.getLogger(__name__)
 PART_KIND = "mmfast preparation part"  # the "kind" in a part directory's marker
@@ -85,7 +85,7 @@ def part_dir(out: str | os.PathLike, i: int, n: int) -> Path:
 def prepare_part(cfg) -> dict:
     """Check part ``cfg.shard`` of the input into its part directory (or keep it when it is complete for the
     same input and settings, and undamaged). Returns its part.json."""
-    from mmfast.prepare import earlier_checks, input_fingerprint, read_and_check
+    from mmfast.prepare.core import earlier_checks, input_fingerprint, read_and_check
 
     i, n = cfg.shard
     final = part_dir(cfg.out, i, n)
@@ -128,7 +128,7 @@ def merge_parts(cfg, tmp: Path, fp: str):
         ManifestError: no parts, a part missing or damaged (naming its file and the command that makes it
             again), or parts of another input or other settings.
     """
-    from mmfast.prepare import Checked
+    from mmfast.prepare.core import Checked
 
     root = parts_root(cfg.out)
     dirs = sorted(p for p in root.glob("*-of-*") if p.is_dir()) if root.is_dir() else []

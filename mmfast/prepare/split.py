@@ -21,7 +21,7 @@ import hashlib
 import os
 from collections import defaultdict
 
-from mmfast.manifest import Candidate
+from mmfast.inputs.manifest import Candidate
 
 _SCALE = float(1 << 64)
 

@@ -1,6 +1,6 @@
 """Image pipelines: read -> decode (+ random crop) -> resize -> flip/jitter -> normalize to NCHW.
 
-A source's reader (``mmfast.sources``: each source builds its own DALI reader) followed by one processing
+A source's reader (``mmfast.loading.sources``: each source builds its own DALI reader) followed by one processing
 function shared by all of them (``process_images``), as DALI's own ResNet-50 example shares its processing
 between readers.
 
@@ -23,7 +23,7 @@ EVAL_CROP_RATIO = 0.875  # eval: resize the shorter side to size / ratio, keep t
 # several, and a file it cannot parse there (a text file named .jpg, a header zeroed out) crashed the process
 # (SIGSEGV in ImageDecoder's setup) about every other run instead of raising an error the loader can handle.
 # So on the CPU, ImageLoader (files nobody decoded before) runs its graph on equal parts of its batch no larger
-# until every file has been read once (``mmfast.loader.dali_batch_size``), and ``cache_decoded`` fills in
+# until every file has been read once (``image_loader.dali_batch_size``), and ``cache_decoded`` fills in
 # smaller batches.
 DALI_SAFE_BATCH = 31
 
@@ -138,7 +138,7 @@ def image_pipeline(
 
     Args:
         read: builds the reader's nodes and returns (encoded images (B,), sample ids (B, 1) int32): a source's
-            ``reader(...)`` (``mmfast.sources``), e.g. ``functools.partial(read_files, files, ids)``. Every
+            ``reader(...)`` (``mmfast.loading.sources``), e.g. ``functools.partial(read_files, files, ids)``. Every
             reader is named ``READER_NAME``.
         train: random resized crop + flip (+ jitter) if True; resize shorter side + center crop otherwise.
         size: output side in pixels.
@@ -149,7 +149,7 @@ def image_pipeline(
         fp16: emit float16 (else float32).
         hw_decoder_load, memory_padding, size_hint: GPU decoder knobs.
         finish_on_host: stop after the decode (train: of the random crop, + jitter) and return the decoded
-            images with the flip draws; ``mmfast.host_finish`` resizes (eval: and centre-crops), flips and
+            images with the flip draws; ``mmfast.loading.host_finish`` resizes (eval: and centre-crops), flips and
             normalizes them (the fast way on the CPU, where DALI's resize and normalize cost more than the
             decode).
 
@@ -183,7 +183,7 @@ def image_pipeline(
 
 @pipeline_def
 def decode_pipeline(*, read: Callable[[], tuple]):
-    """Whole images decoded on the CPU, as they are (``mmfast.decoded`` keeps them for ``cache_decoded``).
+    """Whole images decoded on the CPU, as they are (``mmfast.loading.decoded`` keeps them for ``cache_decoded``).
 
     Args:
         read: a source's reader, as for ``image_pipeline``.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.fsutil import atomic_dir, file_lock
+from mmfast.util.fsutil import atomic_dir, file_lock
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
 ATTRIBUTES = ("morning", "evening")

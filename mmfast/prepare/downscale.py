@@ -59,7 +59,7 @@ def downscale_images(
 ) -> list[str]:
     """``downscale_image`` for every (source, destination) pair over ``workers`` processes; the reasons
     in order ("" where the copy was written)."""
-    from mmfast.validate import map_files
+    from mmfast.util.pool import map_files
 
     work = functools.partial(downscale_image, max_side=max_side, quality=quality)
     return map_files(work, jobs, workers, f"downscaling to {max_side} px", progress)

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from mmfast.dataset import PreparedDataset
-from mmfast.loader import IGNORE_LABEL, ImageLoader
-from mmfast.token_cache import TokenCache
+from mmfast.data.dataset import PreparedDataset
+from mmfast.data.token_cache import TokenCache
+from mmfast.loading.image_loader import IGNORE_LABEL, ImageLoader
 
 
 class MultimodalLoader(ImageLoader):
@@ -27,14 +27,14 @@ class MultimodalLoader(ImageLoader):
         batch_size: per process, as in Accelerate.
         shuffle, drop_last, train: default True for "train", False otherwise.
         accelerator: take shard_id / num_shards / device from an ``accelerate.Accelerator``.
-        source: "files" (the split's image files) or "wds" (its WebDataset shards, see ``mmfast.wds``); a
+        source: "files" (the split's image files) or "wds" (its WebDataset shards, see ``prepare.wds_export``); a
             dataset prepared from WebDataset shards is always read from them.
         verify_files: also check every image file at start-up (see ``ImageLoader``: each batch's files are
             compared with what preparation recorded just before they are read anyway); default off.
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
             False).
 
-    Unlike ``ImageLoader``, it keeps whole batches and its own sampling (see ``mmfast.loader``): the
+    Unlike ``ImageLoader``, it keeps whole batches and its own sampling (see ``mmfast.loading.image_loader``): the
     training engine relies on both.
     """
 

@@ -7,22 +7,17 @@ cannot decode: a file is accepted only when the decoder that will read it at tra
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import io
-import multiprocessing
 import os
-import signal
 import stat
-import sys
-import types
 import warnings
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
+from mmfast.util.pool import map_files
 
 # PIL format names DALI's CPU decoder reads (libjpeg-turbo, libpng, libtiff, libwebp, OpenJPEG, PNM, BMP).
 DALI_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
@@ -30,7 +25,6 @@ DALI_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
 # memory by construction (64 MP is 192 MB of RGB). A small file can declare a huge image (a 9400x9400 1-bit
 # PNG is 11 KB on disk), so the bound is checked from the header, before anything is decoded.
 DEFAULT_MAX_PIXELS = 64_000_000
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -183,55 +177,6 @@ def check_images(
     for i, reason in _dali_rejects([paths[i] for i in good], workers).items():
         checks[good[i]] = ImageCheck(False, reason)
     return checks
-
-
-def map_files(fn, items: list, workers: int, desc: str, progress: bool = False) -> list:
-    """``[fn(x) for x in items]`` over ``workers`` processes (threads inside a daemonic process, which may
-    not start children), in order, with a progress bar. ``fn`` must be picklable (a module-level function
-    or a ``functools.partial`` of one)."""
-    from tqdm import tqdm
-
-    bar = dict(total=len(items), desc=desc, unit="img", disable=None if progress else True, leave=False)
-    if workers <= 1 or len(items) <= 64:
-        return [fn(x) for x in tqdm(items, **bar)]
-    chunk = max(1, min(64, len(items) // (workers * 8)))
-    if multiprocessing.current_process().daemon:  # PIL releases the GIL while decoding and encoding
-        with ThreadPoolExecutor(workers) as pool:
-            return list(tqdm(pool.map(fn, items, chunksize=chunk), **bar))
-    return list(tqdm(process_map(fn, items, workers, chunk), **bar))
-
-
-def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
-    """``fn`` over ``items`` in ``workers`` processes that never inherit this one's state, results in order.
-
-    The workers are started by a fork server (a fresh interpreter), not forked from this process: a fork
-    copies the locks of its threads but not the threads, and a child whose garbage collector finalizes a DALI
-    pipeline inherited from the parent waits for ever in its destructor (or on any lock another thread held).
-    They import ``fn`` from its module and never re-run the caller's script (one without an
-    ``if __name__ == "__main__":`` guard would otherwise run again in each). Each worker is SIGKILLed when
-    the caller dies. ``fn`` must be a module-level function of an importable module (or a partial of one).
-    """
-    context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_die_with_owner) as pool:
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")  # nothing for the workers to re-import
-        try:
-            results = pool.map(fn, items, chunksize=chunksize)  # submits every chunk: the workers start now
-        finally:
-            sys.modules["__main__"] = main
-        yield from results
-
-
-def _die_with_owner() -> None:
-    """Pool worker initializer: have the kernel SIGKILL this worker when its parent (the fork server, which
-    exits with the pool's owner) dies: a parent killed with SIGKILL cannot shut its pool down, and the workers
-    would run on over the rest of their chunks."""
-    if not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    owner = multiprocessing.parent_process()
-    if owner is not None and not owner.is_alive():  # it died before the prctl call: nobody would signal us
-        os._exit(1)
 
 
 def _dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[int, str]:

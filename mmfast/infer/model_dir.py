@@ -29,9 +29,9 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from mmfast.fsutil import atomic_dir, file_lock, file_sha256
 from mmfast.models import build_model
 from mmfast.models.encoders import _quiet_transformers
+from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
 
 log = logging.getLogger(__name__)
 FORMAT = "mmfast-model/1"
@@ -245,7 +245,7 @@ def _load_weights(model: MmfastModel, path: Path) -> None:
 
 
 def _load_tokenizer(path: Path):
-    from mmfast.tokenizer import load_tokenizer
+    from mmfast.data.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(path)
@@ -285,8 +285,8 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
         weights: "best" or "last".
         tokenizer_dir: the tokenizer it trained with (default: the dataset's).
     """
+    from mmfast.data.tokenizer import load_tokenizer
     from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
-    from mmfast.tokenizer import load_tokenizer
 
     image, text = getattr(model, "image", None), getattr(model, "text", None)
     prep = dataset.summary.get("config", {})

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mmfast.validate import check_images, pixel_budget_reason
+from mmfast.data.validate import check_images, pixel_budget_reason
 
 log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL

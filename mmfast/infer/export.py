@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmfast.model_dir import MmfastModel
+from mmfast.infer.model_dir import MmfastModel
 
 INPUT_NAMES = ["image", "input_ids", "attention_mask"]
 

@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.file_health import PAD_ID, FileHealth
-from mmfast.pipelines.image import decode_pipeline
-from mmfast.sources import read_files
+from mmfast.loading.file_health import PAD_ID, FileHealth
+from mmfast.loading.graphs import decode_pipeline
+from mmfast.loading.sources import read_files
 
 log = logging.getLogger(__name__)
 MEMORY_SHARE = 0.5  # of the memory available when decoding starts, the most the cache may take by default
-DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (mmfast/pipelines/image.py)
+DECODE_BATCH = 16  # images per DALI batch while filling: under DALI_SAFE_BATCH (mmfast/loading/graphs.py)
 
 
 def available_memory(cgroup_root: str = "/sys/fs/cgroup", proc: str = "/proc/self") -> int:
@@ -115,7 +115,7 @@ def auto_plan(files: list[str], size: int, train: bool, budget: int) -> tuple[bo
     ``budget`` with a quarter to spare, except for the train crops of large JPEGs (``AUTO_JPEG_PIXELS``)."""
     from PIL import Image
 
-    from mmfast.validate import image_header
+    from mmfast.data.validate import image_header
 
     picks = np.unique(np.linspace(0, len(files) - 1, min(AUTO_SAMPLE, len(files))).round().astype(int))
     pixels, jpeg = [], 0

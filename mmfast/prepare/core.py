@@ -19,8 +19,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mmfast.dataset import DatasetError, PreparedDataset
-from mmfast.fsutil import (
+from mmfast.data.dataset import DatasetError, PreparedDataset
+from mmfast.data.token_cache import TokenCache
+from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
+from mmfast.data.validate import DEFAULT_MAX_PIXELS, ImageCheck, check_images
+from mmfast.inputs import InputOptions, read_source
+from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows
+from mmfast.inputs.wds import expand_shards, is_wds_source, read_wds, shard_stats, write_split_index
+from mmfast.prepare.parts import parts_root
+from mmfast.prepare.split import split_rows
+from mmfast.util.fsutil import (
     MARKER,
     OutputDirError,
     atomic_dir,
@@ -33,18 +41,10 @@ from mmfast.fsutil import (
     recover_dir,
     write_errors,
 )
-from mmfast.inputs import InputOptions, read_source
-from mmfast.inputs.wds import expand_shards, is_wds_source, read_wds, shard_stats, write_split_index
-from mmfast.manifest import Candidate, ManifestError, Reject, finish_rows
-from mmfast.prepare_parts import parts_root
-from mmfast.split import split_rows
-from mmfast.token_cache import TokenCache
-from mmfast.tokenizer import load_tokenizer, train_wordpiece
-from mmfast.validate import DEFAULT_MAX_PIXELS, ImageCheck, check_images
 
 log = logging.getLogger(__name__)
 # 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels;
-# 3: the split by a hash of each row's image (mmfast.split); images inside the directory named relative to it
+# 3: the split by a hash of each row's image (prepare.split); images inside the directory named relative to it
 PREPARE_VERSION = 3
 PREPARED_KIND = "mmfast prepared dataset"  # the "kind" in the marker of a prepared directory
 _SPLIT_FILES = ("train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl")
@@ -70,9 +70,9 @@ class PrepareConfig:
     quality: int = 90  # JPEG quality of those copies
     progress: bool = True
     inputs: InputOptions = InputOptions()  # how to read the source (kind, column mapping, COCO options)
-    format: str = "files"  # "wds": also export the splits as WebDataset shards into wds/ (mmfast.wds)
+    format: str = "files"  # "wds": also export the splits as WebDataset shards into wds/ (prepare.wds_export)
     wds_shard_size: int = 1000  # samples per exported shard
-    shard: tuple[int, int] | None = None  # (i, n): check only part i of n of the input (mmfast.prepare_parts)
+    shard: tuple[int, int] | None = None  # (i, n): check only part i of n of the input (mmfast.prepare.parts)
     merge: bool = False  # join the n parts checked by --shard into ``out``
 
     def __post_init__(self):
@@ -113,7 +113,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
     _check_input_outside(cfg)
     if cfg.shard is not None:
         _check_out(out)  # now, not only when the parts are merged, after hours of checking
-        from mmfast.prepare_parts import prepare_part
+        from mmfast.prepare.parts import prepare_part
 
         return prepare_part(cfg)
     with file_lock(dir_lock_path(out)), write_errors(out, "the prepared dataset"):
@@ -200,7 +200,7 @@ class Checked:
 
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     if cfg.merge:
-        from mmfast.prepare_parts import merge_parts
+        from mmfast.prepare.parts import merge_parts
 
         checked = merge_parts(cfg, tmp, fp)
     else:
@@ -340,7 +340,7 @@ def _write_shards(cfg: PrepareConfig, tmp: Path, kind: str, rows: dict[str, list
         for split, split_rows in rows.items():
             write_split_index(tmp / "wds", split, split_rows)
     elif cfg.format == "wds":
-        from mmfast.wds import export_wds
+        from mmfast.prepare.wds_export import export_wds
 
         # rows name the images written into the directory relative to it: they are read in the temp directory
         with write_errors(cfg.out, "the WebDataset shards"):
@@ -361,9 +361,9 @@ def _downscale(
     rejects: list[Reject],
 ) -> tuple[list[Candidate], int]:
     """Point every accepted image over ``cfg.max_side`` at a downscaled JPEG copy inside ``tmp`` (see
-    ``mmfast.downscale``); returns the candidates (one that cannot be copied is rejected, with its
+    ``mmfast.prepare.downscale``); returns the candidates (one that cannot be copied is rejected, with its
     reason) and how many were copied."""
-    from mmfast.downscale import downscale_images, downscaled_path
+    from mmfast.prepare.downscale import downscale_images, downscaled_path
 
     big = [i for i, c in enumerate(good) if max(c.width, c.height) > cfg.max_side]
     jobs = [(good[i].image, str(downscaled_path(tmp.resolve(), i))) for i in big]
@@ -577,7 +577,7 @@ def _input_folders(cfg: PrepareConfig) -> list[Path]:
 
 
 def _split_bases(cfg: PrepareConfig) -> list[str]:
-    """The folders the split keys images relative to (see mmfast.split), the innermost first."""
+    """The folders the split keys images relative to (see mmfast.prepare.split), the innermost first."""
     return sorted((str(p.resolve()) for p in _input_folders(cfg)), key=len, reverse=True)
 
 

@@ -1,6 +1,6 @@
 """Image sources: where a loader's DALI reader takes the encoded images from, one class per kind with its own
 reader, registered by name in ``SOURCES``. Adding a source is a class and its reader here: the processing
-after the reader (``mmfast/pipelines/image.py``) is shared by all of them.
+after the reader (``mmfast/loading/graphs.py``) is shared by all of them.
 
 A source says what differs between readers, so the loader never branches on the kind:
 - the reader that ``image_pipeline`` starts from (``reader``: a callable building the DALI reader's nodes);
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from nvidia.dali import fn, types
 
-from mmfast.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
-from mmfast.pipelines.image import READER_NAME
+from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
+from mmfast.loading.graphs import READER_NAME
 
 if TYPE_CHECKING:
-    from mmfast.file_health import FileHealth
+    from mmfast.loading.file_health import FileHealth
 
 
 def read_files(files: list[str], ids: list[int]):

@@ -31,7 +31,7 @@ SELF_ORDERED_CHUNK = {"wds": True}  # the chunk of a reader that shards and orde
 class Stream:
     """A DALI iterator and the (epoch, step) of the batch it will return next."""
 
-    it: Any  # DALIGenericIterator (or mmfast.host_finish's ragged one)
+    it: Any  # DALIGenericIterator (or mmfast.loading.host_finish's ragged one)
     chunk: dict
     epoch: int
     step: int

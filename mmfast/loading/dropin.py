@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmfast.host_finish import HostFinisher
-from mmfast.pipelines.image import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.graphs import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.host_finish import HostFinisher
 
 # Keyword arguments of ``image_pipeline`` a loader passes through (the rest of its arguments the loader sets).
 PIPELINE_OPTIONS = (
