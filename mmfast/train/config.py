@@ -8,7 +8,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
-from mmfast.cli import Parser
+from mmfast.util.args import Parser
 
 
 def _opt(default, group: str, help: str):
