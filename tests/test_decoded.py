@@ -35,7 +35,7 @@ def _whole_image_copies(photos: list[Path], tmp_path: Path) -> list[str]:
 
 def _record_passing(loader) -> list[int]:
     """After each image the loader's cache decodes: how many it holds for their batch only (past the budget)."""
-    cache, sizes = loader._decoded, []
+    cache, sizes = loader.decoded_images, []
     keep = cache._keep
     cache._keep = lambda p, image: keep(p, image) or sizes.append(len(cache._passing))
     return sizes
@@ -64,7 +64,7 @@ def test_a_cached_loader_serves_whole_batches_of_any_size(photos, tmp_path):
     """A batch DALI would run in parts (40 = 2 x 20) comes whole from memory."""
     files = _whole_image_copies(photos, tmp_path) * 3
     loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
-    assert loader._safe_part(np.arange(len(files))) == 20
+    assert loader.dali_part(np.arange(len(files))) == 20
     assert [len(b.ids) for b in loader] == [40, len(files) - 40]
 
 
@@ -140,7 +140,8 @@ def test_cached_resume_yields_exactly_the_rest_and_epochs_draw_anew(prepared):
     again = {}
     for _ in range(3):
         again |= {int(i): img for b in full for i, img in zip(b["id"], b["image"], strict=True)}
-    assert full._decoded.decoded == sum(i is not None for i in full._decoded.images) >= len(by_id)
+    cache = full.images.decoded_images
+    assert cache.decoded == sum(i is not None for i in cache.images) >= len(by_id)
     assert sum(not torch.equal(by_id[i], again[i]) for i in by_id) > 0.9 * len(by_id)
 
 
@@ -161,10 +162,11 @@ def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):
     rows = PreparedDataset(prepared, verify=False).rows("train")
     with caplog.at_level(logging.WARNING):
         small = MultimodalLoader(prepared, "train", batch_size=16, size=32, cache_decoded=1 << 20)
-        passing = _record_passing(small)  # past the budget, images are decoded for their batch only
+        passing = _record_passing(small.images)  # past the budget, images are decoded for their batch only
         ids = [b["id"].tolist() for b in small]
     assert "streaming them instead" in caplog.text
-    assert small._decoded is None and small._finisher.threads == small._finisher_threads_streaming
+    finisher = small.images.finisher
+    assert small.images.decoded_images is None and finisher.threads == finisher.streaming_threads
     assert 0 < max(passing) <= 3 * 16  # a batch's images and the DALI batches ahead, not the rest of the set
     streamed = MultimodalLoader(prepared, "train", batch_size=16, size=32)
     assert ids == [b["id"].tolist() for b in streamed] and len(ids) == len(rows) // 16
@@ -203,7 +205,7 @@ def test_combinations_it_cannot_serve_are_refused_with_the_reason(prepared):
         with pytest.raises(ValueError, match="True, False or a budget in bytes of at least 1 MiB"):
             MultimodalLoader(prepared, "train", batch_size=16, cache_decoded=value)
     # jitter is a train augmentation: an eval loader caches with it
-    assert MultimodalLoader(prepared, "val", batch_size=16, cache_decoded=True, color_jitter=0.2).cache_decoded
+    assert MultimodalLoader(prepared, "val", batch_size=16, cache_decoded=True, color_jitter=0.2).holds_decoded
 
 
 def test_training_with_cache_decoded_decodes_each_image_once(prepared, tmp_path, caplog):
@@ -296,7 +298,7 @@ def test_the_planned_size_of_a_max_side_set_is_its_copies(demo_manifest, tmp_pat
     planned = dataset.decoded_bytes("val", 1 << 40)
     loader = MultimodalLoader(dataset, "val", batch_size=8, size=16, cache_decoded=True)
     list(loader)
-    held = loader._decoded.nbytes
+    held = loader.images.decoded_images.nbytes
     assert held <= planned <= 1.1 * held, (planned, held)
     assert planned < 0.3 * sum(3 * r["width"] * r["height"] for r in dataset.rows("val"))
 
@@ -308,34 +310,34 @@ def test_auto_holds_what_pays_and_fits_and_streams_the_rest(tmp_path, monkeypatc
     streams instead of raising."""
     from conftest import save_image
 
-    import mmfast.loading.image_loader as loader_module
+    import mmfast.loading.cache_plan as plan_module
 
     pngs = [str(save_image(tmp_path / "png" / f"{i}.png", size=(50, 40), seed=i)) for i in range(6)]
     jpegs = [str(save_image(tmp_path / "jpg" / f"{i}.jpg", size=(50, 40), seed=i)) for i in range(6)]
     kw = {"batch_size": 4, "size": 16}
     png_train = ImageLoader(pngs, shuffle=True, **kw)
-    assert png_train.cache_decoded
+    assert png_train.holds_decoded
     assert sorted(i for _ in range(2) for b in png_train for i in b.ids.tolist()) == sorted(list(range(6)) * 2)
     assert png_train.cached_bytes == 6 * 50 * 40 * 3
-    assert not ImageLoader(jpegs, shuffle=True, **kw).cache_decoded  # 2,000 px > 4 x 16 x 16
-    assert ImageLoader(jpegs, shuffle=False, **kw).cache_decoded  # eval decodes whole images anyway
-    assert ImageLoader(jpegs, shuffle=True, batch_size=4, size=32).cache_decoded  # 2,000 px < 4 x 32 x 32
-    assert not ImageLoader(pngs, shuffle=True, color_jitter=0.2, **kw).cache_decoded
-    assert not ImageLoader(pngs, shuffle=True, cpu_resize="dali", **kw).cache_decoded
+    assert not ImageLoader(jpegs, shuffle=True, **kw).holds_decoded  # 2,000 px > 4 x 16 x 16
+    assert ImageLoader(jpegs, shuffle=False, **kw).holds_decoded  # eval decodes whole images anyway
+    assert ImageLoader(jpegs, shuffle=True, batch_size=4, size=32).holds_decoded  # 2,000 px < 4 x 32 x 32
+    assert not ImageLoader(pngs, shuffle=True, color_jitter=0.2, **kw).holds_decoded
+    assert not ImageLoader(pngs, shuffle=True, cpu_resize="dali", **kw).holds_decoded
 
     import mmfast.loading.decoded as decoded_module
 
-    for module in (loader_module, decoded_module):
+    for module in (plan_module, decoded_module):
         monkeypatch.setattr(module, "default_budget", lambda: 8 << 20)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     shared = ImageLoader(pngs, shuffle=True, **kw)
-    assert shared._decoded.budget is None  # taken when the fill starts, from what is available then
+    assert shared.decoded_images.budget is None  # taken when the fill starts, from what is available then
     list(shared)
-    assert shared._decoded.budget == 2 << 20
-    monkeypatch.setattr(loader_module, "default_budget", lambda: 4 * 6 * 50 * 40 * 3)  # a quarter each: 36,000 B
-    with caplog.at_level(logging.INFO, logger="mmfast.loading.image_loader"):
+    assert shared.decoded_images.budget == 2 << 20
+    monkeypatch.setattr(plan_module, "default_budget", lambda: 4 * 6 * 50 * 40 * 3)  # a quarter each: 36,000 B
+    with caplog.at_level(logging.INFO, logger="mmfast.loading.cache_plan"):
         over = ImageLoader(pngs, shuffle=True, **kw)
-    assert not over.cache_decoded and "over the 0 MiB budget" in caplog.text
+    assert not over.holds_decoded and "over the 0 MiB budget" in caplog.text
     assert len([i for b in over for i in b.ids.tolist()]) == 6  # streamed
 
 
@@ -347,9 +349,9 @@ def test_the_first_batch_comes_before_the_whole_set_is_decoded(tmp_path):
     loader = ImageLoader(files, batch_size=4, size=16, shuffle=True, cache_decoded=True)
     it = iter(loader)
     first = next(it)
-    assert len(first.ids) == 4 and loader._decoded.decoded <= 3 * 16  # a DALI batch, and two ahead at most
+    assert len(first.ids) == 4 and loader.decoded_images.decoded <= 3 * 16  # a DALI batch, and two ahead at most
     rest = [i for b in it for i in b.ids.tolist()]
-    assert sorted(first.ids.tolist() + rest) == list(range(96)) and loader._decoded.decoded == 96
+    assert sorted(first.ids.tolist() + rest) == list(range(96)) and loader.decoded_images.decoded == 96
 
 
 def test_a_bad_first_file_is_stood_in_for_without_decoding_ahead(tmp_path):
@@ -362,11 +364,11 @@ def test_a_bad_first_file_is_stood_in_for_without_decoding_ahead(tmp_path):
     for budget in (None, 1 << 20):
         loader = ImageLoader(files, batch_size=4, size=16, shuffle=True, cache_decoded=budget or True)
         if budget:
-            loader._decoded.budget = 5 * 30 * 20 * 3  # five images held, the rest for their batch only
+            loader.decoded_images.budget = 5 * 30 * 20 * 3  # five images held, the rest for their batch only
         passing = _record_passing(loader)
         it = iter(loader)
         first = next(it)
-        assert loader._decoded.decoded <= 4 * 16, loader._decoded.decoded
+        assert loader.decoded_images.decoded <= 4 * 16, loader.decoded_images.decoded
         assert len(list(it)) == 49
         assert bool(budget) == bool(passing[-1]) and max(passing) <= 4 * 16
         assert [s["image"] for s in loader.skipped] == [files[0]] and len(first.ids) == 4
@@ -383,7 +385,7 @@ def test_a_batch_that_failed_comes_again(tmp_path):
     with pytest.raises(ValueError, match=Path(files[6]).name):
         list(loader)
     save_image(Path(files[6]), size=(30, 20), seed=6)
-    loader._health.bad.clear()  # the user fixed it
+    loader.health.bad.clear()  # the user fixed it
     assert [i for b in loader for i in b.ids.tolist()] == list(range(24))
 
 

@@ -18,8 +18,8 @@ import torch
 from conftest import save_image
 from nvidia.dali import types
 
+import mmfast.loading.epoch_reader as reader_module
 import mmfast.loading.graphs as image_module
-import mmfast.loading.image_loader as loader_module
 from mmfast.loading.graphs import image_pipeline
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sources import read_files, read_wds
@@ -229,9 +229,9 @@ def test_the_loaders_gpu_graph_defines_with_its_own_arguments(tmp_path, monkeypa
         calls.append(kwargs)
         return image_pipeline(**kwargs)
 
-    monkeypatch.setattr(loader_module, "image_pipeline", recording)
-    positions = None if wds else loader._positions(0)
-    loader._pipeline(positions, seed_epoch=0)  # defining it checks the argument names on "mixed"
+    monkeypatch.setattr(reader_module, "image_pipeline", recording)
+    positions = None if wds else loader.positions(0)
+    loader.define_pipeline(positions, seed_epoch=0)  # defining it checks the argument names on "mixed"
 
     (kwargs,) = calls
     assert kwargs["decode_device"] == "mixed" and kwargs["device_id"] == 0
@@ -239,8 +239,8 @@ def test_the_loaders_gpu_graph_defines_with_its_own_arguments(tmp_path, monkeypa
     assert kwargs["train"] is train and kwargs["read"].func is (read_wds if wds else read_files)
     if not wds:
         assert kwargs["read"].args == (
-            [files[p] for p in loader._positions(0)],
-            [int(p) for p in loader._positions(0)],
+            [files[p] for p in loader.positions(0)],
+            [int(p) for p in loader.positions(0)],
         )
     # the same graph, serialized: device_id=None is the one change (a real id makes serialize() open CUDA)
     graph = _graph(image_pipeline(**{**kwargs, "device_id": None}).serialize())

@@ -82,8 +82,8 @@ def test_eval_geometry_is_torchvisions_in_image_loader_and_the_graphs_in_multimo
     assert np.abs(images[0].numpy() - tv).mean() < 1e-3 and labels.tolist() == [0]
     # MultimodalLoader keeps its outputs: the graph's rounding, float16
     mm = MultimodalLoader(prepared, "val", batch_size=4, size=64)
-    assert type(mm._finisher) is HostFinisher and mm.dtype == torch.float16
-    finished = mm._finisher([torch.from_numpy(np.array(Image.open(path)))], np.zeros(1))
+    assert type(mm.images.finisher) is HostFinisher and mm.dtype == torch.float16
+    finished = mm.images.finisher([torch.from_numpy(np.array(Image.open(path)))], np.zeros(1))
     assert finished.dtype == torch.float16 and np.abs(finished[0].float().numpy() - graph).mean() < 2e-3
 
 
@@ -349,7 +349,7 @@ def test_odd_formats_pass_preparation_and_load_in_train_and_eval(tmp_path, photo
 
 
 def test_dali_batch_sizes_stay_under_the_size_dali_parses_safely():
-    from mmfast.loading.image_loader import dali_batch_size
+    from mmfast.loading.arguments import dali_batch_size
 
     assert [dali_batch_size(b) for b in (1, 16, 31, 32, 48, 64, 96, 100, 256, 37)] == [
         1, 16, 31, 16, 24, 16, 24, 25, 16, 37,
@@ -363,10 +363,10 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
     files = small_jpegs(photos, tmp_path, 70)
     for train in (False, True):
         split = ImageLoader(files, batch_size=64, size=24, shuffle=train, cache_decoded=False)
-        whole = ImageLoader(files, batch_size=64, size=24, shuffle=train, cache_decoded=False)
-        whole._files_checked = True  # as MultimodalLoader: preparation decoded them
+        # as MultimodalLoader's: preparation decoded them
+        whole = ImageLoader(files, batch_size=64, size=24, shuffle=train, cache_decoded=False, files_checked=True)
         every = np.arange(len(files))
-        assert split._safe_part(every) == 16 and whole._safe_part(every) is None
+        assert split.dali_part(every) == 16 and whole.dali_part(every) is None
         got, ref = list(split), list(whole)
         assert [len(b.ids) for b in got] == [64, 6]
         for a, b in zip(got, ref, strict=True):
@@ -374,7 +374,7 @@ def test_a_split_dali_batch_serves_the_same_batches(photos, tmp_path):
             if not train:
                 assert torch.equal(a.images, b.images)
         # every file read once: the next epochs run DALI on whole batches, the same samples in the same order
-        assert split._safe_part(every) is None
+        assert split.dali_part(every) is None
         assert [b.ids.tolist() for b in split] == [b.ids.tolist() for b in whole]
 
 
@@ -405,10 +405,10 @@ def test_a_shard_runs_whole_dali_batches_once_it_has_read_its_own_files(photos, 
         loader = ImageLoader(
             files, batch_size=32, size=16, shuffle=shuffle, shard_id=0, num_shards=2, cache_decoded=False
         )
-        assert loader._safe_part(loader._positions(0)) == 16
+        assert loader.dali_part(loader.positions(0)) == 16
         list(loader)
-        assert loader._read_ok.sum() == 32
-        assert (loader._safe_part(loader._positions(1)) is None) == (not shuffle)  # shuffled: other files
+        assert loader.files_read.sum() == 32
+        assert (loader.dali_part(loader.positions(1)) is None) == (not shuffle)  # shuffled: other files
 
 
 def test_resume_inside_an_epoch_of_split_dali_batches_is_exact(photos, tmp_path):

@@ -148,7 +148,7 @@ def test_the_cache_sees_files_replaced_deleted_or_truncated_after_it_filled(tmp_
     files = _pngs(tmp_path / "imgs", 24)
     loader = ImageLoader(files, batch_size=8, size=16, num_workers=2, cache_decoded=True, as_dict=True)
     first = {i: img for b in loader for i, img in zip(b["id"].tolist(), b["image"], strict=True)}
-    assert loader.cache_decoded and len(first) == 24
+    assert loader.holds_decoded and len(first) == 24
     Image.new("RGB", (26, 24), (255, 0, 0)).save(files[5])  # pure red now
     os.remove(files[9])
     data = Path(files[13]).read_bytes()

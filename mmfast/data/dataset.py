@@ -18,7 +18,8 @@ Directory contract (docs/architecture.md, "Contracts"):
                           <split>.rows.npy (N, 2) int64 [sample id, class id]
 
 A split's rows are read as arrays (``table``: ids, labels and, for the files source, image paths), never
-as a list of Python dicts kept by a loader; ``source_for`` picks the image source a loader reads.
+as a list of Python dicts kept by a loader (``loading.sources.prepared_source`` picks the image source a
+loader of it reads).
 
 The directory is verified, not trusted: every recorded file is checked against its size and SHA-256
 when a dataset is opened, so an edited, truncated or swapped file stops a run at start-up with the file's
@@ -289,22 +290,6 @@ class PreparedDataset:
             if total > limit:
                 return None
         return total
-
-    def source_for(self, split: str, kind: str = "files"):
-        """The image source (``loading.sources``) a loader of ``split`` reads: ``kind`` ("files" or "wds"), but
-        always the WebDataset shards when the dataset was prepared from them (its images are in them only).
-
-        Raises:
-            ValueError: an unknown kind. FileNotFoundError: the split has no WebDataset shards.
-        """
-        from mmfast.loading.sources import FilesSource, WdsSource, check_source_name
-
-        check_source_name(kind)
-        if kind == "files" and self.summary.get("input_kind") == "wds":
-            kind = "wds"
-        if kind == "wds":
-            return WdsSource(*wds_split(self.root, split))
-        return FilesSource()
 
     def _row_problem(self, row: object) -> str:
         if not isinstance(row, dict):

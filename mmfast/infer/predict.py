@@ -24,35 +24,36 @@ from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header,
 from mmfast.infer.model_dir import MmfastModel
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.loading.sampling import WHOLE_BATCHES
 from mmfast.util.fsutil import atomic_write_bytes, atomic_write_jsonl
 
 
-class RowsLoader(MultimodalLoader):
-    """MultimodalLoader's eval path over rows that were never prepared: the same DALI graph and host finishing,
-    and a token cache built in a temp folder with the model's tokenizer. Sample ids are row positions."""
-
-    def __init__(
-        self, files: list[str], texts: list[str], model: MmfastModel, tokens_dir: Path, max_pixels: int, **kwargs
-    ):
-        cfg = model.config
-        ImageLoader.__init__(
-            self,
-            files,
-            None,
-            ids=list(range(len(files))),
-            shuffle=False,
-            drop_last=False,
-            train=False,
-            size=cfg["image_size"],
-            max_pixels=max_pixels,
-            cache_decoded=False,  # one pass: nothing would read the held images again
-            **_norm(cfg),
-            **kwargs,
-        )
-        self._health.prepared = False  # rows checked here, not by tools/prepare_data.py
-        self.tokens = TokenCache.build(tokens_dir, "predict", texts, model.tokenizer, cfg["max_length"])
-        self.texts = texts
-        self.num_classes = cfg["num_classes"]
+def rows_loader(
+    files: list[str], texts: list[str], model: MmfastModel, tokens_dir: Path, max_pixels: int, **kwargs
+) -> MultimodalLoader:
+    """MultimodalLoader's eval path over rows that were never prepared: the same DALI graph and host finishing
+    (an ImageLoader with the engine's sampling and eval geometry), and a token cache built in ``tokens_dir``
+    with the model's tokenizer. Sample ids are row positions."""
+    cfg = model.config
+    images = ImageLoader(
+        files,
+        None,
+        ids=list(range(len(files))),
+        shuffle=False,
+        drop_last=False,
+        train=False,
+        size=cfg["image_size"],
+        max_pixels=max_pixels,
+        cache_decoded=False,  # one pass: nothing would read the held images again
+        sampling=WHOLE_BATCHES,
+        eval_geometry="dali",
+        files_checked=True,  # each row's header was read (_image_problem): DALI runs whole batches
+        **_norm(cfg),
+        **kwargs,
+    )
+    images.health.prepared = False  # rows checked here: a bad one is not a prepared directory's to re-prepare
+    tokens = TokenCache.build(tokens_dir, "predict", texts, model.tokenizer, cfg["max_length"])
+    return MultimodalLoader.join(images, tokens, cfg["num_classes"])
 
 
 def _norm(cfg: dict) -> dict:
@@ -94,7 +95,7 @@ def predict_rows(
     if not usable:
         return out
     with tempfile.TemporaryDirectory(prefix="mmfast-predict-") as tmp:
-        loader = RowsLoader(  # a name UTF-8 cannot encode reaches DALI through the loader's own link
+        loader = rows_loader(  # a name UTF-8 cannot encode reaches DALI through the loader's own link
             [image_file(rows[i]) for i in usable],
             [rows[i]["text"] for i in usable],
             model,
@@ -113,7 +114,7 @@ def predict_rows(
     return out
 
 
-def _predict_batches(model: MmfastModel, loader: RowsLoader, targets: list[dict], top_k: int) -> None:
+def _predict_batches(model: MmfastModel, loader: MultimodalLoader, targets: list[dict], top_k: int) -> None:
     """Fill in ``targets`` (the loader's rows, by sample id) with the class, its probability and the top-k, or
     the reason a row has none (its image unreadable, its logits not finite)."""
     names = model.class_names

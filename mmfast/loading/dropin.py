@@ -12,10 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mmfast.loading.graphs import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
-from mmfast.loading.host_finish import HostFinisher
 
 # Keyword arguments of ``image_pipeline`` a loader passes through (the rest of its arguments the loader sets).
 PIPELINE_OPTIONS = (
@@ -366,25 +364,6 @@ def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: 
         ops = [v2.Resize(round(size / options.get("crop_ratio", EVAL_CROP_RATIO))), v2.CenterCrop(size)]
     ops += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std), v2.ToDtype(dtype)]
     return v2.Compose(ops)
-
-
-class TorchvisionFinisher(HostFinisher):
-    """The host finishing with torchvision's eval geometry: ``Resize(R)`` makes the longer side
-    ``int(R * long / short)`` (truncated) and ``CenterCrop(S)`` starts at ``int(round((H - S) / 2))``. The
-    graph's arithmetic (``HostFinisher``) rounds both, which moves half of all images by up to a pixel
-    against torchvision's output (measured: 0.02-0.11 mean difference, normalized). The train path, a
-    random crop resized to S x S, is the same in both."""
-
-    def _resize(self, x: torch.Tensor) -> torch.Tensor:
-        s, r = self.size, self.resize_shorter
-        if r is None:
-            return super()._resize(x)
-        h, w = x.shape[-2:]
-        size = (int(r * h / w), r) if w <= h else (r, int(r * w / h))  # torchvision's (H, W)
-        if (h, w) != size:
-            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
-        top, left = int(round((size[0] - s) / 2.0)), int(round((size[1] - s) / 2.0))
-        return x[..., top : top + s, left : left + s]
 
 
 class DatasetArgs(NamedTuple):

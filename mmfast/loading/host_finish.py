@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+
 CPU_RESIZE = ("torch", "dali")  # who finishes CPU-decoded crops: this module's threads, or DALI's graph
 
 OUTPUTS = ["crops", "flips", "id"]  # what image_pipeline(finish_on_host=True) returns, in order
@@ -207,3 +209,52 @@ class HostFinisher:
             return x
         top, left = int((size[0] - s) / 2 + 0.5), int((size[1] - s) / 2 + 0.5)
         return x[..., top : top + s, left : left + s]
+
+
+class TorchvisionFinisher(HostFinisher):
+    """The host finishing with torchvision's eval geometry: ``Resize(R)`` makes the longer side
+    ``int(R * long / short)`` (truncated) and ``CenterCrop(S)`` starts at ``int(round((H - S) / 2))``. The
+    graph's arithmetic (``HostFinisher``) rounds both, which moves half of all images by up to a pixel
+    against torchvision's output. The train path, a
+    random crop resized to S x S, is the same in both."""
+
+    def _resize(self, x: torch.Tensor) -> torch.Tensor:
+        s, r = self.size, self.resize_shorter
+        if r is None:
+            return super()._resize(x)
+        h, w = x.shape[-2:]
+        size = (int(r * h / w), r) if w <= h else (r, int(r * w / h))  # torchvision's (H, W)
+        if (h, w) != size:
+            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+        top, left = int(round((size[0] - s) / 2.0)), int(round((size[1] - s) / 2.0))
+        return x[..., top : top + s, left : left + s]
+
+
+# the eval geometry a loader finishes with (``ImageLoader(eval_geometry=...)``)
+EVAL_GEOMETRY = {"torchvision": TorchvisionFinisher, "dali": HostFinisher}
+
+
+def make_finisher(
+    cpu_resize: str,
+    geometry: str,
+    device,
+    size: int,
+    options: dict,
+    dtype: torch.dtype,
+    resize_shorter: int | None,
+    threads: int,
+) -> HostFinisher | None:
+    """A loader's host finishing of CPU-decoded crops (``cpu_resize="torch"``) with the eval ``geometry``
+    (``EVAL_GEOMETRY``), or None (DALI finishes: the GPU path, or ``cpu_resize="dali"``)."""
+    if cpu_resize not in CPU_RESIZE:
+        raise ValueError(f"cpu_resize must be {' or '.join(map(repr, CPU_RESIZE))}, got '{cpu_resize}'")
+    if geometry not in EVAL_GEOMETRY:
+        raise ValueError(f"eval_geometry must be {' or '.join(map(repr, EVAL_GEOMETRY))}, got '{geometry}'")
+    if device.type == "cuda" or cpu_resize != "torch":
+        return None
+    mean, std = options.get("mean", IMAGENET_MEAN), options.get("std", IMAGENET_STD)
+    fp16 = dtype == torch.float16
+    finisher = EVAL_GEOMETRY[geometry](size, mean, std, fp16, resize_shorter=resize_shorter, threads=threads)
+    finisher.streaming_threads = threads  # what it runs when no decoded cache frees the DALI threads
+    finisher.dtype = dtype  # it allocates its output in this dtype (bfloat16 too)
+    return finisher

@@ -1,5 +1,6 @@
-"""``MultimodalLoader``: one split of a prepared dataset, its DALI images joined with its cached tokens by
-sample id (the training engine's loader)."""
+"""``MultimodalLoader``: one split of a prepared dataset, its images (an ``ImageLoader`` with the engine's
+whole-batch sampling) joined with its cached tokens (a ``TokenCache``) by sample id: the training
+engine's loader, and predict's over rows never prepared (``MultimodalLoader.join``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import torch
 from mmfast.data.dataset import PreparedDataset
 from mmfast.data.token_cache import TokenCache
 from mmfast.loading.image_loader import IGNORE_LABEL, ImageLoader
+from mmfast.loading.sampling import WHOLE_BATCHES
+from mmfast.loading.sources import prepared_source
+from mmfast.util.commands import PREPARE
 
 
-class MultimodalLoader(ImageLoader):
+class MultimodalLoader:
     """One split of a prepared dataset: DALI images joined with cached tokens by sample id.
 
     Batches: ``{"image": (B, 3, S, S), "input_ids": (B, L), "attention_mask": (B, L), "label": (B,),
@@ -22,7 +26,7 @@ class MultimodalLoader(ImageLoader):
     last eval batch have id -1, label -100 and an all-zero attention mask.
 
     Args:
-        data_dir: a directory written by tools/prepare_data.py, or a ``PreparedDataset`` of one.
+        data_dir: a directory written by mmfast-prepare, or a ``PreparedDataset`` of one.
         split: "train" or "val".
         batch_size: per process, as in Accelerate.
         shuffle, drop_last, train: default True for "train", False otherwise.
@@ -34,13 +38,9 @@ class MultimodalLoader(ImageLoader):
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
             False).
 
-    Unlike ``ImageLoader``, it keeps whole batches and its own sampling (see ``mmfast.loading.image_loader``): the
-    training engine relies on both.
+    ``images`` is the ImageLoader it reads (whole batches, each sample at most once per epoch: the training
+    engine relies on both); its epoch protocol (``len``, ``set_epoch``, ``state_dict``, ...) is this loader's.
     """
-
-    _default_dtype = torch.float16
-    _dataloader_sampling = False
-    _files_checked = True  # preparation decoded every image: DALI runs whole batches (``_safe_part``)
 
     def __init__(
         self,
@@ -63,7 +63,7 @@ class MultimodalLoader(ImageLoader):
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
-        kwargs["image_source"] = reader = dataset.source_for(split, source)
+        kwargs["image_source"] = reader = prepared_source(dataset, split, source)
         # A source that reads the rows' own files needs each row's path; a WebDataset only ids and labels.
         table = dataset.table(split, images=reader.needs_paths)
         n = len(table.ids)
@@ -76,34 +76,92 @@ class MultimodalLoader(ImageLoader):
         is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)
         kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
+        if kwargs.get("dtype") is None and kwargs.get("fp16") is None:
+            kwargs["dtype"] = torch.float16
         if table.file_stats is not None:
             kwargs.setdefault("file_stats", table.file_stats)
-        super().__init__(
+        loader = ImageLoader(
             images,
             table.labels,
             ids=table.ids,
             batch_size=batch_size,
             shuffle=is_train if shuffle is None else shuffle,
             drop_last=is_train if drop_last is None else drop_last,
+            sampling=WHOLE_BATCHES,
+            eval_geometry="dali",
+            files_checked=True,  # preparation decoded every image: DALI runs whole batches
             **kwargs,
         )
-        self.dataset = dataset
-        self.tokens = TokenCache(dataset.tokens_dir, split)
-        if len(self.tokens) != n or self.tokens.first_id != table.ids[0]:
+        tokens = TokenCache(dataset.tokens_dir, split)
+        if len(tokens) != n or tokens.first_id != table.ids[0]:
             raise ValueError(
-                f"token cache {dataset.tokens_dir}/{split} (rows {len(self.tokens)}, first id "
-                f"{self.tokens.first_id}) does not match {split}.jsonl (rows {n}, first id "
-                f"{table.ids[0]}); re-run tools/prepare_data.py"
+                f"token cache {dataset.tokens_dir}/{split} (rows {len(tokens)}, first id "
+                f"{tokens.first_id}) does not match {split}.jsonl (rows {n}, first id "
+                f"{table.ids[0]}); run {PREPARE} again"
             )
-        self.num_classes = dataset.num_classes
+        self._join(loader, tokens, dataset.num_classes)
+        self.dataset = dataset
+
+    @classmethod
+    def join(cls, images: ImageLoader, tokens: TokenCache, num_classes: int) -> MultimodalLoader:
+        """A loader of ``images`` (an ImageLoader with ``sampling=WHOLE_BATCHES``) and the ``tokens`` of the
+        same sample ids, for rows that were never prepared (predict)."""
+        if images.sampling is not WHOLE_BATCHES:
+            raise ValueError("MultimodalLoader.join needs an ImageLoader with sampling=WHOLE_BATCHES")
+        loader = cls.__new__(cls)
+        loader._join(images, tokens, num_classes)
+        loader.dataset = None
+        return loader
+
+    def _join(self, images: ImageLoader, tokens: TokenCache, num_classes: int) -> None:
+        self.images, self.tokens, self.num_classes = images, tokens, num_classes
+
+    def __reduce__(self):
+        return self.images.__reduce__()  # refuses: it holds a live DALI pipeline
+
+    # -- the epoch protocol and what the engine reads: the image loader's -----------------------------------
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.images.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self.images.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.images.load_state_dict(state)
+
+    epoch = property(lambda self: self.images.epoch)
+    step = property(lambda self: self.images.step)
+    batch_size = property(lambda self: self.images.batch_size)
+    shard_id = property(lambda self: self.images.shard_id)
+    num_shards = property(lambda self: self.images.num_shards)
+    files = property(lambda self: self.images.files)
+    labels = property(lambda self: self.images.labels)
+    ids = property(lambda self: self.images.ids)
+    source = property(lambda self: self.images.source)
+    device = property(lambda self: self.images.device)
+    dtype = property(lambda self: self.images.dtype)
+    size = property(lambda self: self.images.size)
+    train = property(lambda self: self.images.train)
+    shuffle = property(lambda self: self.images.shuffle)
+    drop_last = property(lambda self: self.images.drop_last)
+    seed = property(lambda self: self.images.seed)
+    num_threads = property(lambda self: self.images.num_threads)
+    bad = property(lambda self: self.images.bad)
+    skipped = property(lambda self: self.images.skipped)
+    holds_decoded = property(lambda self: self.images.holds_decoded)
+    cached_bytes = property(lambda self: self.images.cached_bytes)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for images, ids, pos, _ in self._batches():
-            labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
+        loader = self.images
+        for images, ids, pos, _ in loader.raw_batches():
+            labels = np.where(pos >= 0, loader.labels[pos], IGNORE_LABEL)
             text = self.tokens.gather(ids)  # pinned on CUDA machines, so the copies below are asynchronous
-            if images.dtype != self.dtype:  # bfloat16 from a graph that emits float32
-                images = images.to(self.dtype)
-            if self._pin:
+            if images.dtype != loader.dtype:  # bfloat16 from a graph that emits float32
+                images = images.to(loader.dtype)
+            if loader.pins_memory:
                 images = images.pin_memory()
             yield {
                 "image": images.to(self.device, non_blocking=True),

@@ -1,16 +1,20 @@
-"""Sample order and sharding: which positions each process reads in an epoch, and ``ShardSampler``, the
-``loader.sampler`` that shows them to DataLoader code.
+"""Sample order and sharding: the two sampling strategies a loader is handed (which positions each
+process reads in an epoch, how many batches that makes, what ``set_epoch`` keeps), and ``ShardSampler``,
+the ``loader.sampler`` that shows them to DataLoader code.
 
 Why the loader owns the sample order instead of DALI's shuffling reader: DALI's ``random_shuffle`` is a
 shuffle buffer, not a permutation, and cannot be re-seeded per epoch, sharded evenly or resumed at a
 given step. Here each epoch's order is a seeded permutation cut into per-rank lists of whole batches
 (padded with -1 for DALI, whose batches have a fixed size).
 
-Two samplings:
-- DataLoader's (``ImageLoader``): ``torch.randperm`` seeded by ``seed + epoch``, a rank's list is
-  DistributedSampler's (``distributed_sampler_indices``).
-- The training engine's (``MultimodalLoader``): a numpy permutation seeded by (seed, epoch), each sample at
-  most once per epoch (``epoch_order`` + ``shard_positions``).
+The strategies:
+- ``DATALOADER`` (``DataLoaderOrder``, ImageLoader's default): what ``DataLoader(dataset,
+  sampler=DistributedSampler(dataset, num_shards, shard_id, shuffle, seed))`` does: ``torch.randperm``
+  seeded by ``seed + epoch``, a rank's list is DistributedSampler's (``distributed_sampler_indices``), the
+  last batch partial unless ``drop_last``.
+- ``WHOLE_BATCHES`` (``WholeBatchOrder``, the training engine's and predict's): a numpy permutation seeded
+  by (seed, epoch), each sample at most once per epoch (``epoch_order`` + ``shard_positions``), whole
+  batches (the last one padded), ``drop_last`` keeping only whole global batches.
 """
 
 from __future__ import annotations
@@ -18,13 +22,11 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from mmfast.loading.image_loader import ImageLoader
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -68,6 +70,92 @@ def distributed_sampler_indices(
     return np.resize(order, total)[rank::num_replicas]  # np.resize repeats the order cyclically
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a sampling needs to know of a loader: its samples, batch, shards and order."""
+
+    n: int  # samples
+    batch_size: int  # per process
+    shard_id: int
+    num_shards: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+
+
+class SampledSource(Protocol):
+    """The two things a sampling asks of an image source (``mmfast.loading.sources``)."""
+
+    ordered_by_loader: bool
+
+    def samples_per_shard(self, n: int, num_shards: int) -> int | None: ...
+
+
+class DataLoaderOrder:
+    """DataLoader + DistributedSampler's order and shards, partial last batches (see the module doc)."""
+
+    name = "dataloader"
+    partial_last_batch = True  # the loader cuts DALI's filler off the last batch
+    set_epoch_keeps_any_position = False  # set_epoch(current) keeps only a position load_state_dict restored
+
+    def batches(self, layout: Layout, source: SampledSource) -> int:
+        """Batches per epoch on one process (the same on every process)."""
+        per_rank = source.samples_per_shard(layout.n, layout.num_shards)
+        if per_rank is None:
+            per_rank = math.ceil(layout.n / layout.num_shards)
+        return per_rank // layout.batch_size if layout.drop_last else math.ceil(per_rank / layout.batch_size)
+
+    def samples_per_rank(self, layout: Layout, source: SampledSource) -> int:
+        """DistributedSampler's ``num_samples`` (with ``drop_last`` the loader delivers its whole batches)."""
+        return math.ceil(layout.n / layout.num_shards)
+
+    def positions(self, layout: Layout, source: SampledSource, epoch: int) -> np.ndarray:
+        """Positions this process reads in ``epoch``, -1 filling up the last DALI batch."""
+        mine = self.indices(layout, epoch)
+        whole = self.batches(layout, source) * layout.batch_size
+        return np.concatenate([mine[:whole], np.full(max(0, whole - len(mine)), -1, dtype=mine.dtype)])
+
+    def indices(self, layout: Layout, epoch: int) -> np.ndarray:
+        """What DataLoader code sees of ``epoch`` through ``loader.sampler``: DistributedSampler's list."""
+        return distributed_sampler_indices(
+            layout.n, epoch, layout.seed, layout.shuffle, layout.shard_id, layout.num_shards
+        )
+
+
+class WholeBatchOrder:
+    """Whole batches, each sample at most once per epoch (see the module doc): what the training engine's
+    gradient accumulation and evaluation count on."""
+
+    name = "whole-batches"
+    partial_last_batch = False
+    set_epoch_keeps_any_position = True  # set_epoch(current) keeps whatever position the epoch is at
+
+    def batches(self, layout: Layout, source: SampledSource) -> int:
+        per_rank = source.samples_per_shard(layout.n, layout.num_shards)
+        if per_rank is not None:
+            return per_rank // layout.batch_size if layout.drop_last else math.ceil(per_rank / layout.batch_size)
+        return len(self.positions(layout, source, 0)) // layout.batch_size
+
+    def samples_per_rank(self, layout: Layout, source: SampledSource) -> int:
+        """The samples of its whole batches (a shuffling WebDataset reader's share without ``drop_last``)."""
+        if not source.ordered_by_loader and not layout.drop_last:
+            return math.ceil(layout.n / layout.num_shards)
+        return self.batches(layout, source) * layout.batch_size
+
+    def positions(self, layout: Layout, source: SampledSource, epoch: int) -> np.ndarray:
+        order = epoch_order(layout.n, epoch, layout.seed, layout.shuffle)
+        return shard_positions(order, layout.batch_size, layout.shard_id, layout.num_shards, layout.drop_last)
+
+    def indices(self, layout: Layout, epoch: int) -> np.ndarray:
+        mine = self.positions(layout, None, epoch)
+        return mine[mine >= 0]
+
+
+Sampling = DataLoaderOrder | WholeBatchOrder
+DATALOADER = DataLoaderOrder()
+WHOLE_BATCHES = WholeBatchOrder()
+
+
 class ShardSampler:
     """``loader.sampler``: what DataLoader code expects of a (Distributed)Sampler.
 
@@ -76,11 +164,11 @@ class ShardSampler:
     and DistributedSampler's ``num_replicas``, ``rank``, ``shuffle``, ``seed``, ``epoch``.
     """
 
-    def __init__(self, loader: ImageLoader):
+    def __init__(self, loader):
         self._ref = weakref.ref(loader)  # not a reference: a cycle would keep the loader's DALI pipeline alive
 
     @property
-    def _loader(self) -> ImageLoader:
+    def _loader(self):
         loader = self._ref()
         if loader is None:
             raise ReferenceError("the loader of this sampler no longer exists")
@@ -102,18 +190,14 @@ class ShardSampler:
         return len(self) * self._loader.num_shards
 
     def __len__(self) -> int:
-        return self._loader._samples_per_rank()
+        loader = self._loader
+        return loader.sampling.samples_per_rank(loader.layout, loader.source)
 
     def __iter__(self) -> Iterator[int]:
         loader = self._loader
         if not loader.source.ordered_by_loader:
             raise TypeError("the WebDataset reader shards and shuffles inside DALI: no index list to show")
-        if not loader._dataloader_sampling:
-            return iter(int(p) for p in loader._positions(loader.epoch) if p >= 0)
-        n, epoch = len(loader.files), loader.epoch
-        return iter(
-            distributed_sampler_indices(n, epoch, self.seed, self.shuffle, self.rank, self.num_replicas).tolist()
-        )
+        return iter(loader.sampling.indices(loader.layout, loader.epoch).tolist())
 
     def set_epoch(self, epoch: int) -> None:
         self._loader.set_epoch(epoch)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from nvidia.dali import fn, types
 
-from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
+from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_split
 from mmfast.loading.graphs import READER_NAME
 
 if TYPE_CHECKING:
@@ -142,3 +142,18 @@ def check_source_name(name: str) -> str:
     if name not in SOURCES:
         raise ValueError(f"unknown source '{name}'; choose from {', '.join(repr(k) for k in SOURCES)}")
     return name
+
+
+def prepared_source(dataset, split: str, kind: str = "files") -> Source:
+    """The image source a loader of ``split`` of a ``PreparedDataset`` reads: ``kind`` ("files" or "wds"), but
+    always the WebDataset shards when the dataset was prepared from them (its images are in them only).
+
+    Raises:
+        ValueError: an unknown kind. FileNotFoundError: the split has no WebDataset shards.
+    """
+    check_source_name(kind)
+    if kind == "files" and dataset.summary.get("input_kind") == "wds":
+        kind = "wds"
+    if kind == "wds":
+        return WdsSource(*wds_split(dataset.root, split))
+    return FilesSource()

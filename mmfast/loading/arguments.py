@@ -1,0 +1,116 @@
+"""The loaders' arguments checked before anything is built: sizes, counts, labels, the process layout, and
+the DALI batch a CPU loader runs (a divisor of the loader's that DALI parses safely)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mmfast.loading.graphs import DALI_SAFE_BATCH
+
+
+def integer_labels(labels, n: int) -> np.ndarray:
+    """``labels`` as int64 (zeros when None); a label that is not a whole number (0.7, NaN, "cat") is an error
+    naming it (numpy's cast would truncate 0.7 to class 0)."""
+    if labels is None:
+        return np.zeros(n, dtype=np.int64)
+    given = np.asarray(labels)
+    if given.dtype.kind in "iub":
+        return given.astype(np.int64)
+    if given.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(given) | (given != np.round(given)))
+        if not len(bad):
+            return given.astype(np.int64)
+        k = int(bad[0])
+        raise ValueError(f"labels must be integer class ids; label {k} is {float(given.reshape(-1)[k])}")
+    raise ValueError(f"labels must be integer class ids (map class names to ids first), got {given.dtype} values")
+
+
+def process_layout(accelerator, shard_id: int | None, num_shards: int | None, device) -> tuple:
+    """(shard_id, num_shards, device): as given, else the ``accelerator``'s, else (0, 1, None)."""
+    if accelerator is not None:
+        shard_id = accelerator.process_index if shard_id is None else shard_id
+        num_shards = accelerator.num_processes if num_shards is None else num_shards
+        device = accelerator.device if device is None else device
+    return shard_id or 0, 1 if num_shards is None else num_shards, device
+
+
+def dali_batch_size(batch_size: int) -> int:
+    """The batch a CPU loader's DALI graph runs: ``batch_size`` itself up to ``DALI_SAFE_BATCH``, else its largest
+    divisor that is at most that (a batch of 64 runs as 4 x 16); ``batch_size`` when that divisor would be under 8
+    (37, 74, 94, ...: many tiny DALI batches would cost more than they save; such a batch is not protected)."""
+    part = next(d for d in range(min(batch_size, DALI_SAFE_BATCH), 0, -1) if batch_size % d == 0)
+    return part if part >= 8 or part == batch_size else batch_size
+
+
+MAX_PADDED_BATCH = 4096  # a batch larger than a process's samples is padded up to its size only up to this
+
+
+def check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels: int, drop_last: bool) -> None:
+    """Refuse sizes whose memory would blow up: a batch padded far past the samples (DALI runs whole batches),
+    an output image over the decoded-pixel budget; and a ``drop_last`` that would leave no batch."""
+    per_rank = math.ceil(n / num_shards)
+    if batch_size > max(per_rank, MAX_PADDED_BATCH):
+        raise ValueError(
+            f"batch_size {batch_size} is larger than the {per_rank} samples of each process; pass at most "
+            f"{per_rank} (one batch of all of them)"
+        )
+    if size * size > max_pixels:
+        raise ValueError(
+            f"size {size} makes {size}x{size} = {size * size / 1e6:.0f} MP output images, over the "
+            f"{max_pixels / 1e6:g} MP budget (max_pixels); pass a smaller size"
+        )
+    if drop_last and n < batch_size * num_shards:
+        raise ValueError(
+            f"{n} samples cannot fill one batch of {batch_size} on each of {num_shards} processes "
+            "with drop_last=True; lower the batch size"
+        )
+
+
+def check_int(name: str, value) -> None:
+    """``value`` is an int (numpy's too), not a bool, float or string: numpy would slice with it later."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def check_sizes(
+    batch_size: int | None,
+    shard_id: int,
+    num_shards: int,
+    size: int,
+    num_workers: int | None,
+    prefetch: int | None,
+    prefetch_factor: int | None,
+) -> int:
+    """Check the loader's sizes and counts; returns the prefetch depth (``prefetch`` or ``prefetch_factor``,
+    default 2)."""
+    if batch_size is None:
+        raise ValueError("batch_size=None (one unbatched sample at a time) is not supported; pass a batch size")
+    for name, value in (("batch_size", batch_size), ("shard_id", shard_id), ("num_shards", num_shards)):
+        check_int(name, value)
+    if isinstance(size, tuple | list):
+        raise TypeError(f"size must be one int (square outputs, the side in pixels), got {size!r}")
+    check_int("size", size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if not 0 <= shard_id < num_shards:
+        raise ValueError(f"shard_id must be in [0, num_shards={num_shards}), got {shard_id}")
+    if size < 8:
+        raise ValueError(f"size must be >= 8 pixels, got {size}")
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if prefetch is not None and prefetch_factor is not None:
+        raise ValueError("pass prefetch= or prefetch_factor=, not both (both set DALI's prefetch queue depth)")
+    prefetch = prefetch_factor if prefetch_factor is not None else prefetch
+    if prefetch is not None and prefetch < 1:
+        raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+    return 2 if prefetch is None else prefetch
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of a DALI error that says something (its messages start with a banner and a C++ stack)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip() and "Critical error" not in ln]
+    return (lines[0] if lines else type(error).__name__)[:200]

@@ -1,0 +1,79 @@
+"""The layout docs/architecture.md describes, held against the code: module and function sizes, the moved
+modules' old names, and the public names the README imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import mmfast
+from mmfast.util.moved import MOVED
+
+PACKAGE = Path(mmfast.__file__).parent
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_module_over_500_lines_and_no_function_over_80():
+    lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
+    long_modules = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
+    long_functions = {}
+    for p in _modules():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_functions[f"{p.relative_to(PACKAGE)}:{node.name}"] = n
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+def test_every_package_says_its_job_and_cites_only_files_in_the_repository():
+    root = PACKAGE.parent
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(root)} has no docstring naming its job"
+    for p in _modules():
+        for cited in ("DESIGN.md", "STYLE.md"):
+            assert cited not in p.read_text(), f"{p.relative_to(root)} cites {cited}, not in the repository"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_imports_by_its_old_name_as_the_new_module_and_warns_once(old):
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    a = importlib.import_module({old!r}); b = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({MOVED[old]!r})\n"
+        "print(a is b is new, len([w for w in caught if issubclass(w.category, DeprecationWarning)]),"
+        " caught[0].message if caught else '')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    same, warned, message = out.stdout.split(" ", 2)
+    assert same == "True" and warned == "1", out.stdout
+    assert MOVED[old] in message and old in message
+
+
+def test_an_unknown_old_name_is_still_an_import_error():
+    with pytest.raises(ModuleNotFoundError):
+        __import__("mmfast.no_such_module")
+
+
+def test_the_public_names_import_from_mmfast():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of them goes through a moved name
+        for name in mmfast.__all__:
+            assert getattr(mmfast, name) is not None
+    assert mmfast.MultimodalLoader.__module__ == "mmfast.loading.multimodal"
+    assert mmfast.ImageLoader.__module__ == "mmfast.loading.image_loader"
