@@ -155,7 +155,7 @@ def test_a_bad_file_is_skipped_or_named_as_on_the_streaming_path(photos, tmp_pat
     strict = ImageLoader(files, batch_size=4, size=32, cache_decoded=True, on_bad_image="error")
     with pytest.raises(ValueError, match=Path(files[4]).name) as error:
         list(strict)
-    assert "prepare_data" not in str(error.value)  # these files were never prepared: no tool to re-run
+    assert "mmfast-prepare" not in str(error.value)  # these files were never prepared: no command to re-run
 
 
 def test_a_set_over_the_budget_is_streamed_with_a_warning(prepared, caplog):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.prepare.wds_export import write_wds

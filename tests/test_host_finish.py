@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.loading.host_finish import BatchBuffers, HostFinisher
 from mmfast.loading.image_loader import ImageLoader
 

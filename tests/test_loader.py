@@ -11,8 +11,8 @@ import torch
 from conftest import first_lines_of_fresh_runs, n_rows, small_jpegs
 from PIL import Image
 
+from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.data.token_cache import TokenCache
-from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.loading.image_loader import IGNORE_LABEL, ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import epoch_order, shard_positions

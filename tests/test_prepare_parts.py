@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from conftest import write_jsonl
 
-import mmfast.prepare.core as prepare_mod
+import mmfast.prepare.checks as checks_mod
 from mmfast.data.dataset import PreparedDataset
+from mmfast.inputs.manifest import ManifestError
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.prepare.parts import parse_shard, part_dir, parts_root
+from mmfast.util.fsutil import OutputDirError
 from tools import prepare_data
 
 N = 18
@@ -107,7 +109,7 @@ def test_merge_refuses_a_missing_part_or_parts_of_other_settings(manifest, tmp_p
     out = tmp_path / "out"
     for i in (0, 2):
         prepare_dataset(_cfg(manifest, out, shard=(i, 3)))
-    with pytest.raises(prepare_mod.ManifestError, match=r"part 1/3 is missing .* run it with --shard 1/3"):
+    with pytest.raises(ManifestError, match=r"part 1/3 is missing .* run it with --shard 1/3"):
         prepare_dataset(_cfg(manifest, out, merge=True))
     prepare_dataset(_cfg(manifest, out, shard=(1, 3), seed=7))  # another seed: another split
     merge = [str(manifest), "--out", str(out), "--merge", "--max-length", "16", "--tokenizer", minilm_dir()]
@@ -124,7 +126,7 @@ def test_merge_refuses_a_missing_part_or_parts_of_other_settings(manifest, tmp_p
     theirs = tmp_path / "theirs"  # an --out the user owns is refused before a part is checked, not at the merge
     (theirs / "notes.txt").parent.mkdir()
     (theirs / "notes.txt").write_text("mine")
-    with pytest.raises(prepare_mod.OutputDirError, match="was not prepared by mmfast"):
+    with pytest.raises(OutputDirError, match="was not prepared by mmfast"):
         prepare_dataset(_cfg(manifest, theirs, shard=(0, 2)))
     assert not parts_root(theirs).exists() and (theirs / "notes.txt").read_text() == "mine"
 
@@ -132,7 +134,7 @@ def test_merge_refuses_a_missing_part_or_parts_of_other_settings(manifest, tmp_p
 def test_a_complete_part_is_not_checked_again(manifest, tmp_path, monkeypatch):
     out = tmp_path / "out"
     first = prepare_dataset(_cfg(manifest, out, shard=(1, 2)))
-    monkeypatch.setattr(prepare_mod, "check_images", _refuse)
+    monkeypatch.setattr(checks_mod, "check_images", _refuse)
     assert prepare_dataset(_cfg(manifest, out, shard=(1, 2))) == first
 
 
@@ -156,13 +158,13 @@ def test_a_re_preparation_decodes_only_new_and_changed_images(manifest, tmp_path
     _reencode(data / "005.jpg")
     write_jsonl(manifest, rows)
     decoded = []
-    check = prepare_mod.check_images
+    check = checks_mod.check_images
 
     def counting(paths, *args, **kwargs):
         decoded.extend(Path(p).name for p in paths)
         return check(paths, *args, **kwargs)
 
-    monkeypatch.setattr(prepare_mod, "check_images", counting)
+    monkeypatch.setattr(checks_mod, "check_images", counting)
     again = prepare_dataset(_cfg(manifest, out))
     # the truncated photo of the first run was rejected, so it has no check to reuse
     assert sorted(decoded) == ["004.jpg", "005.jpg", "cut.jpg", "new.jpg"]
@@ -230,13 +232,13 @@ def test_parts_of_a_parquet_input_keep_their_images_in_the_merged_directory(tmp_
     added = pa.table({"image": [{"bytes": new, "path": "new.jpg"}], "text": ["a new one"], "label": ["c0"]})
     pq.write_table(pa.concat_tables([table, added]), tmp_path / "t.parquet")
     decoded = []
-    check = prepare_mod.check_images
+    check = checks_mod.check_images
 
     def counting(paths, *args, **kwargs):
         decoded.extend(hashlib.sha256(Path(p).read_bytes()).digest() for p in paths)
         return check(paths, *args, **kwargs)
 
-    monkeypatch.setattr(prepare_mod, "check_images", counting)
+    monkeypatch.setattr(checks_mod, "check_images", counting)
     again = prepare_dataset(_cfg(tmp_path / "t.parquet", out))
     # the truncated photo was rejected before, so it has no check to reuse
     assert again["reused_checks"] == again["counts"]["input_rows"] - 2

@@ -103,7 +103,7 @@ def test_on_bad_image_error_stops_naming_the_file(own_dataset, tmp_path, capsys)
         ]
     )
     err = capsys.readouterr().err
-    assert rc == 2 and rows[5]["image"] in err and "re-run tools/prepare_data.py" in err
+    assert rc == 2 and rows[5]["image"] in err and "re-run mmfast-prepare" in err
 
 
 def test_a_file_deleted_after_preparation_is_found_when_read(own_dataset, monkeypatch):
@@ -131,7 +131,7 @@ def test_a_file_deleted_after_preparation_is_found_when_read(own_dataset, monkey
     with pytest.raises(ValueError, match=gone["image"]) as error:
         for _ in strict:
             pass
-    assert "re-run tools/prepare_data.py" in str(error.value)  # the tool that made the directory
+    assert "re-run mmfast-prepare" in str(error.value)  # the command that made the directory
 
 
 @pytest.mark.slow

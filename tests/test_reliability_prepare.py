@@ -459,7 +459,7 @@ def test_a_prepared_directory_is_not_read_as_an_image_folder(tmp_path, capsys):
     with pytest.raises(ManifestError) as e:
         read_input(out)
     assert str(e.value) == (
-        f"{out} looks like an incomplete prepared dataset (no prepare.json); re-run tools/prepare_data.py "
+        f"{out} looks like an incomplete prepared dataset (no prepare.json); re-run mmfast-prepare "
         "on the original manifest"
     )
 

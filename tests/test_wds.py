@@ -379,9 +379,11 @@ def test_export_trains_with_the_originals_moved_away(exported, tmp_path, monkeyp
 
 def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, prepared_wds):
     """``PreparedDataset.table``: a split's ids and labels as arrays (from wds/<split>.rows.npy when no path is
-    needed, else from the rows, with their image paths); ``source_for``: the source a loader reads, by name,
+    needed, else from the rows, with their image paths); ``loading.sources.prepared_source``: the source a loader
+    reads, by name,
     and always the shards for a dataset prepared from them."""
     from mmfast.data.dataset import PreparedDataset, wds_split
+    from mmfast.loading.sources import prepared_source
 
     _, out = exported
     dataset = PreparedDataset(out)
@@ -392,12 +394,14 @@ def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, pr
         assert table.ids.dtype == np.int64 and table.ids.tolist() == [r["id"] for r in rows]
         assert table.labels.tolist() == [r["label"] for r in rows]
     assert full.file_stats == [(r["size"], r["mtime_ns"]) for r in rows]
-    files, shards = dataset.source_for("val", "files"), dataset.source_for("val", "wds")
+    files, shards = prepared_source(dataset, "val", "files"), prepared_source(dataset, "val", "wds")
     assert (files.name, files.needs_paths, shards.name, shards.needs_paths) == ("files", True, "wds", False)
     assert (shards.tars, shards.index) == wds_split(out, "val")
     with pytest.raises(ValueError, match="unknown source 'tfrecord'; choose from 'files', 'wds'"):
-        dataset.source_for("val", "tfrecord")
-    assert PreparedDataset(prepared_wds).source_for("train", "files").name == "wds"  # its images: shards only
+        prepared_source(dataset, "val", "tfrecord")
+    assert (
+        prepared_source(PreparedDataset(prepared_wds), "train", "files").name == "wds"
+    )  # its images: shards only
     assert dataset.version >= 2 and dataset.vocab_size == len(load_tokenizer(out / "tokenizer"))
     assert dataset.vocab_size == dataset.summary["vocab_size"]
 

@@ -30,7 +30,7 @@ import torch
 from benchlib.data import prepared_photos
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.loading.sources import read_files
 
 

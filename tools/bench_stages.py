@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     from nvidia.dali.plugin.pytorch import LastBatchPolicy
     from PIL import Image
 
-    from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD, image_pipeline
+    from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
+    from mmfast.loading.graphs import image_pipeline
     from mmfast.loading.host_finish import HostFinisher, ragged_iterator
     from mmfast.util.fsutil import atomic_write_json
 

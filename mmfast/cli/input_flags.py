@@ -5,12 +5,10 @@ everywhere."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
+from mmfast.inputs import READERS, InputOptions
 from mmfast.inputs.manifest import NO_LABEL
-
-if TYPE_CHECKING:  # mmfast.inputs imports DALI (for WebDataset): not before a command's main runs
-    from mmfast.inputs import InputOptions
+from mmfast.util.commands import PREPARE
 
 
 def add_input_flags(parser: argparse.ArgumentParser, source: str = "SOURCE") -> None:
@@ -20,8 +18,6 @@ def add_input_flags(parser: argparse.ArgumentParser, source: str = "SOURCE") -> 
         parser: the command's parser.
         source: how the command's help names its input (SOURCE, --input).
     """
-    from mmfast.inputs import READERS
-
     g = parser.add_argument_group(f"input format (default: told from {source})")
     g.add_argument("--input-kind", default="auto", choices=["auto", *READERS], help=f"how to read {source}")
     g.add_argument("--image-column", help="column of the image path (or bytes); default image (file_name, ...)")
@@ -30,7 +26,7 @@ def add_input_flags(parser: argparse.ArgumentParser, source: str = "SOURCE") -> 
     g.add_argument(
         "--no-labels",
         action="store_true",
-        help=f"the input has no labels (mmfast-prepare: every row is class '{NO_LABEL}')",
+        help=f"the input has no labels ({PREPARE}: every row is class '{NO_LABEL}')",
     )
     g.add_argument(
         "--columns", help="column names of a CSV/TSV without a header line, e.g. text,image (CC3M's TSV)"
@@ -57,8 +53,6 @@ def input_options(args: argparse.Namespace) -> InputOptions:
     Raises:
         ValueError: flags that exclude each other (``InputOptions``' checks).
     """
-    from mmfast.inputs import InputOptions
-
     names = tuple(c.strip() for c in args.columns.split(",")) if args.columns else None
     return InputOptions(
         kind=args.input_kind,

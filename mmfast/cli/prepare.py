@@ -35,7 +35,9 @@ from mmfast.cli import HelpFormatter, Parser
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.inputs.manifest import ManifestError
-from mmfast.prepare.parts import parse_shard, part_dir
+from mmfast.prepare.config import part_dir
+from mmfast.prepare.parts import parse_shard
+from mmfast.util.commands import TRAIN
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -86,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["files", "wds"],
         default="files",
         help="also write WebDataset tar shards + DALI index files (wds): jpg + txt + cls + json per sample, "
-        "readable by the webdataset library; mmfast-train --source wds trains from them alone",
+        f"readable by the webdataset library; {TRAIN} --source wds trains from them alone",
     )
     p.add_argument("--shard-size", type=int, default=1000, help="samples per exported WebDataset shard")
     p.add_argument(
@@ -132,7 +134,7 @@ def print_summary(summary: dict) -> None:
         )
     if c["classes"] < 2:
         print(
-            "note: one class only (labels.json): the loader reads it, but mmfast-train's classifiers need at "
+            f"note: one class only (labels.json): the loader reads it, but {TRAIN}'s classifiers need at "
             "least 2 classes (map a label with --label-column)"
         )
 

@@ -1,4 +1,4 @@
-"""``PreparedDataset``: the one reader of a prepared dataset directory (written by tools/prepare_data.py).
+"""``PreparedDataset``: the one reader of a prepared dataset directory (written by mmfast-prepare).
 
 Directory contract (docs/architecture.md, "Contracts"):
     prepare.json          what was done, and a ``files`` map {relative path: {"size", "sha256"}} of every
@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER as PREPARED_MARKER
 from mmfast.util.fsutil import file_sha256, restore_interrupted_swap
 
@@ -98,7 +99,7 @@ def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
     wds = Path(root) / "wds"
     listing = wds / f"{split}.json"
     if not listing.is_file():
-        raise FileNotFoundError(f"{listing}: no WebDataset shards; run tools/prepare_data.py --format wds")
+        raise FileNotFoundError(f"{listing}: no WebDataset shards; run {PREPARE} --format wds")
     info = json.loads(listing.read_text())
     if "tars" not in info:  # an export by an older mmfast
         info["tars"], info["index"] = [f"{s}.tar" for s in info["shards"]], [f"{s}.idx" for s in info["shards"]]
@@ -111,7 +112,7 @@ def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
             raise FileNotFoundError(f"{tar}: WebDataset shard missing ({e.strerror}); restore it") from None
         if [st.st_size, st.st_mtime_ns] != list(want):
             raise ValueError(
-                f"{tar}: changed since preparation (size or mtime); re-run tools/prepare_data.py to index it again"
+                f"{tar}: changed since preparation (size or mtime); re-run {PREPARE} to index it again"
             )
     return tars, index
 
@@ -120,7 +121,7 @@ class PreparedDataset:
     """A prepared dataset directory, opened and verified.
 
     Args:
-        root: the directory written by tools/prepare_data.py.
+        root: the directory written by mmfast-prepare.
         verify: check every recorded file's size and SHA-256 (default). Only skip it when the caller
             verified the same directory already in this process.
 
@@ -139,9 +140,9 @@ class PreparedDataset:
             if (self.root / "train.jsonl").exists() or (self.root / "tokens").is_dir():
                 raise DatasetError(
                     f"{self.root} looks like an incomplete prepared dataset (no prepare.json); re-run "
-                    "tools/prepare_data.py on the original manifest"
+                    f"{PREPARE} on the original manifest"
                 )
-            raise DatasetError(f"{self.root}: not a prepared dataset (no prepare.json); run tools/prepare_data.py")
+            raise DatasetError(f"{self.root}: not a prepared dataset (no prepare.json); run {PREPARE}")
         summary = read_json_file(summary_path, "the preparation summary")
         if not isinstance(summary, dict):
             raise DatasetError(f"{summary_path}: expected a JSON object")
@@ -149,7 +150,7 @@ class PreparedDataset:
         if int(summary.get("version", 1)) < MIN_VERSION or not isinstance(summary.get("files"), dict):
             raise DatasetError(
                 f"{self.root} was prepared by an older mmfast that recorded no file fingerprints; re-run "
-                f"tools/prepare_data.py {summary.get('source', 'YOUR_MANIFEST')} --out {self.root}"
+                f"{PREPARE} {summary.get('source', 'YOUR_MANIFEST')} --out {self.root}"
             )
         self.files: dict[str, dict] = summary["files"]
         if verify:
@@ -158,7 +159,7 @@ class PreparedDataset:
         if not isinstance(labels, dict) or sorted(labels.values()) != list(range(len(labels))):
             raise DatasetError(
                 f"{self.root / 'labels.json'}: expected a mapping of label names to class ids 0..C-1; "
-                "re-run tools/prepare_data.py"
+                f"re-run {PREPARE}"
             )
         self.labels: dict[str, int] = labels
 
@@ -170,7 +171,7 @@ class PreparedDataset:
         """
         for rel, want in sorted(self.files.items()):
             path = self.root / rel
-            redo = f"re-run tools/prepare_data.py to prepare {self.root} again"
+            redo = f"re-run {PREPARE} to prepare {self.root} again"
             try:
                 size = path.stat().st_size
             except OSError:
@@ -249,7 +250,7 @@ class PreparedDataset:
                     ) from None
                 problem = self._row_problem(row)
                 if problem:
-                    raise DatasetError(f"{path}, line {line_no}: {problem}; re-run tools/prepare_data.py")
+                    raise DatasetError(f"{path}, line {line_no}: {problem}; re-run {PREPARE}")
                 if not os.path.isabs(row["image"]) and "tar" not in row:  # an image the directory holds
                     row["image"] = os.path.join(self.root, row["image"])
                 yield row

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mmfast.data.tokenizer import tokenizer_fingerprint
+from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import atomic_write_bytes, atomic_write_json, file_lock
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,11 @@ class TokenCache:
         self.split = split
         meta_path = self.dir / f"{split}.meta.json"
         if not meta_path.exists():
-            raise FileNotFoundError(f"{meta_path}: no token cache for split '{split}'; run tools/prepare_data.py")
+            raise FileNotFoundError(f"{meta_path}: no token cache for split '{split}'; run {PREPARE}")
         self.meta = json.loads(meta_path.read_text())
         problem = _check_files(self.dir, split, self.meta)
         if problem:
-            raise ValueError(
-                f"token cache {self.dir}/{split} is damaged ({problem}); re-run tools/prepare_data.py"
-            )
+            raise ValueError(f"token cache {self.dir}/{split} is damaged ({problem}); re-run {PREPARE}")
         self.first_id = int(self.meta["first_id"])
         self.pad_id = int(self.meta["pad_id"])
         self.offsets = np.load(self.dir / f"{split}.offsets.npy", mmap_mode="r")

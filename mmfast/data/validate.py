@@ -174,12 +174,12 @@ def check_images(
     check = functools.partial(check_image, max_pixels=max_pixels)
     checks = map_files(check, paths, workers, "validating images", progress)
     good = [i for i, c in enumerate(checks) if c.ok]
-    for i, reason in _dali_rejects([paths[i] for i in good], workers).items():
+    for i, reason in dali_rejects([paths[i] for i in good], workers).items():
         checks[good[i]] = ImageCheck(False, reason)
     return checks
 
 
-def _dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[int, str]:
+def dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[int, str]:
     """Decode ``paths`` with DALI's CPU decoder; return {index: reason} for files it refuses.
 
     A failing batch is split in halves until the bad file is isolated. A pipeline that failed is not

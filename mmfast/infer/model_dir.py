@@ -29,6 +29,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.models import build_model
 from mmfast.models.encoders import _quiet_transformers
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
@@ -308,6 +309,7 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
         "dropout": cfg.dropout,
         **({"combine": cfg.combine} if cfg.model == "late" else {}),
         "image_size": cfg.image_size,
+        "crop_ratio": EVAL_CROP_RATIO,  # eval: the shorter side resized to image_size / crop_ratio, then cropped
         # 0..1 scale; the loader takes them x255
         "mean": list(image.mean) if image is not None else None,
         "std": list(image.std) if image is not None else None,

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
 from mmfast.infer.model_dir import MmfastModel
@@ -48,6 +49,7 @@ def rows_loader(
         sampling=WHOLE_BATCHES,
         eval_geometry="dali",
         files_checked=True,  # each row's header was read (_image_problem): DALI runs whole batches
+        crop_ratio=cfg.get("crop_ratio", EVAL_CROP_RATIO),
         **_norm(cfg),
         **kwargs,
     )
@@ -225,7 +227,7 @@ def predict_pil(model: MmfastModel, rows: list[dict], batch_size: int = 64) -> l
     size = cfg["image_size"]
     tf = transforms.Compose(
         [
-            transforms.Resize(round(size / 0.875)),
+            transforms.Resize(round(size / cfg.get("crop_ratio", EVAL_CROP_RATIO))),
             transforms.CenterCrop(size),
             transforms.ToTensor(),
             transforms.Normalize(cfg["mean"] or (0.5,) * 3, cfg["std"] or (0.5,) * 3),

@@ -9,11 +9,12 @@ read the way prediction needs:
   and it is predicted without one. An input with no label column at all is read without labels, unless
   the user named one (``--label-column``), which must then be there.
 - duplicates are kept: every input row gets its own prediction.
-- images stored as bytes (Parquet/Arrow) or inside tar shards (WebDataset) are written as files into a folder
-  mmfast made for them (``input_rows``: a temporary folder, removed afterwards). A WebDataset sample's
-  image is copied out of its shard (by the offset the reader found) because the predict loader reads
-  files: simplest, and the shards stay untouched. Such a row's "image" names the image for the user
-  (``shards/00000.tar:key.jpg``, ``data/file.parquet row 3``) and its "path" is the file predict reads.
+- images stored as bytes (Parquet/Arrow) or read in place from the user's files (a kind's ``in_place``:
+  WebDataset shards) are written as files into a folder mmfast made for them (``input_rows``: a temporary
+  folder, removed afterwards). An image read in place is copied out of its file (by the offset the reader
+  found) because the predict loader reads files: simplest, and the user's files stay untouched. Such a row's
+  "image" names the image for the user (``<shard>:<member>``, ``<parquet file> row <n>``) and its "path" is
+  the file predict reads.
 
 A flat folder of images (no class folders, which preparation refuses) is read too: no labels, each text a
 sidecar ``<image>.txt`` / ``<stem>.txt`` or "".
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from mmfast.inputs import InputOptions, detect_kind, read_source
+from mmfast.inputs import ImagesInPlace, InputOptions, detect_kind, read_source, reader_named
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
 
 _Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
@@ -80,13 +81,17 @@ def read_rows(
         if key not in chosen or isinstance(chosen[key][0], Reject):
             chosen[key] = (item, False)
     base = path if path.is_dir() else path.parent  # what a row's file is relative to
+    reader = reader_named(kind)
     rows = []
-    for key in sorted(chosen):
+    for k, key in enumerate(sorted(chosen)):
         item, with_label = chosen[key]
         if isinstance(item, Reject):
-            rows.append({"image": None, "text": None, "error": f"{_where(item, kind, path, base)}: {item.reason}"})
+            where = _where(item, reader.rows_are_files, path, base)
+            rows.append({"image": None, "text": None, "error": f"{where}: {item.reason}"})
+        elif reader.in_place is not None:
+            rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir))
         else:
-            rows.append(_candidate_row(item, with_label, kind, path, base, work_dir))
+            rows.append(_candidate_row(item, with_label, path, base, work_dir))
     return rows
 
 
@@ -113,56 +118,62 @@ def _read(source: str | os.PathLike, opts: InputOptions, work_dir: Path | None, 
     reader's name."""
     image_dir = work_dir / name if work_dir is not None else None
     cands, rejects, kind = read_source(source, opts, image_dir=image_dir, dedupe=False)
-    if kind == "wds" and cands:
-        if image_dir is None:
-            raise ManifestError(f"{source}: WebDataset images need a folder to be copied to")
-        _copy_out_of_shards(cands, image_dir)
     read: _Read = {(r.file, r.line): r for r in rejects}
     read.update({(c.file, c.line): c for c in cands})
     return read, kind
 
 
-def _copy_out_of_shards(cands: list[Candidate], image_dir: Path) -> None:
-    """Copy each WebDataset sample's image out of its shard into image_dir: the candidate's ``image`` is then
-    that file (``source["member"]`` still names it in the shard)."""
-    image_dir.mkdir(parents=True, exist_ok=True)
-    for i, c in enumerate(cands):
-        member = c.source["member"]
-        shard = c.image[: -len(member) - 1]  # image is "<shard path>:<member>"
-        with open(shard, "rb") as f:
-            f.seek(c.source["offset"])
-            data = f.read(c.source["nbytes"])
-        out = image_dir / f"{i:08d}{Path(member).suffix.lower()}"
-        out.write_bytes(data)
-        c.image = str(out)
-
-
-def _candidate_row(
-    c: Candidate, with_label: bool, kind: str, path: Path, base: Path, work_dir: Path | None
+def _copied_out_row(
+    c: Candidate,
+    k: int,
+    with_label: bool,
+    in_place: ImagesInPlace,
+    path: Path,
+    base: Path,
+    work_dir: Path | None,
 ) -> dict:
+    """The row of an image read in place (the ``k``-th row to predict): its bytes copied out of the user's file
+    into a file under ``work_dir``, which the row's "path" names; its "image" is "<file>:<member>"."""
+    if work_dir is None:
+        raise ManifestError(f"{path}: the images of {in_place.noun}s need a folder to be copied to")
+    m = in_place.member(c)
+    image_dir = work_dir / ("labeled" if with_label else "unlabeled")
+    image_dir.mkdir(parents=True, exist_ok=True)
+    with open(m.file, "rb") as f:
+        f.seek(m.offset)
+        data = f.read(m.nbytes)
+    out = image_dir / f"{k:08d}{Path(m.name).suffix.lower()}"
+    out.write_bytes(data)
+    row = {"image": f"{base / c.file if c.file else path}:{m.name}", "text": c.text}
+    if with_label:
+        row["label"] = c.label
+    return row | {"path": str(out)}
+
+
+def _candidate_row(c: Candidate, with_label: bool, path: Path, base: Path, work_dir: Path | None) -> dict:
     row = {"image": c.image, "text": c.text}
     if with_label:
         row["label"] = c.label
     if work_dir is not None and Path(c.image).is_relative_to(work_dir):  # a file mmfast wrote out: name the image
         file = base / c.file if c.file else path
-        shown = f"{file}:{c.source['member']}" if kind == "wds" else f"{file} row {c.line}"
-        row.update(image=shown, path=c.image)
+        row.update(image=f"{file} row {c.line}", path=c.image)
     return row
 
 
-def _where(r: Reject, kind: str, path: Path, base: Path) -> str:
+def _where(r: Reject, rows_are_files: bool, path: Path, base: Path) -> str:
     """The row a reject names: ``<file>:<line>`` (an image folder's row: its image; a whole shard: the shard)."""
-    if kind == "folder" and isinstance(r.row, dict) and isinstance(r.row.get("image"), str):
+    if rows_are_files and isinstance(r.row, dict) and isinstance(r.row.get("image"), str):
         return str(path / r.row["image"])
     file = base / r.file if r.file else path
     return f"{file}:{r.line}" if r.line > 0 else str(file)
 
 
 def _is_flat_image_folder(path: Path, opts: InputOptions) -> bool:
-    """A folder of images with no class folders (and nothing else a reader takes)."""
-    if not path.is_dir() or opts.kind not in ("auto", "folder"):
+    """A folder of images with no class folders (and nothing else a reader takes), read as the kind whose rows
+    are the files of a folder (``Reader.rows_are_files``)."""
+    if not path.is_dir():
         return False
-    if opts.kind == "auto" and detect_kind(path) != "folder":
+    if not reader_named(detect_kind(path) if opts.kind == "auto" else opts.kind).rows_are_files:
         return False
     entries = list(path.iterdir())
     return not any(p.is_dir() and not p.name.startswith(".") for p in entries) and any(

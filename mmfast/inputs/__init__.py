@@ -1,6 +1,8 @@
 """Source readers: the data users already have, read into candidate rows (docs/architecture.md, "Data flow").
 
-One reader per kind of input, registered by name in ``READERS``:
+One reader per kind of input, each a ``Reader`` record (``mmfast.inputs.base``) registered by name in
+``READERS`` with ``register_reader``: the record declares what preparation and prediction may do with the kind
+(its suffixes, whether it claims a source, whether its images stay in the user's files). The built-in kinds:
 
     jsonl, csv      a manifest with image/text/label columns (any names: ``InputOptions`` maps them; a CSV/TSV
                     without a header line takes its column names from ``columns``)
@@ -13,7 +15,7 @@ One reader per kind of input, registered by name in ``READERS``:
     wds             WebDataset shards (img2dataset / open_clip layout: key.jpg + key.txt + key.cls or key.json),
                     read in place: see ``mmfast.inputs.wds``
 
-Every reader returns ``(candidates, rejects, kind)``: each input row is either a candidate (its image still
+``read_source`` returns ``(candidates, rejects, kind)``: each input row is either a candidate (its image still
 to be validated) or a reject with its file, row and reason. Readers of images stored as bytes write them
 into ``image_dir`` (inside the prepared directory being built), so the prepared directory holds what the
 loader reads.
@@ -22,69 +24,45 @@ loader reads.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
 from pathlib import Path
 
-from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, finish_rows, read_input
-from mmfast.inputs.wds import is_wds_source
+from mmfast.inputs import arrow, coco, imagefolder, wds
+from mmfast.inputs.base import (
+    LABEL_NAMES,
+    READERS,
+    TEXT_NAMES,
+    ImagesInPlace,
+    InputOptions,
+    Member,
+    Reader,
+    ReadRows,
+    pick_column,
+    reader_named,
+    register_reader,
+    unregister_reader,
+)
+from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows, read_input
 
-# Column names tried, in order, when a reader that knows its columns is not told which holds what.
-TEXT_NAMES = ("text", "caption", "captions", "sentence", "description", "prompt", "title")
-LABEL_NAMES = ("label", "labels", "class", "category", "class_name")
+__all__ = [
+    "LABEL_NAMES",
+    "READERS",
+    "TEXT_NAMES",
+    "ImagesInPlace",
+    "InputOptions",
+    "Member",
+    "ReadRows",
+    "Reader",
+    "detect_kind",
+    "pick_column",
+    "read_source",
+    "reader_for",
+    "reader_named",
+    "register_reader",
+    "unregister_reader",
+]
+
 COCO_LISTS = ("images", "annotations")  # a JSON object holding either list is read as COCO (``coco.read_coco``)
-
-
-@dataclass(frozen=True)
-class InputOptions:
-    """How to read the input (tools/prepare_data.py's input flags).
-
-    Args:
-        kind: a reader name from ``READERS``, or "auto" to tell it from the path.
-        image_column, text_column, label_column: the columns holding each (None: the reader's default,
-            image/text/label for a manifest, detected for the others).
-        no_labels: the input has no labels; every row gets the one label ``manifest.NO_LABEL``.
-        columns: the column names of a CSV/TSV without a header line (e.g. ("text", "image") for CC3M).
-        coco_captions: "all" (a row per caption) or "first" (a row per image, its first caption).
-        image_root: the folder image paths are relative to (COCO's ``file_name``; default: the JSON's folder).
-        wds_image_key: WebDataset: the image member's extensions, in order of preference ("jpg;png").
-        wds_text_key: WebDataset: the caption member's extension.
-        wds_label_key: WebDataset: the label member's extension (an integer or a name as text).
-        wds_label_field: WebDataset: take the label from this field of the ``json`` member instead.
-    """
-
-    kind: str = "auto"
-    image_column: str | None = None
-    text_column: str | None = None
-    label_column: str | None = None
-    no_labels: bool = False
-    columns: tuple[str, ...] | None = None
-    coco_captions: str = "all"
-    image_root: str | None = None
-    wds_image_key: str = "jpg;jpeg;png;webp"
-    wds_text_key: str = "txt"
-    wds_label_key: str = "cls"
-    wds_label_field: str | None = None
-
-    def __post_init__(self):
-        if self.kind != "auto" and self.kind not in READERS:
-            raise ValueError(f"unknown input kind '{self.kind}'; choose from auto, {', '.join(READERS)}")
-        if self.coco_captions not in ("all", "first"):
-            raise ValueError(f"--coco-captions must be 'all' or 'first', got '{self.coco_captions}'")
-        if self.no_labels and self.label_column:
-            raise ValueError("--no-labels and --label-column exclude each other")
-
-    def table_columns(self, image: str = "image", text: str = "text", label: str = "label") -> Columns:
-        """The Columns of a table, the given names over the reader's defaults."""
-        return Columns(
-            image=self.image_column or image,
-            text=self.text_column or text,
-            label=None if self.no_labels else (self.label_column or label),
-            names=self.columns,
-        )
-
-
-Reader = Callable[[Path, InputOptions, bool, "Path | None"], tuple[list[Candidate], list[Reject]]]
 
 
 def read_source(
@@ -98,7 +76,8 @@ def read_source(
 
     Args:
         path: a manifest, metadata or COCO JSON, Parquet/Arrow file, or a folder (image folder, HF
-            imagefolder, save_to_disk folder, folder of Parquet files).
+            imagefolder, save_to_disk folder, folder of Parquet files), or what a registered kind claims
+            (WebDataset shards: a pattern of them too).
         opts: how to read it (default: told from the path, columns named image/text/label).
         confine: reject image paths that resolve outside the input's folder.
         image_dir: where readers of images stored as bytes write them (required for those inputs).
@@ -111,23 +90,30 @@ def read_source(
         ManifestError: the input cannot be read as a whole (missing, unknown format, no such column).
     """
     opts = opts or InputOptions()
-    if opts.kind == "wds" or (opts.kind == "auto" and is_wds_source(path)):
-        from mmfast.inputs.wds import read_wds
-
-        cands, rejects = read_wds(path, opts)
-        cands, rejects = finish_rows(cands, rejects, dedupe)
-        return cands, rejects, "wds"
-    path = Path(path)
-    if not path.exists():
-        raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
-    kind = opts.kind if opts.kind != "auto" else detect_kind(path)
-    cands, rejects = READERS[kind](path, opts, confine, image_dir)
+    reader = reader_for(path, opts)
+    if (
+        reader is None or reader.claims is None
+    ):  # a path, which must be there (a claimed source: its reader checks)
+        if not Path(path).exists():
+            raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
+        reader = reader or READERS[detect_kind(Path(path))]
+    cands, rejects = reader.read(Path(path), opts, confine, image_dir)
     cands, rejects = finish_rows(cands, rejects, dedupe)
-    return cands, rejects, kind
+    return cands, rejects, reader.name
+
+
+def reader_for(source: str | os.PathLike, opts: InputOptions) -> Reader | None:
+    """The kind of ``source`` as far as it is known before reading: the one ``opts`` names, else (kind "auto")
+    the first registered kind that claims the source; None: told from the path when it is read
+    (``detect_kind``)."""
+    if opts.kind != "auto":
+        return reader_named(opts.kind)
+    return next((r for r in READERS.values() if r.claims is not None and r.claims(str(source))), None)
 
 
 def detect_kind(path: Path) -> str:
-    """The reader for ``path``, told from its name and (for a folder) what it holds."""
+    """The reader for ``path``, told from its name and (for a folder) what it holds; a file by the suffixes
+    the registered kinds declare."""
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return "arrow"
@@ -141,18 +127,11 @@ def detect_kind(path: Path) -> str:
     suffix = path.suffix.lower()
     if path.name in ("metadata.jsonl", "metadata.csv"):
         return "imagefolder"
-    if suffix == ".tar":
-        return "wds"
-    if suffix == ".parquet":
-        return "parquet"
-    if suffix == ".arrow":
-        return "arrow"
     if suffix == ".json" and _is_coco(path):
         return "coco"
-    if suffix in (".jsonl", ".json", ".ndjson"):
-        return "jsonl"
-    if suffix in (".csv", ".tsv"):
-        return "csv"
+    kind = next((r.name for r in READERS.values() if suffix in r.suffixes), None)
+    if kind is not None:
+        return kind
     raise ManifestError(
         f"{path}: unknown manifest format '{suffix}'; use .jsonl/.csv/.tsv, metadata.jsonl, COCO .json, .parquet, "
         ".arrow, .tar shards or a folder, or name the format with --input-kind (a pipe or a file without a suffix)"
@@ -178,25 +157,7 @@ def _is_coco(path: Path) -> bool:
     return isinstance(obj, dict) and any(isinstance(obj.get(key), list) for key in COCO_LISTS)
 
 
-def pick_column(present: list[str], given: str | None, names: tuple[str, ...], what: str, where: str) -> str:
-    """The column holding ``what``: the given one (which must exist), else the first of ``names`` present.
-
-    Raises:
-        ManifestError: naming the columns there are and the flag to pass.
-    """
-    flag = f"--{what}-column"
-    if given is not None:
-        if given not in present:
-            raise ManifestError(f"{where}: no column '{given}' ({flag}); the columns are {present}")
-        return given
-    for name in names:
-        if name in present:
-            return name
-    hint = f"pass {flag} NAME" + (" or --no-labels" if what == "label" else "")
-    raise ManifestError(f"{where}: no {what} column among {present}; {hint}")
-
-
-def _manifest_reader(fmt: str) -> Reader:
+def _manifest_reader(fmt: str) -> ReadRows:
     """A reader of mmfast's own inputs (``manifest.read_input``) in format ``fmt``, whatever the file's suffix.
     Duplicates are left to ``read_source``, which drops them or not."""
 
@@ -207,27 +168,12 @@ def _manifest_reader(fmt: str) -> Reader:
     return read
 
 
-def _readers() -> dict[str, Reader]:
-    from mmfast.inputs.arrow import read_arrow, read_parquet
-    from mmfast.inputs.coco import read_coco
-    from mmfast.inputs.imagefolder import read_imagefolder
-
-    return {
-        "jsonl": _manifest_reader("jsonl"),
-        "csv": _manifest_reader("csv"),
-        "folder": _manifest_reader("folder"),
-        "imagefolder": read_imagefolder,
-        "coco": read_coco,
-        "parquet": read_parquet,
-        "arrow": read_arrow,
-        "wds": _read_wds,
-    }
-
-
-def _read_wds(path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None):
-    from mmfast.inputs.wds import read_wds
-
-    return read_wds(path, opts)
-
-
-READERS: dict[str, Reader] = _readers()
+# The registry: one line a kind, in the order ``--input-kind`` lists them and file suffixes are looked up.
+register_reader(Reader("jsonl", _manifest_reader("jsonl"), suffixes=(".jsonl", ".json", ".ndjson")))
+register_reader(Reader("csv", _manifest_reader("csv"), suffixes=(".csv", ".tsv")))
+register_reader(Reader("folder", _manifest_reader("folder"), rows_are_files=True))
+register_reader(imagefolder.READER)
+register_reader(coco.READER)
+register_reader(arrow.PARQUET)
+register_reader(arrow.ARROW)
+register_reader(wds.READER)

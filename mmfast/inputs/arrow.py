@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from mmfast.inputs import LABEL_NAMES, TEXT_NAMES, InputOptions, pick_column
+from mmfast.inputs.base import LABEL_NAMES, TEXT_NAMES, InputOptions, Reader, pick_column
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, Columns, ManifestError, Reject, check_rows
 
 _BATCH_ROWS = 256  # rows per record batch read: bounds the memory held by image bytes
@@ -333,3 +333,7 @@ def _extension(data: bytes, name: str | None) -> str:
         return ".webp"
     suffix = Path(name).suffix.lower() if name else ""
     return suffix if suffix in IMAGE_SUFFIXES else ".bin"
+
+
+PARQUET = Reader("parquet", read_parquet, suffixes=(".parquet",))
+ARROW = Reader("arrow", read_arrow, suffixes=(".arrow",))

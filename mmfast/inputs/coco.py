@@ -1,4 +1,4 @@
-"""COCO captions JSON (captions_train2017.json and the like): ``images`` + ``annotations``.
+"""COCO captions JSON (``captions_*.json``): ``images`` + ``annotations``.
 
 Each annotation ``{"image_id", "caption"}`` is an input row, numbered by its position in ``annotations``
 (1-based). Its image is the ``file_name`` of the ``images`` entry with that id, relative to --image-root
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmfast.inputs import InputOptions
+from mmfast.inputs.base import InputOptions, Reader
 from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, check_rows
 
 
@@ -92,3 +92,6 @@ def _load(path: Path) -> dict:
             "captions_*.json file"
         )
     return data
+
+
+READER = Reader("coco", read_coco)  # told from a .json file by its content (``mmfast.inputs.detect_kind``)

@@ -14,7 +14,7 @@ import io
 from dataclasses import replace
 from pathlib import Path
 
-from mmfast.inputs import LABEL_NAMES, TEXT_NAMES, InputOptions, pick_column
+from mmfast.inputs.base import LABEL_NAMES, TEXT_NAMES, InputOptions, Reader, pick_column
 from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
 
 _FOLDER = "label (the image's folder)"  # the label column of metadata that has none: the class folders
@@ -101,3 +101,6 @@ def _folder(file_name: object) -> str | None:
         return None
     parent = Path(file_name).parent.name
     return parent or None
+
+
+READER = Reader("imagefolder", read_imagefolder)

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmfast.util.commands import PREPARE, TRAIN
+
 MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
 _INT_RE = re.compile(r"^[+-]?\d+$")
@@ -206,13 +208,13 @@ def _refuse_prepared_dir(path: Path) -> None:
     classes of images."""
     if (path / "prepare.json").is_file():
         raise ManifestError(
-            f"{path} is a prepared dataset, not an image folder; pass it to tools/train.py --data, or prepare "
+            f"{path} is a prepared dataset, not an image folder; pass it to {TRAIN} --data, or prepare "
             "the original manifest again"
         )
     if (path / "train.jsonl").exists() or (path / "tokens").is_dir():
         raise ManifestError(
             f"{path} looks like an incomplete prepared dataset (no prepare.json); re-run "
-            "tools/prepare_data.py on the original manifest"
+            f"{PREPARE} on the original manifest"
         )
 
 
@@ -356,7 +358,7 @@ def _check_row(
     if _URL_RE.match(image):
         return None, (
             f"image '{image[:100]}' is a URL; mmfast reads local files: download the images first (img2dataset "
-            "writes WebDataset shards that mmfast-prepare reads)"
+            f"writes WebDataset shards that {PREPARE} reads)"
         )
     p = Path(image)
     full = p if p.is_absolute() else root / p

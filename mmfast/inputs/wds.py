@@ -37,8 +37,11 @@ from pathlib import Path
 import numpy as np
 
 from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
-from mmfast.inputs.manifest import Candidate, ManifestError, Reject, parse_label
+from mmfast.data.validate import DEFAULT_MAX_PIXELS, check_image_bytes, dali_rejects
+from mmfast.inputs.base import ImagesInPlace, InputOptions, Member, Reader
+from mmfast.inputs.manifest import NO_LABEL, Candidate, ManifestError, Reject, parse_label
 from mmfast.util.fsutil import atomic_write_json
+from mmfast.util.pool import process_map
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
@@ -102,9 +105,9 @@ def shard_stats(shards: list[Path]) -> list[list[int]]:
     return [[st.st_size, st.st_mtime_ns] for st in (p.stat() for p in shards)]
 
 
-def read_wds(
+def read_shards(
     source: str | os.PathLike,
-    opts,
+    opts: InputOptions,
     workers: int = 1,
     max_pixels: int | None = None,
     part: tuple[int, int] | None = None,
@@ -115,10 +118,14 @@ def read_wds(
     Each candidate's ``image`` is ``<shard>:<member>`` and its ``source`` holds the shard, key, member, and
     the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
     (relative to the source's folder) and its reason names the sample's key.
-    """
-    from mmfast.data.validate import DEFAULT_MAX_PIXELS
-    from mmfast.util.pool import process_map
 
+    Args:
+        source: a folder of .tar files, a .tar file, or a pattern of them (``expand_shards``).
+        opts: the wds_* fields say which members hold the image, caption and label.
+        workers: processes reading shards at once.
+        max_pixels: the decoded-pixel budget of an image (default: ``validate.DEFAULT_MAX_PIXELS``).
+        part: (i, n), or None for every shard.
+    """
     shards = expand_shards(source)
     if part is not None:
         shards = shards[len(shards) * part[0] // part[1] : len(shards) * (part[0] + 1) // part[1]]
@@ -136,6 +143,20 @@ def read_wds(
     return cands, rejects
 
 
+def _read_all(
+    path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None
+) -> tuple[list[Candidate], list[Reject]]:
+    """Every shard, in this process: ``read_shards`` as the registry calls a reader (``confine`` and
+    ``image_dir`` do not apply: the images stay in the shards)."""
+    return read_shards(path, opts)
+
+
+def _member(c: Candidate) -> Member:
+    """Where a candidate's image lies: its ``image`` is "<shard path>:<member>" (``read_shards``)."""
+    member = c.source["member"]
+    return Member(c.image[: -len(member) - 1], member, c.source["offset"], c.source["nbytes"])
+
+
 def _relative(p: Path, base: Path) -> str:
     try:
         return p.relative_to(base).as_posix()
@@ -143,7 +164,7 @@ def _relative(p: Path, base: Path) -> str:
         return str(p)
 
 
-def _wds_opts(opts) -> dict:
+def _wds_opts(opts: InputOptions) -> dict:
     image_keys = [k.strip().lower() for k in re.split(r"[;,]", opts.wds_image_key) if k.strip()]
     return {
         "image_keys": image_keys,
@@ -180,16 +201,13 @@ def _samples(tar: tarfile.TarFile) -> Iterator[tuple[str, dict[str, tarfile.TarI
 
 
 def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Candidate], list[Reject]]:
-    """Candidates and rejects of one shard (see ``read_wds``); ``o`` is ``_wds_opts``' dict."""
-    from mmfast.data.validate import _dali_rejects, check_image_bytes
-    from mmfast.inputs.manifest import NO_LABEL
-
+    """Candidates and rejects of one shard (see ``read_shards``); ``o`` is ``_wds_opts``' dict."""
     cands: list[Candidate] = []
     rejects: list[Reject] = []
     pending: list[tuple[Candidate, bytes]] = []  # PIL-valid images awaiting DALI's decoder
 
     def confirm() -> None:
-        bad = _dali_rejects([b for _, b in pending], 1, load=lambda b: np.frombuffer(b, dtype=np.uint8))
+        bad = dali_rejects([b for _, b in pending], 1, load=lambda b: np.frombuffer(b, dtype=np.uint8))
         for i, (c, _) in enumerate(pending):
             if i in bad:
                 rejects.append(Reject(c.line, f"{bad[i]} ({c.source['member']})", c.source, rel))
@@ -228,7 +246,7 @@ def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Can
                 if not check.ok:
                     reject(f"{check.reason}: {image.name}")
                     continue
-                # what the index lists (the member list stays with the rejects: a row's bytes count at 10M)
+                # what the index lists (the member list stays with the rejects: every accepted row is held)
                 source = {"shard": rel, "key": key, "member": image.name}
                 source |= {"offset": image.offset_data, "nbytes": image.size}
                 c = Candidate(
@@ -338,3 +356,19 @@ def write_index(path: Path, samples: list[tuple[int, int, str, int]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(buf.getvalue())
     os.replace(tmp, path)
+
+
+READER = Reader(
+    name="wds",
+    read=_read_all,
+    suffixes=(".tar",),
+    claims=is_wds_source,
+    in_place=ImagesInPlace(
+        noun="WebDataset shard",
+        read_checked=read_shards,
+        files=expand_shards,
+        member=_member,
+        index_dir="wds",
+        write_index=write_split_index,
+    ),
+)

@@ -1,8 +1,8 @@
 """Images decoded once and kept in memory (``cache_decoded``): on the CPU path every later epoch crops from RAM.
 
 Why: on small images the decode is most of the CPU path's work and nothing makes it cheaper (a PNG has no
-region-of-interest decode: a 128 px icon costs DALI 0.31 ms to decode and the host finishing 0.2 ms;
-BENCHMARKS.md). A set whose decoded pixels fit in memory need not pay it every epoch: FFCV stores such sets
+region-of-interest decode: decoding a small icon costs more than finishing its crop; BENCHMARKS.md). A
+set whose decoded pixels fit in memory need not pay it every epoch: FFCV stores such sets
 as raw pixels for the same reason. Here the loader decodes each image the first time an epoch needs it, with
 the same DALI decoder as the streaming path, and keeps the uint8 HWC array; each batch then draws its random
 resized crops and flips in numpy (the distribution of DALI's ``random_crop``: area and log aspect ratio
@@ -105,7 +105,7 @@ def default_budget() -> int:
 AUTO_SAMPLE = 64  # image headers read to estimate a set's decoded size for cache_decoded="auto"
 # cache_decoded="auto" streams the train split of JPEGs larger than this many times the output's pixels: a
 # streamed random crop decodes only its region, while the cache's first epoch decodes each image whole and
-# writes it to memory (800x600 photos, 224 px: 463-577 against 723-923 images/s on the 2-core VM; BENCHMARKS.md)
+# writes it to memory (BENCHMARKS.md, "The drop-in decides: `cache_decoded="auto"`")
 AUTO_JPEG_PIXELS = 4
 
 

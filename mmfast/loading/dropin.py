@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mmfast.loading.graphs import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.preprocessing import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
 
 # Keyword arguments of ``image_pipeline`` a loader passes through (the rest of its arguments the loader sets).
 PIPELINE_OPTIONS = (

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mmfast.data.validate import check_images, pixel_budget_reason
+from mmfast.util.commands import PREPARE
 
 log = logging.getLogger(__name__)
 PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
@@ -94,7 +95,7 @@ class FileHealth:
     def mark_bad(self, positions: list[int], reasons: list[str]) -> None:
         for p, reason in zip(positions, reasons, strict=True):
             if self.on_bad_image == "error":
-                again = " and re-run tools/prepare_data.py" if self.prepared else ""
+                again = f" and re-run {PREPARE}" if self.prepared else ""
                 raise ValueError(
                     f"{self.files[p]}: {reason}. Fix or remove it{again}, or pass on_bad_image='skip'"
                 )

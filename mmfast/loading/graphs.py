@@ -15,13 +15,12 @@ from collections.abc import Callable
 
 from nvidia.dali import fn, pipeline_def, types
 
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+from mmfast.data.preprocessing import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
+
 READER_NAME = "Reader"
-EVAL_CROP_RATIO = 0.875  # eval: resize the shorter side to size / ratio, keep the centre size x size
 # The largest batch DALI 2.4's image decoder parses on one thread. From 32 samples on it parses a batch on
 # several, and a file it cannot parse there (a text file named .jpg, a header zeroed out) crashed the process
-# (SIGSEGV in ImageDecoder's setup) about every other run instead of raising an error the loader can handle.
+# (SIGSEGV in ImageDecoder's setup) in many runs instead of raising an error the loader can handle.
 # So on the CPU, ImageLoader (files nobody decoded before) runs its graph on equal parts of its batch no larger
 # until every file has been read once (``image_loader.dali_batch_size``), and ``cache_decoded`` fills in
 # smaller batches.

@@ -12,8 +12,7 @@ resized here (shorter side) and centre-cropped with the graph's rounding. The GP
 the graph.
 
 The output batches come from ``BatchBuffers``: a batch's memory is reused once nothing refers to it any
-more. A fresh 38 MB float32 batch costs ~9,000 page faults, which on the 2-core VM took 46 ms per batch of
-64, as long as finishing the whole batch (BENCHMARKS.md).
+more: a fresh batch's page faults would cost about as much as finishing it (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 
 CPU_RESIZE = ("torch", "dali")  # who finishes CPU-decoded crops: this module's threads, or DALI's graph
 
@@ -46,9 +45,8 @@ def ragged_iterator(pipe, **kwargs):
     return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)
 
 
-# The finishing's share of the CPU path's work per image, one thread each at 224 px (tools/bench_stages.py;
-# BENCHMARKS.md, "The CPU path at its decode limit"): 800x600 JPEG photos, ROI decode 1.060 ms + finishing
-# 0.495 ms (0.32); 128 px PNG icons (upscaled crops), 0.390 + 0.278 ms (0.42). Photos are the common case.
+# The finishing's share of the CPU path's work per image at 224 px, as tools/bench_stages.py measures it on
+# photos, the common case (BENCHMARKS.md, "The CPU path at its decode limit").
 FINISH_SHARE = 0.3
 
 

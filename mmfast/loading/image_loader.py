@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.loading.arguments import (
     check_batch,
@@ -29,7 +30,6 @@ from mmfast.loading.device import resolve_device, resolve_dtype
 from mmfast.loading.dropin import Batch, ImageFiles, from_dataset, split_options, torchvision_equivalent
 from mmfast.loading.epoch_reader import EpochReader, ReadSettings
 from mmfast.loading.file_health import FileHealth
-from mmfast.loading.graphs import EVAL_CROP_RATIO
 from mmfast.loading.host_finish import default_threads, make_finisher
 from mmfast.loading.sampling import DATALOADER, Layout, Sampling, ShardSampler
 from mmfast.loading.sources import FilesSource, Source, WdsSource

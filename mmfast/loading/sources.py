@@ -24,6 +24,7 @@ from nvidia.dali import fn, types
 
 from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_split
 from mmfast.loading.graphs import READER_NAME
+from mmfast.util.commands import PREPARE
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
@@ -114,9 +115,7 @@ class WdsSource:
         self.index = [str(i) for i in index] if index else [str(Path(t).with_suffix(".idx")) for t in self.tars]
         for tar, idx in zip(self.tars, self.index, strict=True):
             if not Path(tar).is_file() or not Path(idx).is_file():
-                raise FileNotFoundError(
-                    f"{tar}: WebDataset shard or its index {idx} missing; re-run tools/prepare_data.py"
-                )
+                raise FileNotFoundError(f"{tar}: WebDataset shard or its index {idx} missing; re-run {PREPARE}")
 
     def reader(
         self, positions: np.ndarray | None, health: FileHealth, shard_id: int, num_shards: int, shuffle: bool
@@ -128,7 +127,7 @@ class WdsSource:
 
     def read_error(self, error: RuntimeError) -> RuntimeError:
         return RuntimeError(
-            f"DALI failed reading the WebDataset shards ({error}); re-run tools/prepare_data.py (a shard "
+            f"DALI failed reading the WebDataset shards ({error}); re-run {PREPARE} (a shard "
             "may have changed since it was indexed)"
         )
 

@@ -3,7 +3,7 @@ the batch it returns next, and the restore point a ``load_state_dict`` leaves fo
 
 Why chunks: a file reader (``random_shuffle=False``) reads the concatenation of several epochs' position
 lists (a "chunk"), so one DALI pipeline serves many epochs: a pipeline per epoch would throw away its
-prefetched batches at every epoch end and pay a teardown (together ~25% of a short epoch).
+prefetched batches at every epoch end and pay a teardown (a large share of a short epoch).
 
 Resume: a loader's state carries DALI's own checkpoint of the live pipeline (reader position and the random
 state of every augmentation) and the chunk it belongs to, so a resumed run yields exactly the batches, bit

@@ -1,4 +1,4 @@
-"""Downscaled storage (``prepare_data.py --max-side N``): JPEG copies of the images, no larger than N.
+"""Downscaled storage (``mmfast-prepare --max-side N``): JPEG copies of the images, no larger than N.
 
 FFCV's ``max_resolution`` trick: decoding is the CPU path's main cost and it grows with the stored pixels,
 while a 224 px random crop of an 800x600 photo rarely needs them all. Preparation writes a copy of every

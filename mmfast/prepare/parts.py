@@ -32,7 +32,11 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from mmfast.inputs import reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows
+from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
+from mmfast.prepare.config import PrepareConfig, part_dir, parts_root
+from mmfast.prepare.fingerprint import input_fingerprint
 from mmfast.util.fsutil import (
     atomic_dir,
     atomic_write_json,
@@ -73,20 +77,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def parts_root(out: str | os.PathLike) -> Path:
-    out = Path(out)
-    return out.parent / f"{out.name}.parts"
-
-
-def part_dir(out: str | os.PathLike, i: int, n: int) -> Path:
-    return parts_root(out) / f"{i:05d}-of-{n:05d}"
-
-
-def prepare_part(cfg) -> dict:
+def prepare_part(cfg: PrepareConfig) -> dict:
     """Check part ``cfg.shard`` of the input into its part directory (or keep it when it is complete for the
     same input and settings, and undamaged). Returns its part.json."""
-    from mmfast.prepare.core import earlier_checks, input_fingerprint, read_and_check
-
     i, n = cfg.shard
     final = part_dir(cfg.out, i, n)
     fp = input_fingerprint(cfg)
@@ -120,16 +113,14 @@ def prepare_part(cfg) -> dict:
     return summary
 
 
-def merge_parts(cfg, tmp: Path, fp: str):
+def merge_parts(cfg: PrepareConfig, tmp: Path, fp: str) -> Checked:
     """The checked rows of all parts of ``cfg.out``, their files linked into ``tmp`` (the prepared directory
-    being built), as one ``prepare.Checked``.
+    being built), as one ``checks.Checked``.
 
     Raises:
         ManifestError: no parts, a part missing or damaged (naming its file and the command that makes it
             again), or parts of another input or other settings.
     """
-    from mmfast.prepare.core import Checked
-
     root = parts_root(cfg.out)
     dirs = sorted(p for p in root.glob("*-of-*") if p.is_dir()) if root.is_dir() else []
     if not dirs:
@@ -151,7 +142,7 @@ def merge_parts(cfg, tmp: Path, fp: str):
         downscaled += s["downscaled"]
         seconds = {k: v + s["seconds"][k] for k, v in seconds.items()}  # summed over the parts
     kind = summaries[0]["kind"]
-    if kind == "wds":  # duplicates across the parts' shards
+    if reader_named(kind).in_place is not None:  # each part read only its files: duplicates across them now
         good, rejects = finish_rows(good, rejects)
     return Checked(good, rejects, n_input, kind, seconds, reused, downscaled)
 

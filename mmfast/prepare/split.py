@@ -8,7 +8,8 @@ A row goes to val when the hash of (seed, its image's key) falls under ``val_fra
   depends on its own image only), so an earlier checkpoint is never scored on images it trained on;
 - the key is the image's path relative to the input's folder (or image root), so moving the dataset
   keeps its split; an image preparation wrote itself (Parquet bytes, named by content) is keyed by its
-  name, a ``--max-side`` copy by its original.
+  name, a ``--max-side`` copy by its original, an image read in place (a member of a WebDataset shard) by
+  its file's name and its member name.
 
 Per label, two corrections keep small classes usable (they are the only rows a change of the class can
 move): a class of two or more images with none in val gives its lowest-hash image to val, and a class
@@ -20,24 +21,33 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
+from collections.abc import Callable
 
+from mmfast.inputs import Member
 from mmfast.inputs.manifest import Candidate
 
 _SCALE = float(1 << 64)
 
 
 def split_rows(
-    rows: list[Candidate], val_fraction: float, seed: int, bases: list[str], work: str
+    rows: list[Candidate],
+    val_fraction: float,
+    seed: int,
+    bases: list[str],
+    work: str,
+    member: Callable[[Candidate], Member] | None = None,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """(train, val), each in input order.
 
     Args:
         bases: folders an image key is made relative to, first match wins (the input's folder, image root).
         work: the folder preparation writes images into (their key is their file name).
+        member: where an image read in place lies (``ImagesInPlace.member`` of the input's kind); None: the
+            images are files.
     """
     if val_fraction <= 0 or not rows:
         return list(rows), []
-    keys = [image_key(c, bases, work) for c in rows]
+    keys = [image_key(c, bases, work, member) for c in rows]
     draw = {k: _draw(seed, k) for k in set(keys)}
     in_val = {k: u < val_fraction for k, u in draw.items()}
     by_label: dict[str, set[str]] = defaultdict(set)
@@ -55,12 +65,14 @@ def split_rows(
     return train, val
 
 
-def image_key(c: Candidate, bases: list[str], work: str) -> str:
-    """The identity of a row's image for the split (see the module's docstring)."""
+def image_key(
+    c: Candidate, bases: list[str], work: str, member: Callable[[Candidate], Member] | None = None
+) -> str:
+    """The identity of a row's image for the split (see the module's docstring and ``split_rows``)."""
+    if member is not None:
+        m = member(c)
+        return f"{os.path.basename(m.file)}:{m.name}"
     path = c.original or c.image
-    if "offset" in c.source:  # a WebDataset sample: "<shard path>:<member>"
-        shard, member = path.rsplit(":", 1)
-        return f"{os.path.basename(shard)}:{member}"
     if path.startswith(work + os.sep):
         return os.path.basename(path)
     for base in bases:

@@ -11,7 +11,7 @@ wds/<split>.rows.npy     (N, 2) int64 [sample id, class id]: what the loader rea
 wds/<split>.json         {"shards": names, "tars": tar files, "index": index files, "stats": [[size,
                          mtime_ns]] of each tar (a changed tar is refused at start), "samples": N}
 
-``tools/prepare_data.py --format wds`` writes it inside preparation (under its lock, in its temp directory,
+``mmfast-prepare --format wds`` writes it inside preparation (under its lock, in its temp directory,
 recorded in its fingerprint and ``files`` map); ``write_wds`` adds it to an existing prepared directory.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from mmfast.data.dataset import PreparedDataset
 from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
+from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
 
 _EXT = {
@@ -53,7 +54,7 @@ def write_wds(prepared_dir: str | os.PathLike, shard_size: int = 1000) -> dict:
     prepared_dir = Path(prepared_dir)
     if not (prepared_dir / MARKER).is_file():
         raise OutputDirError(
-            f"{prepared_dir}: not a dataset prepared by mmfast (no {MARKER}); run tools/prepare_data.py first"
+            f"{prepared_dir}: not a dataset prepared by mmfast (no {MARKER}); run {PREPARE} first"
         )
     dataset = PreparedDataset(prepared_dir, verify=False)  # its rows and labels; training verifies the rest
     splits = {split: dataset.rows(split) for split in ("train", "val")}
@@ -131,8 +132,7 @@ def _read_image(image: str) -> bytes:
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR):
             raise ValueError(
-                f"{image}: cannot be read for the WebDataset export ({e.strerror}); restore it or re-run "
-                "tools/prepare_data.py"
+                f"{image}: cannot be read for the WebDataset export ({e.strerror}); restore it or re-run {PREPARE}"
             ) from e
         raise
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.loading.graphs import IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 
 
 def pil_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)):

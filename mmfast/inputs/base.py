@@ -1,0 +1,193 @@
+"""What every input reader shares: how to read the input (``InputOptions``), column picking, and the ``Reader``
+record each kind registers, which declares what preparation and prediction may do with the kind.
+
+A kind is a reader module plus one ``register_reader`` line in ``mmfast.inputs`` (docs/architecture.md,
+"Where a change goes"): the code that uses inputs asks a kind's record, never its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject
+
+# Column names tried, in order, when a reader that knows its columns is not told which holds what.
+TEXT_NAMES = ("text", "caption", "captions", "sentence", "description", "prompt", "title")
+LABEL_NAMES = ("label", "labels", "class", "category", "class_name")
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """How to read the input (the input-format flags of mmfast-prepare, mmfast-predict, mmfast-evaluate).
+
+    Args:
+        kind: a registered reader's name (``READERS``), or "auto" to tell it from the path.
+        image_column, text_column, label_column: the columns holding each (None: the reader's default,
+            image/text/label for a manifest, detected for the others).
+        no_labels: the input has no labels; every row gets the one label ``manifest.NO_LABEL``.
+        columns: the column names of a CSV/TSV without a header line (e.g. ("text", "image") for CC3M).
+        coco_captions: "all" (a row per caption) or "first" (a row per image, its first caption).
+        image_root: the folder image paths are relative to (COCO's ``file_name``; default: the JSON's folder).
+        wds_image_key: WebDataset: the image member's extensions, in order of preference ("jpg;png").
+        wds_text_key: WebDataset: the caption member's extension.
+        wds_label_key: WebDataset: the label member's extension (an integer or a name as text).
+        wds_label_field: WebDataset: take the label from this field of the ``json`` member instead.
+    """
+
+    kind: str = "auto"
+    image_column: str | None = None
+    text_column: str | None = None
+    label_column: str | None = None
+    no_labels: bool = False
+    columns: tuple[str, ...] | None = None
+    coco_captions: str = "all"
+    image_root: str | None = None
+    wds_image_key: str = "jpg;jpeg;png;webp"
+    wds_text_key: str = "txt"
+    wds_label_key: str = "cls"
+    wds_label_field: str | None = None
+
+    def __post_init__(self):
+        if self.kind != "auto":
+            reader_named(self.kind)
+        if self.coco_captions not in ("all", "first"):
+            raise ValueError(f"--coco-captions must be 'all' or 'first', got '{self.coco_captions}'")
+        if self.no_labels and self.label_column:
+            raise ValueError("--no-labels and --label-column exclude each other")
+
+    def table_columns(self, image: str = "image", text: str = "text", label: str = "label") -> Columns:
+        """The Columns of a table, the given names over the reader's defaults."""
+        return Columns(
+            image=self.image_column or image,
+            text=self.text_column or text,
+            label=None if self.no_labels else (self.label_column or label),
+            names=self.columns,
+        )
+
+
+ReadRows = Callable[[Path, InputOptions, bool, "Path | None"], tuple[list[Candidate], list[Reject]]]
+"""A kind's reader: (path, options, confine, image_dir) -> (candidates, rejects). ``confine``: reject image paths
+outside the input's folder; ``image_dir``: where images stored as bytes are written (None: refuse them)."""
+
+
+class Member(NamedTuple):
+    """Where an image read in place lies: a member of one of the user's files (a tar shard)."""
+
+    file: str  # the file holding it (absolute)
+    name: str  # its member name in that file
+    offset: int  # where its bytes start in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ImagesInPlace:
+    """The capabilities of a kind whose images stay inside the user's files (WebDataset shards): preparation
+    copies, decodes and writes none of them, and writes an index of the accepted samples instead.
+
+    Args:
+        noun: how messages name one of those files ("WebDataset shard").
+        read_checked: (source, options, workers, max_pixels, part) -> (candidates, rejects), every candidate's
+            image validated by the reader where it lies; ``part`` (i, n) reads only the i-th of n contiguous
+            slices of the files (so the rows of two parts were never compared: the merge drops duplicates).
+        files: source -> the user's files holding the images: the input's fingerprint is their names, sizes and
+            mtimes (not their bytes), and none may be inside --out.
+        member: where a candidate's image lies in those files (what prepared rows and the index record; what
+            the split keys it by; what prediction copies out into a file).
+        index_dir: the prepared directory's folder the index goes into (``data.dataset``'s layout).
+        write_index: (that folder, split, the split's prepared rows in id order) -> writes the split's index.
+    """
+
+    noun: str
+    read_checked: Callable[..., tuple[list[Candidate], list[Reject]]]
+    files: Callable[[str], list[Path]]
+    member: Callable[[Candidate], Member]
+    index_dir: str
+    write_index: Callable[[Path, str, list[dict]], dict]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One kind of input, as registered (``register_reader``): its name, its reader, and what it declares.
+
+    Args:
+        name: what ``--input-kind`` calls it.
+        read: the reader (``ReadRows``).
+        suffixes: file suffixes told to be this kind when the kind is "auto" (lower case, with the dot).
+        claims: source -> whether it is this kind, asked before anything else when the kind is "auto"; a
+            kind with ``claims`` reads sources that need not be one existing path (a pattern of shards), so
+            ``read_source`` leaves checking them to its reader.
+        rows_are_files: each row is an image file of a folder (root/<class>/<image>): a reject is named by
+            its image, not a line number, and prediction also reads a flat folder of images as this kind.
+        in_place: the kind's images stay inside the user's files (``ImagesInPlace``); None: they are image
+            files (on disk, or written from bytes into ``image_dir``) that preparation validates.
+    """
+
+    name: str
+    read: ReadRows
+    suffixes: tuple[str, ...] = ()
+    claims: Callable[[str], bool] | None = None
+    rows_are_files: bool = False
+    in_place: ImagesInPlace | None = None
+
+
+READERS: dict[str, Reader] = {}
+"""The registered kinds by name, in registration order (``mmfast.inputs`` registers the built-in ones)."""
+
+
+def register_reader(reader: Reader) -> Reader:
+    """Add a kind of input: ``read_source``, ``--input-kind`` and preparation take it from then on.
+
+    Returns:
+        ``reader``.
+
+    Raises:
+        ValueError: a kind of that name is registered already, or the name is "auto".
+    """
+    if reader.name == "auto" or reader.name in READERS:
+        raise ValueError(f"input kind '{reader.name}' is taken; choose another name")
+    READERS[reader.name] = reader
+    return reader
+
+
+def unregister_reader(name: str) -> Reader:
+    """Remove the kind ``name`` (a plugin's, or a test's); returns its record.
+
+    Raises:
+        ValueError: no such kind.
+    """
+    reader = reader_named(name)
+    del READERS[name]
+    return reader
+
+
+def reader_named(name: str) -> Reader:
+    """The registered kind called ``name``.
+
+    Raises:
+        ValueError: no such kind, naming those there are.
+    """
+    try:
+        return READERS[name]
+    except KeyError:
+        raise ValueError(f"unknown input kind '{name}'; choose from auto, {', '.join(READERS)}") from None
+
+
+def pick_column(present: list[str], given: str | None, names: tuple[str, ...], what: str, where: str) -> str:
+    """The column holding ``what``: the given one (which must exist), else the first of ``names`` present.
+
+    Raises:
+        ManifestError: naming the columns there are and the flag to pass.
+    """
+    flag = f"--{what}-column"
+    if given is not None:
+        if given not in present:
+            raise ManifestError(f"{where}: no column '{given}' ({flag}); the columns are {present}")
+        return given
+    for name in names:
+        if name in present:
+            return name
+    hint = f"pass {flag} NAME" + (" or --no-labels" if what == "label" else "")
+    raise ManifestError(f"{where}: no {what} column among {present}; {hint}")

@@ -1,0 +1,226 @@
+"""Read the input and check every row's image: what a preparation (or one ``--shard`` part of it) keeps,
+``Checked``, before the label map, split and token cache are made from it.
+
+Images are validated here (``data.validate``; an image an earlier preparation accepted and that did not change
+keeps its check), and --max-side copies stored (``prepare.downscale``), unless the input's kind reads its images
+in place (``inputs.ImagesInPlace``): then its reader validated them where they lie.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mmfast.data.dataset import DatasetError, PreparedDataset
+from mmfast.data.validate import ImageCheck, check_images
+from mmfast.inputs import ImagesInPlace, Reader, read_source, reader_for
+from mmfast.inputs.manifest import Candidate, Reject, finish_rows
+from mmfast.prepare.config import IMAGES_DIR, PrepareConfig
+from mmfast.prepare.downscale import downscale_images, downscaled_path
+from mmfast.util.fsutil import MARKER, OutputDirError
+
+
+@dataclass
+class Checked:
+    """What reading and validating the input (or a part of it) gave: the rows kept, each with its image's
+    size, and the rows dropped with their reasons."""
+
+    good: list[Candidate]
+    rejects: list[Reject]
+    n_input: int  # rows read: len(good) + len(rejects)
+    kind: str  # the input reader's name
+    seconds: dict[str, float]  # read, validate, downscale
+    reused: int = 0  # images whose earlier check was reused (unchanged since an earlier preparation)
+    downscaled: int = 0
+
+
+def in_place_kind(cfg: PrepareConfig) -> Reader | None:
+    """The input's kind when it reads its images in place (``Reader.in_place``); None for every other input."""
+    reader = reader_for(cfg.source, cfg.inputs)
+    return reader if reader is not None and reader.in_place is not None else None
+
+
+def read_and_check(
+    cfg: PrepareConfig, work: Path, part: tuple[int, int] | None, earlier: dict[str, tuple[int, ...]]
+) -> Checked:
+    """Read the input (``part`` (i, n): only the i-th of n slices of it), validate every image (those of
+    ``earlier`` that did not change since are not decoded again) and store --max-side copies into ``work``."""
+    t0 = time.perf_counter()
+    workers = cfg.workers or os.cpu_count() or 1
+    reader = in_place_kind(cfg)
+    in_place = reader.in_place if reader is not None else None
+    if in_place is not None:  # images stay in the user's files; the reader validates them there
+        _refuse_copies(cfg, in_place)
+        cands, rejects = in_place.read_checked(cfg.source, cfg.inputs, workers, cfg.max_pixels, part)
+        if part is None:  # duplicates across the parts' files are found when the parts are merged
+            cands, rejects = finish_rows(cands, rejects)
+        kind = reader.name
+    else:
+        cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (work / IMAGES_DIR).resolve())
+        if part is not None:
+            cands, rejects = _slice(cands, rejects, part, work)
+    n_input = len(cands) + len(rejects)
+    t_read = time.perf_counter()
+
+    reused = 0
+    if in_place is not None:
+        checks = [ImageCheck(True)] * len(cands)
+    else:
+        checks, reused = _check(cands, cfg, workers, earlier, work)
+    good: list[Candidate] = []
+    for c, chk in zip(cands, checks, strict=True):
+        if chk.ok:
+            good.append(replace(c, width=chk.width, height=chk.height))
+        else:
+            rejects.append(Reject(c.line, chk.reason, c.source, c.file))
+            if Path(c.image).is_relative_to(work.resolve()):  # written from the input's bytes: not kept
+                Path(c.image).unlink(missing_ok=True)
+    t_validate = time.perf_counter()
+    if in_place is not None:  # the samples are in the user's files: whether those are inside --out
+        _check_files_outside(cfg, in_place)
+    else:
+        _check_images_outside(good, cfg)
+    n_downscaled = 0
+    if cfg.max_side:
+        good, n_downscaled = _downscale(good, cfg, work, workers, rejects)
+    seconds = {"read": t_read - t0, "validate": t_validate - t_read, "downscale": time.perf_counter() - t_validate}
+    return Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled)
+
+
+def _refuse_copies(cfg: PrepareConfig, in_place: ImagesInPlace) -> None:
+    """Refuse what needs image files of an input whose images stay in the user's files."""
+    if cfg.format == "wds":
+        raise ValueError(
+            f"{cfg.source}: the input is {in_place.noun}s already; training reads them in place "
+            "(drop --format wds)"
+        )
+    if cfg.max_side:
+        raise ValueError(
+            f"{cfg.source}: --max-side stores copies of image files; {in_place.noun}s are read in place "
+            "(drop --max-side, or downscale when writing the shards)"
+        )
+
+
+def _downscale(
+    good: list[Candidate],
+    cfg: PrepareConfig,
+    tmp: Path,
+    workers: int,
+    rejects: list[Reject],
+) -> tuple[list[Candidate], int]:
+    """Point every accepted image over ``cfg.max_side`` at a downscaled JPEG copy inside ``tmp`` (see
+    ``mmfast.prepare.downscale``); returns the candidates (one that cannot be copied is rejected, with its
+    reason) and how many were copied."""
+    big = [i for i, c in enumerate(good) if max(c.width, c.height) > cfg.max_side]
+    jobs = [(good[i].image, str(downscaled_path(tmp.resolve(), i))) for i in big]
+    reasons = downscale_images(jobs, cfg.max_side, cfg.quality, workers, cfg.progress)
+    out, dropped, copied = list(good), set(), 0
+    for i, (src, dst), reason in zip(big, jobs, reasons, strict=True):
+        c = good[i]
+        if reason.startswith("kept"):
+            continue
+        written_here = Path(src).is_relative_to(tmp.resolve())  # from the input's bytes: the copy replaces it
+        if reason:
+            rejects.append(Reject(c.line, reason, c.source, c.file))
+            dropped.add(i)
+        else:
+            out[i] = replace(c, image=dst, original=c.original or ("" if written_here else src))
+            copied += 1
+        if written_here:
+            Path(src).unlink(missing_ok=True)
+    return [c for i, c in enumerate(out) if i not in dropped], copied
+
+
+def _slice(
+    cands: list[Candidate], rejects: list[Reject], part: tuple[int, int], work: Path
+) -> tuple[list[Candidate], list[Reject]]:
+    """Part i of n of a whole input's rows: a contiguous slice of the candidates (the rows read, in input
+    order); the rows rejected while reading go with part 0. Images other parts own that the reader wrote
+    into ``work`` (an input storing image bytes) are removed."""
+    i, n = part
+    lo, hi = len(cands) * i // n, len(cands) * (i + 1) // n
+    for c in cands[:lo] + cands[hi:]:
+        if Path(c.image).is_relative_to(work.resolve()):
+            Path(c.image).unlink(missing_ok=True)
+    return cands[lo:hi], (rejects if i == 0 else [])
+
+
+def _check(
+    cands: list[Candidate], cfg: PrepareConfig, workers: int, earlier: dict[str, tuple[int, ...]], work: Path
+) -> tuple[list[ImageCheck], int]:
+    """Validate the candidates' images; one that an earlier preparation accepted and whose size and mtime
+    are unchanged keeps that check (the loader trusts the same two figures), and so does an image written
+    from an input's bytes under the same name (named by their SHA-256: the same bytes). Returns the checks
+    and how many were reused."""
+    checks: list[ImageCheck | None] = [None] * len(cands)
+    extracted = str(work.resolve() / IMAGES_DIR) + os.sep
+    for k, c in enumerate(cands):
+        by_content = c.image.startswith(extracted)
+        known = earlier.get(_content_key(c.image) if by_content else c.image)
+        if known is None:
+            continue
+        try:
+            st = os.stat(c.image)
+        except OSError:
+            continue
+        # an image named by its bytes is the same image at the same size, whatever its (fresh) mtime
+        if st.st_size == known[0] and (by_content or st.st_mtime_ns == known[1]):
+            checks[k] = ImageCheck(True, width=known[2], height=known[3])
+    todo = [k for k, chk in enumerate(checks) if chk is None]
+    fresh = check_images([cands[k].image for k in todo], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
+    for k, chk in zip(todo, fresh, strict=True):
+        checks[k] = chk
+    return checks, len(cands) - len(todo)
+
+
+def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, int, int]]:
+    """{image path: (size, mtime_ns, width, height)} of the images a complete earlier preparation into
+    ``out`` accepted under the same pixel budget (empty when there is none, or it predates these records)."""
+    try:
+        if not (out / MARKER).is_file():
+            return {}
+        earlier_set = PreparedDataset(out, verify=False)  # a row is trusted by its own size and mtime
+        if earlier_set.max_pixels != cfg.max_pixels:
+            return {}
+        earlier = {}
+        for split in ("train", "val"):
+            for r in earlier_set.iter_rows(split):
+                if "width" not in r or "size" not in r:
+                    continue
+                size, mtime = r["original_stat"] if r.get("original") else (r["size"], r["mtime_ns"])
+                key = r.get("original") or r["image"]
+                rel = Path(os.path.relpath(key, out)).parts  # images/... or, merged, parts/<i>/images/...
+                if rel[0] != ".." and IMAGES_DIR in rel[:-1]:
+                    key = _content_key(key)  # written from an input's bytes: found again by its name
+                earlier[key] = (size, mtime, r["width"], r["height"])
+        return earlier
+    except (OSError, DatasetError, KeyError, TypeError):
+        return {}  # nothing to reuse: every image is checked
+
+
+def _content_key(path: str) -> str:
+    """The ``earlier_checks`` key of an image written from an input's bytes, named by their SHA-256."""
+    return f"{IMAGES_DIR}:{os.path.basename(path)}"
+
+
+def _check_images_outside(good: list[Candidate], cfg: PrepareConfig) -> None:
+    out = Path(cfg.out).resolve()
+    inside = [c for c in good if Path(c.image).resolve().is_relative_to(out)]
+    if inside:
+        raise OutputDirError(
+            f"{cfg.source}, line {inside[0].line}: image {inside[0].image} is inside --out {cfg.out} "
+            f"({len(inside)} images are); preparing replaces --out, which would delete them. Pass an --out "
+            "that holds none of the input"
+        )
+
+
+def _check_files_outside(cfg: PrepareConfig, in_place: ImagesInPlace) -> None:
+    out = Path(cfg.out).resolve()
+    inside = [p for p in in_place.files(cfg.source) if p.is_relative_to(out)]
+    if inside:
+        raise OutputDirError(
+            f"{in_place.noun} {inside[0]} is inside --out {cfg.out}; preparing replaces --out, which would "
+            "delete it. Pass an --out that holds none of the input"
+        )
