@@ -81,7 +81,7 @@ def photos(tmp_path_factory) -> list[Path]:
 def photos_set(tmp_path_factory) -> list[dict]:
     """PHOTOS_SET_N small JPEGs cut from scikit-image's photos: [{"path", "text", "label", "sha"}] (captions
     unique)."""
-    from tools.benchlib.data import photo_manifest
+    from tools.benchmarks.benchlib.data import photo_manifest
 
     manifest = photo_manifest(tmp_path_factory.mktemp("inputs"), n=PHOTOS_SET_N, width=64, height=48, seed=3)
     rows = [json.loads(ln) for ln in manifest.read_text().splitlines()]

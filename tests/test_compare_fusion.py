@@ -1,4 +1,4 @@
-"""tools/compare_fusion.py end to end on the small demo set: every model and seed trains on one split, the
+"""tools/experiments/compare_fusion.py end to end on the small demo set: every model and seed trains on one split, the
 TF-IDF caption baseline sits in the same table, and the figures in the JSON are the runs' own."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tools import compare_fusion
+from tools.experiments import compare_fusion
 
 
 @pytest.mark.slow

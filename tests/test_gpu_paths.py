@@ -18,7 +18,7 @@ from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.prepare.wds_export import write_wds
 from tools import train as train_tool
-from tools.benchlib.data import photo_manifest
+from tools.benchmarks.benchlib.data import photo_manifest
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LO = torch.tensor([(0 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)])

@@ -321,7 +321,7 @@ def exported(tmp_path, photos_manifest) -> tuple[Path, Path]:
 
 @pytest.fixture()
 def photos_manifest(tmp_path) -> Path:
-    from tools.benchlib.data import photo_manifest
+    from tools.benchmarks.benchlib.data import photo_manifest
 
     return photo_manifest(tmp_path / "src", n=16, width=64, height=48, seed=2)
 

@@ -102,7 +102,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
             [
                 py,
                 "-P",
-                "tools/benchlib/data.py",
+                "tools/benchmarks/benchlib/data.py",
                 str(n_photos),
             ],
             90,
@@ -110,7 +110,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "models",
-            [py, "tools/bench_models.py", *big, "--batch-size", batch, "--mixed-precision", "auto"]
+            [py, "tools/benchmarks/bench_models.py", *big, "--batch-size", batch, "--mixed-precision", "auto"]
             + ["--steps", "1" if dry else "10", "--warmup", "1" if dry else "3"]
             + ["--json", str(work / "bench_models.json")],
             90,
@@ -119,7 +119,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "loader",
-            [py, "tools/bench_loader.py", "--data", str(photos), "--size", size, "--batch-size", batch]
+            [py, "tools/benchmarks/bench_loader.py", "--data", str(photos), "--size", size, "--batch-size", batch]
             + ["--rounds", "1" if dry else "2", "--epochs", "1" if dry else "3"]
             + ["--json", str(work / "bench_loader.json")],
             150,
@@ -128,7 +128,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "train-bench",
-            [py, "tools/bench_train.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
+            [py, "tools/benchmarks/bench_train.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
             + ["--steps", "1" if dry else "20", "--warmup", "1" if dry else "4", "--rounds", "1", "--repeats", "1"]
             + ["--json", str(work / "bench_train.json"), "--png", str(work / "bench_train.png")],
             210,

@@ -45,8 +45,8 @@ def ragged_iterator(pipe, **kwargs):
     return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)
 
 
-# The finishing's share of the CPU path's work per image at 224 px, as tools/bench_stages.py measures it on
-# photos, the common case (BENCHMARKS.md, "The CPU path at its decode limit").
+# The finishing's share of the CPU path's work per image at 224 px, as tools/benchmarks/bench_stages.py
+# measures it on photos, the common case (BENCHMARKS.md, "The CPU path at its decode limit").
 FINISH_SHARE = 0.3
 
 

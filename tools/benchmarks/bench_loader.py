@@ -1,6 +1,6 @@
 """Loader throughput: mmfast's loaders vs a bare DALI iterator vs torch DataLoader + PIL.
 
-    python tools/bench_loader.py [--data PREPARED_DIR] [--batch-size 64] [--size 224] [--rounds 3]
+    python tools/benchmarks/bench_loader.py [--data PREPARED_DIR] [--batch-size 64] [--size 224] [--rounds 3]
         [--epochs 3] [--json OUT]
 
 Without --data it cuts 512 real 800x600 JPEGs from scikit-image's photos and prepares them. Every variant
@@ -193,7 +193,7 @@ def pil_decode_only_variant(data, args, device):
 
 class _FFCV:
     """FFCV 1.0.2 in its own interpreter (``--ffcv-python``; FFCV is a comparison, never a dependency):
-    ``tools/bench_ffcv.py --serve`` writes the .beton once, builds its loader once and times epochs on
+    ``tools/benchmarks/bench_ffcv.py --serve`` writes the .beton once, builds its loader once and times epochs on
     request; ``round(epochs)`` returns their images/s."""
 
     def __init__(self, data, args, max_side: int):

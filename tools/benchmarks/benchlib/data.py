@@ -1,6 +1,6 @@
 """Benchmark material made from real photos (scikit-image's sample images), nothing downloaded.
 
-``python tools/benchlib/data.py N`` prepares N photos and prints the prepared directory."""
+``python tools/benchmarks/benchlib/data.py N`` prepares N photos and prints the prepared directory."""
 
 from __future__ import annotations
 

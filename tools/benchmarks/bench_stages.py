@@ -1,6 +1,6 @@
 """Per-image cost of each stage of the CPU image path, one thread each, against PIL's decode.
 
-    python tools/bench_stages.py [--data PREPARED_DIR | --set photos|small-png] [--size 224] [--rounds 3]
+    python tools/benchmarks/bench_stages.py [--data PREPARED_DIR | --set photos|small-png] [--size 224] [--rounds 3]
         [--json OUT]
 
 Stages, timed over the same train split in turns (best and median of ``--rounds``): DALI's fused ROI decode +

@@ -1,6 +1,6 @@
 """Fusion against each modality alone and a bag-of-words caption baseline, on one split, same budget.
 
-    python tools/compare_fusion.py --data DIR_OR_MANIFEST [--preset lite0-minilm] [--seeds 0 1 2]
+    python tools/experiments/compare_fusion.py --data DIR_OR_MANIFEST [--preset lite0-minilm] [--seeds 0 1 2]
         [--models image text early concat late] [--out bench_out/compare]
 
 Trains every model with the preset's recipe for every seed (the split is fixed: one preparation), then

@@ -1,6 +1,6 @@
 """A re-preparation after rows were added: what reusing the earlier checks saves.
 
-    python tools/bench_reprepare.py [--n 512] [--added 16] [--workers N] [--json OUT]
+    python tools/benchmarks/bench_reprepare.py [--n 512] [--added 16] [--workers N] [--json OUT]
 
 Prepares N real 800x600 JPEG photos (cut from scikit-image's, as bench_loader's), adds --added new photos
 to the manifest, and prepares again into the same directory: the baseline is the first preparation, which

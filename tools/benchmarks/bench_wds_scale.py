@@ -2,7 +2,7 @@
 place, then opened by MultimodalLoader: preparation rows/s, the time to the first batch and the loader's
 extra resident memory.
 
-    python tools/bench_wds_scale.py [--rows 1000000] [--per-shard 10000] [--side 16] [--workers N]
+    python tools/benchmarks/bench_wds_scale.py [--rows 1000000] [--per-shard 10000] [--side 16] [--workers N]
         [--batch-size 256] [--parts P] [--dir DIR] [--json OUT]
 
 With --parts P the preparation runs as P processes (``mmfast-prepare --shard I/P``, --workers split among

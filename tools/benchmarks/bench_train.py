@@ -1,6 +1,6 @@
 """Training throughput: mmfast's loop and loader against the write-up's baseline, and loop overhead.
 
-    python tools/bench_train.py [--data PREPARED_DIR] [--preset tiny] [--image-size 128] [--batch-size 32]
+    python tools/benchmarks/bench_train.py [--data PREPARED_DIR] [--preset tiny] [--image-size 128] [--batch-size 32]
                                 [--steps 24] [--json OUT] [--png OUT]
 
 Part 1, the write-up's claims: images/s of one model trained by the same hand-written loop under
@@ -10,7 +10,7 @@ and (d) for early / concat / late fusion. Ratios are against (a). The variants t
 drift of the machine's speed hits all alike; each figure is the median of its turns.
 Part 2, loop overhead: mmfast's training loop (Accelerate, accumulation bookkeeping, clipping, scheduler,
 NaN checks, timers) vs a minimal loop, both over the same batches held in memory: overhead = 1 - ratio.
-Without --data it uses 512 real 800x600 photos (see tools/bench_loader.py).
+Without --data it uses 512 real 800x600 photos (see tools/benchmarks/bench_loader.py).
 """
 
 from __future__ import annotations

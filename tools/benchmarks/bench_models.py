@@ -1,6 +1,6 @@
 """Parameters and forward+backward time per batch of each fusion model.
 
-    python tools/bench_models.py [--preset tiny] [--batch-size 64] [--mixed-precision auto|no|bf16|fp16]
+    python tools/benchmarks/bench_models.py [--preset tiny] [--batch-size 64] [--mixed-precision auto|no|bf16|fp16]
 
 Uses random inputs of the preset's image size and a 32-token caption batch; the median of --steps timed
 steps after --warmup steps.

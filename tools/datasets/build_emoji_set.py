@@ -1,6 +1,6 @@
 """Build a real captioned image set from Debian's Noto Color Emoji font and the Unicode emoji list.
 
-    python tools/build_emoji_set.py OUT_DIR [--size 96]
+    python tools/datasets/build_emoji_set.py OUT_DIR [--size 96]
 
 Writes OUT_DIR/manifest.jsonl ({"image", "text", "label", "subgroup"}) and OUT_DIR/img/<group>/<code>.png:
 ~1,870 emoji (skin-tone variants left out) rendered by Noto Color Emoji (Apache-2.0 images, OFL font) on a

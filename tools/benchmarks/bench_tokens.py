@@ -1,6 +1,6 @@
 """Token cache vs on-the-fly tokenization.
 
-    python tools/bench_tokens.py [--tokenizer DIR_OR_NAME] [--rows 50000] [--batch 256] [--json OUT]
+    python tools/benchmarks/bench_tokens.py [--tokenizer DIR_OR_NAME] [--rows 50000] [--batch 256] [--json OUT]
 
 Measures (1) building the cache vs one batched fast-tokenizer pass over the same texts, and (2) serving
 batches of ``--batch`` random rows: ``TokenCache.gather`` vs tokenizing those rows on the fly (batched,

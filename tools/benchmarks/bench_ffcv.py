@@ -1,6 +1,6 @@
-"""FFCV's loader on a prepared dataset's train split, for tools/bench_loader.py's comparison rows.
+"""FFCV's loader on a prepared dataset's train split, for tools/benchmarks/bench_loader.py's comparison rows.
 
-    FFCV_PYTHON tools/bench_ffcv.py --data PREPARED_DIR [--max-side N] [--epochs 3] [--batch-size 64]
+    FFCV_PYTHON tools/benchmarks/bench_ffcv.py --data PREPARED_DIR [--max-side N] [--epochs 3] [--batch-size 64]
         [--size 224] [--threads T] [--serve]
 
 Runs in a venv of its own (FFCV is a benchmark comparison, never a dependency of mmfast); it imports

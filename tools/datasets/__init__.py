@@ -1,0 +1,1 @@
+"""Builders of real development sets (docs/architecture.md, "Tools")."""

@@ -1,0 +1,1 @@
+"""Experiments whose results BENCHMARKS.md quotes (fusion against each modality alone)."""
