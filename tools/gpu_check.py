@@ -128,8 +128,9 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "train-bench",
-            [py, "tools/benchmarks/bench_train.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
-            + ["--steps", "1" if dry else "20", "--warmup", "1" if dry else "4", "--rounds", "1", "--repeats", "1"]
+            [py, "tools/benchmarks/bench_train.py", "--data", str(photos), *big, "--image-size", size]
+            + ["--batch-size", batch, "--steps", "1" if dry else "20", "--warmup", "1" if dry else "4"]
+            + ["--rounds", "1", "--repeats", "1"]
             + ["--json", str(work / "bench_train.json"), "--png", str(work / "bench_train.png")],
             210,
             "the write-up's claims: DataLoader vs mmfast, fp32 vs fp16; loop overhead",

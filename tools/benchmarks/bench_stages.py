@@ -1,7 +1,7 @@
 """Per-image cost of each stage of the CPU image path, one thread each, against PIL's decode.
 
-    python tools/benchmarks/bench_stages.py [--data PREPARED_DIR | --set photos|small-png] [--size 224] [--rounds 3]
-        [--json OUT]
+    python tools/benchmarks/bench_stages.py [--data PREPARED_DIR | --set photos|small-png] [--size 224]
+        [--rounds 3] [--json OUT]
 
 Stages, timed over the same train split in turns (best and median of ``--rounds``): DALI's fused ROI decode +
 random crop (1 DALI thread, the crops handed over as they are), the host finishing of those crops

@@ -1,7 +1,7 @@
 """Training throughput: mmfast's loop and loader against the write-up's baseline, and loop overhead.
 
-    python tools/benchmarks/bench_train.py [--data PREPARED_DIR] [--preset tiny] [--image-size 128] [--batch-size 32]
-                                [--steps 24] [--json OUT] [--png OUT]
+    python tools/benchmarks/bench_train.py [--data PREPARED_DIR] [--preset tiny] [--image-size 128]
+                                [--batch-size 32] [--steps 24] [--json OUT] [--png OUT]
 
 Part 1, the write-up's claims: images/s of one model trained by the same hand-written loop under
   (a) torch DataLoader + PIL + fp32 (the baseline)     (b) DataLoader + mixed precision
