@@ -1,5 +1,5 @@
-"""tools/experiments/compare_fusion.py end to end on the small demo set: every model and seed trains on one split, the
-TF-IDF caption baseline sits in the same table, and the figures in the JSON are the runs' own."""
+"""tools/experiments/compare_fusion.py end to end on the small demo set: every model and seed trains on one
+split, the TF-IDF caption baseline sits in the same table, and the figures in the JSON are the runs' own."""
 
 from __future__ import annotations
 

@@ -234,7 +234,7 @@ def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(p
     sizes (3 x width x height of every row, as preparation recorded them) fit together in the budget."""
     from types import SimpleNamespace
 
-    from mmfast.train import engine
+    from mmfast.train import data
     from mmfast.train.config import parse_config
 
     dataset = PreparedDataset(prepared)
@@ -244,11 +244,10 @@ def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(p
     cpu = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
 
     def plan(budget, *flags, accelerator=cpu):
-        monkeypatch.setattr(engine, "default_budget", lambda: budget)
         cfg = parse_config(["--data", str(prepared), *flags])
-        budgets, streamed = engine._cache_budgets(cfg, accelerator, dataset, True)
-        assert set(budgets) | set(streamed) == {"train", "val"} and not set(budgets) & set(streamed)
-        return budgets
+        plans = data.cache_plans(cfg, accelerator, dataset, True, budget=budget)
+        assert set(plans) == {"train", "val"}
+        return {split: plan.budget for split, plan in plans.items() if plan.cache}
 
     both = sizes["train"] + sizes["val"]
     assert plan(both) == {"train": both, "val": sizes["val"]}

@@ -11,9 +11,10 @@ import torch
 from conftest import first_lines_of_fresh_runs, n_rows, small_jpegs
 from PIL import Image
 
+from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.data.token_cache import TokenCache
-from mmfast.loading.image_loader import IGNORE_LABEL, ImageLoader
+from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import epoch_order, shard_positions
 from mmfast.prepare.wds_export import write_wds

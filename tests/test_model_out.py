@@ -155,7 +155,7 @@ def test_predict_matches_the_engines_evaluation(trained, prepared, tmp_path):
 
     import tools.evaluate as evaluate_tool
     import tools.predict as predict_tool
-    from mmfast.train.engine import evaluate
+    from mmfast.tasks.classification import evaluate
 
     summary = json.loads((trained / "summary.json").read_text())
     model = load_model(trained / "model")

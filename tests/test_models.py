@@ -29,7 +29,7 @@ def _batch(b=3, t=7, size=64, seed=0):
 @pytest.mark.parametrize("backbone", ["resnet10", "resnet18"])
 def test_output_shapes_and_gradients_reach_both_encoders(name, backbone):
     torch.manual_seed(0)
-    from mmfast.train.engine import training_loss
+    from mmfast.tasks.classification import training_loss
 
     model = build_model(name, 5, image_backbone=backbone, text_model="bert-tiny", vocab_size=VOCAB, hidden=32)
     out = model(_batch())  # late fusion in training: logits + its branches' logits
@@ -127,7 +127,7 @@ def test_late_fusion_combines_its_per_modality_logits(combine):
 
 
 def test_late_fusion_trains_each_branch_on_its_own_loss_too():
-    from mmfast.train.engine import compute_loss, training_loss
+    from mmfast.tasks.classification import compute_loss, training_loss
 
     torch.manual_seed(0)
     model = build_model("late", 3, image_backbone="resnet10", text_model="bert-tiny", vocab_size=VOCAB, hidden=16)
@@ -247,7 +247,7 @@ def test_unimodal_baselines_see_only_their_modality():
 
 
 def test_pretrained_encoders_get_their_own_learning_rate_and_a_probe_warm_start(minilm_dir):
-    from mmfast.train.engine import make_scheduler, param_groups
+    from mmfast.train.optim import make_scheduler, param_groups
 
     model = build_model("concat", 3, image_backbone="resnet10", text_model="minilm", hidden=16)
     groups = param_groups(model, weight_decay=0.05, lr=1e-3, encoder_lr=3e-5)
@@ -275,7 +275,7 @@ def test_pretrained_encoders_get_their_own_learning_rate_and_a_probe_warm_start(
 
 
 def test_frozen_pretrained_image_encoder_has_no_optimizer_group():
-    from mmfast.train.engine import param_groups
+    from mmfast.train.optim import param_groups
 
     model = build_model("image", 3, image_backbone="efficientnet-lite0", freeze_image=True, hidden=16)
     groups = param_groups(model, 0.05, 1e-3, 1e-5)
@@ -288,7 +288,7 @@ def test_the_scheduler_is_the_warmup_cosine_curve():
     peak, then half a cosine down to 0 at the last step."""
     import math
 
-    from mmfast.train.engine import make_scheduler
+    from mmfast.train.optim import make_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     sched = make_scheduler(opt, "cosine", warmup=3, total=20)

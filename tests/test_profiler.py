@@ -38,8 +38,8 @@ def _run(n: int, data_sleep: float, compute: float) -> dict:
 
 
 def test_warm_up_checkpoints_and_evaluation_stay_out_of_the_steady_state_figures():
-    """Seen on an H200: slow first steps and 1.6 GB checkpoint writes made a 930 img/s run read as 98 img/s
-    with the GPU '7% busy'. The report describes the steady training steps only."""
+    """Slow first steps and checkpoint writes must not make a fast run read as a slow one with an idle GPU:
+    the report describes the steady training steps only."""
     timer = StepTimer(warmup_steps=3)
     with UtilizationSampler(0.02) as sampler:
         for i in timer.iterate(range(13)):

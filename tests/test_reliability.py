@@ -22,7 +22,7 @@ from conftest import n_rows, train_cmd, write_jsonl
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.prepare.demo import demo_dataset
-from mmfast.train import engine
+from mmfast.tasks import classification
 from tools import prepare_data
 from tools import train as train_tool
 
@@ -137,7 +137,7 @@ def test_a_file_deleted_after_preparation_is_found_when_read(own_dataset, monkey
 @pytest.mark.slow
 def test_nan_losses_are_skipped_and_counted(prepared, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = engine.compute_loss
+    real = classification.compute_loss
 
     def flaky(logits, labels, reduction="mean"):
         loss = real(logits, labels, reduction)
@@ -147,7 +147,7 @@ def test_nan_losses_are_skipped_and_counted(prepared, tmp_path, monkeypatch):
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(engine, "compute_loss", flaky)
+    monkeypatch.setattr(classification, "compute_loss", flaky)
     out = tmp_path / "run"
     assert train_tool.main(["--data", str(prepared), "--out", str(out), "--epochs", "1", *SMALL]) == 0
     (m,) = _jsonl(out / "metrics.jsonl")
@@ -161,7 +161,9 @@ def test_nan_losses_are_skipped_and_counted(prepared, tmp_path, monkeypatch):
 
 def test_a_run_that_only_produces_nan_stops_with_a_clear_message(prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(
-        engine, "compute_loss", lambda logits, labels, reduction="mean": logits.float().sum() * float("nan")
+        classification,
+        "compute_loss",
+        lambda logits, labels, reduction="mean": logits.float().sum() * float("nan"),
     )
     rc = train_tool.main(
         ["--data", str(prepared), "--out", str(tmp_path / "r"), "--epochs", "1", "--max-nan-steps", "3", *SMALL]

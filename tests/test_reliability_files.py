@@ -203,13 +203,13 @@ def test_drop_in_arguments_that_would_go_wrong_are_refused_naming_them(tmp_path,
 def test_running_out_of_memory_in_training_is_one_line(prepared, tmp_path, monkeypatch, capsys):
     """Torch's CPU allocator raises a bare RuntimeError when a limit (ulimit -v) is reached: said in one line
     with what to lower, exit 2."""
-    from mmfast.train import engine
+    from mmfast.tasks import classification
     from tools import train as train_tool
 
     def no_memory(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(engine, "compute_loss", no_memory)
+    monkeypatch.setattr(classification, "compute_loss", no_memory)
     rc = train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "run"), "--max-steps", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and "error: out of memory" in err and "--batch-size" in err and "Traceback" not in err

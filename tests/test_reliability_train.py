@@ -18,8 +18,10 @@ import torch
 from conftest import ROOT, SMALL_RUN, free_port, n_rows, save_image, train_cmd, write_jsonl
 
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.tasks import classification
 from mmfast.train import engine
 from mmfast.train.rundir import LOCK_FILE, RUN_MARKER, RunDirLock
+from mmfast.util.commands import PREPARE
 from tools import train as train_tool
 
 
@@ -270,7 +272,7 @@ def test_prepared_files_changed_after_preparation_stop_the_run_naming_them(
         name = "val.jsonl"
     assert _run(d, tmp_path / "run", "--max-steps", "1") == 2
     err = capsys.readouterr().err
-    assert name in err and "since preparation" in err and "prepare_data.py" in err and "Traceback" not in err
+    assert name in err and "since preparation" in err and f"re-run {PREPARE}" in err and "Traceback" not in err
 
 
 def test_a_directory_without_prepare_json_is_not_read_as_an_image_folder(own_prepared, tmp_path, capsys):
@@ -303,7 +305,9 @@ def test_non_finite_or_out_of_range_numbers_are_refused(flags, tmp_path, capsys,
 
 def test_an_epoch_of_only_non_finite_losses_reports_nan_not_zero(prepared, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        engine, "compute_loss", lambda logits, labels, reduction="mean": logits.float().sum() * float("nan")
+        classification,
+        "compute_loss",
+        lambda logits, labels, reduction="mean": logits.float().sum() * float("nan"),
     )
     out = tmp_path / "run"
     assert _run(prepared, out, "--max-steps", "3", "--max-nan-steps", "100") == 0
@@ -473,12 +477,12 @@ def test_a_dataset_prepared_again_during_a_run_leaves_the_model_its_own_tokenize
     own_prepared, tmp_path, monkeypatch, demo_manifest, minilm_dir
 ):
     """The run trains on the data it opened (memory-mapped); RUN/model took the tokenizer/ of the directory as
-    it was at the end, another vocabulary once prepared again (evaluated 0.565 -> 0.503, or unloadable). It
-    carries the tokenizer the run opened."""
+    it was at the end, another vocabulary once prepared again (wrong predictions, or unloadable). It carries
+    the tokenizer the run opened."""
     from mmfast.infer.model_dir import load_model
 
     before = _tree(own_prepared / "tokenizer")
-    real = engine.compute_loss
+    real = classification.compute_loss
     calls = []
 
     def prepare_again_midway(*args, **kwargs):
@@ -488,7 +492,7 @@ def test_a_dataset_prepared_again_during_a_run_leaves_the_model_its_own_tokenize
             prepare_dataset(PrepareConfig(**again, progress=False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "compute_loss", prepare_again_midway)
+    monkeypatch.setattr(classification, "compute_loss", prepare_again_midway)
     out = tmp_path / "run"
     assert _run(own_prepared, out, "--max-steps", "2") == 0
     assert _tree(own_prepared / "tokenizer") != before  # the dataset is the new one now

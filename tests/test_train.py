@@ -349,15 +349,15 @@ def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, 
 
 
 def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):
-    from mmfast.train import engine
+    from mmfast.tasks import classification
 
     accs = iter([0.5, 0.9, 0.7])
-    real = engine.evaluate
+    real = classification.evaluate
 
     def scripted(*args, **kwargs):  # the real evaluation, with the accuracy of a run that peaks at epoch 1
         return {**real(*args, **kwargs), "val_acc": next(accs)}
 
-    monkeypatch.setattr(engine, "evaluate", scripted)
+    monkeypatch.setattr(classification, "evaluate", scripted)
     out = tmp_path / "run"
     flags = ["--epochs", "3", "--keep-checkpoints", "1", *FAST[2:]]
     assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
@@ -373,16 +373,16 @@ def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_p
 
 
 def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path, monkeypatch):
-    from mmfast.train import engine
+    from mmfast.train import data
 
     seen = []
 
-    class Spy(engine.MultimodalLoader):
+    class Spy(data.MultimodalLoader):
         def __init__(self, *args, **kwargs):
             seen.append((kwargs.get("mean"), kwargs.get("std")))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "MultimodalLoader", Spy)
+    monkeypatch.setattr(data, "MultimodalLoader", Spy)
     out = tmp_path / "run"
     flags = ["--image-backbone", "efficientnet-lite0", "--freeze-image", "--max-steps", "1", *FAST[2:]]
     assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
@@ -390,8 +390,8 @@ def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path,
 
 
 def test_a_pretrained_encoder_named_by_flag_brings_its_own_learning_rate():
-    """The tiny preset's recipe (lr 2e-3) is for encoders from scratch: all-MiniLM named by --text-model trained
-    at it reached 0.565 on real data where its own rate reaches 0.89; now it takes its own, and says so."""
+    """The tiny preset's recipe (lr 2e-3) is for encoders from scratch: a pretrained encoder named by flag
+    (all-MiniLM by --text-model) trains at its own rate instead, and the run says so."""
     from mmfast.train.config import encoder_lr_note, parse_config, resolve_preset
 
     def resolved(*argv):

@@ -22,12 +22,7 @@ def print_table(summary: dict) -> None:
     rows = [
         ("model", f"{summary['model']} ({summary['image_backbone']} + {summary['text_model']})"),
         ("device", f"{summary['device']} x {summary['num_processes']}, {summary['mixed_precision']}"),
-        (
-            "val_acc",
-            "no val split"
-            if summary["val_acc"] is None
-            else f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})",
-        ),
+        *_accuracy_row(summary),
         ("images/s", f"{summary['images_per_s']:.0f}"),
         ("optimizer steps", str(summary["global_step"])),
         ("skipped steps", str(summary["skipped_steps"])),
@@ -37,6 +32,15 @@ def print_table(summary: dict) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _accuracy_row(summary: dict) -> list[tuple[str, str]]:
+    """The classification task's accuracy line (another task's summary has no val_acc: no line)."""
+    if "val_acc" not in summary:
+        return []
+    if summary["val_acc"] is None:
+        return [("val_acc", "no val split")]
+    return [("val_acc", f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})")]
 
 
 class _StartupInterrupt:
@@ -83,7 +87,7 @@ def _quiet_interrupt_at_exit() -> None:
 def user_errors() -> tuple[type[Exception], ...]:
     """What a training run raises about the user's data, flags or machine: said in one line, exit 2."""
     from mmfast.inputs.manifest import ManifestError
-    from mmfast.loading.image_loader import DaliFailure
+    from mmfast.loading.epoch_reader import DaliFailure
     from mmfast.train.engine import NonFiniteLossError
     from mmfast.train.heartbeat import PeerFailure
     from mmfast.train.setup import LaunchError
@@ -100,12 +104,17 @@ def out_of_memory(error: BaseException) -> bool:
 
 
 def _main(argv: list[str] | None) -> int:
-    # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
     from mmfast.train.config import parse_config
-    from mmfast.train.engine import train
 
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv)  # --help exits here, before torch or DALI is imported
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
+    from mmfast.train.run import train
+
+    try:
         summary = train(cfg)
     except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)

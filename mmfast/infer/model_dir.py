@@ -31,7 +31,7 @@ from torch import nn
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.models import build_model
-from mmfast.models.encoders import _quiet_transformers
+from mmfast.models.encoders import quiet_transformers
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def _text_model_source(config: dict):
     spec = dict(text_config)
     hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     with tempfile.TemporaryDirectory(prefix="mmfast-text-") as tmp:
-        with _quiet_transformers():  # no "Writing model shards" bar
+        with quiet_transformers():  # no "Writing model shards" bar
             AutoModel.from_config(hf_config).save_pretrained(tmp)
         yield tmp
 

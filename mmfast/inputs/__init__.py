@@ -45,6 +45,7 @@ from mmfast.inputs.base import (
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows, read_input
 
 __all__ = [
+    "claimed",
     "LABEL_NAMES",
     "READERS",
     "TEXT_NAMES",
@@ -100,6 +101,12 @@ def read_source(
     cands, rejects = reader.read(Path(path), opts, confine, image_dir)
     cands, rejects = finish_rows(cands, rejects, dedupe)
     return cands, rejects, reader.name
+
+
+def claimed(source: str | os.PathLike) -> bool:
+    """Whether a registered kind claims ``source`` as its own (a shard pattern or URL that names no one
+    path), so that a path that does not exist is not an error."""
+    return any(r.claims is not None and r.claims(str(source)) for r in READERS.values())
 
 
 def reader_for(source: str | os.PathLike, opts: InputOptions) -> Reader | None:

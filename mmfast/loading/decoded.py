@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.loading.file_health import PAD_ID, FileHealth
+from mmfast.data.batch import PAD_ID
+from mmfast.loading.file_health import FileHealth
 from mmfast.loading.graphs import decode_pipeline
 from mmfast.loading.sources import read_files
 

@@ -26,12 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from mmfast.data.batch import PAD_ID
 from mmfast.data.validate import check_images, pixel_budget_reason
+from mmfast.loading.options import ON_BAD_IMAGE
 from mmfast.util.commands import PREPARE
 
 log = logging.getLogger(__name__)
-PAD_ID = -1  # sample id of the padding entries that fill the last eval batch; their label is IGNORE_LABEL
-ON_BAD_IMAGE = ("skip", "error")  # the choices of on_bad_image
 _UNKNOWN = -1  # a baseline not taken yet
 _STAT_THREADS_FROM = 4096  # files from which ``watch`` stats on several threads (a network file system's latency)
 

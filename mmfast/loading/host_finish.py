@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
-
-CPU_RESIZE = ("torch", "dali")  # who finishes CPU-decoded crops: this module's threads, or DALI's graph
+from mmfast.loading.options import CPU_RESIZE
 
 OUTPUTS = ["crops", "flips", "id"]  # what image_pipeline(finish_on_host=True) returns, in order
 # The out= form of F.interpolate(mode="bilinear", antialias=True): the aten op it dispatches to (None where a

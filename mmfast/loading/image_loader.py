@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.loading.arguments import (
@@ -35,7 +36,6 @@ from mmfast.loading.sampling import DATALOADER, Layout, Sampling, ShardSampler
 from mmfast.loading.sources import FilesSource, Source, WdsSource
 
 log = logging.getLogger(__name__)
-IGNORE_LABEL = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
 class ImageLoader:

@@ -10,9 +10,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import PreparedDataset
 from mmfast.data.token_cache import TokenCache
-from mmfast.loading.image_loader import IGNORE_LABEL, ImageLoader
+from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
 from mmfast.loading.sources import prepared_source
 from mmfast.util.commands import PREPARE
@@ -149,6 +150,7 @@ class MultimodalLoader:
     drop_last = property(lambda self: self.images.drop_last)
     seed = property(lambda self: self.images.seed)
     num_threads = property(lambda self: self.images.num_threads)
+    prefetch = property(lambda self: self.images.prefetch)
     bad = property(lambda self: self.images.bad)
     skipped = property(lambda self: self.images.skipped)
     holds_decoded = property(lambda self: self.images.holds_decoded)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mmfast.data.tokenizer import minilm_path
+from mmfast.models.catalog import IMAGE_BACKBONES
 
-IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
 TIMM_PREFIX = "timm:"  # "timm:<name>": any timm model, random init unless --image-weights names a file
 RANDOM_TEXT_CONFIGS = {
     # name: (hidden, layers, heads, intermediate); random init, for offline and CPU runs
@@ -186,7 +186,7 @@ def resolve_text_model(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     from transformers.utils import logging as hf_logging
 
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -240,7 +240,7 @@ class TextEncoder(nn.Module):
         else:
             path = resolve_text_model(name)
             try:
-                with _quiet_transformers():  # its load report lists the pooler left out on purpose
+                with quiet_transformers():  # its load report lists the pooler left out on purpose
                     try:
                         self.model = AutoModel.from_pretrained(path, add_pooling_layer=False)
                     except TypeError:  # encoders without a pooler do not take the argument

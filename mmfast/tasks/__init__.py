@@ -1,3 +1,33 @@
 """Layer 2, training objectives: what a task needs from a batch, its loss, its evaluation figures, what
-"best" means and its summary (``classification``). The training loop calls a task and knows none of that;
-a new objective is one module here plus its models. Imports ``mmfast.data`` and ``mmfast.util``."""
+"best" means and its summary (``registry.Task``). The training loop calls a task and knows none of that; a new
+objective is one module here plus its line in ``factory`` (or ``register_task`` from outside).
+
+``classification`` is the built-in task. The torch-backed names are imported on first use (PEP 562):
+``mmfast-train --help`` reads ``BUILTIN_TASKS`` without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from mmfast.tasks.registry import BUILTIN_TASKS, Task, register_task
+
+_LAZY = {
+    "TASKS": "mmfast.tasks.factory",  # the registry, with the built-in tasks in it
+    "build_task": "mmfast.tasks.factory",
+    "ClassificationTask": "mmfast.tasks.classification",
+}
+
+if TYPE_CHECKING:
+    from mmfast.tasks.classification import ClassificationTask
+    from mmfast.tasks.factory import TASKS, build_task
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmfast.tasks' has no attribute '{name}'")
+
+
+__all__ = ["BUILTIN_TASKS", "TASKS", "ClassificationTask", "Task", "build_task", "register_task"]

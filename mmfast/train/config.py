@@ -8,12 +8,14 @@ import math
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
 from mmfast.util.args import Parser
+from mmfast.util.commands import PROFILE
 
 
 def _opt(default, group: str, help: str):
     """A TrainConfig field: its default, its --help group and its meaning (the one place the meaning is written;
-    ``build_parser`` shows it, and the choices of the fields in ``choices()``)."""
+    ``build_parser`` shows it with the field's choices from ``help_choices``; ``choices`` checks them)."""
     return field(default=default, metadata={"group": group, "help": help})
 
 
@@ -37,7 +39,10 @@ class TrainConfig:
         False, "checkpoints", "--out holds an earlier run: move it aside (never deleted), start afresh"
     )
     model: str = _opt(
-        "concat", "model", "fusion (early, concat, late) or a single-modality baseline (image, text)"
+        "concat",
+        "model",
+        "fusion (early, concat, late) or a single-modality baseline (image, text); or a model added with "
+        "mmfast.models.register_model",
     )
     preset: str = _opt(
         "tiny", "model", "encoders + training recipe; every preset field can be overridden by its flag"
@@ -60,6 +65,12 @@ class TrainConfig:
     freeze_image: bool | None = _opt(None, "model", "no gradients into the image encoder; none: the preset's")
     freeze_text: bool = _opt(False, "model", "no gradients into the text encoder")
     dropout: float = _opt(0.1, "model", "dropout in the fusion layers (and the random text configs)")
+    task: str = _opt(
+        "classification",
+        "optimization",
+        "the training objective: its loss, evaluation and which checkpoint is the best; or a task added with "
+        "mmfast.tasks.register_task",
+    )
     epochs: int | None = _opt(None, "optimization", "passes over the train split; none: the preset's")
     max_steps: int | None = _opt(None, "optimization", "optimizer steps; the run stops early when reached")
     batch_size: int | None = _opt(None, "optimization", "samples per process per micro-batch; none: the preset's")
@@ -108,9 +119,7 @@ class TrainConfig:
         0, "checkpoints", "optimizer steps between checkpoints; 0: at each epoch's end only"
     )
     keep_checkpoints: int = _opt(2, "checkpoints", "checkpoints kept (the best one is never removed)")
-    checkpoints: bool = _opt(
-        True, "checkpoints", "write checkpoints (off: a throwaway run, as mmfast-profile makes)"
-    )
+    checkpoints: bool = _opt(True, "checkpoints", f"write checkpoints (off: a throwaway run, as {PROFILE} makes)")
     resume: str | None = _opt(None, "checkpoints", "continue from a checkpoint: its PATH, or latest (in --out)")
     stop_grace: float = _opt(
         60.0,
@@ -246,23 +255,44 @@ def _one_of(allowed: tuple[str, ...]) -> str:
 
 
 def choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each field that takes a name, read from where each choice is made (the model and
-    preset registries, the sources registry, the loader's and the late fusion's options)."""
-    from mmfast.loading.file_health import ON_BAD_IMAGE
-    from mmfast.loading.host_finish import CPU_RESIZE
-    from mmfast.loading.sources import SOURCES
-    from mmfast.models import MODELS, PRESETS
-    from mmfast.models.fusion import COMBINE
+    """The allowed values of each field that takes a name, read from where each choice is made: the live model
+    and task registries (a model or task registered at run time is accepted), the presets, the sources
+    registry, the loader's and the late fusion's options. Imports torch and DALI: ``help_choices`` is what
+    --help shows."""
+    from mmfast.loading.sources import SOURCES  # DALI: only when a config is checked
+    from mmfast.models import COMBINE, MODELS, PRESETS
+    from mmfast.tasks import TASKS
 
     return {
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
+        "task": tuple(TASKS),
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
         "cpu_resize": CPU_RESIZE,
         "on_bad_image": ON_BAD_IMAGE,
         "source": tuple(SOURCES),
+    }
+
+
+def help_choices() -> dict[str, tuple[str, ...]]:
+    """The choices --help lists, from modules that import neither torch nor DALI: the built-in models and
+    tasks (the catalogs of ``mmfast.models`` and ``mmfast.tasks``), the presets, and the same tuples as
+    ``choices``."""
+    from mmfast.models import BUILTIN_MODELS, COMBINE, PRESETS
+    from mmfast.tasks import BUILTIN_TASKS
+
+    return {
+        "model": BUILTIN_MODELS,
+        "preset": tuple(PRESETS),
+        "task": BUILTIN_TASKS,
+        "combine": COMBINE,
+        "scheduler": SCHEDULERS,
+        "mixed_precision": ("auto", "fp16", "bf16", "no"),
+        "cpu_resize": CPU_RESIZE,
+        "on_bad_image": ON_BAD_IMAGE,
+        "source": SOURCE_NAMES,
     }
 
 
@@ -313,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags (flags win)")
     groups = {g: p.add_argument_group(g) for g in GROUPS}
-    allowed = choices()
+    allowed = help_choices()
     for f in fields(TrainConfig):
         g, kind = groups[f.metadata["group"]], str(f.type)
         help_, choice = _help(f, allowed.get(f.name)), allowed.get(f.name)
@@ -396,6 +426,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
 def resume_differences(saved: dict, now: dict) -> list[str]:
     """The must-match settings in which ``now`` differs from the checkpoint's ``saved`` run, as
     "name: saved -> now" lines (empty when the run may resume)."""
+    saved = {"task": "classification", **saved}  # a run that recorded no task trained a classifier
     keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 

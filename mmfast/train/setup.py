@@ -9,8 +9,11 @@ from pathlib import Path
 
 import torch
 
+from mmfast.inputs import claimed
+from mmfast.loading.cache_plan import processes_on_machine
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
 from mmfast.train.rundir import RAW_DATA_DIR
+from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
 
 
@@ -61,11 +64,9 @@ def check_process_group(num_processes: int, launcher_world_size: str | None) -> 
 
 
 def processes_per_machine(accelerator) -> int:
-    """How many processes share this machine's cores: one per visible GPU on GPU machines (the usual
-    launch), all of them on a CPU-only machine (multi-process CPU runs are single-machine)."""
-    if accelerator.device.type == "cuda":
-        return max(1, min(torch.cuda.device_count(), accelerator.num_processes))
-    return max(1, accelerator.num_processes)
+    """How many of the run's processes share this machine's cores and memory (the loaders' one rule,
+    ``cache_plan.processes_on_machine``)."""
+    return processes_on_machine(accelerator.num_processes, accelerator.device.type)
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -178,19 +179,17 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
         msg = msg.replace(str(report), str(kept))
     if "--" in msg:
         msg += (
-            "\n(mmfast-train reads a raw --data with the default input settings; to pass those flags, prepare it "
-            f"first: mmfast-prepare {source} --out DIR ..., then mmfast-train --data DIR)"
+            f"\n({TRAIN} reads a raw --data with the default input settings; to pass those flags, prepare it "
+            f"first: {PREPARE} {source} --out DIR ..., then {TRAIN} --data DIR)"
         )
     return ManifestError(msg)
 
 
 def check_data_exists(cfg: TrainConfig) -> None:
     """A --data that names nothing is refused (by the engine, before the run directory is touched)."""
-    from mmfast.inputs.wds import is_wds_source
-
     if cfg.data is not None:
         restore_interrupted_swap(cfg.data)  # a preparation killed while replacing it left it aside
-    if cfg.data is not None and not Path(cfg.data).exists() and not is_wds_source(cfg.data):
+    if cfg.data is not None and not Path(cfg.data).exists() and not claimed(cfg.data):
         raise ValueError(f"--data {cfg.data}: no such prepared directory, manifest or image folder")
 
 
@@ -236,6 +235,6 @@ def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
     if tokenizer_fingerprint(model_tok) != tokenizer_fingerprint(data_tok):
         raise ValueError(
             f"{data_dir} was tokenized with another vocabulary than text model '{text_model}' "
-            f"uses; prepare it with --tokenizer {text_model} (mmfast-prepare SOURCE --out DIR --tokenizer "
+            f"uses; prepare it with --tokenizer {text_model} ({PREPARE} SOURCE --out DIR --tokenizer "
             f"{text_model}), or pass the raw input as --data (prepared on the fly with that vocabulary)"
         )

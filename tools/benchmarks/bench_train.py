@@ -69,7 +69,7 @@ def _autocast(device, mp: str):
 
 def minimal_loop(model, batches, device, mp: str, steps: int, warmup: int) -> float:
     """The plainest correct loop; returns images/s over ``steps`` steps after ``warmup``."""
-    from mmfast.train.engine import training_loss  # late fusion also trains each branch on its own loss
+    from mmfast.tasks.classification import training_loss  # late fusion also trains each branch on its own loss
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(enabled=mp == "fp16")
@@ -167,8 +167,10 @@ def loop_overhead(args, data: Path, device) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from mmfast.loading.multimodal import MultimodalLoader
+    from mmfast.tasks.classification import ClassificationTask
     from mmfast.train.config import TrainConfig
-    from mmfast.train.engine import EpochRunner, initial_state, make_scheduler, param_groups
+    from mmfast.train.engine import EpochRunner, initial_state
+    from mmfast.train.optim import make_scheduler, param_groups
     from mmfast.train.setup import make_accelerator
 
     # grad_clip=0: the same arithmetic as the minimal loop, so the difference is the loop's machinery
@@ -181,6 +183,7 @@ def loop_overhead(args, data: Path, device) -> dict:
     batches = [b for _, b in zip(range(args.steps), loader, strict=False)]
     dataset = PreparedDataset(data, verify=False)
     vocab, num_classes = dataset.vocab_size, dataset.num_classes
+    task = ClassificationTask(dataset)
     mine, minimal = [], []
     for _ in range(args.repeats):
         model = _model(args, "concat", num_classes, vocab, acc.device)
@@ -198,7 +201,8 @@ def loop_overhead(args, data: Path, device) -> dict:
             _Replay(batches),
             Path(cfg.out),
             10 * len(batches),
-            initial_state(),
+            initial_state(task),
+            task,
         )
         runner.train_epoch(0)  # warm-up epoch
         t = time.perf_counter()

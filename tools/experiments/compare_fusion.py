@@ -75,8 +75,8 @@ def tfidf_baseline(data_dir: Path) -> dict | None:
 
 
 def run_models(args: argparse.Namespace, data_dir: Path, out: Path) -> dict[str, list[dict]]:
+    from mmfast.train import train
     from mmfast.train.config import TrainConfig
-    from mmfast.train.engine import train
 
     results: dict[str, list[dict]] = {}
     for model in args.models:

@@ -1,0 +1,78 @@
+"""What a training objective is (``Task``, the calls the training loop makes) and the registry of them by name
+(what ``--task`` picks): ``register_task`` adds one. Imports nothing heavy.
+
+``TASKS`` here holds the built-in tasks once ``mmfast.tasks.factory`` has been imported (their modules register
+them); read the registry as ``mmfast.tasks.TASKS``, which imports them first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from mmfast.data.dataset import PreparedDataset
+
+BUILTIN_TASKS = ("classification",)  # what the built-in task modules register, in this order
+TASKS: dict[str, Callable[[PreparedDataset], Task]] = {}
+
+
+class Task(Protocol):
+    """A training objective: everything the loop leaves to it. Built from the prepared dataset
+    (``cls(dataset)``), raising ValueError on a dataset it cannot train on.
+
+    Attributes:
+        num_outputs: what the model's head produces per sample (classes, for classification).
+        tracked: evaluation figures that trackers compare runs by (TensorBoard's HParams view).
+    """
+
+    num_outputs: int
+    tracked: tuple[str, ...]
+
+    def inputs(self, batch: dict) -> Any:
+        """What the model's forward takes from a loader batch."""
+
+    def targets(self, batch: dict) -> torch.Tensor:
+        """What the loss compares the model's output with."""
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch: a scalar, the mean over the samples that count."""
+
+    def evaluate(self, accelerator, model, loader) -> dict:
+        """Figures over the whole split, all processes together (keys start with "val_")."""
+
+    def improves(self, metrics: dict, state: dict) -> bool:
+        """Whether this epoch's ``metrics`` beat the best evaluation recorded in the trainer ``state``."""
+
+    def best_figures(self, metrics: dict) -> dict:
+        """The trainer-state entries that record ``metrics`` as the best (``{}``: the state before any)."""
+
+    def epoch_line(self, metrics: dict) -> str:
+        """The evaluation's part of the epoch's log line ("" without an evaluation)."""
+
+    def summary(self, last: dict, state: dict) -> dict:
+        """summary.json's figures of the task: the ``last`` evaluation's and the best one's."""
+
+
+def register_task(name: str) -> Callable[[type], type]:
+    """Class decorator: register a task under ``name`` (what ``--task`` picks).
+
+    Args:
+        name: the name ``--task`` and ``build_task`` use.
+
+    Returns:
+        The decorator, which returns the class unchanged.
+
+    Raises:
+        ValueError: the name is taken by another class.
+    """
+
+    def add(cls: type) -> type:
+        if name in TASKS and TASKS[name] is not cls:
+            raise ValueError(f"task '{name}' is already registered ({TASKS[name].__qualname__})")
+        TASKS[name] = cls
+        return cls
+
+    return add

@@ -1,0 +1,97 @@
+"""A run's loaders: this process's train and val ``MultimodalLoader`` over the prepared dataset, which splits
+hold their images decoded in memory (``cache_plans``) and the summary's line on how images were served."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.cache_plan import CachePlan, SplitImages, plan_decoded_cache
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.loading.sources import prepared_source
+from mmfast.train.config import TrainConfig
+from mmfast.train.setup import processes_per_machine
+
+log = logging.getLogger(__name__)
+
+
+def build_loaders(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None = None
+) -> tuple[MultimodalLoader, MultimodalLoader | None, dict[str, str]]:
+    """This process's train loader (its shard, augmented), val loader (None without a val split), and why
+    a split's images are streamed rather than held in memory ({split: reason}, ``images_note``).
+
+    ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
+    """
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+    extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
+    common = dict(
+        **extra,
+        on_bad_image=cfg.on_bad_image,
+        verify_files=cfg.verify_files,
+        source=cfg.source,
+        accelerator=accelerator,
+        size=cfg.image_size,
+        seed=cfg.seed,
+        num_workers=threads,
+        fp16=accelerator.device.type == "cuda",
+    )
+    # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
+    has_val = dataset.split_size("val") > 0
+    plans = cache_plans(cfg, accelerator, dataset, has_val)
+    streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
+    train_loader = MultimodalLoader(
+        dataset,
+        "train",
+        cfg.batch_size,
+        train=cfg.augment,
+        scale=(cfg.crop_scale_min, 1.0),
+        color_jitter=cfg.color_jitter,
+        cpu_resize=cfg.cpu_resize,
+        cache_decoded=plans["train"],
+        **common,
+    )
+    if not has_val:
+        return train_loader, None, streamed
+    val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
+    return train_loader, val_loader, streamed
+
+
+def cache_plans(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, has_val: bool, budget: int | None = None
+) -> dict[str, CachePlan]:
+    """Which splits hold their images decoded (``--cache-decoded``): ``cache_plan.plan_decoded_cache`` over
+    train, then val, sized by the decoded bytes preparation recorded (``budget``: the memory to share,
+    default half of what is available now), with its reasons in the command line's words."""
+    source = prepared_source(dataset, "train", cfg.source)
+    splits = [
+        SplitImages("train", True, cfg.color_jitter, cfg.epochs, lambda left: dataset.decoded_bytes("train", left))
+    ]
+    if has_val:
+        splits.append(SplitImages("val", False, need=lambda left: dataset.decoded_bytes("val", left)))
+    plans = plan_decoded_cache(
+        splits, "auto" if cfg.cache_decoded else False, device_type=accelerator.device.type,
+        host_finish=cfg.cpu_resize == "torch", source=source, processes=processes_per_machine(accelerator),
+        budget=budget,
+    )  # fmt: skip
+    for split, plan in plans.items():
+        if plan.cache:
+            log.info("%s images: %s", split, plan.why)
+        else:
+            log.info("streaming the %s images: %s", split, plan.why)
+    return plans
+
+
+def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str, str]) -> str:
+    """The summary's line on how each split's images were served: held in memory (how much) or streamed
+    (why)."""
+    parts = []
+    for split, loader in loaders.items():
+        if loader is None:
+            continue
+        if loader.holds_decoded:
+            parts.append(f"{split} decoded once, {loader.cached_bytes / 2**20:.0f} MiB in memory")
+        else:
+            parts.append(f"{split} streamed ({streamed.get(split, 'did not fit in its memory budget')})")
+    return "; ".join(parts)

@@ -1,0 +1,83 @@
+"""The optimizer and its schedule: AdamW over parameter groups (pretrained encoders apart from new layers, no
+weight decay on 1-d parameters), and a transformers schedule counted in optimizer steps. Mixed precision's
+gradient scaler is Accelerate's (``accelerator.prepare``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmfast.train.config import TrainConfig
+
+
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, lr: float, encoder_lr: float | None = None
+) -> list[dict]:
+    """Optimizer groups: pretrained encoders at ``encoder_lr``, everything else (heads, fusion layers, encoders
+    trained from scratch) at ``lr``; no weight decay on biases and norm weights (1-d parameters). Empty groups
+    (a frozen encoder) are left out."""
+    pretrained = {
+        id(p)
+        for enc in (getattr(model, "image", None), getattr(model, "text", None))
+        if enc is not None and getattr(enc, "pretrained", False)
+        for p in enc.parameters()
+    }
+    groups: dict[tuple[bool, bool], list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault((id(p) in pretrained, p.ndim > 1), []).append(p)
+    return [
+        {
+            "params": params,
+            "lr": (encoder_lr if encoder_lr is not None else lr) if is_pre else lr,
+            "weight_decay": weight_decay if decays else 0.0,
+            "pretrained": is_pre,
+        }
+        for (is_pre, decays), params in sorted(groups.items())
+    ]
+
+
+def make_scheduler(optimizer, name: str, warmup: int, total: int, probe: int = 0):
+    """A transformers schedule (``get_scheduler``: linear warmup, then cosine/linear/... decay) per optimizer
+    step; parameter groups marked ``"pretrained"`` stay at lr 0 for the first ``probe`` steps (a linear-probe
+    warm start: the new layers learn on fixed features before the encoders move)."""
+    from transformers import get_scheduler
+
+    try:
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    except ValueError as e:
+        raise ValueError(f"--scheduler {name}: {e}") from None
+    if probe > 0:
+        for i, group in enumerate(optimizer.param_groups):
+            if group.get("pretrained"):
+                base = scheduler.lr_lambdas[i]
+                scheduler.lr_lambdas[i] = lambda step, base=base: 0.0 if step < probe else base(step)
+        # The constructor already applied step 0's factors, before the probe existed: apply them again.
+        for group, factor, base in zip(
+            optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True
+        ):
+            group["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return scheduler
+
+
+def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
+    """The optimizer steps of the run: micro-batches / accumulation, per process (each process takes the same
+    number of steps, never multiplied by the process count), capped by --max-steps."""
+    steps = math.ceil(micro_batches_per_epoch / cfg.grad_accum) * cfg.epochs
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, steps: int):
+    """AdamW over ``param_groups`` and its schedule over ``steps`` optimizer steps (--warmup-frac,
+    --probe-frac of them).
+
+    Returns:
+        (optimizer, scheduler).
+    """
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.encoder_lr), lr=cfg.lr)
+    scheduler = make_scheduler(
+        optimizer, cfg.scheduler, int(steps * cfg.warmup_frac), steps, int(steps * cfg.probe_frac)
+    )
+    return optimizer, scheduler

@@ -1,0 +1,256 @@
+"""A run from start to end: ``train`` claims the run directory, opens the data, builds the task, the model, the
+loaders and the optimizer, resumes a checkpoint, hands them to the loop (``engine.EpochRunner``) and leaves
+the run directory's files (config.json, summary.json, the model directories)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from mmfast.data.dataset import PreparedDataset
+from mmfast.infer.model_dir import write_run_models
+from mmfast.models import build_model, model_class
+from mmfast.tasks import build_task
+from mmfast.tasks.registry import Task
+from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
+from mmfast.train.config import TrainConfig, encoder_lr_note, resolve_preset, resume_differences
+from mmfast.train.data import build_loaders, images_note
+from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
+from mmfast.train.heartbeat import Heartbeat
+from mmfast.train.optim import build_optimizer, total_steps
+from mmfast.train.profiler import UtilizationSampler
+from mmfast.train.report import (
+    start_trackers,
+    summarize,
+    tracker_config,
+    write_config,
+    write_profile,
+    write_weights_digest,
+)
+from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
+from mmfast.train.setup import (
+    all_processes_ok,
+    check_data_exists,
+    check_tokenizer_matches,
+    make_accelerator,
+    resolve_data,
+)
+from mmfast.train.stop import StopFlag
+from mmfast.util.fsutil import atomic_write_json
+
+DEFAULT_OUT = "runs/latest"
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training as configured; returns the summary (also written to ``<out>/summary.json``).
+
+    Can be called several times in one process (tests, notebooks): Accelerate's process-wide state is
+    reset when a run ends, so the next run may choose another mixed precision.
+
+    Args:
+        cfg: the run's configuration (``parse_config`` or ``TrainConfig(...)``).
+
+    Returns:
+        summary.json's figures, plus ``is_main_process``.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        return _train(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def run_identity(cfg: TrainConfig, accelerator, dataset: PreparedDataset) -> dict:
+    """What a checkpoint must agree with to be resumed: the config, the process layout, the data."""
+    return {
+        **asdict(cfg),
+        "num_processes": accelerator.num_processes,
+        "mixed_precision_resolved": accelerator.mixed_precision,
+        "data_fingerprint": dataset.fingerprint,
+    }
+
+
+def _train(cfg: TrainConfig) -> dict:
+    t_start = time.perf_counter()
+    default_out = cfg.out is None
+    given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
+    accelerator = make_accelerator(cfg)
+    if note := encoder_lr_note(given, cfg):
+        accelerator.print(note)
+    heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
+    lock, failed = None, True
+    try:
+        check_data_exists(cfg)  # the cheaper mistake first: before --out is looked at
+        lock, resume_from = _claim(cfg, accelerator, default_out)
+        summary = _run(cfg, accelerator, resume_from, t_start)
+        failed = False
+        return summary
+    except RuntimeError as e:
+        if accelerator.num_processes > 1 and _is_collective_failure(e):
+            raise heartbeat.explain(e, cfg.dist_timeout) from e
+        heartbeat.report_failure(e)
+        raise
+    except Exception as e:  # tell the other processes why this one stops, then stop
+        heartbeat.report_failure(e)
+        raise
+    finally:
+        heartbeat.close()
+        if lock is not None and failed:  # a run that wrote nothing leaves nothing behind
+            if (restored := lock.release_unused()) is not None:
+                accelerator.print(f"the earlier run is back in {restored} (this one stopped before it began)")
+        elif lock is not None:
+            lock.release()
+
+
+def _is_collective_failure(e: RuntimeError) -> bool:
+    """gloo/NCCL errors of a collective whose peer died or timed out (they carry no exception type)."""
+    msg = str(e).lower()
+    return any(w in msg for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl"))
+
+
+def _claim(cfg: TrainConfig, accelerator, default_out: bool):
+    """Plan (every process, read-only) and claim (main process) the run directory; find the checkpoint.
+
+    Returns:
+        (the run dir lock or None on other processes, the checkpoint to resume or None).
+    """
+    run_dir = Path(cfg.out)
+    plan = plan_run_dir(run_dir, resume=cfg.resume is not None, overwrite=cfg.overwrite, default_out=default_out)
+    # An explicit --resume PATH is always resolved (and verified); "latest" only looks in an earlier run.
+    explicit = cfg.resume is not None and cfg.resume != "latest"
+    resume_from = resolve_resume(cfg.resume, run_dir) if plan.action == "resume" or explicit else None
+    if plan.action == "resume" and resume_from is None:
+        # --resume latest on a run that never wrote a checkpoint: nothing to continue; keep it, aside.
+        plan = RunDirPlan("move-aside", run_dir)
+    lock, err = None, None
+    accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
+    if accelerator.is_main_process:
+        try:
+            lock, moved_to = claim_run_dir(plan)
+            if moved_to is not None:
+                accelerator.print(f"the earlier run in {run_dir} was moved to {moved_to}")
+        except (RunDirError, OSError) as e:
+            err = e
+    if not all_processes_ok(accelerator, err is None):
+        if err is not None:
+            raise err
+        raise RunDirError(f"the main process could not claim --out {run_dir} (see its message)")
+    return lock, resume_from
+
+
+def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float) -> dict:
+    """Set the run up, train, and write what it leaves; returns the summary."""
+    run_dir = Path(cfg.out)
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)
+    dataset = PreparedDataset(resolve_data(cfg, accelerator))
+    tokenizer_files = read_tree(dataset.tokenizer_dir)  # the one opened, whatever becomes of the dataset
+    identity = run_identity(cfg, accelerator, dataset)
+    _check_resumable(resume_from, identity)
+    check_tokenizer_matches(cfg.text_model, dataset.root)
+    task = build_task(cfg.task, dataset)
+    model = _build_model(cfg, dataset, task)
+    # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
+    image = getattr(model, "image", None)
+    norm = (image.mean, image.std) if image is not None else None
+    train_loader, val_loader, streamed = build_loaders(cfg, accelerator, dataset, norm)
+    if cfg.compile:
+        model = torch.compile(model)
+    steps = total_steps(cfg, len(train_loader))
+    optimizer, scheduler = build_optimizer(cfg, model, steps)
+    # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
+    if accelerator.is_main_process:
+        write_config(run_dir, identity, dataset.root, steps, resume_from, state["global_step"])
+    # written once the run has started (a run that stops before leaves nothing; a refused resume changes nothing)
+    tokenizer = snapshot_tokenizer(tokenizer_files, run_dir) if accelerator.is_main_process else None
+    if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
+        start_trackers(accelerator, tracker_config(identity), task)
+    runner = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, steps, state, task)
+    last_metrics = _fit(cfg, runner, val_loader)
+    if cfg.profile and accelerator.is_main_process:
+        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
+    summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
+    summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
+    if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
+        write_weights_digest(accelerator, model, run_dir)
+    if accelerator.is_main_process:
+        atomic_write_json(run_dir / "summary.json", summary)
+        # RUN/model (best) and RUN/model-last: what users load, predict with and export
+        best = summary["best_checkpoint"]
+        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, best, tokenizer)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _start_state(
+    accelerator, task: Task, identity: dict, resume_from: Path | None, model, train_loader, steps: int
+) -> dict:
+    """The trainer state the loop starts from: a fresh one, or the checkpoint's (its weights, optimizer and
+    scheduler loaded, the train loader put back where it stood)."""
+    if resume_from is None:
+        return {**initial_state(task), "run": identity}
+    state = {**load_checkpoint(accelerator, resume_from), "run": identity}
+    check_finite_weights(model, f"the weights loaded from {resume_from}")
+    train_loader.load_state_dict(state["loader"][accelerator.process_index])
+    accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
+    if state["global_step"] >= steps:  # the model directories are written again, nothing is trained
+        accelerator.print(
+            f"nothing left to train: the checkpoint is at step {state['global_step']} of {steps} "
+            "(--epochs / --max-steps); raise them to train on"
+        )
+    return state
+
+
+def _fit(cfg: TrainConfig, runner: EpochRunner, val_loader) -> dict:
+    """The loop under the stop signals' handler (and the utilization sampler when profiling)."""
+    sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
+    if getattr(signal.getsignal(signal.SIGINT), "pending", None) is not None:
+        raise KeyboardInterrupt  # a start-up Ctrl-C that a library's catch-all swallowed (mmfast.cli.train)
+    with StopFlag(cfg.stop_grace) as stop, sampler:
+        runner.stop, runner.sampler = stop, (sampler if cfg.profile else None)
+        return runner.fit(val_loader)
+
+
+def _check_resumable(resume_from: Path | None, identity: dict) -> None:
+    """Refuse to resume from a checkpoint whose run had other must-match settings than this one."""
+    saved = read_trainer_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        diffs = resume_differences(saved.get("run", {}), identity)
+        if diffs:
+            raise CheckpointError(
+                f"cannot resume from {resume_from}: these settings differ from the run that wrote it:\n  "
+                + "\n  ".join(diffs)
+                + "\nresume with the same settings, or start afresh with --overwrite (the old run is moved aside)"
+            )
+
+
+def _build_model(cfg: TrainConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
+    """The configured model with the task's outputs; a model's own options (``config_options``) come from the
+    config fields of those names."""
+    options = {name: getattr(cfg, name) for name in getattr(model_class(cfg.model), "config_options", ())}
+    return build_model(
+        cfg.model,
+        task.num_outputs,
+        image_backbone=cfg.image_backbone,
+        text_model=cfg.text_model,
+        vocab_size=dataset.vocab_size,
+        image_weights=cfg.image_weights,
+        freeze_image=cfg.freeze_image,
+        freeze_text=cfg.freeze_text,
+        hidden=cfg.hidden,
+        dropout=cfg.dropout,
+        channels_last=cfg.channels_last,
+        **options,
+    )
