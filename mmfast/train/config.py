@@ -19,8 +19,19 @@ def _opt(default, group: str, help: str):
     return field(default=default, metadata={"group": group, "help": help})
 
 
+LOSSES = ("clip", "siglip")  # the contrastive losses (mmfast.tasks.contrastive)
 # The --help groups, in the order --help shows them.
-GROUPS = ("data", "model", "optimization", "precision", "checkpoints", "logging", "profiling", "processes")
+GROUPS = (
+    "data",
+    "model",
+    "optimization",
+    "evaluation",
+    "precision",
+    "checkpoints",
+    "logging",
+    "profiling",
+    "processes",
+)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
@@ -41,8 +52,9 @@ class TrainConfig:
     model: str = _opt(
         "concat",
         "model",
-        "fusion (early, concat, late) or a single-modality baseline (image, text); or a model added with "
-        "mmfast.models.register_model",
+        "fusion (early, concat, late), a single-modality baseline (image, text), or a contrastive dual encoder "
+        "(clip: image and text embedded into one space, trained on image-caption pairs, labels optional); or a "
+        "model added with mmfast.models.register_model",
     )
     preset: str = _opt(
         "tiny", "model", "encoders + training recipe; every preset field can be overridden by its flag"
@@ -65,11 +77,25 @@ class TrainConfig:
     freeze_image: bool | None = _opt(None, "model", "no gradients into the image encoder; none: the preset's")
     freeze_text: bool = _opt(False, "model", "no gradients into the text encoder")
     dropout: float = _opt(0.1, "model", "dropout in the fusion layers (and the random text configs)")
-    task: str = _opt(
-        "classification",
+    task: str | None = _opt(
+        None,
         "optimization",
-        "the training objective: its loss, evaluation and which checkpoint is the best; or a task added with "
+        "the training objective: its loss, evaluation and which checkpoint is the best; none: the model's "
+        "(classification for the fusion models, contrastive for clip); or a task added with "
         "mmfast.tasks.register_task",
+    )
+    loss: str = _opt(
+        "clip",
+        "model",
+        "contrastive: clip (symmetric InfoNCE over the global batch, a learnable temperature) or siglip "
+        "(pairwise sigmoid with a learnable temperature and bias)",
+    )
+    embed_dim: int = _opt(256, "model", "contrastive: width of the shared image-text embedding space")
+    zero_shot_templates: str | None = _opt(
+        None,
+        "evaluation",
+        "contrastive: prompts that turn a class name into a caption for zero-shot evaluation, joined by '|' "
+        "with {} for the name (default: a small built-in ensemble), or a file with one per line",
     )
     epochs: int | None = _opt(None, "optimization", "passes over the train split; none: the preset's")
     max_steps: int | None = _opt(None, "optimization", "optimizer steps; the run stops early when reached")
@@ -206,6 +232,8 @@ class TrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
         for name, allowed in choices().items():
+            if name == "task" and self.task is None:  # the model's (resolve_preset)
+                continue
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{_flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
         trackers(self)  # raises on an unknown --report-to name
@@ -267,6 +295,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
         "task": tuple(TASKS),
+        "loss": LOSSES,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
@@ -287,6 +316,7 @@ def help_choices() -> dict[str, tuple[str, ...]]:
         "model": BUILTIN_MODELS,
         "preset": tuple(PRESETS),
         "task": BUILTIN_TASKS,
+        "loss": LOSSES,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
@@ -460,6 +490,9 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     if filled["encoder_lr"] is None:  # a recipe for encoders from scratch: a pretrained one named by flag
         own = pretrained_encoder_lr(filled["image_backbone"], cfg.image_weights, filled["text_model"])
         filled["encoder_lr"] = filled["lr"] if own is None else own
+    from mmfast.models import MODELS
+
+    filled["task"] = cfg.task or getattr(MODELS[cfg.model], "task", "classification")
     resolved = replace(cfg, **filled)
     return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
 
