@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmfast.data.tokenizer import load_tokenizer
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER as PREPARED_MARKER
@@ -204,8 +205,6 @@ class PreparedDataset:
     def vocab_size(self) -> int:
         """Token ids the tokenizer in tokenizer/ produces: the size of a text model's embedding table. Read
         from the tokenizer itself (what the token cache was built with), not from prepare.json's figure."""
-        from mmfast.data.tokenizer import load_tokenizer
-
         return len(load_tokenizer(self.tokenizer_dir))
 
     @property

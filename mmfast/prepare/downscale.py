@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from mmfast.util.pool import map_files
+
 DOWNSCALED_DIR = "downscaled"
 _PER_FOLDER = 10_000  # files per subfolder: a flat folder of millions is slow to list
 _MODES = {"RGB", "L", "RGBA", "LA", "P", "PA", "CMYK", "YCbCr", "1"}  # 8-bit modes PIL converts exactly
@@ -59,7 +61,5 @@ def downscale_images(
 ) -> list[str]:
     """``downscale_image`` for every (source, destination) pair over ``workers`` processes; the reasons
     in order ("" where the copy was written)."""
-    from mmfast.util.pool import map_files
-
     work = functools.partial(downscale_image, max_side=max_side, quality=quality)
     return map_files(work, jobs, workers, f"downscaling to {max_side} px", progress)

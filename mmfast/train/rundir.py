@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmfast.data.dataset import PREPARED_MARKER
+from mmfast.prepare.config import PREPARED_KIND
+from mmfast.util.fsutil import marker_kind
 
 RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
@@ -163,9 +165,6 @@ def _remove_raw_preparation(run_dir: Path) -> None:
     """Remove the preparation of a raw --data that a failed start wrote into the run directory it made (only a
     directory carrying mmfast's prepared-dataset marker; anything else stays, and the run directory with it)."""
     import shutil
-
-    from mmfast.prepare.core import PREPARED_KIND
-    from mmfast.util.fsutil import marker_kind
 
     (run_dir / f"{RAW_DATA_DIR}.rejected.jsonl").unlink(missing_ok=True)
     prepared = run_dir / RAW_DATA_DIR

@@ -4,13 +4,22 @@ prepared dataset (demo, raw input prepared on the fly, or a prepared directory).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from mmfast.inputs import claimed
+from mmfast.inputs.base import InputOptions
+from mmfast.inputs.manifest import ManifestError
 from mmfast.loading.cache_plan import processes_on_machine
+from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, resolve_text_model
+from mmfast.prepare.config import PrepareConfig, failure_report_path
+from mmfast.prepare.core import prepare_dataset
+from mmfast.prepare.demo import default_cache_dir, demo_dataset
+from mmfast.tasks import TASKS
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
@@ -124,9 +133,6 @@ def installed_trackers(names: tuple[str, ...]) -> list[str]:
 def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
     ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
-    from mmfast.inputs.manifest import ManifestError
-    from mmfast.prepare.core import PrepareConfig, prepare_dataset
-    from mmfast.prepare.demo import default_cache_dir, demo_dataset
 
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
         return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
@@ -151,7 +157,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             progress=cfg.progress and accelerator.is_local_main_process,
         )
         try:
-            summary = prepare_dataset(prep)
+            summary = _prepare_raw(prep, cfg)
             if cfg.data is not None:
                 c = summary["counts"]
                 rows = f"{c['train']} train, {c['val']} val rows"
@@ -164,13 +170,28 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     return out
 
 
+def _prepare_raw(prep, cfg: TrainConfig) -> dict:
+    """Prepare the demo set or a raw --data. For an objective that needs no labels (contrastive), an input
+    without them is prepared as ``--no-labels`` would: image-caption pairs train as they are; an input with
+    labels keeps them (zero-shot evaluation uses them)."""
+
+    try:
+        return prepare_dataset(prep)
+    except ManifestError:
+        task = TASKS.get(cfg.task or "classification")
+        if cfg.data is None or getattr(task, "needs_labels", True) or prep.inputs.no_labels:
+            raise
+    report = failure_report_path(Path(prep.out))  # the first try's: written by this run, about labels
+    summary = prepare_dataset(replace(prep, inputs=replace(prep.inputs or InputOptions(), no_labels=True)))
+    report.unlink(missing_ok=True)
+    return summary
+
+
 def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -> Exception:
     """A raw --data's preparation failed: the error as the user should read it. The rejects of a preparation
     that found no usable row move from the run directory to beside it (the failed start leaves nothing in
     the run directory: ``rundir``), and the reader's advice that names mmfast-prepare's input flags, which
     mmfast-train does not take, says to prepare first."""
-    from mmfast.inputs.manifest import ManifestError
-    from mmfast.prepare.core import failure_report_path
 
     msg = str(e)
     report, kept = failure_report_path(prepared), failure_report_path(run_dir)
@@ -213,7 +234,6 @@ def all_processes_ok(accelerator, ok: bool) -> bool:
 def pretrained_tokenizer(text_model: str | None) -> str | None:
     """The tokenizer that goes with a pretrained text model (its own directory or hub name); None for the
     randomly initialized configs, which train on the dataset's own WordPiece vocabulary."""
-    from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, resolve_text_model
 
     if text_model is None or text_model in RANDOM_TEXT_CONFIGS:
         return None
@@ -222,7 +242,6 @@ def pretrained_tokenizer(text_model: str | None) -> str | None:
 
 def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
     """Refuse to feed a pretrained text model token ids from another vocabulary (it would train, badly)."""
-    from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     own = pretrained_tokenizer(text_model)
     if own is None:
