@@ -59,11 +59,13 @@ def test_help_gives_each_flag_its_meaning_choices_and_group():
         assert f"\n{group}:\n" in text, group
     flat = " ".join(text.split())  # argparse wraps to the terminal's width
     # meanings come from the config fields, choices from the registries (MODELS, PRESETS) and tuples
-    assert "--model {early,concat,late,image,text}" in text
-    assert "fusion (early, concat, late) or a single-modality baseline" in flat
+    assert "--model {early,concat,late,image,text,clip}" in text
+    assert "fusion (early, concat, late), a single-modality baseline" in flat
     assert "--mixed-precision {auto,fp16,bf16,no}" in text
     assert "tiny (ResNet-10 + 2-layer BERT" in flat and "lite0-minilm (" in flat
-    assert "micro-batches per optimizer step (gradient accumulation)" in flat
+    assert (
+        "micro-batches per optimizer step; classification: their gradients averaged; contrastive: one loss" in flat
+    )
     assert "tensorboard, wandb, mlflow, trackio, all" in flat
     # the flag sits in its group's section
     model_section = text.split("\nmodel:\n")[1].split("\noptimization:\n")[0]
@@ -79,7 +81,9 @@ def test_every_config_field_has_a_help_text_and_a_group():
 
 
 def test_choices_are_validated_from_the_registries():
-    with pytest.raises(ValueError, match="--preset must be tiny, lite0-minilm, minilm or resnet50-bert"):
+    with pytest.raises(
+        ValueError, match="--preset must be tiny, lite0-minilm, minilm, clip-lite0-minilm or resnet50-bert"
+    ):
         parse_config(["--preset", "huge"])
     with pytest.raises(ValueError, match="--scheduler must be cosine, linear"):
         parse_config(["--scheduler", "warmup_stable_decay"])

@@ -197,7 +197,7 @@ def test_the_registries_name_a_missing_model_or_task_and_take_new_ones(toy_model
         build_task("ranking", None)
     assert parse_config(["--model", "toy-text"]).model == "toy-text"  # the live registry, not --help's list
     with pytest.raises(
-        ValueError, match="--model must be early, concat, late, image, text or toy-text, got 'mid'"
+        ValueError, match="--model must be early, concat, late, image, text, clip or toy-text, got 'mid'"
     ):
         parse_config(["--model", "mid"])
     assert parse_config(["--task", "smoothed"]).task == "smoothed"
@@ -223,7 +223,10 @@ def test_the_names_help_lists_are_the_registries_and_the_loaders_own():
     assert shown.keys() == live.keys()
     for name in shown.keys() - {"model", "task"}:
         assert shown[name] == live[name], name
-    assert live["model"][: len(BUILTIN_MODELS)] == BUILTIN_MODELS and live["task"][:1] == BUILTIN_TASKS
+    assert (
+        live["model"][: len(BUILTIN_MODELS)] == BUILTIN_MODELS
+        and live["task"][: len(BUILTIN_TASKS)] == BUILTIN_TASKS
+    )
 
 
 @pytest.mark.parametrize(

@@ -180,7 +180,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(prepared, tmp_path):
 
 def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
     assert train_tool.main(["--model", "mid", "--out", str(tmp_path)]) == 2
-    assert "--model must be early, concat, late, image or text" in capsys.readouterr().err
+    assert "--model must be early, concat, late, image, text or clip" in capsys.readouterr().err
     assert train_tool.main(["--cpu-resize", "opencv", "--out", str(tmp_path)]) == 2
     assert "--cpu-resize must be torch or dali" in capsys.readouterr().err
     assert train_tool.main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
@@ -392,7 +392,8 @@ def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path,
 def test_a_pretrained_encoder_named_by_flag_brings_its_own_learning_rate():
     """The tiny preset's recipe (lr 2e-3) is for encoders from scratch: a pretrained encoder named by flag
     (all-MiniLM by --text-model) trains at its own rate instead, and the run says so."""
-    from mmfast.train.config import encoder_lr_note, parse_config, resolve_preset
+    from mmfast.train.config import parse_config, resolve_preset
+    from mmfast.train.report import encoder_lr_note
 
     def resolved(*argv):
         given = parse_config(list(argv))

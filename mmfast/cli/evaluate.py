@@ -2,6 +2,7 @@
 
     mmfast-evaluate --model runs/latest/model --data prepared/ --split val --out runs/latest/eval
     mmfast-evaluate --model runs/latest/model --input test.parquet --out runs/latest/eval-test
+    mmfast-evaluate --model runs/clip/model --input coco/captions_val2017.json --out runs/clip/eval-coco
 
 --input is read as mmfast-predict reads it (preparation's readers and flags: --input-kind, --label-column,
 ...); its rows without a label are predicted but not scored. Exit status 2 when the input cannot be read, no
@@ -9,6 +10,10 @@ row can be predicted or none has a label.
 
 Prints accuracy, macro-F1 and a per-class precision/recall table; writes OUT/metrics.json,
 OUT/confusion.png and OUT/predictions.jsonl.
+
+A dual encoder (--model clip) is evaluated by retrieval instead: image -> text and text -> image recall@1/5/10
+and median rank over the rows (the rows of one image file are its captions), and zero-shot accuracy over the
+rows with a label (prompts: --templates, else the model's); labels are optional. Writes OUT/metrics.json.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
+    p.add_argument(
+        "--templates",
+        default=None,
+        help="a dual encoder's zero-shot prompts: joined by '|' with {} for the class name, or a file with one "
+        "per line (default: those the model was trained with)",
+    )
     add_max_pixels_flag(p)
     add_input_flags(p, "--input")
     return p.parse_args(argv)
@@ -50,6 +61,57 @@ def print_table(figures: dict) -> None:
     print(f"{'class':<{width}}  precision  recall     f1  support")
     for name, f in figures["per_class"].items():
         print(f"{name:<{width}}  {f['precision']:9.3f}  {f['recall']:6.3f}  {f['f1']:5.3f}  {f['support']:7d}")
+
+
+def print_retrieval(figures: dict) -> None:
+    print(f"{figures['images']} images, {figures['texts']} captions")
+    for way, words in (("i2t", "image -> text"), ("t2i", "text -> image")):
+        recalls = "  ".join(f"R@{k} {figures[f'{way}_r{k}']:5.1f}" for k in (1, 5, 10))
+        print(f"{words}:  {recalls}  median rank {figures[f'{way}_median_rank']:g}")
+    print(f"mean recall {figures['mean_recall']:.1f}")
+    if "zero_shot_acc" in figures:
+        print(
+            f"zero-shot accuracy {figures['zero_shot_acc']:.1f}% ({figures['zero_shot_samples']} images, "
+            f"{figures['zero_shot_classes']} classes)"
+        )
+
+
+def evaluate_retrieval(args: argparse.Namespace, model, rows: list[dict], device, source: str) -> int:
+    """A dual encoder's evaluation: retrieval (and zero-shot) figures printed and written to OUT/metrics.json."""
+    from mmfast.infer.embed import evaluate_retrieval as figures_of
+    from mmfast.tasks.retrieval import read_templates
+    from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
+
+    try:
+        templates = read_templates(args.templates) if args.templates else None
+        figures = figures_of(
+            model,
+            rows,
+            templates,
+            batch_size=args.batch_size,
+            device=device,
+            num_workers=args.num_workers,
+            max_pixels=args.max_pixels,
+        )
+    except ValueError as e:  # bad templates, or no row could be embedded
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = figures.pop("rows")
+    out = Path(args.out) if args.out else Path(args.model).resolve().parent / f"eval-{args.split}"
+    try:
+        out = claim_output_dir(out, "evaluation")  # a folder of the user's is refused, never written into
+        atomic_write_json(out / "metrics.json", figures)
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {write_failure(out, e)}", file=sys.stderr)
+        return 2
+    print_retrieval(figures)
+    if figures["errors"]:
+        report_errors(results, "evaluated")
+    print(f"wrote {out}/metrics.json")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,11 +130,15 @@ def _main(argv: list[str] | None) -> int:
     with contextlib.ExitStack() as stack:
         try:
             rows = load_rows(args, stack)
-            if none_usable(rows, source) or not _has_labels(rows, source):
+            if none_usable(rows, source):
                 return 2
             model, device = load_for_inference(args.model, args.device)
         except (ManifestError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        if model.embeds:
+            return evaluate_retrieval(args, model, rows, device, source)
+        if not _has_labels(rows, source):
             return 2
         labels = {str(r["label"]) for r in rows if "label" in r and not r.get("error")}
         unknown = sorted(labels - set(model.class_names))

@@ -5,6 +5,8 @@ onnxruntime (fp32 logits within --atol of PyTorch's).
 
 Writes OUT/model.onnx and OUT/model.pt2 (inputs: image (B, 3, S, S) float32 normalized as the model's
 config.json says, input_ids and attention_mask (B, L) int64; output: logits (B, C)) and OUT/export.json.
+A dual encoder (--model clip) is written as its two towers: OUT/image.onnx (image -> embedding (B, D)) and
+OUT/text.onnx (input_ids, attention_mask -> embedding (B, D)), normalized; OUT/image.pt2 and OUT/text.pt2.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def export(model, args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
+    if model.embeds:
+        return export_towers(model, args, report)
     if args.format in ("onnx", "both"):
         report["onnx"] = str(export_onnx(model, out / "model.onnx", opset=args.opset))
         if not args.no_check:
@@ -69,6 +73,36 @@ def export(model, args: argparse.Namespace) -> int:
                 return 1
     if args.format in ("torch", "both"):
         report["torch_export"] = str(export_program(model, out / "model.pt2"))
+    atomic_write_json(out / "export.json", report)
+    print(f"exported to {out}")
+    return 0
+
+
+def export_towers(model, args: argparse.Namespace, report: dict) -> int:
+    """A dual encoder's towers in the formats asked for, and export.json; 1 when an ONNX tower's embeddings are
+    off by more than --atol."""
+    from mmfast.infer.export import export_towers_onnx, export_towers_program, towers_parity
+
+    out = Path(args.out)
+    if args.format in ("onnx", "both"):
+        paths = export_towers_onnx(model, out, opset=args.opset)
+        report["onnx"] = {name: str(p) for name, p in paths.items()}
+        if not args.no_check:
+            diffs = towers_parity(model, paths)
+            report["onnx_max_abs_diff"] = diffs
+            for name, diff in diffs.items():
+                print(
+                    f"{name} tower, onnxruntime vs PyTorch: max |difference| {diff:.2e} (allowed {args.atol:.0e})"
+                )
+            worst = max(diffs, key=diffs.get)
+            if not diffs[worst] <= args.atol:
+                print(
+                    f"error: the ONNX {worst} tower differs by {diffs[worst]:.2e} > {args.atol:.0e}",
+                    file=sys.stderr,
+                )
+                return 1
+    if args.format in ("torch", "both"):
+        report["torch_export"] = {name: str(p) for name, p in export_towers_program(model, out).items()}
     atomic_write_json(out / "export.json", report)
     print(f"exported to {out}")
     return 0

@@ -4,12 +4,16 @@
     mmfast-predict --model runs/latest/model --input data/train-00000.parquet --out predictions.jsonl
     mmfast-predict --model runs/latest/model --image cat.jpg --text "a cat on a mat"
     mmfast-predict --model runs/latest/model --data prepared/ --split val --out val.csv
+    mmfast-predict --model runs/clip/model --input new.jsonl --embed image --out new-images
 
 --input is read by preparation's readers, with its flags (--input-kind, --image-column, ..., --wds-*; see
 mmfast/infer/predict_inputs.py): a manifest, image folder, HF imagefolder metadata, COCO captions, Parquet/Arrow,
 WebDataset shards. Labels are optional. Writes JSONL (or CSV for a .csv --out): per input row the class, its
 probability and the top-k, or the reason the row could not be predicted (naming its file and line; the other
 rows are predicted anyway). Exit status 2 when the input cannot be read or no row of it can be predicted.
+--embed image|text (a dual encoder, --model clip) writes the rows' normalized embeddings instead: OUT.npy
+(N, D) float32, OUT.ids.npy (N,) int64 (the prepared sample id with --data, else the row's position in the
+input) and, when pyarrow is installed, OUT.parquet (id, image, text, embedding).
 --compare-pil also times a plain PIL + torchvision + model loop on the same rows and prints both throughputs.
 """
 
@@ -43,6 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text", default="", help="the caption of --image")
     p.add_argument("--out", help="predictions file: .jsonl (default) or .csv; default: print to stdout")
     p.add_argument("--top-k", type=int, default=3)
+    p.add_argument(
+        "--embed",
+        choices=["image", "text"],
+        default=None,
+        help="a dual encoder (clip): write the rows' image or text embeddings (OUT.npy, OUT.ids.npy, "
+        "OUT.parquet) instead of predictions; needs --out",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
@@ -164,6 +175,55 @@ def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> di
     return result
 
 
+def check_outputs(args: argparse.Namespace, inputs: list[str]) -> None:
+    """Refuse an --out (each embeddings file, with --embed) that is an input or a file of the user's.
+
+    Raises:
+        OutputError: naming the file.
+    """
+    from mmfast.util.fsutil import check_output_file
+
+    if not args.embed:
+        from mmfast.infer.predict import is_predictions_file
+
+        check_output_file(args.out, inputs, is_predictions_file)
+        return
+    from mmfast.infer.embed import embedding_paths, is_embeddings_file
+
+    for path in embedding_paths(args.out).values():
+        check_output_file(path, inputs, is_embeddings_file)
+
+
+def embed(args: argparse.Namespace, model, rows: list[dict], device, source: str) -> int:
+    """--embed: the rows' embeddings written to the --out files; 2 when none can be embedded or written."""
+    from mmfast.infer.embed import embed_rows, row_ids, write_embeddings
+
+    try:
+        results, emb, kept = embed_rows(
+            model,
+            rows,
+            args.embed,
+            batch_size=args.batch_size,
+            device=device,
+            num_workers=args.num_workers,
+            max_pixels=args.max_pixels,
+        )
+    except ValueError as e:  # not a dual encoder
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if none_usable(results, source, table=args.image is None):
+        return 2
+    ids = row_ids(rows)
+    try:
+        written = write_embeddings(args.out, emb, [ids[i] for i in kept], [results[i] for i in kept], args.embed)
+    except OSError as e:  # each file written whole or not at all
+        print(f"error: {write_failure(args.out, e)}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(kept)} {args.embed} embeddings ({emb.shape[1]}-d): {', '.join(map(str, written))}")
+    report_errors(results, "embedded")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)
@@ -171,23 +231,33 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from mmfast.infer.model_dir import load_for_inference
-    from mmfast.infer.predict import image_file, is_predictions_file, predict_rows, write_predictions
+    from mmfast.infer.predict import image_file, predict_rows, write_predictions
     from mmfast.inputs.manifest import ManifestError
-    from mmfast.util.fsutil import check_output_file
 
     args = parse_args(argv)
     source = args.input or args.data or args.image
+    if args.embed and not args.out:
+        print("error: --embed needs --out (its files: OUT.npy, OUT.ids.npy, OUT.parquet)", file=sys.stderr)
+        return 2
     with contextlib.ExitStack() as stack:
         try:
             rows = load_rows(args, stack)
             if args.out:  # never the input, one of its images, or a file of the user's
                 inputs = [str(source)] + [image_file(r) for r in rows if r.get("image")]
-                check_output_file(args.out, inputs, is_predictions_file)
+                check_outputs(args, inputs)
             if none_usable(rows, source, table=args.image is None):
                 return 2
             model, device = load_for_inference(args.model, args.device)
         except (ManifestError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.embed:
+            return embed(args, model, rows, device, source)
+        if model.embeds:
+            print(
+                f"error: {args.model} is a dual encoder (no classes to predict): pass --embed image|text",
+                file=sys.stderr,
+            )
             return 2
         if args.compare_pil:
             compare_pil(model, rows, args, device)

@@ -5,6 +5,10 @@ Both take three tensors and return one: ``image`` (B, 3, S, S) float32, normaliz
 ``input_ids`` and ``attention_mask`` (B, L) int64 (the tokenizer's ids, padded to the longest caption) ->
 ``logits`` (B, C). The batch size and caption length are dynamic. The ONNX graphs of the single-modality
 baselines ("image", "text") have no input for the modality they ignore.
+
+A dual encoder ("clip") is exported as its two towers, each a file of its own: ``image`` -> ``embedding``
+(B, D) and ``input_ids``, ``attention_mask`` -> ``embedding`` (B, D), normalized (``export_towers_onnx``,
+``export_towers_program``, ``towers_parity``).
 """
 
 from __future__ import annotations
@@ -105,3 +109,103 @@ def onnx_parity(
     # the single-modality baselines' graphs have no input for the modality they ignore
     (got,) = session.run(["logits"], {i.name: feed[i.name] for i in session.get_inputs()})
     return float(np.abs(got - ref).max())
+
+
+class ImageTower(nn.Module):
+    """A dual encoder's image tower: ``image`` (B, 3, S, S) -> normalized ``embedding`` (B, D)."""
+
+    def __init__(self, model: MmfastModel):
+        super().__init__()
+        self.model = model.model
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_image(image)
+
+
+class TextTower(nn.Module):
+    """A dual encoder's text tower: ``input_ids``, ``attention_mask`` (B, L) -> normalized ``embedding`` (B, D)."""
+
+    def __init__(self, model: MmfastModel):
+        super().__init__()
+        self.model = model.model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_text(input_ids, attention_mask)
+
+
+# tower: (module, its inputs' positions in example_inputs, their names, their dynamic axes)
+_TOWERS = {
+    "image": (ImageTower, (0,), ["image"], {"image": {0: "batch"}}),
+    "text": (
+        TextTower,
+        (1, 2),
+        ["input_ids", "attention_mask"],
+        {"input_ids": {0: "batch", 1: "length"}, "attention_mask": {0: "batch", 1: "length"}},
+    ),
+}
+
+
+def export_towers_onnx(model: MmfastModel, out_dir: str | os.PathLike, opset: int = 17) -> dict[str, Path]:
+    """Write OUT_DIR/image.onnx and OUT_DIR/text.onnx (dynamic batch and caption length).
+
+    Returns:
+        {"image": path, "text": path}.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    example = example_inputs(model)
+    paths = {}
+    for name, (cls, which, names, axes) in _TOWERS.items():
+        paths[name] = out_dir / f"{name}.onnx"
+        with torch.no_grad():
+            torch.onnx.export(
+                cls(model).eval(),
+                tuple(example[i] for i in which),
+                str(paths[name]),
+                input_names=names,
+                output_names=["embedding"],
+                dynamic_axes={**axes, "embedding": {0: "batch"}},
+                opset_version=opset,
+                dynamo=False,
+            )
+    return paths
+
+
+def export_towers_program(model: MmfastModel, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write OUT_DIR/image.pt2 and OUT_DIR/text.pt2, ``torch.export`` programs with a dynamic batch (at least
+    2) and caption length.
+
+    Returns:
+        {"image": path, "text": path}.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=512)
+    dims = {"image": {0: batch}, "input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}
+    example = example_inputs(model)
+    paths = {}
+    for name, (cls, which, names, _) in _TOWERS.items():
+        program = torch.export.export(
+            cls(model).eval(), tuple(example[i] for i in which), dynamic_shapes={n: dims[n] for n in names}
+        )
+        paths[name] = out_dir / f"{name}.pt2"
+        torch.export.save(program, str(paths[name]))
+    return paths
+
+
+@torch.no_grad()
+def towers_parity(
+    model: MmfastModel, paths: dict[str, Path], inputs: tuple[torch.Tensor, ...] | None = None
+) -> dict[str, float]:
+    """Per tower, the largest absolute difference between onnxruntime's and PyTorch's fp32 embeddings."""
+    import onnxruntime as ort
+
+    inputs = inputs if inputs is not None else example_inputs(model, batch=3, length=9, seed=1)
+    diffs = {}
+    for name, (cls, which, names, _) in _TOWERS.items():
+        args = tuple(inputs[i] for i in which)
+        ref = cls(model).eval()(*args).float().numpy()
+        session = ort.InferenceSession(str(paths[name]), providers=["CPUExecutionProvider"])
+        (got,) = session.run(["embedding"], {n: t.numpy() for n, t in zip(names, args, strict=True)})
+        diffs[name] = float(np.abs(got - ref).max())
+    return diffs

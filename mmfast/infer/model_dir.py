@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -30,30 +29,60 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirError: this module's public names too)
+    CONFIG_FILE,
+    FORMAT,
+    REMEDY,
+    ModelDirError,
+    model_config,
+    model_options,
+    one_line,
+    read_config,
+)
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
 
 log = logging.getLogger(__name__)
-FORMAT = "mmfast-model/1"
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
 CHECKSUMS_FILE = "checksums.json"
 MODEL_CARD_FILE = "README.md"
-_REMEDY = "copy the model directory again whole from its run (RUN/model, or RUN/model-last), or retrain"
-MODEL_CARD = """---
+_CARD_HEAD = """---
 library_name: mmfast
-tags: [mmfast, multimodal, image-text-classification, pytorch_model_hub_mixin]
+tags: [mmfast, multimodal, {tag}, pytorch_model_hub_mixin]
 ---
 
-An mmfast {model}-fusion classifier ({image_backbone} + {text_model}), {num_classes} classes, {image_size} px.
-
+"""
+_CARD_USE = """
 ```python
 import mmfast
 model = mmfast.load_model("THIS_DIRECTORY")  # or mmfast.MmfastModel.from_pretrained(...)
-```
+{use}```
 """
+MODEL_CARDS = {  # by the model's task: what config.json's fields say it is, and how to use it
+    "classification": (
+        "image-text-classification",
+        "An mmfast {model}-fusion classifier ({image_backbone} + {text_model}), {num_classes} classes, "
+        "{image_size} px.\n",
+        "",
+    ),
+    "contrastive": (
+        "zero-shot-image-classification",
+        "An mmfast dual encoder ({loss} loss; {image_backbone} + {text_model}), {embed_dim}-d embeddings, "
+        "{image_size} px.\n",
+        'images = model.encode_image(["cat.jpg"])  # (N, {embed_dim}) normalized\n'
+        'texts = model.encode_text(["a photo of a cat."])\n'
+        "similarity = images @ texts.T\n",
+    ),
+}
+
+
+def model_card(config: dict) -> str:
+    """README.md of a model directory: what the model is and the lines that load it."""
+    tag, what, use = MODEL_CARDS.get(config.get("task", "classification"), MODEL_CARDS["classification"])
+    text = _CARD_HEAD.format(tag=tag) + what.format(**config) + _CARD_USE.format(use=use.format(**config))
+    return text
 
 
 class MmfastModel(
@@ -62,19 +91,20 @@ class MmfastModel(
     library_name="mmfast",
     tags=["mmfast", "multimodal", "image-text-classification"],
 ):
-    """A trained fusion model with what it needs to be used: class names and preprocessing.
+    """A trained model with what it needs to be used: class names, tokenizer and preprocessing.
 
     Args:
         config: the model directory's config.json (see ``model_config``).
 
     ``forward(batch)`` takes the loader's batch dict (``image`` (B, 3, S, S) normalized, ``input_ids`` /
-    ``attention_mask`` (B, L)) and returns logits (B, C).
+    ``attention_mask`` (B, L)) and returns the network's output: logits (B, C) for a classifier, the dual
+    encoder's dict (``image``, ``text``, ``logit_scale``, ``logit_bias``) for "clip". A dual encoder also
+    gives ``encode_image`` and ``encode_text``.
     """
 
     def __init__(self, config: dict):
         super().__init__()
         self.config = dict(config)
-        extra = {"combine": config["combine"]} if config["model"] == "late" and "combine" in config else {}
         # image_weights=None: the backbone starts random (or from the packaged Lite0 weights) and the
         # trained weights replace it; nothing is downloaded.
         with _text_model_source(config) as text_model:
@@ -86,7 +116,7 @@ class MmfastModel(
                 vocab_size=config["vocab_size"],
                 hidden=config["hidden"],
                 dropout=config["dropout"],
-                **extra,
+                **model_options(config),
             )
         self.model.eval()
         self.tokenizer = None  # set by load_model / from_pretrained on a local directory
@@ -95,8 +125,65 @@ class MmfastModel(
     def class_names(self) -> list[str]:
         return list(self.config["class_names"])
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(batch)  # (B, C)
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | dict:
+        return self.model(batch)  # (B, C), or the dual encoder's dict
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the network is a dual encoder (``encode_image`` / ``encode_text``) rather than a classifier."""
+        return hasattr(self.model, "encode_image") and hasattr(self.model, "encode_text")
+
+    def _tower(self, name: str):
+        if not hasattr(self.model, name):
+            raise TypeError(
+                f"{name} needs a dual encoder (a model directory of --model clip); this one holds a "
+                f"'{self.config['model']}' model"
+            )
+        return getattr(self.model, name)
+
+    @torch.no_grad()
+    def encode_image(self, images, batch_size: int = 64) -> torch.Tensor:
+        """Normalized image embeddings of a dual encoder.
+
+        Args:
+            images: a batch (N, 3, S, S) already preprocessed as config.json says (what the loaders give), or a
+                list of image files / PIL images, preprocessed here with PIL + torchvision (``pil_transform``:
+                the shorter side resized to image_size / crop_ratio, center crop, mean/std) -- close to, not
+                bit-equal to, the DALI pipeline ``mmfast-predict --embed image`` decodes with.
+            batch_size: images per forward.
+
+        Returns:
+            (N, D) float32 torch tensor on the model's device, rows of unit length (``.cpu().numpy()`` for
+            numpy); cosine similarity is the dot product.
+        """
+        encode = self._tower("encode_image")
+        device = next(self.parameters()).device
+        if not isinstance(images, torch.Tensor):
+            tf = pil_transform(self.config)
+            images = [tf(_pil_rgb(x)) for x in images]
+        chunks = [images[s : s + batch_size] for s in range(0, len(images), batch_size)]
+        out = [encode((c if isinstance(c, torch.Tensor) else torch.stack(c)).to(device)).float() for c in chunks]
+        return torch.cat(out) if out else torch.zeros(0, self.config["embed_dim"], device=device)
+
+    @torch.no_grad()
+    def encode_text(self, texts: list[str] | str, batch_size: int = 256) -> torch.Tensor:
+        """Normalized text embeddings of a dual encoder: the texts tokenized as in training (the model's
+        tokenizer, truncated to its max_length, padded to the longest in each batch).
+
+        Returns:
+            (N, D) float32 torch tensor on the model's device, rows of unit length.
+        """
+        encode = self._tower("encode_text")
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        device = next(self.parameters()).device
+        out = []
+        for s in range(0, len(texts), batch_size):
+            enc = self.tokenizer(
+                texts[s : s + batch_size], truncation=True, max_length=self.config["max_length"], padding=True,
+                return_tensors="pt", return_token_type_ids=False,
+            )  # fmt: skip
+            out.append(encode(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float())
+        return torch.cat(out) if out else torch.zeros(0, self.config["embed_dim"], device=device)
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, map_location: str = "cpu", **kwargs):
@@ -114,9 +201,30 @@ class MmfastModel(
         (save_directory / CHECKSUMS_FILE).unlink(missing_ok=True)
 
 
-class ModelDirError(ValueError):
-    """A model directory that cannot be used: a file missing, damaged, not matching the others, or weights that
-    are not finite. The message names the file and what to do."""
+def pil_transform(config: dict):
+    """The eval preprocessing as PIL + torchvision give it (a PIL image -> (3, S, S) float32): the shorter side
+    resized to image_size / crop_ratio, a center crop of image_size, config.json's mean/std."""
+    from torchvision import transforms  # only this path needs it (the loaders preprocess with DALI)
+
+    size = config["image_size"]
+    return transforms.Compose(
+        [
+            transforms.Resize(round(size / config.get("crop_ratio", EVAL_CROP_RATIO))),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize(config["mean"] or (0.5,) * 3, config["std"] or (0.5,) * 3),
+        ]
+    )
+
+
+def _pil_rgb(image):
+    """An RGB PIL image of a PIL image or an image file."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    with Image.open(image) as im:
+        return im.convert("RGB")
 
 
 @contextlib.contextmanager
@@ -163,7 +271,7 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
     if not (model_dir / TOKENIZER_DIR).is_dir():
         raise FileNotFoundError(
             f"{model_dir / TOKENIZER_DIR}: missing (the tokenizer the model was trained with, which predict "
-            f"needs); {_REMEDY}"
+            f"needs); {REMEDY}"
         )
     verify_model_dir(model_dir)
     config = read_config(model_dir)
@@ -171,7 +279,7 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
         model = MmfastModel(config)
     except (ValueError, KeyError, TypeError) as e:  # an unknown model or encoder name, a bad size
         raise ModelDirError(
-            f"{model_dir / CONFIG_FILE}: cannot build the network it describes ({_one_line(e)}); {_REMEDY}"
+            f"{model_dir / CONFIG_FILE}: cannot build the network it describes ({one_line(e)}); {REMEDY}"
         ) from e
     _load_weights(model, model_dir / WEIGHTS_FILE)
     model.tokenizer = _load_tokenizer(model_dir / TOKENIZER_DIR)
@@ -179,7 +287,7 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
     if isinstance(vocab, int) and len(model.tokenizer) != vocab:  # another run's tokenizer/
         raise ModelDirError(
             f"{model_dir / TOKENIZER_DIR}: has {len(model.tokenizer)} tokens where {model_dir / CONFIG_FILE} says "
-            f"the model was trained with {vocab}: not the tokenizer it was trained with; {_REMEDY}"
+            f"the model was trained with {vocab}: not the tokenizer it was trained with; {REMEDY}"
         )
     return model.eval().to(device)
 
@@ -205,20 +313,20 @@ def verify_model_dir(model_dir: str | os.PathLike) -> None:
     try:
         sums = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ModelDirError(f"{path}: unreadable ({_one_line(e)}); {_REMEDY}") from None
+        raise ModelDirError(f"{path}: unreadable ({one_line(e)}); {REMEDY}") from None
     if not isinstance(sums, dict) or not isinstance(sums.get(WEIGHTS_FILE), str):
-        raise ModelDirError(f"{path}: does not list {WEIGHTS_FILE}'s checksum; {_REMEDY}")
+        raise ModelDirError(f"{path}: does not list {WEIGHTS_FILE}'s checksum; {REMEDY}")
     for rel, want in sorted(sums.items()):
         f = model_dir / rel
         try:
             got = file_sha256(f)
         except OSError as e:  # missing, a directory, no permission
-            raise ModelDirError(f"{f}: cannot be read ({e.strerror}), yet {path} lists it; {_REMEDY}") from None
+            raise ModelDirError(f"{f}: cannot be read ({e.strerror}), yet {path} lists it; {REMEDY}") from None
         if got != want:
             edited = (
                 f"; if you edited it on purpose, delete {path} to load it unchecked" if rel == CONFIG_FILE else ""
             )
-            raise ModelDirError(f"{f}: is corrupt (checksum mismatch with {CHECKSUMS_FILE}); {_REMEDY}{edited}")
+            raise ModelDirError(f"{f}: is corrupt (checksum mismatch with {CHECKSUMS_FILE}); {REMEDY}{edited}")
 
 
 def _load_weights(model: MmfastModel, path: Path) -> None:
@@ -229,19 +337,19 @@ def _load_weights(model: MmfastModel, path: Path) -> None:
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
-        raise ModelDirError(f"{path}: unreadable ({_one_line(e)}): truncated or damaged; {_REMEDY}") from None
+        raise ModelDirError(f"{path}: unreadable ({one_line(e)}): truncated or damaged; {REMEDY}") from None
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise ModelDirError(
             f"{path}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}): the weights are unusable; "
-            f"{_REMEDY}"
+            f"{REMEDY}"
         )
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:  # missing or unexpected keys, another shape
         raise ModelDirError(
-            f"{path}: does not fit the network {CONFIG_FILE} describes ({_one_line(e)}): the two come from "
-            f"different models; {_REMEDY}"
+            f"{path}: does not fit the network {CONFIG_FILE} describes ({one_line(e)}): the two come from "
+            f"different models; {REMEDY}"
         ) from None
 
 
@@ -251,13 +359,7 @@ def _load_tokenizer(path: Path):
     try:
         return load_tokenizer(path)
     except (ValueError, OSError) as e:
-        raise ModelDirError(f"{path}: the tokenizer cannot be loaded ({_one_line(e)}); {_REMEDY}") from None
-
-
-def _one_line(e: BaseException, most: int = 300) -> str:
-    """An exception's message on one line, cut to ``most`` characters."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= most else text[: most - 3] + "..."
+        raise ModelDirError(f"{path}: the tokenizer cannot be loaded ({one_line(e)}); {REMEDY}") from None
 
 
 def load_for_inference(
@@ -274,49 +376,6 @@ def load_for_inference(
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return load_model(model_dir, device), device
-
-
-def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Path | None = None) -> dict:
-    """config.json of a run's model directory.
-
-    Args:
-        cfg: the resolved TrainConfig.
-        dataset: the PreparedDataset it trained on.
-        model: the (unwrapped) network, for the normalization its image encoder expects.
-        weights: "best" or "last".
-        tokenizer_dir: the tokenizer it trained with (default: the dataset's).
-    """
-    from mmfast.data.tokenizer import load_tokenizer
-    from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
-
-    image, text = getattr(model, "image", None), getattr(model, "text", None)
-    prep = dataset.summary.get("config", {})
-    # a pretrained text model's architecture, so load_model needs neither its package nor the hub
-    text_config = (
-        text.model.config.to_dict() if text is not None and cfg.text_model not in RANDOM_TEXT_CONFIGS else None
-    )
-    return {
-        "format": FORMAT,
-        "weights": weights,
-        "model": cfg.model,
-        "num_classes": dataset.num_classes,
-        "class_names": sorted(dataset.labels, key=dataset.labels.get),
-        "image_backbone": cfg.image_backbone,
-        "text_model": cfg.text_model,
-        **({"text_config": text_config} if text_config is not None else {}),
-        "vocab_size": len(load_tokenizer(tokenizer_dir or dataset.tokenizer_dir)),
-        "hidden": cfg.hidden,
-        "dropout": cfg.dropout,
-        **({"combine": cfg.combine} if cfg.model == "late" else {}),
-        "image_size": cfg.image_size,
-        "crop_ratio": EVAL_CROP_RATIO,  # eval: the shorter side resized to image_size / crop_ratio, then cropped
-        # 0..1 scale; the loader takes them x255
-        "mean": list(image.mean) if image is not None else None,
-        "std": list(image.std) if image is not None else None,
-        "max_length": int(prep.get("max_length") or dataset.summary.get("max_length")),
-        "eval_batch_size": cfg.eval_batch_size,
-        "max_pixels": dataset.max_pixels,
-    }
 
 
 def save_model_dir(
@@ -340,7 +399,7 @@ def save_model_dir(
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast model directory") as tmp:
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (tmp / MODEL_CARD_FILE).write_text(MODEL_CARD.format(**config))
+        (tmp / MODEL_CARD_FILE).write_text(model_card(config))
         shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
         (tmp / CHECKSUMS_FILE).write_text(json.dumps(_checksums(tmp), indent=2) + "\n")
         _readable(tmp)
@@ -383,66 +442,3 @@ def write_run_models(
     for name, weights, kind in (("model", best, which), ("model-last", last, "last")):
         config = model_config(cfg, dataset, model, kind, tokenizer_dir)
         save_model_dir(run_dir / name, weights, config, tokenizer_dir)
-
-
-def _number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _rgb(v) -> bool:
-    return v is None or (isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v))
-
-
-# config.json's fields: what each must be (the test, and its words for the error)
-_FIELDS = {
-    "model": (lambda v: isinstance(v, str), "a model name"),
-    "num_classes": (_positive_int, "a positive integer"),
-    "class_names": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of names"),
-    "image_backbone": (lambda v: isinstance(v, str), "an image backbone name"),
-    "text_model": (lambda v: isinstance(v, str), "a text model name"),
-    "vocab_size": (_positive_int, "a positive integer"),
-    "hidden": (_positive_int, "a positive integer"),
-    "dropout": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "image_size": (_positive_int, "a positive integer"),
-    "mean": (_rgb, "3 numbers (or null)"),
-    "std": (_rgb, "3 numbers (or null)"),
-    "max_length": (_positive_int, "a positive integer"),
-}
-_OPTIONAL_FIELDS = {
-    "eval_batch_size": (lambda v: v is None or _positive_int(v), "a positive integer"),
-    "max_pixels": (lambda v: v is None or _positive_int(v), "a positive integer"),
-    "text_config": (lambda v: isinstance(v, dict) and isinstance(v.get("model_type"), str), "a model config"),
-}
-
-
-def read_config(model_dir: str | os.PathLike) -> dict:
-    """A model directory's config.json, checked: JSON, every field there and of its type, one class name per
-    classifier output.
-
-    Raises:
-        ModelDirError: naming config.json and the field.
-    """
-    path = Path(model_dir) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        raise ModelDirError(f"{path}: not readable JSON ({_one_line(e)}); {_REMEDY}") from None
-    if not isinstance(config, dict):
-        raise ModelDirError(f"{path}: not a JSON object; {_REMEDY}")
-    missing = [k for k in _FIELDS if k not in config]
-    if missing:
-        raise ModelDirError(f"{path}: missing {', '.join(map(repr, missing))}; {_REMEDY}")
-    for key, (ok, what) in {**_FIELDS, **_OPTIONAL_FIELDS}.items():
-        if key in config and not ok(config[key]):
-            raise ModelDirError(f"{path}: {key!r} must be {what}, got {json.dumps(config[key])[:80]}; {_REMEDY}")
-    names, n = config["class_names"], config["num_classes"]
-    if len(names) != n or len(set(names)) != n:
-        raise ModelDirError(
-            f"{path}: 'class_names' holds {len(names)} names ({len(set(names))} distinct) for the classifier's "
-            f"{n} outputs ('num_classes'); {_REMEDY}"
-        )
-    return config

@@ -22,7 +22,7 @@ import torch
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
-from mmfast.infer.model_dir import MmfastModel
+from mmfast.infer.model_dir import MmfastModel, pil_transform
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
@@ -48,7 +48,7 @@ def rows_loader(
         cache_decoded=False,  # one pass: nothing would read the held images again
         sampling=WHOLE_BATCHES,
         eval_geometry="dali",
-        files_checked=True,  # each row's header was read (_image_problem): DALI runs whole batches
+        files_checked=True,  # each row's header was read (image_problem): DALI runs whole batches
         crop_ratio=cfg.get("crop_ratio", EVAL_CROP_RATIO),
         **_norm(cfg),
         **kwargs,
@@ -90,7 +90,7 @@ def predict_rows(
     out = [dict(r) for r in rows]
     max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
     for i, r in enumerate(rows):  # said in words, from the file's header; DALI would only skip it
-        problem = "" if r.get("error") else _image_problem(r, max_pixels)
+        problem = "" if r.get("error") else image_problem(r, max_pixels)
         if problem:
             out[i]["error"] = problem
     usable = [i for i, r in enumerate(out) if not r.get("error")]
@@ -146,7 +146,7 @@ def _predict_batches(model: MmfastModel, loader: MultimodalLoader, targets: list
         targets[pos]["error"] = f"image unreadable: {reason}"
 
 
-def _image_problem(row: dict, max_pixels: int) -> str:
+def image_problem(row: dict, max_pixels: int) -> str:
     """Why a row's image cannot be predicted, read from its header only (nothing is decoded); "" when it may
     be. A file DALI cannot parse is kept from it: DALI can crash on one instead of raising."""
     from PIL import Image
@@ -221,18 +221,9 @@ def predict_pil(model: MmfastModel, rows: list[dict], batch_size: int = 64) -> l
     """The plain loop a user would write (PIL decode, torchvision Resize + CenterCrop + Normalize, the tokenizer
     per batch, the model): the baseline predict's throughput is measured against. Returns class ids."""
     from PIL import Image
-    from torchvision import transforms
 
     cfg = model.config
-    size = cfg["image_size"]
-    tf = transforms.Compose(
-        [
-            transforms.Resize(round(size / cfg.get("crop_ratio", EVAL_CROP_RATIO))),
-            transforms.CenterCrop(size),
-            transforms.ToTensor(),
-            transforms.Normalize(cfg["mean"] or (0.5,) * 3, cfg["std"] or (0.5,) * 3),
-        ]
-    )
+    tf = pil_transform(cfg)
     preds = []
     for s in range(0, len(rows), batch_size):
         chunk = rows[s : s + batch_size]

@@ -1,11 +1,13 @@
 """Build a registered model by name, with the encoders it declares (``modalities``). Importing this module
-registers the built-in models (``fusion``)."""
+registers the built-in models (``fusion``, then ``dual``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from mmfast.models import fusion  # noqa: F401  (the built-in models register themselves when it is imported)
+# The built-in models register themselves when their modules are imported: in catalog.BUILTIN_MODELS' order.
+from mmfast.models import fusion  # noqa: F401  isort: skip
+from mmfast.models import dual  # noqa: F401  isort: skip
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import MODELS
 
@@ -39,16 +41,17 @@ def build_model(
     """Build a registered model with the encoders it declares.
 
     Args:
-        name: a registered model: "early", "concat", "late", a single-modality baseline "image" / "text", or
-            one added with ``register_model``.
-        num_classes: classifier outputs.
+        name: a registered model: "early", "concat", "late", a single-modality baseline "image" / "text", the
+            dual encoder "clip", or one added with ``register_model``.
+        num_classes: classifier outputs (not checked for a model that declares ``classifies = False``).
         image_backbone: one of IMAGE_BACKBONES.
         text_model: "bert-tiny"/"bert-mini" (random), "minilm" (local weights), a directory or hub name.
         vocab_size: the tokenizer's size (for random text configs and a consistency check).
         image_weights: optional local state dict for the image backbone (strict).
         freeze_image, freeze_text: no gradients into that encoder.
         channels_last: NHWC memory format for the CNN (faster convolutions on tensor cores).
-        **kwargs: model-specific options (LateFusion: combine; EarlyFusion: max_grid).
+        **kwargs: model-specific options (LateFusion: combine; EarlyFusion: max_grid; DualEncoder: loss,
+            embed_dim).
 
     Returns:
         The model; its encoders are ``model.image`` / ``model.text`` (None where it declares no such modality).
@@ -57,7 +60,7 @@ def build_model(
         ValueError: unknown name, backbone or text model; mismatched weights.
     """
     cls = model_class(name)
-    if num_classes < 2:
+    if getattr(cls, "classifies", True) and num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     # A model builds only the encoders it uses (the single-modality baselines one).
     image = (

@@ -2,7 +2,8 @@
 "best" means and its summary (``registry.Task``). The training loop calls a task and knows none of that; a new
 objective is one module here plus its line in ``factory`` (or ``register_task`` from outside).
 
-``classification`` is the built-in task. The torch-backed names are imported on first use (PEP 562):
+The built-in tasks: ``classification`` and ``contrastive`` (CLIP / SigLIP on image-caption pairs; labels,
+when there are any, only for zero-shot evaluation). The torch-backed names are imported on first use (PEP 562):
 ``mmfast-train --help`` reads ``BUILTIN_TASKS`` without importing torch.
 """
 
@@ -17,10 +18,12 @@ _LAZY = {
     "TASKS": "mmfast.tasks.factory",  # the registry, with the built-in tasks in it
     "build_task": "mmfast.tasks.factory",
     "ClassificationTask": "mmfast.tasks.classification",
+    "ContrastiveTask": "mmfast.tasks.contrastive",
 }
 
 if TYPE_CHECKING:
     from mmfast.tasks.classification import ClassificationTask
+    from mmfast.tasks.contrastive import ContrastiveTask
     from mmfast.tasks.factory import TASKS, build_task
 
 
@@ -30,4 +33,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mmfast.tasks' has no attribute '{name}'")
 
 
-__all__ = ["BUILTIN_TASKS", "TASKS", "ClassificationTask", "Task", "build_task", "register_task"]
+__all__ = [
+    "BUILTIN_TASKS",
+    "TASKS",
+    "ClassificationTask",
+    "ContrastiveTask",
+    "Task",
+    "build_task",
+    "register_task",
+]

@@ -15,17 +15,25 @@ if TYPE_CHECKING:
 
     from mmfast.data.dataset import PreparedDataset
 
-BUILTIN_TASKS = ("classification",)  # what the built-in task modules register, in this order
+BUILTIN_TASKS = ("classification", "contrastive")  # what the built-in task modules register, in this order
 TASKS: dict[str, Callable[[PreparedDataset], Task]] = {}
 
 
 class Task(Protocol):
     """A training objective: everything the loop leaves to it. Built from the prepared dataset
-    (``cls(dataset)``), raising ValueError on a dataset it cannot train on.
+    (``cls(dataset, **options)``), raising ValueError on a dataset it cannot train on.
 
     Attributes:
         num_outputs: what the model's head produces per sample (classes, for classification).
         tracked: evaluation figures that trackers compare runs by (TensorBoard's HParams view).
+
+    Optional (read with ``getattr``; a task without them is built from the dataset alone and trained one
+    micro-batch at a time):
+        config_options: names of training-config fields ``build_task`` passes as keyword arguments.
+        whole_window: True to be handed each accumulation window's micro-batches together:
+            ``backward_window(accelerator, model, batches, no_sync) -> float`` then does the forward and
+            backward of all of them (``no_sync()``: a context manager that holds back the gradient all-reduce)
+            and returns the window's loss; ``inputs``/``targets``/``loss`` are the task's own business.
     """
 
     num_outputs: int

@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
+from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, IMAGE_BACKBONES, LOSSES, PRESETS, get_preset
 from mmfast.util.args import Parser
 from mmfast.util.commands import PROFILE
 
@@ -19,19 +20,9 @@ def _opt(default, group: str, help: str):
     return field(default=default, metadata={"group": group, "help": help})
 
 
-LOSSES = ("clip", "siglip")  # the contrastive losses (mmfast.tasks.contrastive)
 # The --help groups, in the order --help shows them.
-GROUPS = (
-    "data",
-    "model",
-    "optimization",
-    "evaluation",
-    "precision",
-    "checkpoints",
-    "logging",
-    "profiling",
-    "processes",
-)
+GROUPS = ("data", "model", "optimization", "evaluation", "precision", "checkpoints", "logging", "profiling")
+GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
@@ -56,8 +47,11 @@ class TrainConfig:
         "(clip: image and text embedded into one space, trained on image-caption pairs, labels optional); or a "
         "model added with mmfast.models.register_model",
     )
-    preset: str = _opt(
-        "tiny", "model", "encoders + training recipe; every preset field can be overridden by its flag"
+    preset: str | None = _opt(
+        None,
+        "model",
+        "encoders + training recipe, every field overridable by its flag; none: the model's (tiny for the fusion "
+        "models, clip-lite0-minilm for clip)",
     )
     image_backbone: str | None = _opt(
         None,
@@ -103,7 +97,12 @@ class TrainConfig:
     eval_batch_size: int | None = _opt(
         None, "optimization", "samples per process per eval batch; none: --batch-size"
     )
-    grad_accum: int = _opt(1, "optimization", "micro-batches per optimizer step (gradient accumulation)")
+    grad_accum: int = _opt(
+        1,
+        "optimization",
+        "micro-batches per optimizer step; classification: their gradients averaged; contrastive: one loss "
+        "over all of them together (every sample's negatives are the whole window's), exact by feature caching",
+    )
     lr: float | None = _opt(
         None,
         "optimization",
@@ -232,7 +231,7 @@ class TrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
         for name, allowed in choices().items():
-            if name == "task" and self.task is None:  # the model's (resolve_preset)
+            if name in ("task", "preset") and getattr(self, name) is None:  # the model's (resolve_preset)
                 continue
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{_flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
@@ -288,7 +287,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     registry, the loader's and the late fusion's options. Imports torch and DALI: ``help_choices`` is what
     --help shows."""
     from mmfast.loading.sources import SOURCES  # DALI: only when a config is checked
-    from mmfast.models import COMBINE, MODELS, PRESETS
+    from mmfast.models import MODELS  # the live registry: torch, once a config is checked
     from mmfast.tasks import TASKS
 
     return {
@@ -309,7 +308,6 @@ def help_choices() -> dict[str, tuple[str, ...]]:
     """The choices --help lists, from modules that import neither torch nor DALI: the built-in models and
     tasks (the catalogs of ``mmfast.models`` and ``mmfast.tasks``), the presets, and the same tuples as
     ``choices``."""
-    from mmfast.models import BUILTIN_MODELS, COMBINE, PRESETS
     from mmfast.tasks import BUILTIN_TASKS
 
     return {
@@ -353,12 +351,8 @@ def _help(f, choice: tuple[str, ...] | None) -> str:
     if f.name == "report_to":
         extra = f"; choices: {', '.join(TRACKERS)}, all (those installed)"
     if f.name == "preset":
-        from mmfast.models import PRESETS
-
         extra = "; choices: " + "; ".join(f"{k} ({v.note})" for k, v in PRESETS.items())
     if f.name == "image_backbone":
-        from mmfast.models import IMAGE_BACKBONES
-
         extra = f"; choices: {', '.join(IMAGE_BACKBONES)}, timm:<name>"
     return f"{f.metadata['help']}{extra} (default: {'none' if shown is None else shown})".replace("%", "%%")
 
@@ -480,9 +474,10 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     """The configuration with every "from the preset" field (None) filled in: what config.json records. A
     preset whose recipe has no encoder learning rate (its encoders train from scratch) gives a pretrained
     encoder named by flag that encoder's own (``pretrained_encoder_lr``), not the new layers' ``--lr``."""
-    from mmfast.models import get_preset
+    from mmfast.models import MODELS  # the live registry: torch, once a config is resolved
     from mmfast.models.encoders import pretrained_encoder_lr
 
+    cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
     preset = get_preset(cfg.preset)
     filled = {
         name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS
@@ -490,23 +485,6 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     if filled["encoder_lr"] is None:  # a recipe for encoders from scratch: a pretrained one named by flag
         own = pretrained_encoder_lr(filled["image_backbone"], cfg.image_weights, filled["text_model"])
         filled["encoder_lr"] = filled["lr"] if own is None else own
-    from mmfast.models import MODELS
-
     filled["task"] = cfg.task or getattr(MODELS[cfg.model], "task", "classification")
     resolved = replace(cfg, **filled)
     return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
-
-
-def encoder_lr_note(given: TrainConfig, resolved: TrainConfig) -> str | None:
-    """The line a run prints when a pretrained encoder named by flag took its own learning rate
-    (``resolve_preset``) instead of the preset's recipe for encoders from scratch; None otherwise."""
-    from mmfast.models import get_preset
-
-    if given.encoder_lr is not None or get_preset(given.preset).encoder_lr is not None:
-        return None
-    if resolved.encoder_lr == resolved.lr:
-        return None
-    return (
-        f"pretrained encoder(s) train at lr {resolved.encoder_lr:g}, their own (the {given.preset} preset's "
-        f"--lr {resolved.lr:g} is for layers trained from scratch); --encoder-lr sets it"
-    )

@@ -1,7 +1,9 @@
 """The training loop, plain and visible: epochs of micro-batches, gradient accumulation (the loop closes the
 last window of an epoch), optimizer steps, stop signals, checkpoints, and an evaluation at each epoch's end.
 Accelerate owns processes, devices and mixed precision; the task (``mmfast.tasks``) owns what the model takes
-from a batch, the loss, the evaluation and what "best" means; ``mmfast.train.run`` sets a run up.
+from a batch, the loss, the evaluation and what "best" means (a task that declares ``whole_window`` is handed
+each accumulation window's micro-batches at once: ``EpochRunner.window_step``); ``mmfast.train.run`` sets a run
+up.
 """
 
 from __future__ import annotations
@@ -138,14 +140,22 @@ class EpochRunner:
         t0 = time.perf_counter()
         logwin = self.steps.window()  # what the next --log-every line averages
         i = loader.step  # micro-batch index in the epoch
+        whole_window = getattr(self.task, "whole_window", False)  # the task takes each window at once
+        window: list[dict] = []  # a whole-window task's micro-batches of the window so far
         for batch in self.timer.iterate(loader):  # the wait for each batch is the "data" phase
             window_end = (i + 1) % cfg.grad_accum == 0 or i + 1 == n_batches
             # The last window of an epoch may be shorter: divide by its real length so the gradient is
             # the mean over the samples it saw.
             window_start = (i // cfg.grad_accum) * cfg.grad_accum
             accum = min(cfg.grad_accum, n_batches - window_start)
-            loss = self.micro_step(batch, accum, sync=window_end)
-            self.count(epoch, batch, loss, s, logwin)
+            if whole_window:
+                window.append(batch)
+                if window_end:
+                    self.window_step(epoch, window, s, logwin)
+                    window = []
+            else:
+                loss = self.micro_step(batch, accum, sync=window_end)
+                self.count(epoch, batch, loss, s, logwin)
             i += 1
             if bar is not None:
                 bar.update(1)
@@ -246,6 +256,19 @@ class EpochRunner:
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
         return loss.item()  # note: a CPU-GPU sync point per micro-batch (keeps NaN detection exact)
+
+    def window_step(self, epoch: int, batches: list[dict], s: dict, logwin: StepWindow) -> None:
+        """A whole-window task's forward and backward of a window's micro-batches together
+        (``task.backward_window``); each micro-batch is counted with the window's loss."""
+        acc, model = self.acc, self.model
+
+        def no_sync():
+            return acc.no_sync(model) if acc.num_processes > 1 else contextlib.nullcontext()
+
+        with self.timer.phase("backward"):  # forwards and backwards interleave: one phase
+            loss = self.task.backward_window(acc, model, batches, no_sync)
+        for batch in batches:
+            self.count(epoch, batch, loss, s, logwin)
 
     def optimizer_step(self) -> None:
         acc, cfg = self.acc, self.cfg

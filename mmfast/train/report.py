@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mmfast.models.catalog import get_preset
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import checkpoint_dir
 from mmfast.train.config import TrainConfig
@@ -226,3 +227,17 @@ def write_weights_digest(accelerator, model, run_dir: Path) -> None:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     (run_dir / f"weights.rank{accelerator.process_index}.sha256").write_text(h.hexdigest())
+
+
+def encoder_lr_note(given: TrainConfig, resolved: TrainConfig) -> str | None:
+    """The line a run prints when a pretrained encoder named by flag took its own learning rate
+    (``resolve_preset``) instead of the preset's recipe for encoders from scratch; None otherwise."""
+
+    if given.encoder_lr is not None or get_preset(resolved.preset).encoder_lr is not None:
+        return None
+    if resolved.encoder_lr == resolved.lr:
+        return None
+    return (
+        f"pretrained encoder(s) train at lr {resolved.encoder_lr:g}, their own (the {resolved.preset} preset's "
+        f"--lr {resolved.lr:g} is for layers trained from scratch); --encoder-lr sets it"
+    )

@@ -18,13 +18,14 @@ from mmfast.models import build_model, model_class
 from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
-from mmfast.train.config import TrainConfig, encoder_lr_note, resolve_preset, resume_differences
+from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
 from mmfast.train.data import build_loaders, images_note
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
 from mmfast.train.profiler import UtilizationSampler
 from mmfast.train.report import (
+    encoder_lr_note,
     start_trackers,
     summarize,
     tracker_config,
@@ -156,7 +157,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     identity = run_identity(cfg, accelerator, dataset)
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
-    task = build_task(cfg.task, dataset)
+    task = build_task(cfg.task, dataset, cfg)
     model = _build_model(cfg, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)

@@ -1,0 +1,162 @@
+"""A model directory's config.json: what it records of a run (``model_config``) and the checks it must pass to
+be loaded (``read_config``), with the error those raise (``ModelDirError``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from torch import nn
+
+from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.models import model_class
+
+FORMAT = "mmfast-model/1"
+CONFIG_FILE = "config.json"
+REMEDY = "copy the model directory again whole from its run (RUN/model, or RUN/model-last), or retrain"
+
+
+class ModelDirError(ValueError):
+    """A model directory that cannot be used: a file missing, damaged, not matching the others, or weights that
+    are not finite. The message names the file and what to do."""
+
+
+def one_line(e: BaseException, most: int = 300) -> str:
+    """An exception's message on one line, cut to ``most`` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+def model_options(config: dict) -> dict:
+    """The model's own options (its class's ``config_options``: late fusion's combine, the dual encoder's loss
+    and embed_dim) that config.json records, as ``build_model`` takes them."""
+    names = getattr(model_class(config["model"]), "config_options", ())
+    return {name: config[name] for name in names if name in config}
+
+
+def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Path | None = None) -> dict:
+    """config.json of a run's model directory.
+
+    Args:
+        cfg: the resolved TrainConfig.
+        dataset: the PreparedDataset it trained on.
+        model: the (unwrapped) network, for the normalization its image encoder expects.
+        weights: "best" or "last".
+        tokenizer_dir: the tokenizer it trained with (default: the dataset's).
+    """
+    from mmfast.data.tokenizer import load_tokenizer
+    from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
+    from mmfast.tasks.retrieval import read_templates
+
+    image, text = getattr(model, "image", None), getattr(model, "text", None)
+    prep = dataset.summary.get("config", {})
+    # a pretrained text model's architecture, so load_model needs neither its package nor the hub
+    text_config = (
+        text.model.config.to_dict() if text is not None and cfg.text_model not in RANDOM_TEXT_CONFIGS else None
+    )
+    cls = model_class(cfg.model)
+    options = {name: getattr(cfg, name) for name in getattr(cls, "config_options", ())}
+    task = getattr(cfg, "task", None) or getattr(cls, "task", "classification")
+    # a contrastive model's zero-shot prompts, read now: the file they came from may be gone when it is used
+    templates = (
+        {"zero_shot_templates": read_templates(getattr(cfg, "zero_shot_templates", None))}
+        if task == "contrastive"
+        else {}
+    )
+    return {
+        "format": FORMAT,
+        "weights": weights,
+        "model": cfg.model,
+        "task": task,
+        "num_classes": dataset.num_classes,
+        "class_names": sorted(dataset.labels, key=dataset.labels.get),
+        "image_backbone": cfg.image_backbone,
+        "text_model": cfg.text_model,
+        **({"text_config": text_config} if text_config is not None else {}),
+        "vocab_size": len(load_tokenizer(tokenizer_dir or dataset.tokenizer_dir)),
+        "hidden": cfg.hidden,
+        "dropout": cfg.dropout,
+        **options,
+        **templates,
+        "image_size": cfg.image_size,
+        "crop_ratio": EVAL_CROP_RATIO,  # eval: the shorter side resized to image_size / crop_ratio, then cropped
+        # 0..1 scale; the loader takes them x255
+        "mean": list(image.mean) if image is not None else None,
+        "std": list(image.std) if image is not None else None,
+        "max_length": int(prep.get("max_length") or dataset.summary.get("max_length")),
+        "eval_batch_size": cfg.eval_batch_size,
+        "max_pixels": dataset.max_pixels,
+    }
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _rgb(v) -> bool:
+    return v is None or (isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v))
+
+
+def _templates(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, str) and t.count("{}") == 1 for t in v)
+
+
+# config.json's fields: what each must be (the test, and its words for the error)
+_FIELDS = {
+    "model": (lambda v: isinstance(v, str), "a model name"),
+    "num_classes": (_positive_int, "a positive integer"),
+    "class_names": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of names"),
+    "image_backbone": (lambda v: isinstance(v, str), "an image backbone name"),
+    "text_model": (lambda v: isinstance(v, str), "a text model name"),
+    "vocab_size": (_positive_int, "a positive integer"),
+    "hidden": (_positive_int, "a positive integer"),
+    "dropout": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "image_size": (_positive_int, "a positive integer"),
+    "mean": (_rgb, "3 numbers (or null)"),
+    "std": (_rgb, "3 numbers (or null)"),
+    "max_length": (_positive_int, "a positive integer"),
+}
+_OPTIONAL_FIELDS = {
+    "task": (lambda v: isinstance(v, str), "a task name"),
+    "eval_batch_size": (lambda v: v is None or _positive_int(v), "a positive integer"),
+    "max_pixels": (lambda v: v is None or _positive_int(v), "a positive integer"),
+    "text_config": (lambda v: isinstance(v, dict) and isinstance(v.get("model_type"), str), "a model config"),
+    "embed_dim": (_positive_int, "a positive integer"),
+    "loss": (lambda v: isinstance(v, str), "a loss name"),
+    "zero_shot_templates": (_templates, "a list of templates, each with one {}"),
+}
+
+
+def read_config(model_dir: str | os.PathLike) -> dict:
+    """A model directory's config.json, checked: JSON, every field there and of its type, one class name per
+    classifier output.
+
+    Raises:
+        ModelDirError: naming config.json and the field.
+    """
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise ModelDirError(f"{path}: not readable JSON ({one_line(e)}); {REMEDY}") from None
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{path}: not a JSON object; {REMEDY}")
+    missing = [k for k in _FIELDS if k not in config]
+    if missing:
+        raise ModelDirError(f"{path}: missing {', '.join(map(repr, missing))}; {REMEDY}")
+    for key, (ok, what) in {**_FIELDS, **_OPTIONAL_FIELDS}.items():
+        if key in config and not ok(config[key]):
+            raise ModelDirError(f"{path}: {key!r} must be {what}, got {json.dumps(config[key])[:80]}; {REMEDY}")
+    names, n = config["class_names"], config["num_classes"]
+    if len(names) != n or len(set(names)) != n:
+        raise ModelDirError(
+            f"{path}: 'class_names' holds {len(names)} names ({len(set(names))} distinct) for the classifier's "
+            f"{n} outputs ('num_classes'); {REMEDY}"
+        )
+    return config

@@ -1,0 +1,93 @@
+"""The dual encoder (CLIP / SigLIP): an image tower and a text tower, each projected into one shared embedding
+space and L2-normalized, with the learnable temperature (and SigLIP's bias) that the contrastive task's loss
+scales their dot products by. Registered as "clip"; its objective is the "contrastive" task.
+
+Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is (the encoder keeps its batch-norm
+statistics in eval mode), its projection and the text tower learn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mmfast.models.catalog import LOSSES
+from mmfast.models.encoders import ImageEncoder, TextEncoder
+from mmfast.models.registry import register_model
+
+MAX_LOGIT_SCALE = 100.0  # exp(logit_scale) is clamped to this (CLIP: "to prevent scaling the logits by more")
+# Initial log-temperatures and biases. CLIP (Radford et al. 2021): temperature 0.07, no bias; SigLIP (Zhai et
+# al. 2023): t' = log 10 and b = -10, so the many negative pairs of a batch start with a small loss.
+INIT_LOGIT_SCALE = {"clip": math.log(1 / 0.07), "siglip": math.log(10.0)}
+INIT_LOGIT_BIAS = {"clip": 0.0, "siglip": -10.0}
+
+
+@register_model("clip")
+class DualEncoder(nn.Module):
+    """Image and text towers (pooled encoder features) with a bias-free linear projection each into
+    ``embed_dim``; the outputs are L2-normalized float32 whatever the autocast dtype.
+
+    ``forward(batch)`` returns {"image": (B, D), "text": (B, D), "logit_scale": exp(t) clamped to 100 (0-dim),
+    "logit_bias": b (0-dim; a fixed 0 for CLIP)}. ``num_classes``, ``hidden`` and ``dropout`` are the factory's
+    common arguments and are not used (no classifier head).
+
+    Above the clamp the temperature's gradient is zero, as ``torch.clamp`` gives it: it then holds at 100.
+    """
+
+    modalities = ("image", "text")
+    task = "contrastive"  # the objective --task defaults to (mmfast.train.config.resolve_preset)
+    default_preset = "clip-lite0-minilm"  # what --preset defaults to: pretrained towers that run offline
+    config_options = ("loss", "embed_dim")  # TrainConfig fields build_model passes as keyword arguments
+    classifies = False  # no classifier head: build_model does not ask for two or more classes
+
+    def __init__(
+        self,
+        image: ImageEncoder,
+        text: TextEncoder,
+        num_classes: int = 0,
+        hidden: int = 512,
+        dropout: float = 0.1,
+        loss: str = "clip",
+        embed_dim: int = 256,
+    ):
+        super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss '{loss}'; choose from {', '.join(LOSSES)}")
+        if embed_dim < 1:
+            raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
+        self.image, self.text = image, text
+        self.loss, self.embed_dim = loss, embed_dim
+        self.image_proj = nn.Linear(image.width, embed_dim, bias=False)
+        self.text_proj = nn.Linear(text.width, embed_dim, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE[loss]))
+        if loss == "siglip":
+            self.logit_bias = nn.Parameter(torch.tensor(INIT_LOGIT_BIAS[loss]))
+        else:  # CLIP's softmax is shift-invariant: a bias would never learn; kept as a constant 0
+            self.register_buffer("logit_bias", torch.tensor(INIT_LOGIT_BIAS[loss]))
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalized image embeddings (B, D) float32 of a normalized image batch (B, 3, S, S)."""
+        pooled, _ = self.image(images)  # (B, C_img)
+        return F.normalize(self.image_proj(pooled).float(), dim=-1)
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Normalized text embeddings (B, D) float32 of token ids and their attention mask (B, L)."""
+        pooled = self.text(input_ids, attention_mask)  # (B, D_txt)
+        return F.normalize(self.text_proj(pooled).float(), dim=-1)
+
+    def scale_and_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp(t) clamped to MAX_LOGIT_SCALE, b), both 0-dim float32."""
+        scale = self.logit_scale.float().clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
+        return scale, self.logit_bias.float()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        scale, bias = self.scale_and_bias()
+        return {
+            "image": self.encode_image(batch["image"]),  # (B, D)
+            "text": self.encode_text(batch["input_ids"], batch["attention_mask"]),  # (B, D)
+            "logit_scale": scale,
+            "logit_bias": bias,
+        }

@@ -1,0 +1,279 @@
+"""The contrastive task (CLIP, SigLIP): each image and its caption pulled together and every other pair of the
+global batch pushed apart: all processes' samples (``global_batch.gather_features``) and a whole accumulation
+window (``backward_window``: cached features). Two captions of one image, or two byte-identical captions, are
+not each other's negatives. Evaluation: retrieval recall both ways and, with class labels, zero-shot accuracy
+(``retrieval``); the best checkpoint is the one of the highest mean recall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mmfast.data.batch import PAD_ID
+from mmfast.data.dataset import PreparedDataset
+from mmfast.tasks.global_batch import all_gather_rows, cached_window_backward, gather_features, gather_sizes, world
+from mmfast.tasks.registry import register_task
+from mmfast.tasks.retrieval import (
+    caption_groups,
+    class_embeddings,
+    class_prompts,
+    read_templates,
+    retrieval_figures,
+    zero_shot_figures,
+)
+
+LOSSES = ("clip", "siglip")
+PROMPT_BATCH = 256  # zero-shot prompts embedded per forward
+
+
+def sample_groups(dataset: PreparedDataset) -> torch.Tensor:
+    """(2, max id + 1) int64: per sample id of both splits, its image group (rows of one image file share it:
+    the file's SHA-256 where the rows record one, else the original of a --max-side copy, else the path) and
+    its caption group (byte-identical captions share it); -1 for an id no row has."""
+    images: dict[str, int] = {}
+    texts: dict[str, int] = {}
+    ids, groups = [], []
+    for split in ("train", "val"):
+        if dataset.split_size(split) == 0:
+            continue
+        for row in dataset.iter_rows(split):
+            key = row.get("sha256") or row.get("original") or row["image"]
+            ids.append(row["id"])
+            groups.append((images.setdefault(key, len(images)), texts.setdefault(row["text"], len(texts))))
+    table = np.full((2, max(ids, default=-1) + 1), -1, dtype=np.int64)
+    if ids:
+        table[:, np.asarray(ids)] = np.asarray(groups, dtype=np.int64).T
+    return torch.from_numpy(table)
+
+
+def contrastive_loss(
+    kind: str,
+    out: dict,
+    ids: torch.Tensor,
+    groups: torch.Tensor,
+    gather: Callable[[torch.Tensor, list[int]], torch.Tensor] = gather_features,
+) -> torch.Tensor:
+    """This process's share of the global batch's loss: its rows against every process's columns.
+
+    CLIP: the mean of image->text and text->image cross-entropy over logits ``scale * img @ txt.T``. SigLIP:
+    ``-1/|B| sum_i sum_j log sigmoid(z_ij (scale * img_i . txt_j + bias))``, z = 1 on the diagonal, -1 off
+    it. A pair (i, j != i) of one image group or one caption group is no negative: out of the softmax (CLIP)
+    and of the sum (SigLIP); padding (id -1) is neither a row nor a column. Each process returns
+    ``processes * its rows' sum / the global batch's samples``: the mean over processes (DDP's mean of the
+    gradients) is the loss of one process on the whole batch.
+
+    Args:
+        kind: "clip" or "siglip".
+        out: the model's output: {"image", "text": (B, D) normalized, "logit_scale", "logit_bias": 0-dim}.
+        ids: (B,) sample ids, ``PAD_ID`` for padding.
+        groups: (2, B) each sample's image group and caption group (``sample_groups``).
+        gather: how features reach every process (``gather_features``; a test passes one without gradient).
+
+    Returns:
+        The 0-dim loss.
+    """
+    processes, rank = world()
+    sizes = gather_sizes(ids.shape[0], ids.device)
+    img, txt = out["image"].float(), out["text"].float()
+    all_img, all_txt = gather(img, sizes), gather(txt, sizes)  # (M, D)
+    all_ids, all_image_g, all_text_g = all_gather_rows(torch.cat([ids[None], groups]).T.contiguous(), sizes).T
+    scale, bias = out["logit_scale"].float(), out["logit_bias"].float()
+    m = all_ids.shape[0]
+    rows = torch.arange(ids.shape[0], device=ids.device) + sum(sizes[:rank])  # each row's own column
+    positive = rows[:, None] == torch.arange(m, device=ids.device)[None]  # (B, M)
+    same = (groups[0][:, None] == all_image_g[None]) | (groups[1][:, None] == all_text_g[None])
+    excluded = (same & ~positive) | (all_ids == PAD_ID)[None]  # (B, M): not a negative
+    valid = ids != PAD_ID
+    samples = (all_ids != PAD_ID).sum().clamp(min=1)
+    if kind == "clip":
+        keep, target = excluded[valid], rows[valid]
+        i2t = (scale * img[valid] @ all_txt.T).masked_fill(keep, float("-inf"))
+        t2i = (scale * txt[valid] @ all_img.T).masked_fill(keep, float("-inf"))
+        total = (F.cross_entropy(i2t, target, reduction="sum") + F.cross_entropy(t2i, target, reduction="sum")) / 2
+        total = total + 0.0 * bias  # every output takes part in the graph (DDP checks each parameter)
+    else:
+        logits = scale * img @ all_txt.T + bias  # (B, M)
+        sign = positive.float() * 2 - 1
+        counted = valid[:, None] & ~excluded
+        total = -torch.where(counted, F.logsigmoid(sign * logits), 0.0).sum()
+    return processes * total / samples
+
+
+@register_task("contrastive")
+class ContrastiveTask:
+    """Image-caption pairs (``batch["id"]`` says which samples share an image or a caption), the model's output
+    {"image", "text", "logit_scale", "logit_bias"} (the dual encoder "clip"); trains on a dataset with labels
+    or without (one class: zero-shot accuracy needs two or more). The best evaluation is the one of the highest
+    ``val_mean_recall``.
+
+    ``whole_window``: the loop hands the task each accumulation window's micro-batches together
+    (``backward_window``), so every micro-batch's samples are the negatives of all the window's.
+
+    Args:
+        dataset: the prepared dataset (its rows give the image and caption groups).
+        loss: "clip" or "siglip" (``--loss``).
+        zero_shot_templates: prompts for zero-shot evaluation (``retrieval.read_templates``; None: the default).
+    """
+
+    best_metric = "val_mean_recall"
+    whole_window = True
+    needs_labels = False  # a raw --data without a label column is prepared as --no-labels would (train.setup)
+    config_options = ("loss", "zero_shot_templates")  # TrainConfig fields build_task passes as keywords
+
+    def __init__(self, dataset: PreparedDataset, loss: str = "clip", zero_shot_templates: str | None = None):
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss '{loss}'; choose from {', '.join(LOSSES)}")
+        self.kind = loss
+        self.num_outputs = dataset.num_classes  # not read by the dual encoder (no classifier head)
+        names = sorted(dataset.labels, key=dataset.labels.get)
+        self.class_names = names if len(names) >= 2 else None  # a --no-labels preparation has one class
+        self.templates = read_templates(zero_shot_templates) if self.class_names else None
+        self.tokenizer_dir = dataset.tokenizer_dir
+        # prompts are tokenized as the captions were: at most the preparation's max_length tokens
+        summary = getattr(dataset, "summary", None) or {}
+        self.max_length = summary.get("config", {}).get("max_length") or summary.get(
+            "max_length"
+        )  # None: the tokenizer's
+        self.tracked = ("val_mean_recall", "val_i2t_r1", "val_t2i_r1") + (
+            ("val_zero_shot_acc",) if self.class_names else ()
+        )
+        self._groups = sample_groups(dataset)  # (2, ids) on the CPU
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def groups(self, ids: torch.Tensor) -> torch.Tensor:
+        """(2, B) image and caption groups of sample ids (padding: those of id 0; it never counts)."""
+        if ids.device not in self._on_device:
+            self._on_device[ids.device] = self._groups.to(ids.device)
+        return self._on_device[ids.device][:, ids.clamp(min=0)]
+
+    def inputs(self, batch: dict) -> dict:
+        return batch  # the dual encoder reads "image", "input_ids" and "attention_mask"
+
+    def targets(self, batch: dict) -> torch.Tensor:
+        return batch["id"]  # (B,): which pairs are positives, negatives, or neither
+
+    def loss(self, output: dict, targets: torch.Tensor) -> torch.Tensor:
+        return contrastive_loss(self.kind, output, targets, self.groups(targets))
+
+    def backward_window(self, accelerator, model, batches: list[dict], no_sync) -> float:
+        """Forward and backward of one accumulation window as one batch of all its samples (and every
+        process's); returns the window's loss. A window of one micro-batch is a plain forward and backward.
+
+        Args:
+            accelerator: the run's Accelerator (``device``, ``backward``).
+            model: the (prepared) dual encoder.
+            batches: the window's loader batches, in order.
+            no_sync: a context manager factory that holds back the gradient all-reduce (DDP's ``no_sync``).
+        """
+        if len(batches) == 1:
+            out = model(self.inputs(batches[0]))
+            loss = self.loss(out, self.targets(batches[0]))
+            accelerator.backward(loss)
+            return loss.item()  # note: a CPU-GPU sync point per window
+        ids = torch.cat([self.targets(b) for b in batches])
+        inputs = [self.inputs(b) for b in batches]
+        return cached_window_backward(accelerator, model, inputs, lambda out: self.loss(out, ids), no_sync)
+
+    def evaluate(self, accelerator, model, loader) -> dict:
+        """Retrieval (and zero-shot) figures of the whole split, all processes together; each sample once
+        (padding and repeated ids dropped), one entry per distinct image."""
+        model.eval()
+        try:
+            ids, labels, img, txt, _ = _embed_split(model, loader)
+            if ids.numel() == 0:
+                return {}
+            image_keys = self.groups(ids)[0].tolist()
+            first, text_image = caption_groups(image_keys)
+            figures = retrieval_figures(img[first], txt, text_image.to(img.device))
+            if self.class_names:
+                class_emb = self._class_embeddings(accelerator, model, img.device)
+                figures |= zero_shot_figures(img[first], labels[first], class_emb)
+        finally:
+            model.train()
+        figures["samples"] = int(ids.numel())
+        figures["images"] = len(first)
+        return {f"val_{k}": v for k, v in figures.items()}
+
+    @torch.no_grad()
+    def _class_embeddings(self, accelerator, model, device: torch.device) -> torch.Tensor:
+        """(C, D) prompt-ensemble embedding of each class, its prompts tokenized as the captions were."""
+        from mmfast.data.tokenizer import load_tokenizer  # transformers: only when a zero-shot evaluation runs
+
+        prompts = class_prompts(self.class_names, self.templates)  # (C, T)
+        flat = [p for per_class in prompts for p in per_class]
+        tok = load_tokenizer(self.tokenizer_dir)
+        enc = tok(flat, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt")
+        encode = accelerator.unwrap_model(model).encode_text
+        parts = []
+        for s in range(0, len(flat), PROMPT_BATCH):
+            ids = enc["input_ids"][s : s + PROMPT_BATCH].to(device)
+            mask = enc["attention_mask"][s : s + PROMPT_BATCH].to(device)
+            with accelerator.autocast():
+                parts.append(encode(ids, mask).float())
+        emb = torch.cat(parts).reshape(len(prompts), len(self.templates), -1)
+        return class_embeddings(emb)
+
+    def improves(self, metrics: dict, state: dict) -> bool:
+        return metrics.get(self.best_metric, 0.0) > state["best_val_mean_recall"]
+
+    def best_figures(self, metrics: dict) -> dict:
+        return {
+            "best_val_mean_recall": metrics.get("val_mean_recall", 0.0),
+            "best_val_i2t_r1": metrics.get("val_i2t_r1"),
+            "best_val_t2i_r1": metrics.get("val_t2i_r1"),
+        }
+
+    def epoch_line(self, metrics: dict) -> str:
+        if "val_mean_recall" not in metrics:
+            return ""
+        line = (
+            f" val mean_recall {metrics['val_mean_recall']:.2f} i2t R@1 {metrics['val_i2t_r1']:.2f} "
+            f"t2i R@1 {metrics['val_t2i_r1']:.2f}"
+        )
+        if "val_zero_shot_acc" in metrics:
+            line += f" zero-shot {metrics['val_zero_shot_acc']:.2f}"
+        return line
+
+    def summary(self, last: dict, state: dict) -> dict:
+        return {
+            **{k: last.get(k) for k in self.tracked},  # the last evaluation's
+            "best_mean_recall": state["best_val_mean_recall"],
+            "best_i2t_r1": state.get("best_val_i2t_r1"),
+            "best_t2i_r1": state.get("best_val_t2i_r1"),
+        }
+
+
+@torch.no_grad()
+def _embed_split(model, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(ids, labels, image embeddings, text embeddings, token length) of every process's samples of the split,
+    in id order, each id once, padding dropped."""
+    ids, labels, img, txt, length = [], [], [], [], 0
+    for batch in loader:  # no set_epoch: the eval order is fixed
+        out = model(batch)
+        ids.append(batch["id"])
+        labels.append(batch["label"])
+        img.append(out["image"].float())
+        txt.append(out["text"].float())
+        length = int(batch["input_ids"].shape[1])
+    device = next(model.parameters()).device
+    # every process takes part in the gathers, one that had no batch too (with the others' widths)
+    width = max(gather_sizes(int(img[0].shape[1]) if img else 0, device))
+    length = max(gather_sizes(length, device))
+    meta = torch.stack([torch.cat(ids), torch.cat(labels)], 1) if ids else torch.zeros(0, 2, dtype=torch.int64)
+    emb = torch.cat([torch.cat(img), torch.cat(txt)], 1) if img else torch.zeros(0, 2 * width)
+    meta, emb = meta.to(device), emb.to(device)  # (N, 2) id and label, (N, 2D) image and text
+    sizes = gather_sizes(meta.shape[0], device)
+    meta, emb = all_gather_rows(meta, sizes), all_gather_rows(emb, sizes)
+    keep = meta[:, 0] != PAD_ID
+    meta, emb = meta[keep], emb[keep]
+    unique, inverse = torch.unique(meta[:, 0], return_inverse=True)  # sorted ids
+    first = torch.full_like(unique, meta.shape[0]).scatter_reduce_(
+        0, inverse, torch.arange(meta.shape[0], device=meta.device), "amin"
+    )
+    meta, emb = meta[first], emb[first]
+    d = emb.shape[1] // 2
+    return meta[:, 0], meta[:, 1], emb[:, :d], emb[:, d:], length

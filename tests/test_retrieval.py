@@ -1,0 +1,163 @@
+"""Retrieval and zero-shot figures (mmfast/tasks/retrieval.py) on embeddings whose ranks are known by hand.
+
+With one-hot image embeddings (``torch.eye``), row t of the text embeddings *is* text t's score for each image,
+so every score below is written out; the values are exact in float32, so ties are real ties.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mmfast.tasks import retrieval
+from mmfast.tasks.retrieval import (
+    DEFAULT_TEMPLATES,
+    caption_groups,
+    class_embeddings,
+    class_prompts,
+    read_templates,
+    retrieval_figures,
+    zero_shot_figures,
+)
+
+
+@pytest.fixture(params=[1024, 2], ids=["one-block", "blocks-of-2"])
+def chunk(request, monkeypatch):
+    """Each test twice: in one similarity block, and in blocks of 2 query rows (offsets between blocks)."""
+    monkeypatch.setattr(retrieval, "_CHUNK", request.param)
+    return request.param
+
+
+def _figures(scores: list[list[float]], text_image: list[int]) -> dict:
+    s = torch.tensor(scores)  # (Nt, Ni): text t's score for image i
+    return retrieval_figures(torch.eye(s.shape[1]), s, torch.tensor(text_image))
+
+
+def test_ranks_are_one_based_and_ties_count_against_the_query(chunk):
+    scores = [
+        [0.875, 0.125, 0.25, 0.375],  # own image 0 highest: t2i rank 1
+        [0.5, 0.375, 0.125, 0.0],  # one image above its own: rank 2
+        [0.375, 0.25, 0.125, 0.0],  # two above: rank 3
+        [0.75, 0.75, 0.75, 0.75],  # all tied with its own: rank 4 (pessimistic), not 1
+    ]
+    f = _figures(scores, [0, 1, 2, 3])
+    # t2i ranks [1, 2, 3, 4]. i2t, down each column: image 0's text scores 0.875 above 0.5, 0.375, 0.75 -> 1;
+    # image 1: 0.375 below text 3's 0.75 -> 2; image 2: 0.125 tied with text 1's, below 0.25 and 0.75 -> 4;
+    # image 3: 0.75 above 0.375, 0.0, 0.0 -> 1.
+    assert f["t2i_r1"] == 25.0 and f["t2i_r5"] == 100.0 and f["t2i_r10"] == 100.0
+    assert f["t2i_median_rank"] == 2.5  # the mean of the middle two of [1, 2, 3, 4]
+    assert f["i2t_r1"] == 50.0 and f["i2t_r5"] == 100.0
+    assert f["i2t_median_rank"] == 1.5  # of [1, 1, 2, 4]
+    assert f["mean_recall"] == pytest.approx((25 + 100 + 100 + 50 + 100 + 100) / 6)
+
+
+def test_recall_at_5_and_10_count_ranks_up_to_k_inclusive(chunk):
+    # 12 images; text t's own image is image t and exactly rank-1 other images score above it
+    ranks = [1, 5, 6, 10, 11]
+    scores = [[0.25] * 12 for _ in ranks]
+    for t, rank in enumerate(ranks):
+        scores[t][t] = 0.5
+        for other in [i for i in range(12) if i != t][: rank - 1]:
+            scores[t][other] = 0.75
+    # images 5..11 need a caption each: give them texts that retrieve them first
+    extra = [[1.0 if i == j else 0.0 for i in range(12)] for j in range(5, 12)]
+    f = _figures(scores + extra, list(range(12)))
+    t2i = ranks + [1] * 7
+    assert f["t2i_r1"] == pytest.approx(100 * sum(r <= 1 for r in t2i) / 12)
+    assert f["t2i_r5"] == pytest.approx(100 * sum(r <= 5 for r in t2i) / 12)  # rank 5 counts, 6 does not
+    assert f["t2i_r10"] == pytest.approx(100 * sum(r <= 10 for r in t2i) / 12)  # rank 10 counts, 11 does not
+    assert f["t2i_median_rank"] == 1.0
+
+
+def test_a_tie_at_the_boundary_is_pessimistic(chunk):
+    # text 0 ties with 4 other images: rank 5 (in R@5, not in R@1); with 5 others it is rank 6 (out of R@5)
+    scores = [[0.5] * 5 + [0.0] * 3, [0.5] * 6 + [0.0] * 2] + [
+        [1.0 if i == j else 0.0 for i in range(8)] for j in range(2, 8)
+    ]
+    f = _figures(scores, list(range(8)))
+    assert f["t2i_r1"] == pytest.approx(100 * 6 / 8)
+    assert f["t2i_r5"] == pytest.approx(100 * 7 / 8)
+    assert f["t2i_r10"] == 100.0
+
+
+def test_an_image_with_several_captions_ranks_by_its_best_one(chunk):
+    # image 0's captions are texts 0 and 1, image 1's texts 2 and 3; columns are each image's text scores
+    scores = [
+        [0.25, 0.75],
+        [0.75, 0.5],
+        [0.5, 0.25],
+        [0.125, 0.5],
+    ]
+    f = _figures(scores, [0, 0, 1, 1])
+    # i2t: image 0's best own caption (text 1, 0.75) is above every other caption -> rank 1 (its first caption
+    # alone, 0.25, would rank 3); image 1's best own (text 3, 0.5) ties with text 1's 0.5, below text 0's 0.75
+    # -> rank 3, its other own caption not counted against it.
+    assert f["i2t_r1"] == 50.0 and f["i2t_r5"] == 100.0 and f["i2t_median_rank"] == 2.0
+    # t2i: text 0 ranks image 0 below image 1 (2), text 1 first (1), text 2 second (2), text 3 first (1)
+    assert f["t2i_r1"] == 50.0 and f["t2i_median_rank"] == 1.5
+
+
+def test_matching_embeddings_retrieve_perfectly_and_a_constant_model_scores_worst(chunk):
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.functional.normalize(torch.randn(7, 16, generator=g), dim=1)
+    f = retrieval_figures(emb, emb.clone(), torch.arange(7))
+    assert all(f[f"{w}_r{k}"] == 100.0 for w in ("i2t", "t2i") for k in (1, 5, 10))
+    assert f["i2t_median_rank"] == f["t2i_median_rank"] == 1.0 and f["mean_recall"] == 100.0
+    same = torch.ones(7, 16) / 4
+    worst = retrieval_figures(same, same, torch.arange(7))  # every score tied: every rank is the last one
+    assert worst["t2i_median_rank"] == worst["i2t_median_rank"] == 7.0 and worst["i2t_r5"] == 0.0
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="have no text"):
+        retrieval_figures(torch.eye(3), torch.eye(3)[:2], torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="outside 0..2"):
+        retrieval_figures(torch.eye(3), torch.eye(3), torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="embeddings"):
+        retrieval_figures(torch.eye(3), torch.eye(4), torch.tensor([0, 1, 2, 2]))
+
+
+def test_caption_groups():
+    first, text_image = caption_groups(["a.jpg", "b.jpg", "a.jpg", "c.jpg", "b.jpg"])
+    assert first == [0, 1, 3] and text_image.tolist() == [0, 1, 0, 2, 1]
+
+
+def test_zero_shot_accuracy_is_strict_and_skips_masked_samples():
+    classes = torch.tensor([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 0.5, 1.0]])  # (C=2, D=4)
+    images = torch.eye(4)  # image n's score for class c is classes[c, n]: [1, 0], [0, 1], [0.5, 0.5], [0, 1]
+    f = zero_shot_figures(images, torch.tensor([0, 1, 0, -100]), classes)
+    assert f == {"zero_shot_acc": pytest.approx(100 * 2 / 3), "zero_shot_samples": 3}  # the tie counts as wrong
+    assert zero_shot_figures(images[:2], torch.tensor([1, 0]), classes)["zero_shot_acc"] == 0.0
+    with pytest.raises(ValueError, match="one label in 0..1"):
+        zero_shot_figures(images, torch.tensor([0, 1, 2, 0]), classes)
+
+
+def test_class_prompts_and_their_ensemble():
+    assert class_prompts(["cat", "red circle"], ["a photo of a {}.", "{}"]) == [
+        ["a photo of a cat.", "cat"],
+        ["a photo of a red circle.", "red circle"],
+    ]
+    # each prompt normalized before the mean: [2, 0] weighs as much as [0, 1]
+    emb = class_embeddings(torch.tensor([[[2.0, 0.0], [0.0, 1.0]], [[0.0, 3.0], [0.0, 1.0]]]))
+    torch.testing.assert_close(emb, torch.tensor([[2**-0.5, 2**-0.5], [0.0, 1.0]]))
+
+
+def test_read_templates(tmp_path):
+    assert read_templates(None) == list(DEFAULT_TEMPLATES) and all("{}" in t for t in DEFAULT_TEMPLATES)
+    assert read_templates("a photo of a {}.| {} ||art of {}") == ["a photo of a {}.", "{}", "art of {}"]
+    path = tmp_path / "templates.txt"
+    path.write_text("# prompts\na sketch of a {}.\n\n  a {} in the wild  \n")
+    assert read_templates(str(path)) == ["a sketch of a {}.", "a {} in the wild"]
+    with pytest.raises(ValueError, match=r"template 2 'a photo' must hold exactly one \{\}"):
+        read_templates("a {}|a photo")
+    with pytest.raises(ValueError, match="exactly one"):
+        read_templates("{} and {}")
+    with pytest.raises(ValueError, match="no other braces"):
+        read_templates("a {0} photo of {}")
+    path.write_text("a {}\nno braces here\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2 'no braces here'")):
+        read_templates(str(path))
+    with pytest.raises(ValueError, match="none given"):
+        read_templates(" | ")
