@@ -324,6 +324,8 @@ def test_a_trained_clip_run_evaluates_as_the_engine_did(prepared, tmp_path):
         str(run),
         "--model",
         "clip",
+        "--preset",
+        "tiny",  # the demo set's tokenizer (clip's default preset tokenizes with MiniLM's)
         "--epochs",
         "1",
         "--embed-dim",

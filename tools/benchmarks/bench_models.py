@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         "label": torch.randint(0, args.classes, (b,), device=device),
     }
     rows = {}
-    for name in MODELS:
+    for name in [m for m in MODELS if getattr(MODELS[m], "task", "classification") == "classification"]:
         model = build_model(
             name,
             args.classes,
