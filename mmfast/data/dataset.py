@@ -43,6 +43,7 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER as PREPARED_MARKER
 from mmfast.util.fsutil import file_sha256, restore_interrupted_swap
+from mmfast.util.remote import is_remote
 
 # mmfast's WebDataset index files (wds/: inputs.wds writes them, loading.sources reads through them): the
 # image component's name, and the digits of the sample id that close each indexed image's name
@@ -104,9 +105,11 @@ def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
     info = json.loads(listing.read_text())
     if "tars" not in info:  # an export by an older mmfast
         info["tars"], info["index"] = [f"{s}.tar" for s in info["shards"]], [f"{s}.idx" for s in info["shards"]]
-    tars = [str(wds / t) for t in info["tars"]]  # the user's shards are absolute paths, and stay so
+    tars = [t if is_remote(t) else str(wds / t) for t in info["tars"]]  # users' shards: absolute paths or URLs
     index = [str(wds / i) for i in info["index"]]
     for tar, want in zip(tars, info.get("stats", []), strict=False):
+        if is_remote(tar):  # checked by size and SHA-256 when it is fetched (wds_checks)
+            continue
         try:
             st = os.stat(tar)
         except OSError as e:
@@ -116,6 +119,14 @@ def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
                 f"{tar}: changed since preparation (size or mtime); re-run {PREPARE} to index it again"
             )
     return tars, index
+
+
+def wds_checks(root: Path, split: str) -> list[tuple[int | None, str | None]]:
+    """(size, SHA-256) of each WebDataset shard of ``split`` as preparation recorded them ((None, None) where
+    it did not: a local shard is checked by size and mtime instead)."""
+    info = json.loads((Path(root) / "wds" / f"{split}.json").read_text())
+    checks = info.get("checks") or [[None, None]] * len(info.get("tars", info.get("shards", [])))
+    return [(c[0], c[1]) for c in checks]
 
 
 class PreparedDataset:
@@ -219,6 +230,14 @@ class PreparedDataset:
     def max_pixels(self) -> int:
         """The decoded-pixel budget the images were validated against."""
         return int(self.summary.get("config", {}).get("max_pixels") or DEFAULT_MAX_PIXELS)
+
+    def remote_shards(self) -> bool:
+        """Whether some WebDataset shard of either split lies in a store (is streamed through a cache)."""
+        for split in ("train", "val"):
+            listing = self.root / "wds" / f"{split}.json"
+            if listing.is_file() and any(is_remote(t) for t in json.loads(listing.read_text()).get("tars", [])):
+                return True
+        return False
 
     def split_size(self, split: str) -> int:
         """Rows in a split, from prepare.json's counts (0 for an empty or absent split)."""

@@ -26,13 +26,16 @@ shard can feed both splits and a rejected sample is never read:
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import json
 import os
 import re
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -40,8 +43,9 @@ from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
 from mmfast.data.validate import DEFAULT_MAX_PIXELS, check_image_bytes, dali_rejects
 from mmfast.inputs.base import ImagesInPlace, InputOptions, Member, Reader
 from mmfast.inputs.manifest import NO_LABEL, Candidate, ManifestError, Reject, parse_label
-from mmfast.util.fsutil import atomic_write_json
+from mmfast.util.fsutil import atomic_write_json, file_sha256
 from mmfast.util.pool import process_map
+from mmfast.util.remote import expand, fetch_to, is_remote, redact, remote_version
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
@@ -53,20 +57,46 @@ def is_wds_source(source: str | os.PathLike) -> bool:
     """Whether ``source`` names WebDataset shards: a .tar file, a glob or brace pattern of them, or a folder
     holding .tar files."""
     s = str(source)
+    if is_remote(s):  # a URL or a pattern of them: s3://bucket/shards/{00000..00099}.tar
+        return s.split("?", 1)[0].endswith(".tar")
     if s.endswith(".tar") and (any(c in s for c in "*?[{") or Path(s).is_file()):
         return True
     p = Path(s)
     return p.is_dir() and any(p.glob("*.tar"))
 
 
+class RemoteShard(str):
+    """A shard's URL where preparation handles shard paths: ``stat()`` gives the store's size and version
+    (ETag, else modification time: what tells the fingerprint a shard changed), and it lies in no local
+    folder."""
+
+    def stat(self) -> SimpleNamespace:
+        size, version = remote_version(self)
+        return SimpleNamespace(
+            st_size=size, st_mtime_ns=int(hashlib.sha256(version.encode()).hexdigest()[:15], 16)
+        )
+
+    def is_relative_to(self, _other) -> bool:
+        return False
+
+    def resolve(self) -> RemoteShard:
+        return self
+
+
 def expand_shards(source: str | os.PathLike) -> list[Path]:
     """The shards of ``source``: a folder's ``*.tar`` files (sorted), a .tar file, or a pattern such as
-    ``shards/{00000..00099}.tar`` (brace ranges and lists, as in ``webdataset``) or ``shards/*.tar``.
+    ``shards/{00000..00099}.tar`` (brace ranges and lists, as in ``webdataset``) or ``shards/*.tar``; for a
+    URL pattern (``s3://``, ``gs://``, ``hf://``, ``https://``) the URLs, as ``RemoteShard`` strings.
 
     Raises:
         ManifestError: no shard matches, or a named shard is missing.
     """
     s = str(source)
+    if is_remote(s):
+        try:
+            return [RemoteShard(u) for u in expand(s)]
+        except ValueError as e:
+            raise ManifestError(str(e)) from None
     if Path(s).is_dir():
         shards = sorted(Path(s).glob("*.tar"))
     else:
@@ -132,7 +162,13 @@ def read_shards(
     src = Path(source)
     base = src if src.is_dir() else Path(os.path.dirname(str(source)) or ".")
     jobs = [
-        (str(p), _relative(p, base.resolve()), _wds_opts(opts), max_pixels or DEFAULT_MAX_PIXELS) for p in shards
+        (
+            str(p),
+            redact(p) if is_remote(p) else _relative(p, base.resolve()),
+            _wds_opts(opts),
+            max_pixels or DEFAULT_MAX_PIXELS,
+        )
+        for p in shards
     ]
     if workers > 1 and len(jobs) > 1:
         parts = list(process_map(_read_shard_job, jobs, min(workers, len(jobs))))
@@ -176,7 +212,18 @@ def _wds_opts(opts: InputOptions) -> dict:
 
 
 def _read_shard_job(job) -> tuple[list[Candidate], list[Reject]]:
-    return read_shard(*job)
+    shard = job[0]
+    if not is_remote(shard):
+        return read_shard(*job)
+    # A remote shard is fetched whole into a temporary file (verified by nothing yet: its size and SHA-256
+    # are what preparation records, and what training checks each fetch against), read there, then deleted.
+    with tempfile.TemporaryDirectory(prefix="mmfast-shard-") as tmp:
+        local = fetch_to(shard, Path(tmp) / "shard.tar")
+        size, sha256 = local.stat().st_size, file_sha256(local)
+        cands, rejects = read_shard(*job, local=str(local))
+    for c in cands:
+        c.source |= {"tar_size": size, "tar_sha256": sha256}
+    return cands, rejects
 
 
 def _samples(tar: tarfile.TarFile) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
@@ -200,8 +247,11 @@ def _samples(tar: tarfile.TarFile) -> Iterator[tuple[str, dict[str, tarfile.TarI
         yield key, members
 
 
-def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Candidate], list[Reject]]:
-    """Candidates and rejects of one shard (see ``read_shards``); ``o`` is ``_wds_opts``' dict."""
+def read_shard(
+    shard: str, rel: str, o: dict, max_pixels: int, local: str | None = None
+) -> tuple[list[Candidate], list[Reject]]:
+    """Candidates and rejects of one shard (see ``read_shards``); ``o`` is ``_wds_opts``' dict; ``local``: a
+    local copy of a remote ``shard`` to read instead."""
     cands: list[Candidate] = []
     rejects: list[Reject] = []
     pending: list[tuple[Candidate, bytes]] = []  # PIL-valid images awaiting DALI's decoder
@@ -216,10 +266,10 @@ def read_shard(shard: str, rel: str, o: dict, max_pixels: int) -> tuple[list[Can
         pending.clear()
 
     try:
-        tar = tarfile.open(shard, "r:")  # DALI reads plain tars only: a compressed shard is refused here
+        tar = tarfile.open(local or shard, "r:")  # DALI reads plain tars only: a compressed one is refused
     except (tarfile.TarError, OSError) as e:
         raise ManifestError(
-            f"{shard}: not a readable uncompressed tar ({e}); DALI reads plain .tar WebDataset shards"
+            f"{redact(shard)}: not a readable uncompressed tar ({e}); DALI reads plain .tar WebDataset shards"
         ) from e
     with tar:
         try:
@@ -333,7 +383,12 @@ def write_split_index(out: Path, split: str, rows: list[dict]) -> dict:
         write_index(out / name, [(r["offset"], r["nbytes"], r["member"], r["id"]) for r in part])
         info["tars"].append(tar)
         info["index"].append(name)
-    info["stats"] = shard_stats([Path(t) for t in info["tars"]])
+    local = [t for t in info["tars"] if not is_remote(t)]
+    stats = iter(shard_stats([Path(t) for t in local]))
+    info["stats"] = [None if is_remote(t) else next(stats) for t in info["tars"]]
+    if len(local) < len(info["tars"]):  # remote shards: checked by size and SHA-256 when training fetches them
+        first = {r["tar"]: r for r in reversed(rows)}
+        info["checks"] = [[first[t].get("tar_size"), first[t].get("tar_sha256")] for t in info["tars"]]
     write_rows_table(out / f"{split}.rows.npy", rows)
     atomic_write_json(out / f"{split}.json", info)
     return info

@@ -140,6 +140,8 @@ def _obstacle(split: SplitImages, device_type: str, host_finish: bool, source, w
         return words.dali_finish
     if not source.ordered_by_loader:
         return f"read by the {source.name} source, which orders its reads itself; the cache works with image files"
+    if not source.needs_paths:
+        return f"read by the {source.name} source from shards; the cache works with image files"
     if split.train and split.color_jitter > 0:
         return words.jitter
     if split.train and split.epochs == 1:  # and the cache's first epoch decodes whole images

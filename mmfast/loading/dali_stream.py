@@ -15,9 +15,10 @@ from mmfast.loading.host_finish import ragged_iterator
 from mmfast.loading.stream import Stream, chunk_dali_batch
 
 
-def iterator(pipe, ordered_by_loader: bool, drop_last: bool, ragged: bool):
+def iterator(pipe, ordered_by_loader: bool, drop_last: bool, ragged: bool, reader_name: str | None = READER_NAME):
     """DALI's iterator over ``pipe`` (``ImageLoader.define_pipeline``): ragged crops for the host finishing
-    (``ragged``), else dense batches."""
+    (``ragged``), else dense batches. ``reader_name`` None: the graph reads from an external source, and the
+    iterator runs until that source's positions end."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy  # DALI's torch plugin: heavy
 
     if ordered_by_loader:
@@ -25,11 +26,12 @@ def iterator(pipe, ordered_by_loader: bool, drop_last: bool, ragged: bool):
     else:
         policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
     kwargs = {
-        "reader_name": READER_NAME,
         "auto_reset": False,
         "last_batch_policy": policy,
         "prepare_first_batch": False,
     }
+    if reader_name is not None:
+        kwargs["reader_name"] = reader_name
     if ragged:  # crops finished on the host by the loader
         return ragged_iterator(pipe, **kwargs)
     return DALIGenericIterator(pipe, ["image", "id"], **kwargs)

@@ -193,7 +193,7 @@ class EpochReader:
         those files before, or preparation decoded them; on the CPU, otherwise, an equal part of the loader's
         batch that DALI parses safely (``DALI_SAFE_BATCH``: a non-image among the files is then skipped, not a
         crash, and slower (BENCHMARKS.md), so only until each file has been read once)."""
-        if self.s.files_checked or self.s.device.type != "cpu":
+        if self.s.files_checked or self.s.device.type != "cpu" or not self.source.needs_paths:
             return None
         read = self.files_read.copy()
         read[list(self.health.bad)] = True  # a bad file is never handed to DALI again
@@ -238,7 +238,8 @@ class EpochReader:
 
     def _iterator(self, pipe):
         ragged = self.finisher is not None
-        return dali_stream.iterator(pipe, self.source.ordered_by_loader, self.s.drop_last, ragged)
+        source = self.source
+        return dali_stream.iterator(pipe, source.ordered_by_loader, self.s.drop_last, ragged, source.reader_name)
 
     def _upcoming(self, stream: Stream, first: int, stop: int) -> np.ndarray:
         return dali_stream.upcoming(

@@ -306,9 +306,9 @@ class ImageLoader:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
         self.health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads, file_stats)
         self.health.prepared = self.files_checked  # a prepared directory's: errors name its command
-        self.source = source
-        self.on_bad_image = on_bad_image
-        self.max_pixels = max_pixels
+        self.source, self.on_bad_image, self.max_pixels = source, on_bad_image, max_pixels
+        if hasattr(source, "bind"):  # a source that orders by shard needs each position's sample id
+            source.bind(self.ids)
         self.bad = self.health.bad  # position in files -> why it is skipped (the same dict)
         # a shard's samples were checked when it was indexed; files are watched before each stream reads them
         if verify_files and self.source.needs_paths:

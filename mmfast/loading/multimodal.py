@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
 from mmfast.loading.sources import prepared_source
 from mmfast.util.commands import PREPARE
+
+if TYPE_CHECKING:
+    from mmfast.util.shard_cache import ShardCache
 
 
 class MultimodalLoader:
@@ -32,8 +36,11 @@ class MultimodalLoader:
         batch_size: per process, as in Accelerate.
         shuffle, drop_last, train: default True for "train", False otherwise.
         accelerator: take shard_id / num_shards / device from an ``accelerate.Accelerator``.
-        source: "files" (the split's image files) or "wds" (its WebDataset shards, see ``prepare.wds_export``); a
-            dataset prepared from WebDataset shards is always read from them.
+        source: "files" (the split's image files), "wds" (its WebDataset shards through DALI's reader, see
+            ``prepare.wds_export``) or "stream" (the shards member by member in the loader's order:
+            ``loading.stream_source``); a dataset prepared from WebDataset shards is always read from them,
+            and streamed when they are remote.
+        shard_cache: the ``util.shard_cache.ShardCache`` remote shards are held in while streamed.
         verify_files: also check every image file at start-up (see ``ImageLoader``: each batch's files are
             compared with what preparation recorded just before they are read anyway); default off.
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
@@ -53,6 +60,7 @@ class MultimodalLoader:
         drop_last: bool | None = None,
         accelerator=None,
         source: str = "files",
+        shard_cache: ShardCache | None = None,
         **kwargs,
     ):
         # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
@@ -64,7 +72,7 @@ class MultimodalLoader:
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
-        kwargs["image_source"] = reader = prepared_source(dataset, split, source)
+        kwargs["image_source"] = reader = prepared_source(dataset, split, source, shard_cache)
         # A source that reads the rows' own files needs each row's path; a WebDataset only ids and labels.
         table = dataset.table(split, images=reader.needs_paths)
         n = len(table.ids)

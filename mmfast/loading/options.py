@@ -4,4 +4,4 @@ classes are registered in ``sources.SOURCES``; a test holds the two together).""
 
 CPU_RESIZE = ("torch", "dali")  # who finishes CPU-decoded crops: the host's threads, or DALI's graph
 ON_BAD_IMAGE = ("skip", "error")  # the choices of on_bad_image
-SOURCE_NAMES = ("files", "wds")
+SOURCE_NAMES = ("files", "wds", "stream")

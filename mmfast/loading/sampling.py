@@ -70,6 +70,15 @@ def distributed_sampler_indices(
     return np.resize(order, total)[rank::num_replicas]  # np.resize repeats the order cyclically
 
 
+def source_order(source, layout: Layout, epoch: int) -> np.ndarray:
+    """The epoch's order of all positions: the source's own when it has one (the stream source keeps reads
+    within a few shards: ``mmfast.loading.stream_source.block_order``), else ``epoch_order``."""
+    own = getattr(source, "order", None)
+    if own is not None:
+        return own(layout.n, epoch, layout.seed, layout.shuffle)
+    return epoch_order(layout.n, epoch, layout.seed, layout.shuffle)
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a sampling needs to know of a loader: its samples, batch, shards and order."""
@@ -142,12 +151,12 @@ class WholeBatchOrder:
             return math.ceil(layout.n / layout.num_shards)
         return self.batches(layout, source) * layout.batch_size
 
-    def positions(self, layout: Layout, source: SampledSource, epoch: int) -> np.ndarray:
-        order = epoch_order(layout.n, epoch, layout.seed, layout.shuffle)
+    def positions(self, layout: Layout, source: SampledSource | None, epoch: int) -> np.ndarray:
+        order = source_order(source, layout, epoch)
         return shard_positions(order, layout.batch_size, layout.shard_id, layout.num_shards, layout.drop_last)
 
-    def indices(self, layout: Layout, epoch: int) -> np.ndarray:
-        mine = self.positions(layout, None, epoch)
+    def indices(self, layout: Layout, epoch: int, source: SampledSource | None = None) -> np.ndarray:
+        mine = self.positions(layout, source, epoch)
         return mine[mine >= 0]
 
 
@@ -197,6 +206,8 @@ class ShardSampler:
         loader = self._loader
         if not loader.source.ordered_by_loader:
             raise TypeError("the WebDataset reader shards and shuffles inside DALI: no index list to show")
+        if loader.sampling is WHOLE_BATCHES:
+            return iter(loader.sampling.indices(loader.layout, loader.epoch, loader.source).tolist())
         return iter(loader.sampling.indices(loader.layout, loader.epoch).tolist())
 
     def set_epoch(self, epoch: int) -> None:

@@ -8,7 +8,11 @@ A source says what differs between readers, so the loader never branches on the 
   the reader shards and shuffles itself, one epoch per DALI reader epoch (False);
 - ``can_skip_bad``: a bad sample can be found and replaced at run time;
 - ``needs_paths``: the reader opens each sample's own file (so a loader needs the rows' image paths);
-- ``samples_per_shard``: the per-process length when the reader shards itself.
+- ``samples_per_shard``: the per-process length when the reader shards itself;
+- ``reader_name``: the DALI reader the iterator counts an epoch by (None: an external source that ends itself).
+
+The streaming source (shards member by member, local or remote through a cache) is
+``mmfast.loading.stream_source.StreamSource``.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 from nvidia.dali import fn, types
 
-from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_split
+from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_checks, wds_split
 from mmfast.loading.graphs import READER_NAME
+from mmfast.loading.stream_source import StreamSource
 from mmfast.util.commands import PREPARE
+from mmfast.util.remote import is_remote
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
+    from mmfast.util.shard_cache import ShardCache
 
 
 def read_files(files: list[str], ids: list[int]):
@@ -76,6 +83,7 @@ class FilesSource:
     """Image files, read in the order of the loader's positions (DALI's file reader, no shuffling)."""
 
     name = "files"
+    reader_name = READER_NAME  # what DALI's iterator counts the epoch by
     ordered_by_loader = True
     can_skip_bad = True
     needs_paths = True
@@ -106,6 +114,7 @@ class WdsSource:
     """
 
     name = "wds"
+    reader_name = READER_NAME
     ordered_by_loader = False
     can_skip_bad = False
     needs_paths = False
@@ -132,8 +141,8 @@ class WdsSource:
         )
 
 
-SOURCES = {"files": FilesSource, "wds": WdsSource}
-Source = FilesSource | WdsSource  # what a loader reads through
+SOURCES = {"files": FilesSource, "wds": WdsSource, "stream": StreamSource}
+Source = FilesSource | WdsSource | StreamSource  # what a loader reads through
 
 
 def check_source_name(name: str) -> str:
@@ -143,16 +152,21 @@ def check_source_name(name: str) -> str:
     return name
 
 
-def prepared_source(dataset, split: str, kind: str = "files") -> Source:
-    """The image source a loader of ``split`` of a ``PreparedDataset`` reads: ``kind`` ("files" or "wds"), but
-    always the WebDataset shards when the dataset was prepared from them (its images are in them only).
+def prepared_source(dataset, split: str, kind: str = "files", cache: ShardCache | None = None) -> Source:
+    """The image source a loader of ``split`` of a ``PreparedDataset`` reads: ``kind`` ("files", "wds" or
+    "stream"), but always the WebDataset shards when the dataset was prepared from them (its images are in
+    them only), streamed when they are remote (through ``cache``).
 
     Raises:
-        ValueError: an unknown kind. FileNotFoundError: the split has no WebDataset shards.
+        ValueError: an unknown kind, or remote shards and no cache. FileNotFoundError: the split has no
+        WebDataset shards.
     """
     check_source_name(kind)
     if kind == "files" and dataset.summary.get("input_kind") == "wds":
         kind = "wds"
-    if kind == "wds":
-        return WdsSource(*wds_split(dataset.root, split))
-    return FilesSource()
+    if kind == "files":
+        return FilesSource()
+    tars, index = wds_split(dataset.root, split)
+    if kind == "stream" or any(is_remote(t) for t in tars):
+        return StreamSource(tars, index, wds_checks(dataset.root, split), cache)
+    return WdsSource(tars, index)

@@ -40,6 +40,7 @@ from mmfast.util.fsutil import (
     recover_dir,
     write_errors,
 )
+from mmfast.util.remote import is_remote, redact
 
 __all__ = ["PREPARED_KIND", "PREPARE_VERSION", "PrepareConfig", "failure_report_path", "prepare_dataset"]
 
@@ -116,6 +117,8 @@ def _check_out(out: Path) -> None:
 def _check_input_outside(cfg: PrepareConfig) -> None:
     """Refuse an --out that holds the input (replacing it would delete it) or that sits inside the image
     folder being prepared (the next run would read it as a class)."""
+    if is_remote(cfg.source):  # shards in a store: nothing of it lies under a local --out
+        return
     out, src = Path(cfg.out).resolve(), Path(cfg.source).resolve()
     if src.is_relative_to(out):
         raise OutputDirError(
@@ -172,10 +175,10 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     _write_index(cfg, tmp, in_place, {"train": train_rows, "val": val_rows}, label_map)
     summary = {
         "version": PREPARE_VERSION,
-        "source": str(Path(cfg.source).resolve()),
+        "source": redact(cfg.source) if is_remote(cfg.source) else str(Path(cfg.source).resolve()),
         "input_kind": checked.kind,
         "input_fingerprint": fp,
-        "config": asdict(cfg),
+        "config": asdict(cfg) | {"source": redact(cfg.source)},  # never a URL's credentials
         "counts": {
             "input_rows": checked.n_input,
             "accepted": len(good),
@@ -322,6 +325,7 @@ def _row(
             "member": m.name,
             "offset": m.offset,
             "nbytes": m.nbytes,
+            **{k: c.source[k] for k in ("tar_size", "tar_sha256") if k in c.source},  # a remote shard's
         }
     st = os.stat(c.image)  # recorded so the loader can tell a file that changed after validation
     image = Path(c.image)

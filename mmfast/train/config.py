@@ -163,8 +163,13 @@ class TrainConfig:
         "says",
     )
     source: str = _opt(
-        "files", "data", "images from their files (files) or from the prepared dir's WebDataset shards (wds)"
+        "files",
+        "data",
+        "images from their files (files), the prepared dir's WebDataset shards by DALI's reader (wds), or those "
+        "shards in the loader's order (stream: exact resume; remote shards always stream)",
     )
+    shard_cache: str | None = _opt(None, "data", "where remote shards are held; none: ~/.cache/mmfast/shards")
+    cache_limit_gb: float = _opt(20.0, "data", "GiB of remote shards --shard-cache holds (LRU), plus one shard")
     demo_size: int = _opt(2000, "data", "samples in the built-in demo set (without --data)")
     tokenizer: str | None = _opt(
         None,
@@ -238,6 +243,7 @@ class TrainConfig:
         trackers(self)  # raises on an unknown --report-to name
         checks = [
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
+            (self.cache_limit_gb > 0, f"--cache-limit-gb must be > 0, got {self.cache_limit_gb}"),
             (self.lr is None or 0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
             (
                 self.encoder_lr is None or 0 <= self.encoder_lr <= 10,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from mmfast.data.dataset import PreparedDataset
 from mmfast.loading.cache_plan import CachePlan, SplitImages, plan_decoded_cache
@@ -12,6 +13,9 @@ from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sources import prepared_source
 from mmfast.train.config import TrainConfig
 from mmfast.train.setup import processes_per_machine
+
+if TYPE_CHECKING:
+    from mmfast.util.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +29,14 @@ def build_loaders(
     ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
     """
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+    cache = shard_cache(cfg, dataset)
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
     common = dict(
         **extra,
         on_bad_image=cfg.on_bad_image,
         verify_files=cfg.verify_files,
         source=cfg.source,
+        shard_cache=cache,
         accelerator=accelerator,
         size=cfg.image_size,
         seed=cfg.seed,
@@ -39,7 +45,7 @@ def build_loaders(
     )
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = dataset.split_size("val") > 0
-    plans = cache_plans(cfg, accelerator, dataset, has_val)
+    plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
     train_loader = MultimodalLoader(
         dataset,
@@ -58,13 +64,29 @@ def build_loaders(
     return train_loader, val_loader, streamed
 
 
+def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None:
+    """The cache remote shards are streamed through (``--shard-cache``, ``--cache-limit-gb``), or None when the
+    dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
+    if not dataset.remote_shards():
+        return None
+    from mmfast.util.shard_cache import ShardCache  # only a run that streams pays for the network imports
+
+    root = cfg.shard_cache or os.path.join(os.path.expanduser("~"), ".cache", "mmfast", "shards")
+    return ShardCache(root, int(cfg.cache_limit_gb * 2**30))
+
+
 def cache_plans(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, has_val: bool, budget: int | None = None
+    cfg: TrainConfig,
+    accelerator,
+    dataset: PreparedDataset,
+    has_val: bool,
+    budget: int | None = None,
+    cache: ShardCache | None = None,
 ) -> dict[str, CachePlan]:
     """Which splits hold their images decoded (``--cache-decoded``): ``cache_plan.plan_decoded_cache`` over
     train, then val, sized by the decoded bytes preparation recorded (``budget``: the memory to share,
     default half of what is available now), with its reasons in the command line's words."""
-    source = prepared_source(dataset, "train", cfg.source)
+    source = prepared_source(dataset, "train", cfg.source, cache or shard_cache(cfg, dataset))
     splits = [
         SplitImages("train", True, cfg.color_jitter, cfg.epochs, lambda left: dataset.decoded_bytes("train", left))
     ]

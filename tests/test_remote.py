@@ -1,0 +1,537 @@
+"""mmfast.util.remote and mmfast.util.shard_cache against real servers on loopback: Python's http.server over
+a temp folder and moto's S3 server, each behind the FaultProxy of tools/benchmarks/benchlib, which drops
+connections, answers 503 / 403 / 404 and counts the requests that reach the store."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import http.client
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from mmfast.util import remote
+from mmfast.util.fsutil import OutputDirError
+from mmfast.util.remote import PermanentRemoteError, TransientRemoteError
+from mmfast.util.shard_cache import CacheFullError, ShardCache
+from tools.benchmarks.benchlib.fault_proxy import FaultProxy
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD = 100_000  # bytes per cache-test shard
+SECRET_KEY = "fakeSecretKey0123456789SHOULDNEVERPRINT"
+SIGNATURE = "deadbeefSIGNATUREnotforprinting"
+BUCKET = "mmfast-test"
+FAST = {"backoff_s": 0.01, "timeout_s": 10.0}  # retries that do not slow the tests down
+
+
+def _blob(n: int, seed: int) -> bytes:
+    """``n`` deterministic bytes that differ per seed."""
+    out, block = bytearray(), hashlib.sha256(str(seed).encode()).digest()
+    while len(out) < n:
+        block = hashlib.sha256(block).digest()
+        out += block * 64
+    return bytes(out[:n])
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_store(tmp_path_factory):
+    """An http.server over a folder of shards: (base URL, folder, {name: bytes})."""
+    root = tmp_path_factory.mktemp("store")
+    blobs = {"big.bin": _blob(3_000_000, 0)} | {f"shard-{i:05d}.tar": _blob(SHARD, i + 1) for i in range(8)}
+    for name, data in blobs.items():
+        (root / name).write_bytes(data)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", root, blobs
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+@pytest.fixture
+def proxy(http_store):
+    with FaultProxy(http_store[0]) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def s3_store():
+    """moto's S3 server with a bucket of objects, and fake credentials in the environment: (URL, {key: bytes})."""
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "AKIAFAKEFAKEFAKEFAKE")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.delenv("AWS_PROFILE", raising=False)
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=url)
+        client.create_bucket(Bucket=BUCKET)
+        blobs = {"data/shard-00000.tar": _blob(9 << 20, 10), "data/shard-00001.tar": _blob(1000, 11)}
+        blobs["data/other.txt"] = b"not a shard"
+        for key, data in blobs.items():
+            client.put_object(Bucket=BUCKET, Key=key, Body=data)
+        yield url, blobs
+        server.stop()
+
+
+@pytest.fixture
+def s3_proxy(s3_store, monkeypatch):
+    """A FaultProxy in front of moto, and AWS_ENDPOINT_URL pointing at it (as a user's S3-compatible server)."""
+    with FaultProxy(s3_store[0]) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p
+
+
+def test_is_remote_tells_stores_from_local_paths():
+    for path in ("s3://b/k", "gs://b/k", "gcs://b/k", "hf://datasets/o/n/x.tar", "http://h/x", "https://h/x"):
+        assert remote.is_remote(path), path
+    for path in ("/data/x.tar", "rel/x.tar", "file:///data/x.tar", Path("/data/x.tar"), "C:x"):
+        assert not remote.is_remote(path), path
+
+
+def test_redact_removes_credentials_and_signatures_but_keeps_the_rest():
+    url = (
+        "https://alice:pa55word@store.example/bucket/shard-00001.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+        f"&X-Amz-Credential=AKIA%2F2026&X-Amz-Signature={SIGNATURE}&X-Amz-Security-Token=tok&part=3&sig=s&token=t"
+    )
+    assert remote.redact(url) == (
+        "https://store.example/bucket/shard-00001.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+        "&X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***&part=3&sig=***&token=***"
+    )
+    assert remote.redact("s3://bucket/key@v1/x.tar") == "s3://bucket/key@v1/x.tar"
+    assert remote.redact(f"error at {url} (retry)").startswith("error at https://store.example/bucket/")
+
+
+def test_redact_masks_a_secret_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    assert remote.redact(f"signing with {SECRET_KEY} failed") == "signing with *** failed"
+
+
+def test_classify_sorts_library_errors_into_transient_and_permanent():
+    aiohttp = pytest.importorskip("aiohttp")
+    botocore_exceptions = pytest.importorskip("botocore.exceptions")
+
+    def http_error(status):
+        return aiohttp.ClientResponseError(None, (), status=status)
+
+    def s3_error(code, status):
+        body = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return botocore_exceptions.ClientError(body, "GetObject")
+
+    def wrapped(outer, inner):
+        try:
+            raise outer from inner
+        except BaseException as e:
+            return e
+
+    transient = [
+        ConnectionResetError(),
+        ConnectionRefusedError(),
+        TimeoutError(),
+        http.client.IncompleteRead(b"x", 10),
+        aiohttp.ClientPayloadError("cut short"),
+        aiohttp.ServerDisconnectedError(),
+        http_error(503),
+        http_error(500),
+        http_error(429),
+        s3_error("SlowDown", 503),
+        s3_error("InternalError", 500),
+        s3_error("RequestTimeout", 400),
+        wrapped(OSError(errno.EBUSY, "SlowDown"), s3_error("SlowDown", 503)),  # as s3fs translates it
+        wrapped(FileNotFoundError("http://h/x"), ConnectionRefusedError()),  # as fsspec's http info wraps it
+        botocore_exceptions.EndpointConnectionError(endpoint_url="http://h"),
+    ]
+    permanent = [
+        http_error(403),
+        http_error(401),
+        http_error(404),
+        http_error(501),
+        FileNotFoundError("bucket/key"),
+        PermissionError("denied"),
+        s3_error("NoSuchKey", 404),
+        s3_error("AccessDenied", 403),
+        s3_error("NoSuchBucket", 404),
+        wrapped(PermissionError("x"), s3_error("AccessDenied", 403)),
+        ValueError("a bug"),
+    ]
+    assert [remote.classify(e) for e in transient] == ["transient"] * len(transient)
+    assert [remote.classify(e) for e in permanent] == ["permanent"] * len(permanent)
+
+
+def test_fetch_over_http_gives_the_exact_bytes_atomically(proxy, http_store, tmp_path):
+    data = http_store[2]["big.bin"]
+    stats = remote.FetchStats()
+    out = remote.fetch_to(
+        f"{proxy.url}/big.bin", tmp_path / "big.bin", size=len(data), sha256=_sha(data), stats=stats
+    )
+    assert out == tmp_path / "big.bin" and out.read_bytes() == data
+    assert (stats.fetches, stats.retries, stats.bytes) == (1, 0, len(data))
+    assert sorted(os.listdir(tmp_path)) == ["big.bin"]  # no partial file left beside it
+    assert proxy.count("/big.bin") == 1
+
+
+def test_fetch_from_s3_on_moto_gives_the_exact_bytes(s3_proxy, s3_store, tmp_path):
+    for key, data in s3_store[1].items():
+        dest = tmp_path / key.replace("/", "_")
+        remote.fetch_to(f"s3://{BUCKET}/{key}", dest, size=len(data), sha256=_sha(data), **FAST)
+        assert dest.read_bytes() == data, key
+    assert s3_proxy.count(f"/{BUCKET}/data/shard-00000.tar") == 2  # 9 MiB: two ranged GETs of 8 MiB
+
+
+def test_a_dropped_s3_read_resumes_where_it_stopped(s3_proxy, s3_store, tmp_path):
+    key = "data/shard-00000.tar"
+    data = s3_store[1][key]
+    s3_proxy.add_fault(f"/{BUCKET}/{key}", after=1, times=1, drop_mid_body=True)  # the second block's GET
+    stats = remote.FetchStats()
+    dest = remote.fetch_to(
+        f"s3://{BUCKET}/{key}", tmp_path / "s", size=len(data), sha256=_sha(data), stats=stats, **FAST
+    )
+    assert dest.read_bytes() == data
+    assert stats.retries == 1
+    assert s3_proxy.count(f"/{BUCKET}/{key}") == 3  # block 1, block 2 dropped, block 2 again: not block 1 again
+
+
+def test_a_connection_dropped_mid_body_is_retried_and_counted(proxy, http_store, tmp_path):
+    data = http_store[2]["big.bin"]
+    proxy.add_fault("/big.bin", times=1, drop_mid_body=True)
+    stats = remote.FetchStats()
+    dest = remote.fetch_to(
+        f"{proxy.url}/big.bin", tmp_path / "b", size=len(data), sha256=_sha(data), stats=stats, **FAST
+    )
+    assert dest.read_bytes() == data
+    assert (stats.fetches, stats.retries) == (1, 1)
+    assert proxy.count("/big.bin") == 2
+
+
+@pytest.mark.parametrize("store", ["http", "s3"])
+def test_503_twice_then_success_is_retried(store, request, tmp_path):
+    if store == "http":
+        p, (_, _, blobs) = request.getfixturevalue("proxy"), request.getfixturevalue("http_store")
+        url, path, data = f"{p.url}/shard-00000.tar", "/shard-00000.tar", blobs["shard-00000.tar"]
+    else:
+        p, (_, blobs) = request.getfixturevalue("s3_proxy"), request.getfixturevalue("s3_store")
+        key = "data/shard-00001.tar"
+        url, path, data = f"s3://{BUCKET}/{key}", f"/{BUCKET}/{key}", blobs[key]
+    p.add_fault(path, times=2, status=503, methods=("GET", "HEAD"))
+    stats = remote.FetchStats()
+    assert remote.fetch_to(url, tmp_path / "x", size=len(data), stats=stats, **FAST).read_bytes() == data
+    assert stats.retries == 2
+
+
+def test_transient_failures_stop_after_the_retries_allowed(proxy, tmp_path):
+    proxy.add_fault("/big.bin", status=503)
+    started = time.monotonic()
+    with pytest.raises(TransientRemoteError, match="still failing after 3 attempts") as info:
+        remote.fetch_to(f"{proxy.url}/big.bin", tmp_path / "b", size=3_000_000, retries=2, **FAST)
+    assert proxy.count("/big.bin") == 3
+    assert time.monotonic() - started < 5
+    assert info.value.url == f"{proxy.url}/big.bin"
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("status,words", [(403, "access denied"), (404, "not found")])
+def test_403_and_404_over_http_are_permanent_at_once(proxy, tmp_path, status, words):
+    proxy.add_fault("/big.bin", status=status)
+    url = f"{proxy.url}/big.bin?X-Amz-Credential=AKIA&X-Amz-Signature={SIGNATURE}"
+    stats = remote.FetchStats()
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.fetch_to(url, tmp_path / "b", size=3_000_000, stats=stats, **FAST)
+    message = str(info.value)
+    assert message.startswith(f"{proxy.url}/big.bin?X-Amz-Credential=***&X-Amz-Signature=***: {words}")
+    assert SIGNATURE not in message and SIGNATURE not in "".join(traceback.format_exception(info.value))
+    assert ("signature" if status == 403 else "the prefix") in message
+    assert stats.retries == 0 and proxy.count("/big.bin") == 1
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("status,words", [(403, "AWS_ACCESS_KEY_ID"), (404, "the prefix")])
+def test_403_and_404_on_s3_say_what_to_check(s3_proxy, tmp_path, status, words):
+    key = "data/shard-00001.tar"
+    s3_proxy.add_fault(f"/{BUCKET}/{key}", status=status, methods=("GET", "HEAD"))
+    with pytest.raises(PermanentRemoteError, match=words) as info:
+        remote.fetch_to(f"s3://{BUCKET}/{key}", tmp_path / "x", size=1000, **FAST)
+    assert str(info.value).startswith(f"s3://{BUCKET}/{key}: ")
+    assert s3_proxy.count(f"/{BUCKET}/{key}", method="*") == 1  # the HEAD, refused: no retry
+    assert SECRET_KEY not in "".join(traceback.format_exception(info.value))
+
+
+def test_a_missing_key_on_s3_is_permanent(s3_proxy, tmp_path):
+    with pytest.raises(PermanentRemoteError, match="not found"):
+        remote.fetch_to(f"s3://{BUCKET}/data/no-such.tar", tmp_path / "x", **FAST)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_wrong_sha256_is_fetched_once_more_then_refused_leaving_nothing(proxy, http_store, tmp_path):
+    data = http_store[2]["shard-00002.tar"]
+    url = f"{proxy.url}/shard-00002.tar"
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.fetch_to(url, tmp_path / "s.tar", size=len(data), sha256="0" * 64, **FAST)
+    message = str(info.value)
+    assert message.startswith(url) and "0" * 64 in message and _sha(data) in message
+    assert "the object changed since preparation: re-run mmfast-prepare" in message
+    assert proxy.count("/shard-00002.tar") == 2
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_wrong_size_names_both_sizes(proxy, http_store, tmp_path):
+    data = http_store[2]["shard-00002.tar"]
+    with pytest.raises(PermanentRemoteError, match=f"expected {len(data) + 1} bytes .* got {len(data)} "):
+        remote.fetch_to(f"{proxy.url}/shard-00002.tar", tmp_path / "s.tar", size=len(data) + 1, **FAST)
+    assert os.listdir(tmp_path) == []
+
+
+def test_size_and_sha256_are_read_in_one_pass(proxy, http_store):
+    data = http_store[2]["big.bin"]
+    assert remote.remote_size_and_sha256(f"{proxy.url}/big.bin", **FAST) == (len(data), _sha(data))
+    assert proxy.count("/big.bin") == 1
+
+
+def test_a_killed_download_leaves_no_file_and_the_cache_removes_its_leftovers(proxy, http_store, tmp_path):
+    data = http_store[2]["big.bin"]
+    url, root = f"{proxy.url}/big.bin", tmp_path / "cache"
+    with ShardCache(root, 10**9) as cache:
+        dest = cache.path_for(url, _sha(data))
+    proxy.bandwidth_bytes_per_s = 300_000  # ten seconds for the whole object: time to kill it part-way
+    code = (
+        "import sys; from mmfast.util.shard_cache import ShardCache; "
+        "ShardCache(sys.argv[1], 10**9).get(sys.argv[2], int(sys.argv[3]), sys.argv[4])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", code, str(root), url, str(len(data)), _sha(data)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(size > 0 for size in _partials(root).values()):
+            assert time.monotonic() < deadline and child.poll() is None, "the download never started"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not dest.exists()
+    assert _partials(root) and os.listdir(root / "reserved")  # what the killed process left behind
+    proxy.bandwidth_bytes_per_s = None
+    with ShardCache(root, 10**9) as cache:  # the next cache on this root removes what the dead one left
+        assert not _partials(root) and os.listdir(root / "reserved") == []
+        assert cache.get(url, len(data), _sha(data)).read_bytes() == data
+
+
+def _partials(root: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (root / "shards").iterdir() if remote.partial_of(p.name)}
+
+
+def _items(proxy: FaultProxy, blobs: dict[str, bytes], indices) -> list[tuple[str, int, str]]:
+    """(url, size, sha256) of the cache-test shards with these indices."""
+    names = [f"shard-{i:05d}.tar" for i in indices]
+    return [(f"{proxy.url}/{n}", len(blobs[n]), _sha(blobs[n])) for n in names]
+
+
+def test_the_cache_never_holds_more_than_its_limit_plus_one_shard(proxy, http_store, tmp_path):
+    blobs = http_store[2]
+    limit = 3 * SHARD
+    with ShardCache(tmp_path / "c", limit) as cache:
+        order = [0, 1, 2, 3, 1, 4, 5, 6, 7, 0, 7]
+        for item in _items(proxy, blobs, order):
+            assert cache.get(*item).read_bytes() == blobs[item[0].rsplit("/", 1)[1]]
+            on_disk = sum(_files(tmp_path / "c").values())
+            assert on_disk <= limit + SHARD, _files(tmp_path / "c")
+        stats = cache.stats()
+    shards = sorted(n.rsplit("-", 1)[-1] for n in _files(tmp_path / "c") if n.startswith("shards/"))
+    assert shards == ["00000.tar", "00006.tar", "00007.tar"]
+    assert (stats["hits"], stats["misses"], stats["fetches"]) == (2, 9, 9)
+    assert stats["evictions"] == 6 and stats["bytes_fetched"] == 9 * SHARD
+
+
+def test_prefetching_stays_within_the_limit(proxy, http_store, tmp_path):
+    # Room for the shard being read, the two fetched ahead, and the one before (older than all of them).
+    blobs, limit, seen = http_store[2], 4 * SHARD, []
+    with ShardCache(tmp_path / "c", limit, workers=2) as cache:
+        items = _items(proxy, blobs, range(8))
+        for i, item in enumerate(items):
+            cache.prefetch(items[i + 1 : i + 3])
+            with cache.pinned(*item) as path:
+                assert path.read_bytes() == blobs[item[0].rsplit("/", 1)[1]]
+                seen.append(sum(_files(tmp_path / "c").values()))
+    assert max(seen) <= limit + SHARD
+    assert [proxy.count(f"/shard-{i:05d}.tar") for i in range(8)] == [1] * 8  # each fetched once
+
+
+def test_lru_evicts_the_least_recently_used_and_never_a_pinned_one(proxy, http_store, tmp_path):
+    a, b, c, d, e, f = _items(proxy, http_store[2], range(6))
+    with ShardCache(tmp_path / "c", 3 * SHARD) as cache:
+        for item in (a, b, c, a):  # a used again: b is now the least recently used
+            cache.get(*item)
+        cache.get(*d)
+        assert [cache.path_for(u, s).exists() for u, _, s in (a, b, c, d)] == [True, False, True, True]
+        with cache.pinned(*c) as pinned:  # c is the least recently used now, but in use
+            cache.get(*e)
+            cache.get(*f)
+            assert pinned.exists() and pinned.read_bytes() == http_store[2]["shard-00002.tar"]
+        assert [cache.path_for(u, s).exists() for u, _, s in (a, c, d, e, f)] == [False, True, False, True, True]
+
+
+def test_when_everything_is_pinned_a_fetch_waits_then_says_the_cache_is_full(proxy, http_store, tmp_path):
+    a, b, c = _items(proxy, http_store[2], range(3))
+    with ShardCache(tmp_path / "c", SHARD, wait_s=0.5) as cache:
+        with cache.pinned(*a), cache.pinned(*b):  # a fills the limit; b is the one shard allowed over it
+            started = time.monotonic()
+            with pytest.raises(CacheFullError, match="raise limit_bytes"):
+                cache.get(*c)
+            assert time.monotonic() - started >= 0.5
+        assert cache.get(*c).exists()  # once they are released, c fits (a and b make room)
+        assert sum(_files(tmp_path / "c").values()) <= 2 * SHARD
+
+
+def test_a_cached_copy_of_the_wrong_size_is_fetched_again(proxy, http_store, tmp_path):
+    (item,) = _items(proxy, http_store[2], [3])
+    with ShardCache(tmp_path / "c", 10 * SHARD) as cache:
+        path = cache.get(*item)
+        path.write_bytes(b"truncated")
+        assert cache.get(*item).read_bytes() == http_store[2]["shard-00003.tar"]
+        assert cache.stats()["fetches"] == 2 and proxy.count("/shard-00003.tar") == 2
+
+
+def test_a_failed_prefetch_is_raised_by_get_of_that_shard(proxy, http_store, tmp_path):
+    good = _items(proxy, http_store[2], [4])[0]
+    missing = (f"{proxy.url}/no-such.tar", 10, "0" * 64)
+    with ShardCache(tmp_path / "c", 10 * SHARD) as cache:
+        cache.prefetch([missing, good])  # nothing raised here, nor in a worker thread
+        assert cache.get(*good).read_bytes() == http_store[2]["shard-00004.tar"]
+        with pytest.raises(PermanentRemoteError, match="no-such.tar: not found"):
+            cache.get(*missing)
+    assert proxy.count("/no-such.tar") == 1 and proxy.count("/shard-00004.tar") == 1
+
+
+def test_cache_names_hold_no_credentials_and_survive_a_new_signature(tmp_path):
+    with ShardCache(tmp_path / "c", SHARD) as cache:
+        one = cache.path_for(f"https://u:pw@h/b/shard-7.tar?X-Amz-Date=1&X-Amz-Signature={SIGNATURE}", "ab" * 32)
+        two = cache.path_for("https://u:pw@h/b/shard-7.tar?X-Amz-Date=2&X-Amz-Signature=other", "ab" * 32)
+    assert one == two and one.name.endswith("-shard-7.tar") and one.parent == tmp_path / "c" / "shards"
+    assert "pw" not in one.name and SIGNATURE not in one.name
+
+
+def test_the_cache_refuses_a_folder_of_the_users_files(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    with pytest.raises(OutputDirError, match="not a shard cache's"):
+        ShardCache(tmp_path, SHARD)
+    assert os.listdir(tmp_path) == ["mine.txt"]
+
+
+def _spawned_get(root: str, item: tuple, ready, go, results) -> None:
+    """One process of the two-process test: open the cache, say so, wait for the start, get the shard."""
+    try:
+        with ShardCache(root, 10 * SHARD) as cache:
+            ready.put(os.getpid())
+            if go.wait(60):
+                path = cache.get(*item)
+                results.put((cache.stats()["fetches"], hashlib.sha256(path.read_bytes()).hexdigest()))
+    except BaseException as e:
+        results.put(("failed", repr(e)))
+        raise
+
+
+def test_two_processes_asking_for_one_shard_fetch_it_once(proxy, http_store, tmp_path):
+    (item,) = _items(proxy, http_store[2], [5])
+    proxy.add_fault("/shard-00005.tar", delay_s=1.0)  # the first fetch is still running when the second asks
+    ctx = multiprocessing.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_spawned_get, args=(str(tmp_path / "c"), item, ready, go, results)) for _ in "ab"]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=60)
+        go.set()
+        got = sorted(results.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got == [(0, item[2]), (1, item[2])]
+    assert proxy.count("/shard-00005.tar") == 1
+
+
+def test_no_secret_reaches_a_message_a_traceback_or_a_log(
+    proxy, http_store, tmp_path, caplog, capsys, monkeypatch
+):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    caplog.set_level(logging.DEBUG, logger="mmfast")
+    data = http_store[2]["shard-00006.tar"]
+    url = f"http://user:{SECRET_KEY}@127.0.0.1:{proxy.url.rsplit(':', 1)[1]}/shard-00006.tar?sig={SIGNATURE}"
+    proxy.add_fault("/shard-00006.tar", times=1, status=503)
+    proxy.add_fault("/shard-00006.tar", times=1, drop_mid_body=True)
+    texts = [str(remote.fetch_to(url, tmp_path / "ok", size=len(data), sha256=_sha(data), **FAST))]
+    for status in (403, 404, None):
+        if status:
+            proxy.add_fault("/shard-00006.tar", times=1, status=status)
+        with pytest.raises(PermanentRemoteError) as info:
+            remote.fetch_to(url, tmp_path / "x", size=len(data), sha256=None if status else "1" * 64, **FAST)
+        texts += [str(info.value), info.value.url, "".join(traceback.format_exception(info.value))]
+    with ShardCache(tmp_path / "c", SHARD) as cache:
+        proxy.add_fault("/shard-00006.tar", times=1, status=403)
+        with pytest.raises(PermanentRemoteError) as info:
+            cache.get(url, len(data), _sha(data))
+        texts += [str(info.value), "".join(traceback.format_exception(info.value)), str(cache.path_for(url, None))]
+    captured = capsys.readouterr()
+    texts += [caplog.text, captured.out, captured.err]
+    assert "retry 2 of 5" in caplog.text  # the retries were logged, redacted
+    for text in texts:
+        assert SECRET_KEY not in text and SIGNATURE not in text
+
+
+def test_brace_patterns_expand_with_their_padding(tmp_path):
+    assert remote.expand("s3://b/p/shard-{00008..00011}.tar") == [
+        "s3://b/p/shard-00008.tar",
+        "s3://b/p/shard-00009.tar",
+        "s3://b/p/shard-00010.tar",
+        "s3://b/p/shard-00011.tar",
+    ]
+    assert remote.expand("gs://b/{train,val}/{0..1}.tar") == [
+        f"gs://b/{s}/{i}.tar" for s in ("train", "val") for i in "01"
+    ]
+    assert remote.expand("hf://d/{a,{b,c}}-{2..1}.tar") == [f"hf://d/{x}-{i}.tar" for x in "abc" for i in "12"]
+    assert remote.expand("s3://b/{x,x,y}.tar") == ["s3://b/x.tar", "s3://b/y.tar"]
+    bad_patterns = [("s3://b/{0..3.tar", "unbalanced"), ("s3://b/{abc}.tar", "neither a list")]
+    for bad, words in bad_patterns + [("s3://b/{0..99999999}.tar", "more than")]:
+        with pytest.raises(ValueError, match=words):
+            remote.expand(bad)
+
+
+def test_globs_match_local_and_s3_objects(s3_proxy, tmp_path):
+    for name in ("a-0.tar", "a-1.tar", "b-0.tar"):
+        (tmp_path / name).write_bytes(b"x")
+    assert remote.expand(str(tmp_path / "a-*.tar")) == [str(tmp_path / "a-0.tar"), str(tmp_path / "a-1.tar")]
+    assert remote.expand(f"s3://{BUCKET}/data/shard-*.tar") == [
+        f"s3://{BUCKET}/data/shard-00000.tar",
+        f"s3://{BUCKET}/data/shard-00001.tar",
+    ]
+    with pytest.raises(ValueError, match=r"shard-\*\.tgz' matches nothing"):
+        remote.expand(f"s3://{BUCKET}/data/shard-*.tgz")

@@ -1,0 +1,191 @@
+"""Streaming shards: the same prepared WebDataset shards read by the stream source from local disk (the
+baseline), from an S3-compatible server on loopback (moto's server mode, through s3fs), and from that server
+through a proxy that limits bandwidth and adds latency (a remote store's link), in one interleaved run.
+
+    python tools/benchmarks/bench_stream.py [--n 512] [--per-shard 64] [--batch-size 64] [--size 224]
+        [--rounds 3] [--bandwidth-mb 50] [--latency-ms 20] [--threads N] [--json OUT]
+
+The images are ``--n`` real 800x600 JPEGs cut from scikit-image's photos (``benchlib.data``), written as
+img2dataset-layout shards (key.jpg + key.txt + key.cls), prepared in place (local) and from ``s3://``
+(remote: the rows, ids and split are the same; the remote preparation records each shard's size and
+SHA-256). Each round builds every variant anew with an empty shard cache (for the remote rows) and times the
+first batch from construction, the first epoch (cold: every shard fetched while it is read) and a second
+epoch (warm: the cache holds the set when ``--cache-mb`` allows); train augmentation (random resized crop +
+flip) at ``--size``. The cache's hits, misses, fetches and retries are reported beside the figures. Needs
+``moto[server]``, ``boto3`` and ``s3fs`` (the ``remote`` and ``test`` extras).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from benchlib.data import photo_manifest
+from benchlib.fault_proxy import FaultProxy
+
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.prepare.demo import default_cache_dir
+
+BUCKET = "mmfast-bench"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=512, help="images (800x600 JPEGs)")
+    p.add_argument("--per-shard", type=int, default=64, help="samples per shard")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bandwidth-mb", type=float, default=50.0, help="the throttled link's MB/s")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="the throttled link's latency per request")
+    p.add_argument("--cache-mb", type=float, default=1024.0, help="the shard cache's limit")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--json", default="bench_out/bench_stream.json")
+    return p.parse_args(argv)
+
+
+def write_shards(manifest: Path, folder: Path, per_shard: int) -> int:
+    """img2dataset-layout shards of the manifest's images; returns the number of shards."""
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    labels = sorted({r["label"] for r in rows})
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = 0
+    for s in range(0, len(rows), per_shard):
+        with tarfile.open(folder / f"{shards:05d}.tar", "w") as tar:
+            for i, r in enumerate(rows[s : s + per_shard], start=s):
+                for ext, data in (
+                    ("jpg", (manifest.parent / r["image"]).read_bytes()),
+                    ("txt", r["text"].encode()),
+                    ("cls", str(labels.index(r["label"])).encode()),
+                ):
+                    info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, _bytes(data))
+        shards += 1
+    return shards
+
+
+def _bytes(data: bytes):
+    import io
+
+    return io.BytesIO(data)
+
+
+def prepare(source: str, out: Path) -> Path:
+    cfg = PrepareConfig(source=source, out=str(out), val_fraction=0.0, progress=False, workers=1)
+    prepare_dataset(cfg)
+    return out
+
+
+def run_variant(data: Path, args, cache_root: Path | None) -> dict:
+    """One fresh build: first batch, cold epoch and warm epoch, and the cache's counters."""
+    from mmfast.util.shard_cache import ShardCache
+
+    cache = ShardCache(cache_root, int(args.cache_mb * 2**20)) if cache_root else None
+    t0 = time.perf_counter()
+    loader = MultimodalLoader(
+        data,
+        "train",
+        args.batch_size,
+        source="stream",
+        shard_cache=cache,
+        size=args.size,
+        num_workers=args.threads,
+    )
+    epochs, first = [], None
+    for _ in range(2):
+        n, start = 0, time.perf_counter()
+        for batch in loader:
+            if first is None:
+                first = time.perf_counter() - t0
+            n += int((batch["id"] >= 0).sum())
+        epochs.append(n / (time.perf_counter() - start))
+    stats = cache.stats() if cache else {}
+    del loader
+    return {"first_batch_s": first, "cold_images_per_s": epochs[0], "warm_images_per_s": epochs[1], "cache": stats}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server: one line per request otherwise
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError as e:
+        print(f"error: {e}; pip install 'moto[server]' boto3 s3fs", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="mmfast-bench-stream-"))
+    manifest = photo_manifest(default_cache_dir() / "bench", args.n)
+    shards = write_shards(manifest, work / "shards", args.per_shard)
+    pattern = f"{{00000..{shards - 1:05d}}}.tar"
+    local = prepare(str(work / "shards" / pattern), work / "local")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    direct = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=direct)
+    client.create_bucket(Bucket=BUCKET)
+    for tar in sorted((work / "shards").glob("*.tar")):
+        client.upload_file(str(tar), BUCKET, f"shards/{tar.name}")
+    os.environ["AWS_ENDPOINT_URL"] = direct
+    remote = prepare(f"s3://{BUCKET}/shards/{pattern}", work / "remote")
+    proxy = FaultProxy(direct, bandwidth_bytes_per_s=args.bandwidth_mb * 1e6, latency_s=args.latency_ms / 1000)
+    proxy.start()
+    endpoints = {"local disk": None, "S3 on loopback": direct, "S3 through the throttled proxy": proxy.url}
+    runs: dict[str, list[dict]] = {name: [] for name in endpoints}
+    for r in range(args.rounds):
+        for name, endpoint in endpoints.items():
+            if endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+            cache = work / f"cache-{r}-{len(runs[name])}-{name.split()[-1]}" if endpoint else None
+            runs[name].append(run_variant(remote if endpoint else local, args, cache))
+            print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
+    proxy.close()
+    server.stop()
+    results = report(runs, args, shards)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+def report(runs: dict[str, list[dict]], args, shards: int) -> dict:
+    base = statistics.median(r["warm_images_per_s"] for r in runs["local disk"])
+    base_cold = statistics.median(r["cold_images_per_s"] for r in runs["local disk"])
+    print(f"\n{args.n} images in {shards} shards, batch {args.batch_size}, {args.size} px, {args.threads} threads")
+    head = f"{'source':<34}{'first batch s':>14}{'cold img/s':>12}{'x local':>9}{'warm img/s':>12}{'x local':>9}"
+    print(head + f"{'hits':>6}{'misses':>7}{'retries':>8}")
+    out = {"settings": vars(args), "shards": shards, "rows": {}}
+    for name, rs in runs.items():
+        row = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("first_batch_s", "cold_images_per_s", "warm_images_per_s")
+        }
+        row["cold_x_local"] = row["cold_images_per_s"] / base_cold
+        row["warm_x_local"] = row["warm_images_per_s"] / base
+        row["cache"] = rs[-1]["cache"]
+        out["rows"][name] = row | {"runs": rs}
+        c = row["cache"]
+        cells = f"{row['first_batch_s']:>14.2f}{row['cold_images_per_s']:>12.1f}{row['cold_x_local']:>9.2f}"
+        cells += f"{row['warm_images_per_s']:>12.1f}{row['warm_x_local']:>9.2f}"
+        print(
+            f"{name:<34}{cells}"
+            + "".join(f"{c.get(k, '-'):>{w}}" for k, w in (("hits", 6), ("misses", 7), ("retries", 8)))
+        )
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
