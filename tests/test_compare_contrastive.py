@@ -1,0 +1,64 @@
+"""tools/experiments/compare_contrastive.py end to end (--quick) on a small real set, QUICK_ROWS Oxygen icons:
+the two frozen-tower baselines and both dual-encoder recipes land in one table, their figures are percentages,
+and the ridge map finds the right caption far more often than chance (ids and features kept in step)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tools.experiments import compare_contrastive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
+    builder = compare_contrastive.BUILDERS["icons"]
+    if not builder.is_file():
+        pytest.skip(f"the Oxygen icon builder {builder} is not here")
+    build = subprocess.run([sys.executable, str(builder), str(tmp_path / "sets" / "icons")], capture_output=True)
+    if build.returncode != 0:
+        pytest.skip(f"cannot build the Oxygen icons (apt-get download): {build.stderr.decode()[-300:]}")
+    out = tmp_path / "cmp"
+    argv = [
+        "--sets",
+        "icons",
+        "--quick",
+        "--seeds",
+        "3",
+        "4",
+        "--out",
+        str(out),
+        "--cache",
+        str(tmp_path / "sets"),
+    ]
+    assert compare_contrastive.main(argv) == 0
+
+    report = json.loads((out / "compare.json").read_text())
+    assert report["limit"] == compare_contrastive.QUICK_ROWS and report["seeds"] == [3] and report["epochs"] == 1
+    assert sum(report["sets"]["icons"]["counts"][s] for s in ("train", "val")) == compare_contrastive.QUICK_ROWS
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == set(compare_contrastive.METHODS)
+    runs = report["runs"]["icons"]
+    for method in compare_contrastive.METHODS:
+        assert len(runs[method]) == 1 and rows[method]["runs"] == 1
+        for k in compare_contrastive.FIGURES:
+            assert 0.0 <= runs[method][0][k] <= 100.0, (method, k, runs[method][0][k])
+            assert rows[method][k] == pytest.approx(runs[method][0][k])
+    for loss in ("clip", "siglip"):
+        assert runs[loss][0]["seed"] == 3 and (out / "runs" / f"icons-{loss}-seed3" / "summary.json").is_file()
+
+    # every method is scored on the same val images; chance recall@k is k / images
+    images = runs["ridge"][0]["images"]
+    assert {runs[m][0]["images"] for m in compare_contrastive.METHODS} == {images}
+    assert images >= 15
+    ridge = runs["ridge"][0]
+    for way in ("i2t", "t2i"):
+        assert ridge[f"{way}_r10"] > 100.0 * 10 / images, (way, ridge)
+        assert ridge[f"{way}_r1"] >= 3 * 100.0 / images, (way, ridge)
+    assert (out / "compare.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert all(f"icons     {m}" in printed for m in compare_contrastive.METHODS)
