@@ -215,15 +215,15 @@ def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, pr
     assert stats["misses"] >= SHARDS and stats["evictions"] >= 1, stats
 
 
-def test_training_streams_from_s3_and_writes_no_secret(prepared_s3, tmp_path, capsys):
-    """mmfast-train on the S3-prepared set: it streams (two epochs through a small cache), and neither the
-    run's files nor its output hold the fake secret key."""
+def test_training_streams_from_s3_and_writes_no_secret(s3_shards, tmp_path, capsys):
+    """mmfast-train on the shards' s3:// pattern: prepared on the fly where they lie, then streamed (two
+    epochs through a small cache); neither the run's files nor its output hold the fake secret key."""
     from tools import train as train_tool
 
     out = tmp_path / "run"
     argv = [
         "--data",
-        str(prepared_s3),
+        f"s3://{BUCKET}/shards/{{00000..{SHARDS - 1:05d}}}.tar",
         "--out",
         str(out),
         "--epochs",

@@ -24,6 +24,7 @@ from mmfast.train.config import TRACKERS, TrainConfig, trackers
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
+from mmfast.util.remote import is_remote, redact
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -147,7 +148,9 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             source = demo_dataset(n=cfg.demo_size, seed=0)
             out = default_cache_dir() / "prepared" / f"{source.parent.name}-len{cfg.max_length}"
         else:
-            source, out = Path(cfg.data), Path(cfg.out) / RAW_DATA_DIR
+            # a URL pattern stays a string (Path would fold its "//")
+            source = cfg.data if is_remote(cfg.data) else Path(cfg.data)
+            out = Path(cfg.out) / RAW_DATA_DIR
         prep = PrepareConfig(
             source=str(source),
             out=str(out),
@@ -162,7 +165,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
                 c = summary["counts"]
                 rows = f"{c['train']} train, {c['val']} val rows"
                 dropped = f", {c['rejected']} rejected (see {out / 'rejected.jsonl'})" if c["rejected"] else ""
-                accelerator.print(f"prepared {source} into {out}: {rows}{dropped}")
+                accelerator.print(f"prepared {redact(source)} into {out}: {rows}{dropped}")
         except ManifestError as e:
             if cfg.data is None:
                 raise
