@@ -27,6 +27,7 @@ def print_table(summary: dict) -> None:
         ("optimizer steps", str(summary["global_step"])),
         ("skipped steps", str(summary["skipped_steps"])),
         ("images", summary.get("images", "")),
+        *_shards_row(summary),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]
@@ -41,6 +42,21 @@ def _accuracy_row(summary: dict) -> list[tuple[str, str]]:
     if summary["val_acc"] is None:
         return [("val_acc", "no val split")]
     return [("val_acc", f"{summary['val_acc']:.4f} (best {summary['best_val_acc']:.4f})")]
+
+
+def _shards_row(summary: dict) -> list[tuple[str, str]]:
+    """The shard cache's line of a run that streamed remote shards (a run on local data has none)."""
+    s = summary.get("shards")
+    if not s:
+        return []
+    return [
+        (
+            "shards",
+            f"{s['fetches']} fetched ({s['bytes_fetched'] / 2**20:.1f} MiB in {s['fetch_seconds']:.1f} s, "
+            f"{s['retries']} retries), {s['hits']} hits, {s['misses']} misses, {s['evictions']} evicted, "
+            f"waited {s['wait_seconds']:.1f} s",
+        )
+    ]
 
 
 class _StartupInterrupt:

@@ -1,5 +1,6 @@
-"""A run's loaders: this process's train and val ``MultimodalLoader`` over the prepared dataset, which splits
-hold their images decoded in memory (``cache_plans``) and the summary's line on how images were served."""
+"""A run's loaders: this process's train and val ``MultimodalLoader`` over the prepared dataset, the cache they
+stream remote shards through (``shard_cache``), which splits hold their images decoded in memory
+(``cache_plans``) and the summary's line on how images were served."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ log = logging.getLogger(__name__)
 
 def build_loaders(
     cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None = None
-) -> tuple[MultimodalLoader, MultimodalLoader | None, dict[str, str]]:
-    """This process's train loader (its shard, augmented), val loader (None without a val split), and why
-    a split's images are streamed rather than held in memory ({split: reason}, ``images_note``).
+) -> tuple[MultimodalLoader, MultimodalLoader | None, dict[str, str], ShardCache | None]:
+    """This process's train loader (its shard, augmented), val loader (None without a val split), why a
+    split's images are streamed rather than held in memory ({split: reason}, ``images_note``), and the shard
+    cache both loaders read remote shards through, whose counters the run's figures report (None when the
+    shards are local).
 
     ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
     """
@@ -59,9 +62,9 @@ def build_loaders(
         **common,
     )
     if not has_val:
-        return train_loader, None, streamed
+        return train_loader, None, streamed, cache
     val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
-    return train_loader, val_loader, streamed
+    return train_loader, val_loader, streamed, cache
 
 
 def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None:

@@ -13,6 +13,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +21,10 @@ from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
 from mmfast.train.profiler import StepTimer
-from mmfast.train.report import StepLog, StepWindow, write_epoch_metrics
+from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
+
+if TYPE_CHECKING:
+    from mmfast.util.shard_cache import ShardCache
 
 PROFILE_WARMUP_STEPS = 5  # micro-batches left out of a profile's figures (when the run has more)
 
@@ -58,7 +62,8 @@ class EpochRunner:
 
     ``loader`` is anything with ``__len__``, ``__iter__`` (one epoch of batch dicts with an "id" entry),
     ``step``, ``set_epoch`` and ``state_dict`` (a MultimodalLoader in training, or batches held in memory to
-    measure the loop alone). ``task`` is the objective (``mmfast.tasks.registry.Task``).
+    measure the loop alone). ``task`` is the objective (``mmfast.tasks.registry.Task``). ``shard_cache``: the
+    cache the loaders stream remote shards through (None: local data), whose counters each epoch's figures carry.
     """
 
     def __init__(
@@ -73,10 +78,11 @@ class EpochRunner:
         total_steps: int,
         state: dict,
         task: Task,
+        shard_cache: ShardCache | None = None,
     ):
         self.cfg, self.acc, self.model, self.opt, self.sched = cfg, accelerator, model, optimizer, scheduler
         self.loader, self.run_dir, self.total_steps, self.state = loader, run_dir, total_steps, state
-        self.task = task
+        self.task, self.shard_cache = task, shard_cache
         self.stop = None  # a StopFlag while the loop runs
         self.interrupted = False
         self.consecutive_bad = 0
@@ -108,6 +114,7 @@ class EpochRunner:
                 "lr": self.sched.get_last_lr()[0],
                 "skipped_steps": self.state["skipped_steps"],
                 "skipped_samples": len(self.loader.bad),
+                **shard_figures(self.acc, self.shard_cache),
             }
             if self.task.improves(metrics, self.state) or self.state.get("best_step") is None:
                 # This step's checkpoint (written just below) is the best one: retention never removes it.

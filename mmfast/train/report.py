@@ -1,6 +1,6 @@
 """What a run tells: metrics.jsonl lines and the epoch's log line, the per-step figures (trackers, a progress
-bar or a line every --log-every steps), config.json, summary.json, the trackers' hyper-parameters, and the
-profile of a --profile run."""
+bar or a line every --log-every steps), config.json, summary.json, the shard cache's counters of a run that
+streams remote shards, the trackers' hyper-parameters, and the profile of a --profile run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from mmfast.train.config import TrainConfig
 from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.train.setup import cpu_has_fast_bf16
 from mmfast.util.fsutil import atomic_write_json
+
+if TYPE_CHECKING:
+    from mmfast.util.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +169,26 @@ def summarize(
         "skipped_steps": state["skipped_steps"],
         "interrupted": interrupted,
         "run_dir": str(run_dir),
+    }
+
+
+def shard_figures(accelerator, cache: ShardCache | None) -> dict:
+    """``{"shards": counters}`` for a run that streams remote shards, ``{}`` for one whose shards are local:
+    the shard cache's counters (``ShardCache.stats``: hits, misses, fetches, bytes_fetched, retries,
+    evictions, fetch_seconds, wait_seconds) summed over the processes, since this segment of the run started.
+    What metrics.jsonl's epoch lines and summary.json carry, so that a transient fault retried is counted in
+    the run's figures. A collective call: every process streams through a cache of its own, or none does."""
+    if cache is None:
+        return {}
+    stats = cache.stats()
+    totals = accelerator.reduce(
+        torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=accelerator.device),
+        reduction="sum",
+    ).tolist()  # note: a CPU-GPU sync point, once per epoch
+    return {
+        "shards": {
+            k: round(v, 3) if k.endswith("_seconds") else int(v) for k, v in zip(stats, totals, strict=True)
+        }
     }
 
 

@@ -26,6 +26,7 @@ from mmfast.train.optim import build_optimizer, total_steps
 from mmfast.train.profiler import UtilizationSampler
 from mmfast.train.report import (
     encoder_lr_note,
+    shard_figures,
     start_trackers,
     summarize,
     tracker_config,
@@ -162,7 +163,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
-    train_loader, val_loader, streamed = build_loaders(cfg, accelerator, dataset, norm)
+    train_loader, val_loader, streamed, cache = build_loaders(cfg, accelerator, dataset, norm)
     if cfg.compile:
         model = torch.compile(model)
     steps = total_steps(cfg, len(train_loader))
@@ -177,12 +178,16 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     tokenizer = snapshot_tokenizer(tokenizer_files, run_dir) if accelerator.is_main_process else None
     if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
         start_trackers(accelerator, tracker_config(identity), task)
-    runner = EpochRunner(cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, steps, state, task)
-    last_metrics = _fit(cfg, runner, val_loader)
+    runner = EpochRunner(
+        cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, steps, state, task, shard_cache=cache
+    )
+    with cache or contextlib.nullcontext():  # its fetches end with the loop, also when a fault stops it
+        last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
         write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
+    summary.update(shard_figures(accelerator, cache))  # the counters at the end, the last evaluation's included
     if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
         write_weights_digest(accelerator, model, run_dir)
     if accelerator.is_main_process:
