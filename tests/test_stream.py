@@ -194,7 +194,7 @@ def test_prepared_from_s3_records_urls_and_checksums_and_no_secret(prepared_s3, 
     assert FAKE_SECRET not in written and "AKIAFAKESTREAMTEST00" not in written
 
 
-def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, prepared_local, tmp_path):
+def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, prepared_local, tmp_path, caplog):
     """Through a cache of about two shards: the same ids and augmented pixels as the local shards for two
     epochs, the cache never past its limit plus one shard, and every shard fetched again only after eviction."""
     from mmfast.util.shard_cache import ShardCache
@@ -212,7 +212,10 @@ def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, pr
             held = sum(p.stat().st_size for p in (tmp_path / "cache" / "shards").glob("*") if p.is_file())
             assert held <= limit + biggest, (held, limit)
     stats = cache.stats()
-    assert stats["misses"] >= SHARDS and stats["evictions"] >= 1, stats
+    assert stats["fetches"] >= SHARDS and stats["evictions"] >= 1, stats
+    # a cache smaller than two blocks of shards is said to cost fetches, with the limit that would not
+    warned = [r.getMessage() for r in caplog.records if "--cache-limit-gb" in r.getMessage()]
+    assert len(warned) == 1 and "fewer than two blocks of 4" in warned[0], warned
 
 
 def test_training_streams_from_s3_and_writes_no_secret(s3_shards, tmp_path, capsys):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ from mmfast.util.remote import is_remote, redact
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
     from mmfast.util.shard_cache import ShardCache
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK = 4  # shards whose samples are shuffled together (the cache should hold about two blocks)
 LOOKAHEAD_BATCHES = 8  # batches ahead of the feed whose shards the cache is asked to fetch
@@ -111,7 +114,7 @@ class StreamSource:
         for k, idx in enumerate(self.index):
             for offset, size, sid in read_index(idx):
                 where[int(sid)] = (k, int(offset), int(size))
-        self._where = where
+        self._where, self._warned = where, False
         self.shard_of = np.zeros(0, dtype=np.int64)  # per position, once ``bind`` knows the loader's ids
         self._loc = np.zeros((0, 3), dtype=np.int64)
 
@@ -157,12 +160,32 @@ class StreamSource:
             yield f
 
     def prefetch(self, shards: Sequence[int]) -> None:
-        """Ask the cache to fetch these shards (remote ones) in this order, in the background."""
+        """Ask the cache to fetch these shards (remote ones) in this order, in the background: as many as it
+        holds beside the shard being read (more would evict shards before their first read)."""
         if self.cache is None:
             return
         items = [(self.tars[k], *self.checks[k]) for k in dict.fromkeys(shards) if is_remote(self.tars[k])]
         if items:
-            self.cache.prefetch(items)
+            self.cache.prefetch(items[: self.shards_held() - 1 or 1])
+
+    def shards_held(self) -> int:
+        """How many of the largest shards the cache holds (its limit, plus the one shard it may exceed it by);
+        warns once when that is less than two blocks: the block order then fetches shards more than once per
+        epoch."""
+        biggest = max((c[0] or 0 for c in self.checks), default=0) or 1
+        held = self.cache.limit_bytes // biggest + 1 if self.cache is not None else len(self.tars)
+        if held < 2 * self.block and not self._warned:
+            self._warned = True
+            log.warning(
+                "the shard cache holds %d shards of %.1f MiB, fewer than two blocks of %d (the order shuffles "
+                "samples across a block): shards will be fetched more than once per epoch; raise --cache-limit-gb "
+                "to %.2f or more",
+                held,
+                biggest / 2**20,
+                self.block,
+                2 * self.block * biggest / 2**30,
+            )
+        return held
 
 
 def read_stream(feed: ShardFeed):
