@@ -94,6 +94,8 @@ class TrainConfig:
     epochs: int | None = _opt(None, "optimization", "passes over the train split; none: the preset's")
     max_steps: int | None = _opt(None, "optimization", "optimizer steps; the run stops early when reached")
     batch_size: int | None = _opt(None, "optimization", "samples per process per micro-batch; none: the preset's")
+    global_batch_size: int | None = _opt(None, "optimization", "samples per optimizer step over all processes: "
+        "--batch-size (at most) and --grad-accum derived from it and the process count")  # fmt: skip
     eval_batch_size: int | None = _opt(
         None, "optimization", "samples per process per eval batch; none: --batch-size"
     )

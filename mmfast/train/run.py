@@ -20,6 +20,7 @@ from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
 from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
 from mmfast.train.data import build_loaders, images_note
+from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
@@ -37,6 +38,7 @@ from mmfast.train.report import (
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
 from mmfast.train.setup import (
     all_processes_ok,
+    apply_global_batch,
     check_data_exists,
     check_tokenizer_matches,
     make_accelerator,
@@ -84,6 +86,7 @@ def _train(cfg: TrainConfig) -> dict:
     default_out = cfg.out is None
     given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
+    cfg = apply_global_batch(cfg, accelerator.num_processes)  # --global-batch-size: batch and accumulation
     if note := encoder_lr_note(given, cfg):
         accelerator.print(note)
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
@@ -209,7 +212,12 @@ def _start_state(
         return {**initial_state(task), "run": identity}
     state = {**load_checkpoint(accelerator, resume_from), "run": identity}
     check_finite_weights(model, f"the weights loaded from {resume_from}")
-    train_loader.load_state_dict(state["loader"][accelerator.process_index])
+    images, saved = train_loader.images, state["loader"]
+    train_loader.load_state_dict(loader_state(saved, images.batch_size, images.num_shards, images.shard_id))
+    if len(saved) != images.num_shards:  # an elastic resume (--global-batch-size): the same global position
+        accelerator.print(
+            f"the checkpoint was written by {len(saved)} processes; this run has {images.num_shards}"
+        )
     accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if state["global_step"] >= steps:  # the model directories are written again, nothing is trained
         accelerator.print(
@@ -233,7 +241,7 @@ def _check_resumable(resume_from: Path | None, identity: dict) -> None:
     """Refuse to resume from a checkpoint whose run had other must-match settings than this one."""
     saved = read_trainer_state(resume_from) if resume_from is not None else None
     if saved is not None:
-        diffs = resume_differences(saved.get("run", {}), identity)
+        diffs = without_elastic(resume_differences(saved.get("run", {}), identity), saved.get("run", {}), identity)
         if diffs:
             raise CheckpointError(
                 f"cannot resume from {resume_from}: these settings differ from the run that wrote it:\n  "

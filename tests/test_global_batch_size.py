@@ -1,0 +1,102 @@
+"""--global-batch-size: the per-process batch and accumulation derived from it and the process count, so the
+global batch a run trains on does not depend on how many processes it has (issue: runs that change size)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from conftest import SMALL_RUN
+
+from mmfast.train.config import TrainConfig
+from mmfast.train.setup import apply_global_batch
+
+
+@pytest.mark.parametrize(
+    ("g", "n", "batch", "want"),
+    [
+        (64, 1, 32, (32, 2)),  # one process: two micro-batches of 32
+        (64, 2, 32, (32, 1)),  # two: 32 each
+        (64, 4, 32, (16, 1)),  # the share is below --batch-size: the share itself
+        (96, 2, 32, (24, 2)),  # 48 each: the largest divisor of 48 at most 32
+        (60, 1, 64, (60, 1)),
+        (7, 1, 4, (1, 7)),  # a prime share: micro-batches of one
+    ],
+)
+def test_batch_and_accumulation_from_the_global_batch(g, n, batch, want):
+    cfg = apply_global_batch(TrainConfig(global_batch_size=g, batch_size=batch), n)
+    assert (cfg.batch_size, cfg.grad_accum) == want
+    assert cfg.batch_size * cfg.grad_accum * n == g
+
+
+def test_without_it_nothing_changes_and_wrong_ones_are_refused():
+    cfg = TrainConfig(batch_size=16, grad_accum=3)
+    assert apply_global_batch(cfg, 2) is cfg
+    with pytest.raises(ValueError, match=r"not divisible by the 3 processes.*multiple of 3 \(e\.g\. 63 or 66\)"):
+        apply_global_batch(TrainConfig(global_batch_size=64, batch_size=16), 3)
+    with pytest.raises(ValueError, match="give one of them"):
+        apply_global_batch(replace(cfg, global_batch_size=64), 2)
+    with pytest.raises(ValueError, match=">= 1"):
+        apply_global_batch(TrainConfig(global_batch_size=0), 1)
+
+
+def test_a_run_records_the_derived_batch_and_accumulation(tmp_path):
+    from tools import train as train_tool
+
+    out = tmp_path / "run"
+    args = [a for a in SMALL_RUN if a not in ("--batch-size", "16")]
+    argv = ["--out", str(out), "--demo-size", "96", "--epochs", "1", "--global-batch-size", "32"]
+    argv += ["--batch-size", "8"]
+    assert train_tool.main([*argv, *args, "--max-steps", "2"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["batch_size"], config["grad_accum"], config["global_batch_size"]) == (8, 4, 32)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 2
+
+
+def _epoch_ids(run, ranks: int) -> dict[int, list[int]]:
+    """Every sample id each epoch trained, over all segments of the run and all ranks (--record-ids)."""
+    out: dict[int, list[int]] = {}
+    for rank in range(ranks):
+        path = run / f"seen_ids.rank{rank}.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                out.setdefault(r["epoch"], []).extend(r["ids"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "then"), [(1, 2), (2, 1)])
+def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(prepared, tmp_path, first, then):
+    """--global-batch-size 32 with batch 16: 1 process accumulates 2, 2 processes take 16 each. Stopped after 3
+    steps on ``first`` processes and resumed on ``then``: every whole global batch of the epoch trained exactly
+    once, the step counter carried over; without --global-batch-size the same change is refused."""
+    import subprocess
+
+    from conftest import ROOT, free_port, n_rows, train_cmd
+
+    def launch(n: int, *flags: str):
+        launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+        cmd = train_cmd(prepared, out, "--epochs", "1", "--record-ids", "--mixed-precision", "no", *flags)
+        cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    out = tmp_path / "run"
+    common = ("--global-batch-size", "32", "--batch-size", "16")
+    first_run = launch(first, *common, "--max-steps", "3")
+    assert first_run.returncode == 0, first_run.stderr[-3000:]
+    resumed = launch(then, *common, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"written by {first} processes; this run has {then}" in resumed.stdout + resumed.stderr
+    steps = n_rows(prepared, "train") // 32  # whole global batches of an epoch
+    ids = _epoch_ids(out, 2)[0]
+    assert len(ids) == len(set(ids)) == steps * 32, (len(ids), len(set(ids)), steps)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == steps and summary["num_processes"] == then
+
+    out = tmp_path / "fixed"  # a per-process batch: the process count must not change
+    assert launch(first, "--batch-size", "16", "--max-steps", "3").returncode == 0
+    refused = launch(then, "--batch-size", "16", "--resume", "latest")
+    assert refused.returncode != 0 and "num_processes" in refused.stderr
