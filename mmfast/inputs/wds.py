@@ -161,12 +161,16 @@ def read_shards(
         shards = shards[len(shards) * part[0] // part[1] : len(shards) * (part[0] + 1) // part[1]]
     src = Path(source)
     base = src if src.is_dir() else Path(os.path.dirname(str(source)) or ".")
+    env = _store_env() if any(is_remote(p) for p in shards) else {}
     jobs = [
         (
-            str(p),
-            redact(p) if is_remote(p) else _relative(p, base.resolve()),
-            _wds_opts(opts),
-            max_pixels or DEFAULT_MAX_PIXELS,
+            (
+                str(p),
+                redact(p) if is_remote(p) else _relative(p, base.resolve()),
+                _wds_opts(opts),
+                max_pixels or DEFAULT_MAX_PIXELS,
+            ),
+            env,
         )
         for p in shards
     ]
@@ -211,10 +215,21 @@ def _wds_opts(opts: InputOptions) -> dict:
     }
 
 
+# The environment a store's library reads its credentials and endpoint from: handed to the pool's workers,
+# which a fork server started earlier (``util.pool``) and which so may not have this process's current one.
+_STORE_ENV = ("AWS_", "GOOGLE_", "GCS", "HF_", "HUGGING_FACE", "FSSPEC_", "BOTO_")
+
+
+def _store_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)}
+
+
 def _read_shard_job(job) -> tuple[list[Candidate], list[Reject]]:
+    job, env = job
     shard = job[0]
     if not is_remote(shard):
         return read_shard(*job)
+    os.environ.update(env)  # in this worker only; never written anywhere
     # A remote shard is fetched whole into a temporary file (verified by nothing yet: its size and SHA-256
     # are what preparation records, and what training checks each fetch against), read there, then deleted.
     with tempfile.TemporaryDirectory(prefix="mmfast-shard-") as tmp:
