@@ -427,12 +427,6 @@ _SLOW_PREPARE = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    reason="known, open: with the slow check really running in the pool (it never did while it was a -c script's "
-    "function), the fork server and resource tracker of a SIGKILLed preparation outlive it by more than 30 s in "
-    "about half the runs; to be fixed in mmfast/util/pool.py",
-    strict=False,
-)
 def test_killed_preparation_leaves_no_worker_and_the_previous_directory(tmp_path):
     m = _manifest(tmp_path / "data", ["a", "b"] * 40)  # 80 rows: enough for the process pool
     out = tmp_path / "out"

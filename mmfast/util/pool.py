@@ -5,8 +5,10 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import select
 import signal
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -41,7 +43,8 @@ def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
     the caller dies. ``fn`` must be a module-level function of an importable module (or a partial of one).
     """
     context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_die_with_owner) as pool:
+    owner = dict(initializer=_die_with_owner, initargs=(os.getpid(),))
+    with ProcessPoolExecutor(workers, mp_context=context, **owner) as pool:
         main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")  # nothing for the workers to re-import
         try:
@@ -51,13 +54,26 @@ def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
         yield from results
 
 
-def _die_with_owner() -> None:
-    """Pool worker initializer: have the kernel SIGKILL this worker when its parent (the fork server, which
-    exits with the pool's owner) dies: a parent killed with SIGKILL cannot shut its pool down, and the workers
-    would run on over the rest of their chunks."""
+def _die_with_owner(owner: int) -> None:
+    """Pool worker initializer: this worker ends the moment the pool's owner (process ``owner``) dies.
+
+    A worker's parent is the fork server, not the owner, and the fork server exits only when every holder of
+    its "alive" pipe has closed it: the owner and each worker it started (they inherit the pipe). An owner
+    killed with SIGKILL cannot shut its pool down, so the workers would run on over their queued chunks, and the
+    fork server with them. A daemon thread waits on a pidfd of the owner and ends the worker when it becomes
+    readable (the owner exited); PDEATHSIG then covers the fork server's own death."""
     if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    owner = multiprocessing.parent_process()
-    if owner is not None and not owner.is_alive():  # it died before the prctl call: nobody would signal us
+    try:
+        pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:  # it died before we looked: nobody would end us
         os._exit(1)
+    except (AttributeError, OSError):  # no pidfd (a kernel before 5.3): the fork server's exit still ends us
+        return
+    threading.Thread(target=_exit_when_readable, args=(pidfd,), daemon=True, name="mmfast-owner-watch").start()
+
+
+def _exit_when_readable(pidfd: int) -> None:
+    select.select([pidfd], [], [])
+    os._exit(1)
