@@ -1,5 +1,5 @@
 """The streaming source (``mmfast.loading.stream_source``): img2dataset-layout shards (written by webdataset's
-own TarWriter from scikit-image's photos) read member by member in the loader's block order, from local tars
+own TarWriter from scikit-image's photos) read member by member in the loader's window order, from local tars
 and from an S3-compatible server on loopback (moto's server mode, through s3fs) via the bounded shard cache.
 Each test fails on a wrong implementation: a sample read at the wrong offset or twice, a resume that skips or
 repeats a batch, a cache that serves a half-written shard, a limit that is not kept."""
@@ -17,7 +17,7 @@ from PIL import Image
 
 from mmfast.inputs import InputOptions
 from mmfast.loading.multimodal import MultimodalLoader
-from mmfast.loading.stream_source import block_order
+from mmfast.loading.stream_source import window_order
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
 wds = pytest.importorskip("webdataset")
@@ -93,26 +93,36 @@ def _loader(data: Path, source: str, **kw) -> MultimodalLoader:
     return MultimodalLoader(data, "train", source=source, **{**args, **kw})
 
 
-def test_block_order_is_a_permutation_that_stays_within_blocks_of_shards():
-    shard_of = np.repeat(np.arange(7), [5, 3, 4, 5, 5, 2, 6])
-    order = block_order(shard_of, epoch=3, seed=11, shuffle=True, block=2)
+def test_window_order_reads_each_shard_once_within_its_window_and_starts_on_one_shard():
+    sizes = [8, 3, 12, 8, 9, 2, 10]
+    shard_of = np.repeat(np.arange(7), sizes)
+    rng = np.random.default_rng(0)
+    shard_of = shard_of[rng.permutation(len(shard_of))]  # positions need not be grouped by shard
+    order = window_order(shard_of, epoch=3, seed=11, shuffle=True, window=2)
     assert sorted(order.tolist()) == list(range(len(shard_of)))
-    # a block's samples come together: the shards seen change at most once per block (4 blocks)
-    groups, seen, cut = [], set(), 0
+    seq = list(dict.fromkeys(shard_of[order].tolist()))  # the shards in the order they are first needed
+    first = seq[0]
+    assert shard_of[order[: sizes[first]]].tolist() == [first] * sizes[first]  # the epoch begins with one shard
+    # at most `window` shards are being read at any point: begun and not finished
+    left = {k: m for k, m in enumerate(sizes)}
+    begun: set[int] = set()
     for p in order:
-        seen.add(int(shard_of[p]))
-        if len(seen) > 2:
-            groups.append(seen - {int(shard_of[p])})
-            seen, cut = {int(shard_of[p])}, cut + 1
-    assert cut <= 3
-    assert not np.array_equal(order, block_order(shard_of, epoch=4, seed=11, shuffle=True, block=2))
-    assert np.array_equal(order, block_order(shard_of, epoch=3, seed=11, shuffle=True, block=2))
-    assert np.array_equal(block_order(shard_of, 0, 0, False, 2), np.argsort(shard_of, kind="stable"))
+        k = int(shard_of[p])
+        begun.add(k)
+        left[k] -= 1
+        assert len([b for b in begun if left[b] > 0]) <= 2
+    assert not np.array_equal(order, window_order(shard_of, epoch=4, seed=11, shuffle=True, window=2))
+    assert np.array_equal(order, window_order(shard_of, epoch=3, seed=11, shuffle=True, window=2))
+    assert np.array_equal(window_order(shard_of, 0, 0, False, 2), np.argsort(shard_of, kind="stable"))
+    # a shard's samples are spread over its window, not read back to back
+    wide = window_order(np.repeat(np.arange(10), 40), epoch=0, seed=1, shuffle=True, window=4)
+    runs = np.flatnonzero(np.diff(np.repeat(np.arange(10), 40)[wide]) != 0)
+    assert len(runs) > 100
 
 
 def test_stream_reads_every_sample_once_with_the_pixels_of_the_wds_reader(prepared_local):
     """Eval pixels per sample id equal DALI's own WebDataset reader's (the offsets are right), every train
-    sample exactly once per epoch, and the order follows the shards' blocks."""
+    sample exactly once per epoch, and the order follows the shards' window."""
     ref_ids, ref_images = _epoch(_loader(prepared_local, "wds"))
     ref = dict(zip(ref_ids, ref_images, strict=True))
     loader = _loader(prepared_local, "stream")
@@ -213,9 +223,9 @@ def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, pr
             assert held <= limit + biggest, (held, limit)
     stats = cache.stats()
     assert stats["fetches"] >= SHARDS and stats["evictions"] >= 1, stats
-    # a cache smaller than two blocks of shards is said to cost fetches, with the limit that would not
+    # a cache smaller than the window and two shards is said to cost fetches, with the limit that would not
     warned = [r.getMessage() for r in caplog.records if "--cache-limit-gb" in r.getMessage()]
-    assert len(warned) == 1 and "fewer than two blocks of 4" in warned[0], warned
+    assert len(warned) == 1 and "fewer than the 4 the order reads from at once" in warned[0], warned
 
 
 def test_training_streams_from_s3_and_writes_no_secret(s3_shards, tmp_path, capsys):

@@ -243,18 +243,18 @@ def test_stopped_mid_epoch_and_resumed_without_the_cache_equals_the_uninterrupte
     assert shards["bytes_fetched"] == first["bytes_fetched"]
 
 
-def test_the_first_batch_needs_only_the_first_blocks_shards(prepared_s3, proxy, tmp_path):
-    """The shards past the first block (the first ``block`` shards of the epoch's order) answered after
-    5 s: the loader's first batch comes sooner, with the first block's shards in the cache and
-    none of the others, and the rest of the epoch follows once they arrive. A loader that fetched the whole
-    set first, or the shards in another order, waits for the slow ones."""
+def test_the_first_batch_needs_only_the_first_shard(prepared_s3, proxy, tmp_path):
+    """Every shard but the first of the epoch's order answered after 5 s: the loader's first batch comes
+    sooner, with that one shard in the cache and none of the others, and the rest of the epoch follows once
+    they arrive. A loader that fetched the whole set first, a window of shards first, or the shards in another
+    order, waits for the slow ones."""
     later_s = 5.0
     with ShardCache(tmp_path / "cache", 2**30) as cache:
-        loader = _loader(prepared_s3, "stream", train=True, seed=0, shard_cache=cache)
+        loader = _loader(prepared_s3, "stream", train=True, seed=0, shard_cache=cache, batch_size=1)
         source = loader.images.source
         order = source.shard_of[np.asarray(list(loader.images.sampler))]  # each position's shard, in order
-        first_block = list(dict.fromkeys(order.tolist()))[: source.block]
-        for k in set(range(SHARDS)) - set(first_block):
+        first = int(order[0])
+        for k in set(range(SHARDS)) - {first}:
             proxy.add_fault(f"/{BUCKET}/{_key(source.tars[k])}", delay_s=later_s)
         assert proxy.count(SHARD_GETS) == 0  # building the loader fetches nothing
         started = time.monotonic()
@@ -264,8 +264,8 @@ def test_the_first_batch_needs_only_the_first_blocks_shards(prepared_s3, proxy, 
         fetched_then = cache.stats()["fetches"]
         needed = {int(source.shard_of[p]) for p in np.flatnonzero(np.isin(loader.images.ids, batch["id"].numpy()))}
         rest = list(loader)
-    assert waited < later_s and needed <= set(cached) <= set(first_block), (waited, cached, first_block)
-    assert fetched_then == len(cached) < SHARDS
+    assert waited < later_s and needed == set(cached) == {first}, (waited, cached, first)
+    assert fetched_then == 1
     assert len(rest) == len(loader) - 1 and cache.stats()["fetches"] == SHARDS
 
 
@@ -300,3 +300,39 @@ def test_no_secret_reaches_the_run_files_logs_or_output(prepared_s3, proxy, mini
         for secret in (password, signature, FAKE_SECRET):
             assert secret not in text
     assert json.loads((runs[0] / "summary.json").read_text())["shards"]["retries"] == 2
+
+
+@pytest.mark.slow
+def test_a_shard_refused_on_two_processes_stops_both_at_the_same_batch(prepared_s3, reference, proxy, tmp_path):
+    """Two processes (torchrun, gloo) streaming through one cache, the first request for the shard first needed
+    last refused (403): one process gets the refusal, the other fetches the shard itself and could go on. Both
+    stop at the same batch, within seconds, not after --dist-timeout (300 s): the refused one with the 403's
+    line naming the URL, the other saying it stops there because of that rank's error (the URL again); both
+    trained the same micro-batches, and the checkpoints are whole (the last is that batch's step). Without
+    the agreement the other process is torn down by the launcher, or waits in the gradient all-reduce."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    late = f"/{BUCKET}/{_key(reference['late'])}"
+    proxy.add_fault(late, status=403, times=1)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+    # batch 2 a process: DALI reads 3 batches ahead, so a fault shows a few batches before the batch it is in
+    flags = [*RUN, "--batch-size", "2", "--checkpoint-every", "1", "--dist-timeout", "300"]
+    cmd = [sys.executable, *torchrun, str(ROOT / "tools" / "train.py"), "--data", str(prepared_s3)]
+    cmd += ["--out", str(out), "--shard-cache", str(cache), *flags]
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    took = time.monotonic() - started
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and took < 150, (took, done.stderr[-3000:])
+    assert len(errors) == 2 and all(reference["late"] in e and "access denied" in e for e in errors), errors
+    peers = [e for e in errors if "stopping at batch" in e and "because one could not get its batch" in e]
+    assert len(peers) == 1 and str(ROOT / "mmfast") not in done.stderr, done.stderr[-3000:]  # no mmfast traceback
+    seen = [(out / f"seen_ids.rank{r}.jsonl").read_text().splitlines() for r in range(2)]
+    assert len(seen[0]) == len(seen[1]) >= 1  # the same micro-batches trained on both, then both stopped
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints and all(re.fullmatch(r"step-\d{8}", c) for c in checkpoints), checkpoints
+    assert int(checkpoints[-1][5:]) == len(seen[0]) and not (out / "summary.json").exists()

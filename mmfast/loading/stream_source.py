@@ -7,10 +7,12 @@ and a shard only has to be local while its samples are read: a Python feed (``Sh
 ``external_source`` in batch mode, which DALI's checkpoints replay by iteration) reads each sample's bytes
 at the offset its index line records, and asks the cache to fetch the shards the next batches need.
 
-The order keeps reads local (``block_order``): each epoch the shards are permuted (seeded by seed and epoch)
-and cut into blocks of ``block`` shards, and the samples of a block are permuted among themselves; a process
-then needs only about one block's shards at a time, the cache holds a few, and the order is the same
-whether the tars are local or remote (what the streaming test checks, ids and pixels).
+The order keeps reads local and starts after one shard (``window_order``): each epoch the shards are permuted
+(seeded by seed and epoch) into a sequence, and each shard's samples are spread evenly over a window of up to
+``window`` shard-lengths starting at its place in the sequence (the first shard's over one, the next ones'
+widening to ``window``): at most ``window`` shards are being read at once, each in one stretch of the order,
+and the epoch begins with its first shard alone (the first fetch is all a fresh run waits for). The order is
+the same whether the tars are local or remote (what the streaming test checks, ids and pixels).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK = 4  # shards whose samples are shuffled together (the cache should hold about two blocks)
+DEFAULT_WINDOW = 4  # shards whose samples are mixed at any point of the order (the cache holds a few more)
 LOOKAHEAD_BATCHES = 8  # batches ahead of the feed whose shards the cache is asked to fetch
 
 
@@ -53,27 +55,32 @@ def read_index(path: str | Path) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def block_order(shard_of: np.ndarray, epoch: int, seed: int, shuffle: bool, block: int) -> np.ndarray:
-    """Positions 0..n-1 in the order of ``epoch``: shards permuted by (seed, epoch), cut into blocks of
-    ``block`` shards, each block's positions permuted; without ``shuffle`` shard by shard in index order.
+def window_order(shard_of: np.ndarray, epoch: int, seed: int, shuffle: bool, window: int) -> np.ndarray:
+    """Positions 0..n-1 in the order of ``epoch``: the shards in a sequence permuted by (seed, epoch), shard
+    number k of it spread over [k, k + min(k + 1, ``window``)) in shard-lengths (its m samples stratified: a
+    random one of them in each m-th of the span, in random order); without ``shuffle`` shard by shard in index
+    order.
+
+    So the epoch begins with its first shard alone (a fresh run's first batch waits for one fetch, as long as
+    the prefetch + 1 batches DALI reads before it hold no more than a shard), the spans widen to ``window``
+    over the next shards, and from then on a new shard is needed every shard-length; at most ``window``
+    shards are being read at once, and each is read in one stretch of the order, never again that epoch.
 
     Args:
         shard_of: (n,) the shard of each position.
     """
-    n = len(shard_of)
     by_shard = np.argsort(shard_of, kind="stable")  # positions grouped by shard, in index order within
     if not shuffle:
         return by_shard
     rng = np.random.default_rng([seed, epoch, 0x5EED])
-    shards = np.unique(shard_of)
-    starts = np.searchsorted(shard_of[by_shard], shards)
-    ends = np.append(starts[1:], n)
-    perm = rng.permutation(len(shards))
-    out = []
-    for b in range(0, len(perm), block):
-        group = np.concatenate([by_shard[starts[k] : ends[k]] for k in perm[b : b + block]])
-        out.append(group[rng.permutation(len(group))])
-    return np.concatenate(out) if out else by_shard
+    shards, starts, counts = np.unique(shard_of[by_shard], return_index=True, return_counts=True)
+    place = np.empty(len(shards), dtype=np.int64)
+    place[rng.permutation(len(shards))] = np.arange(len(shards))  # each shard's place in the sequence
+    keys = np.empty(len(shard_of))
+    for k, (start, m) in enumerate(zip(starts, counts, strict=True)):
+        strata = (rng.permutation(m) + rng.random(m)) / m  # one in each m-th of [0, 1)
+        keys[by_shard[start : start + m]] = place[k] + min(place[k] + 1, window) * strata
+    return np.argsort(keys, kind="stable")
 
 
 class StreamSource:
@@ -85,7 +92,7 @@ class StreamSource:
         checks: (size, sha256) of each shard as preparation recorded it (None: not known; a remote shard
             then is checked by size only when the store reports one).
         cache: where remote shards are held; None when every shard is local.
-        block: shards shuffled together (``block_order``).
+        window: shards whose samples are mixed at any point of the order (``window_order``).
 
     Raises:
         ValueError: a remote shard and no cache.
@@ -103,11 +110,11 @@ class StreamSource:
         index: Sequence[str],
         checks: Sequence[tuple[int | None, str | None]] | None = None,
         cache: ShardCache | None = None,
-        block: int = DEFAULT_BLOCK,
+        window: int = DEFAULT_WINDOW,
     ):
         self.tars, self.index = [str(t) for t in tars], [str(i) for i in index]
         self.checks = list(checks) if checks else [(None, None)] * len(self.tars)
-        self.cache, self.block = cache, max(1, int(block))
+        self.cache, self.window = cache, max(1, int(window))
         if cache is None and any(is_remote(t) for t in self.tars):
             raise ValueError(f"{redact(next(t for t in self.tars if is_remote(t)))}: remote shards need a cache")
         where: dict[int, tuple[int, int, int]] = {}
@@ -129,10 +136,10 @@ class StreamSource:
         self._loc, self.shard_of = loc, loc[:, 0]
 
     def order(self, n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
-        """The epoch's order of the loader's positions (``block_order``)."""
+        """The epoch's order of the loader's positions (``window_order``)."""
         if len(self.shard_of) != n:
             raise RuntimeError(f"StreamSource bound to {len(self.shard_of)} positions, the loader has {n}")
-        return block_order(self.shard_of, epoch, seed, shuffle, self.block)
+        return window_order(self.shard_of, epoch, seed, shuffle, self.window)
 
     def reader(
         self, positions: np.ndarray, health: FileHealth, shard_id: int, num_shards: int, shuffle: bool
@@ -170,20 +177,21 @@ class StreamSource:
 
     def shards_held(self) -> int:
         """How many of the largest shards the cache holds (its limit, plus the one shard it may exceed it by);
-        warns once when that is less than two blocks: the block order then fetches shards more than once per
-        epoch."""
+        warns once when that is fewer than the window's shards and two more (the next one arriving while the
+        window is read): the order then fetches shards more than once per epoch."""
         biggest = max((c[0] or 0 for c in self.checks), default=0) or 1
         held = self.cache.limit_bytes // biggest + 1 if self.cache is not None else len(self.tars)
-        if held < 2 * self.block and not self._warned:
+        wanted = self.window + 2
+        if held < wanted and not self._warned:
             self._warned = True
             log.warning(
-                "the shard cache holds %d shards of %.1f MiB, fewer than two blocks of %d (the order shuffles "
-                "samples across a block): shards will be fetched more than once per epoch; raise --cache-limit-gb "
-                "to %.2f or more",
+                "the shard cache holds %d shards of %.1f MiB, fewer than the %d the order reads from at once "
+                "and the 2 it fetches ahead: shards will be fetched more than once per epoch; raise "
+                "--cache-limit-gb to %.2f or more",
                 held,
                 biggest / 2**20,
-                self.block,
-                2 * self.block * biggest / 2**30,
+                self.window,
+                wanted * biggest / 2**30,
             )
         return held
 

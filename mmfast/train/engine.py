@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmfast.tasks.registry import Task
+from mmfast.train.agree import BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
 from mmfast.train.profiler import StepTimer
@@ -90,6 +91,10 @@ class EpochRunner:
         self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile, warmup_steps=PROFILE_WARMUP_STEPS)
         self.steps = StepLog(cfg, accelerator, optimizer, scheduler, self.timer, total_steps)
         self.sampler = None  # a running UtilizationSampler when profiling
+        # streaming from a store: the processes stop together at a batch one of them cannot get (agree.py)
+        ranks = accelerator.process_index, accelerator.num_processes
+        streams = ranks[1] > 1 and shard_cache is not None
+        self.agreement = BatchAgreement(*ranks, cfg.dist_timeout) if streams else None
 
     def fit(self, val_loader) -> dict:
         """Train the epochs left, evaluating (``val_loader``: None for none) and checkpointing after each;
@@ -149,7 +154,8 @@ class EpochRunner:
         i = loader.step  # micro-batch index in the epoch
         whole_window = getattr(self.task, "whole_window", False)  # the task takes each window at once
         window: list[dict] = []  # a whole-window task's micro-batches of the window so far
-        for batch in self.timer.iterate(loader):  # the wait for each batch is the "data" phase
+        batches = agreed(loader, self.agreement, lambda: f"batch {i} of epoch {epoch}")
+        for batch in self.timer.iterate(batches):  # the wait for each batch is the "data" phase
             window_end = (i + 1) % cfg.grad_accum == 0 or i + 1 == n_batches
             # The last window of an epoch may be shorter: divide by its real length so the gradient is
             # the mean over the samples it saw.
