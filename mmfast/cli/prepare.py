@@ -3,7 +3,7 @@ datasets.save_to_disk folder for training.
 
 mmfast-prepare SOURCE --out DIR [--tokenizer X] [--max-length N]
     [--val-fraction F] [--seed S] [--workers N] [--confine] [--max-pixels N] [--format files|wds]
-    [--max-side N [--quality Q]] [--shard I/N | --merge]
+    [--max-side N [--quality Q]] [--shard I/N | --merge | --ray [ADDRESS] [--ray-parts N]]
     [--input-kind K] [--image-column C] [--text-column C] [--label-column C | --no-labels]
     [--columns A,B,..] [--coco-captions all|first] [--image-root DIR]
     [--wds-image-key jpg;png] [--wds-text-key txt] [--wds-label-key cls | --wds-label-field FIELD]
@@ -16,6 +16,14 @@ hash of its key, as for every input: see --val-fraction).
 A big input can be prepared by several processes or machines: run `--shard I/N` for I = 0..N-1 (each checks
 the images of its part into OUT.parts/), then the same command with --merge
 instead writes OUT. A re-preparation into the same OUT decodes only the images that changed or are new.
+
+--ray [ADDRESS] runs those parts as tasks on a Ray cluster (pip install 'mmfast[ray]'), then merges them:
+no ADDRESS is ray.init()'s choice (RAY_ADDRESS, else a cluster started on this machine, else a new local one);
+'auto', HOST:PORT or ray://HOST:PORT are passed to Ray. Every node must see --out's folder at the same path
+(a shared filesystem; checked) and the input (a path there, or an s3:// URL), and have mmfast installed. Each
+part reserves --workers CPUs (default 1) and validates with that many processes; a part whose worker or node
+dies is run again, a part that fails on its input stops the run with its error. Put --ray after SOURCE (or
+write --ray=ADDRESS).
 
 SOURCE may also be given as --source SOURCE. When no row is usable, the first reasons are printed and all
 of them are kept beside --out as OUT.rejected.jsonl.
@@ -65,7 +73,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="share of the images that go to val, by a hash of each image (its captions stay together)",
     )
     p.add_argument("--seed", type=int, default=0, help="changes which images the split puts in val")
-    p.add_argument("--workers", type=int, default=0, help="processes for image validation (0: all cores)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="processes for image validation (0: all cores; with --ray: CPUs and processes of each part, 0: 1)",
+    )
     p.add_argument("--vocab-size", type=int, default=4000, help="size of the trained WordPiece vocabulary")
     p.add_argument("--confine", action="store_true", help="reject image paths outside the manifest's folder")
     p.add_argument(
@@ -97,12 +110,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="check only part I of N of the input (I = 0..N-1) into OUT.parts/; then run --merge",
     )
     p.add_argument("--merge", action="store_true", help="write OUT from the N parts that --shard I/N checked")
+    _add_ray_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (a log or CI)")
     add_input_flags(p)
     args = p.parse_args(argv)
     if (args.source is None) == (args.source_flag is None):
+        if args.source is None and args.ray:
+            p.error(
+                f"--ray took '{args.ray}' for the cluster's address: put SOURCE before --ray (or --ray=ADDRESS)"
+            )
         p.error("pass the input once: SOURCE or --source SOURCE")
+    if args.ray is not None and (args.shard or args.merge):
+        p.error("--ray runs every part and merges them: pass it without --shard or --merge")
+    if args.ray_parts is not None and (args.ray is None or args.ray_parts < 1):
+        p.error("--ray-parts N (N >= 1) goes with --ray")
     return args
+
+
+def _add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """--ray [ADDRESS] and --ray-parts N (mmfast.prepare.ray_parts)."""
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="check the parts as Ray tasks, then merge: no ADDRESS: ray.init()'s cluster; auto, HOST:PORT, "
+        "ray://HOST:PORT",
+    )
+    p.add_argument(
+        "--ray-parts",
+        type=int,
+        metavar="N",
+        help="parts of a --ray preparation (default: the count already in OUT.parts/, so a re-run makes only "
+        "the missing ones; else a small multiple of the parts the cluster runs at once)",
+    )
 
 
 LARGE_IMAGE_PIXELS = 16_000_000  # a prepared image over this many pixels is worth a note about memory
@@ -166,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             shard=parse_shard(args.shard) if args.shard else None,
             merge=args.merge,
         )
-        summary = prepare_dataset(cfg)
+        if args.ray is not None:
+            from mmfast.prepare.ray_parts import RayOptions, prepare_on_ray  # loads core too: see above
+
+            summary = prepare_on_ray(cfg, RayOptions(address=args.ray or None, parts=args.ray_parts))
+        else:
+            summary = prepare_dataset(cfg)
     except (ManifestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
