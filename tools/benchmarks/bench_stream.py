@@ -3,13 +3,15 @@ baseline), from an S3-compatible server on loopback (moto's server mode, through
 through a proxy that limits bandwidth and adds latency (a remote store's link), in one interleaved run.
 
     python tools/benchmarks/bench_stream.py [--n 512] [--per-shard 64] [--batch-size 64] [--size 224]
-        [--rounds 3] [--bandwidth-mb 50] [--latency-ms 20] [--threads N] [--json OUT]
+        [--rounds 3] [--bandwidth-mb 50 200] [--latency-ms 20] [--threads N] [--json OUT]
 
 The images are ``--n`` real 800x600 JPEGs cut from scikit-image's photos (``benchlib.data``), written as
 img2dataset-layout shards (key.jpg + key.txt + key.cls), prepared in place (local) and from ``s3://``
 (remote: the rows, ids and split are the same; the remote preparation records each shard's size and
 SHA-256). Each round builds every variant anew with an empty shard cache (for the remote rows) and times the
-first batch from construction, the first epoch (cold: every shard fetched while it is read) and a second
+first batch from construction (beside one shard's fetch through the same link, the least a first batch can
+wait), the first epoch (cold: every shard fetched while it is read; also from its first batch on, once the
+first shard is in) and a second
 epoch (warm: the cache holds the set when ``--cache-mb`` allows); train augmentation (random resized crop +
 flip) at ``--size``. The cache's hits, misses, fetches and retries are reported beside the figures. Needs
 ``moto[server]``, ``boto3`` and ``s3fs`` (the ``remote`` and ``test`` extras).
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchlib.data import photo_manifest
-from benchlib.fault_proxy import FaultProxy
+from benchlib.store_process import StoreProcess
 
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
@@ -45,7 +47,9 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bandwidth-mb", type=float, default=50.0, help="the throttled link's MB/s")
+    p.add_argument(
+        "--bandwidth-mb", type=float, nargs="+", default=[50.0, 200.0], help="throttled links, MB/s (a row each)"
+    )
     p.add_argument("--latency-ms", type=float, default=20.0, help="the throttled link's latency per request")
     p.add_argument("--cache-mb", type=float, default=1024.0, help="the shard cache's limit")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -101,17 +105,37 @@ def run_variant(data: Path, args, cache_root: Path | None) -> dict:
         size=args.size,
         num_workers=args.threads,
     )
-    epochs, first = [], None
+    epochs, first, after_first = [], None, None
     for _ in range(2):
         n, start = 0, time.perf_counter()
         for batch in loader:
+            real = int((batch["id"] >= 0).sum())
             if first is None:
-                first = time.perf_counter() - t0
-            n += int((batch["id"] >= 0).sum())
+                first, first_at, first_n = time.perf_counter() - t0, time.perf_counter(), real
+            n += real
         epochs.append(n / (time.perf_counter() - start))
+        if after_first is None:  # the cold epoch once the first batch is there (the first shard fetched)
+            after_first = (n - first_n) / (time.perf_counter() - first_at)
     stats = cache.stats() if cache else {}
     del loader
-    return {"first_batch_s": first, "cold_images_per_s": epochs[0], "warm_images_per_s": epochs[1], "cache": stats}
+    return {
+        "first_batch_s": first,
+        "cold_images_per_s": epochs[0],
+        "cold_after_first_images_per_s": after_first,
+        "warm_images_per_s": epochs[1],
+        "cache": stats,
+    }
+
+
+def one_shard_fetch_s(url: str, dest: Path) -> float:
+    """Seconds to fetch one whole shard through the current endpoint (what the first batch should wait)."""
+    from mmfast.util import remote
+
+    started = time.perf_counter()
+    remote.fetch_to(url, dest)
+    took = time.perf_counter() - started
+    dest.unlink()
+    return took
 
 
 def main(argv=None) -> int:
@@ -119,7 +143,7 @@ def main(argv=None) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server: one line per request otherwise
     try:
         import boto3
-        from moto.server import ThreadedMotoServer
+        import moto.server  # noqa: F401 - the store process needs it
     except ImportError as e:
         print(f"error: {e}; pip install 'moto[server]' boto3 s3fs", file=sys.stderr)
         return 2
@@ -131,29 +155,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    direct = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=direct)
-    client.create_bucket(Bucket=BUCKET)
-    for tar in sorted((work / "shards").glob("*.tar")):
-        client.upload_file(str(tar), BUCKET, f"shards/{tar.name}")
-    os.environ["AWS_ENDPOINT_URL"] = direct
-    remote = prepare(f"s3://{BUCKET}/shards/{pattern}", work / "remote")
-    proxy = FaultProxy(direct, bandwidth_bytes_per_s=args.bandwidth_mb * 1e6, latency_s=args.latency_ms / 1000)
-    proxy.start()
-    endpoints = {"local disk": None, "S3 on loopback": direct, "S3 through the throttled proxy": proxy.url}
-    runs: dict[str, list[dict]] = {name: [] for name in endpoints}
-    for r in range(args.rounds):
-        for name, endpoint in endpoints.items():
-            if endpoint:
-                os.environ["AWS_ENDPOINT_URL"] = endpoint
-            cache = work / f"cache-{r}-{len(runs[name])}-{name.split()[-1]}" if endpoint else None
-            runs[name].append(run_variant(remote if endpoint else local, args, cache))
-            print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
-    proxy.close()
-    server.stop()
+    with StoreProcess(args.bandwidth_mb, args.latency_ms) as store:  # not in this process: no GIL shared
+        client = boto3.client("s3", endpoint_url=store.direct)
+        client.create_bucket(Bucket=BUCKET)
+        for tar in sorted((work / "shards").glob("*.tar")):
+            client.upload_file(str(tar), BUCKET, f"shards/{tar.name}")
+        os.environ["AWS_ENDPOINT_URL"] = store.direct
+        remote = prepare(f"s3://{BUCKET}/shards/{pattern}", work / "remote")
+        endpoints = {"local disk": None, "S3 on loopback": store.direct}
+        for mb in args.bandwidth_mb:
+            endpoints[f"S3 through a {mb:g} MB/s, {args.latency_ms:g} ms link"] = store.links[float(mb)]
+        runs = measure(endpoints, local, remote, args, work)
     results = report(runs, args, shards)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
@@ -161,27 +173,46 @@ def main(argv=None) -> int:
     return 0
 
 
+def measure(endpoints: dict[str, str | None], local: Path, remote: Path, args, work: Path) -> dict:
+    """``args.rounds`` rounds, each variant once a round in turn; a remote variant also times one shard's fetch."""
+    runs: dict[str, list[dict]] = {name: [] for name in endpoints}
+    first_shard = f"s3://{BUCKET}/shards/00000.tar"
+    for r in range(args.rounds):
+        for v, (name, endpoint) in enumerate(endpoints.items()):
+            if endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+            cache = work / f"cache-{r}-{v}" if endpoint else None
+            runs[name].append(run_variant(remote if endpoint else local, args, cache))
+            if endpoint:
+                runs[name][-1]["one_shard_fetch_s"] = one_shard_fetch_s(first_shard, work / "one.tar")
+            print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
+    return runs
+
+
 def report(runs: dict[str, list[dict]], args, shards: int) -> dict:
-    base = statistics.median(r["warm_images_per_s"] for r in runs["local disk"])
-    base_cold = statistics.median(r["cold_images_per_s"] for r in runs["local disk"])
-    print(f"\n{args.n} images in {shards} shards, batch {args.batch_size}, {args.size} px, {args.threads} threads")
-    head = f"{'source':<34}{'first batch s':>14}{'cold img/s':>12}{'x local':>9}{'warm img/s':>12}{'x local':>9}"
-    print(head + f"{'hits':>6}{'misses':>7}{'retries':>8}")
-    out = {"settings": vars(args), "shards": shards, "rows": {}}
+    figures = ("first_batch_s", "one_shard_fetch_s", "cold_images_per_s", "cold_after_first_images_per_s")
+    figures += ("warm_images_per_s",)
+    rows = {}
     for name, rs in runs.items():
-        row = {
-            k: statistics.median(r[k] for r in rs)
-            for k in ("first_batch_s", "cold_images_per_s", "warm_images_per_s")
-        }
-        row["cold_x_local"] = row["cold_images_per_s"] / base_cold
-        row["warm_x_local"] = row["warm_images_per_s"] / base
-        row["cache"] = rs[-1]["cache"]
-        out["rows"][name] = row | {"runs": rs}
+        rows[name] = {k: statistics.median(r[k] for r in rs) if k in rs[0] else None for k in figures}
+    base = rows["local disk"]
+    print(f"\n{args.n} images in {shards} shards, batch {args.batch_size}, {args.size} px, {args.threads} threads")
+    cols = ("first batch s", "1 shard s", "cold img/s", "x local", "after 1st", "x local", "warm img/s", "x local")
+    print(f"{'source':<36}" + "".join(f"{c:>12}" for c in cols) + f"{'hits':>6}{'misses':>7}{'retries':>8}")
+    out = {"settings": vars(args), "shards": shards, "rows": {}}
+    for name, row in rows.items():
+        for k in ("cold_images_per_s", "cold_after_first_images_per_s", "warm_images_per_s"):
+            row[k.replace("images_per_s", "x_local")] = row[k] / base[k]
+        row["cache"] = runs[name][-1]["cache"]
+        out["rows"][name] = row | {"runs": runs[name]}
+        shard_s = "-" if row["one_shard_fetch_s"] is None else f"{row['one_shard_fetch_s']:.2f}"
+        cells = [f"{row['first_batch_s']:.2f}", shard_s]
+        for k in ("cold_", "cold_after_first_", "warm_"):
+            cells += [f"{row[k + 'images_per_s']:.1f}", f"{row[k + 'x_local']:.2f}"]
         c = row["cache"]
-        cells = f"{row['first_batch_s']:>14.2f}{row['cold_images_per_s']:>12.1f}{row['cold_x_local']:>9.2f}"
-        cells += f"{row['warm_images_per_s']:>12.1f}{row['warm_x_local']:>9.2f}"
         print(
-            f"{name:<34}{cells}"
+            f"{name:<36}"
+            + "".join(f"{x:>12}" for x in cells)
             + "".join(f"{c.get(k, '-'):>{w}}" for k, w in (("hits", 6), ("misses", 7), ("retries", 8)))
         )
     return out
