@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, write_jsonl
+from test_prepare_parts import _content  # what a prepared directory holds, as the --merge tests compare it
 
 from mmfast.cli import prepare as prepare_cli
 from mmfast.prepare import ray_parts
@@ -85,19 +86,6 @@ def cluster():
         finally:
             c.shutdown()
             shutil.rmtree(temp, ignore_errors=True)
-
-
-def _content(out: Path) -> dict:
-    """What a prepared directory holds, apart from its settings and timings."""
-    summary = json.loads((out / "prepare.json").read_text())
-    got = {
-        name: (out / name).read_text() for name in ("train.jsonl", "val.jsonl", "rejected.jsonl", "labels.json")
-    }
-    got["tokens"] = {p.name: p.read_bytes() for p in sorted((out / "tokens").iterdir()) if p.suffix != ".lock"}
-    got["counts"] = summary["counts"]
-    got["files"] = summary["files"]
-    got["fingerprint"] = summary["input_fingerprint"]
-    return got
 
 
 def _part_lines(messages: list[str]) -> dict[int, list[str]]:
