@@ -11,6 +11,7 @@ BUILTIN_MODELS = ("early", "concat", "late", "image", "text", "clip")
 IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
 COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
 LOSSES = ("clip", "siglip")  # the dual encoder's contrastive losses (its temperature's init; tasks/contrastive)
+INIT_PROJ = ("ridge", "random")  # how the dual encoder's projections start (mmfast/train/warm_start.py)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Preset:
     freeze_image: bool = False
     probe_frac: float = 0.0  # share of the steps during which pretrained encoders stay still (linear probe)
     batch_size: int = 64
+    init_proj: str = "random"  # the dual encoder's projections: random, or a closed-form ridge start
 
 
 PRESETS = {
@@ -68,6 +70,7 @@ PRESETS = {
         warmup_frac=0.1,
         freeze_image=True,
         batch_size=64,
+        init_proj="ridge",
     ),
     # the write-up's setup: ResNet-50 (2048-d) + BERT-base (768-d)
     "resnet50-bert": Preset(

@@ -9,7 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
-from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, IMAGE_BACKBONES, LOSSES, PRESETS, get_preset
+from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, IMAGE_BACKBONES, INIT_PROJ, LOSSES, PRESETS, get_preset
 from mmfast.util.args import Parser
 from mmfast.util.commands import PROFILE
 
@@ -24,6 +24,7 @@ def _opt(default, group: str, help: str):
 GROUPS = ("data", "model", "optimization", "evaluation", "precision", "checkpoints", "logging", "profiling")
 GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
+FROM_RESOLVE = ("task", "preset", "init_proj")  # choice fields None stands for until resolve_preset fills them
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
 
@@ -85,6 +86,12 @@ class TrainConfig:
         "(pairwise sigmoid with a learnable temperature and bias)",
     )
     embed_dim: int = _opt(256, "model", "contrastive: width of the shared image-text embedding space")
+    init_proj: str | None = _opt(
+        None,
+        "model",
+        "contrastive: how the projections start; ridge: the closed-form ridge map between the towers' features "
+        "of the train split (one pass), then trained; none: the preset's",
+    )
     zero_shot_templates: str | None = _opt(
         None,
         "evaluation",
@@ -201,19 +208,8 @@ class TrainConfig:
     )
 
     def __post_init__(self):
-        floats = (
-            "lr",
-            "encoder_lr",
-            "weight_decay",
-            "warmup_frac",
-            "probe_frac",
-            "grad_clip",
-            "dropout",
-            "crop_scale_min",
-            "color_jitter",
-            "profile_interval",
-            "dist_timeout",
-        )
+        floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout")
+        floats += ("crop_scale_min", "color_jitter", "profile_interval", "dist_timeout")
         for name in floats:
             value = getattr(self, name)
             if value is None:  # filled from the preset by resolve_preset
@@ -238,7 +234,7 @@ class TrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
         for name, allowed in choices().items():
-            if name in ("task", "preset") and getattr(self, name) is None:  # the model's (resolve_preset)
+            if name in FROM_RESOLVE and getattr(self, name) is None:  # the model's or preset's (resolve_preset)
                 continue
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{_flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
@@ -303,6 +299,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "preset": tuple(PRESETS),
         "task": tuple(TASKS),
         "loss": LOSSES,
+        "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
@@ -323,6 +320,7 @@ def help_choices() -> dict[str, tuple[str, ...]]:
         "preset": tuple(PRESETS),
         "task": BUILTIN_TASKS,
         "loss": LOSSES,
+        "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
@@ -430,6 +428,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "out",
         "resume",
         "overwrite",
+        "init_proj",  # how a fresh run's projections started: a resumed one has its checkpoint's
         "epochs",
         "max_steps",
         "checkpoint_every",
@@ -463,19 +462,8 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
-PRESET_FIELDS = (
-    "image_backbone",
-    "text_model",
-    "image_size",
-    "hidden",
-    "lr",
-    "encoder_lr",
-    "epochs",
-    "warmup_frac",
-    "freeze_image",
-    "probe_frac",
-    "batch_size",
-)
+PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
+PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj")
 
 
 def resolve_preset(cfg: TrainConfig) -> TrainConfig:

@@ -31,21 +31,8 @@ def build_loaders(
 
     ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
     """
-    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
     cache = shard_cache(cfg, dataset)
-    extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
-    common = dict(
-        **extra,
-        on_bad_image=cfg.on_bad_image,
-        verify_files=cfg.verify_files,
-        source=cfg.source,
-        shard_cache=cache,
-        accelerator=accelerator,
-        size=cfg.image_size,
-        seed=cfg.seed,
-        num_workers=threads,
-        fp16=accelerator.device.type == "cuda",
-    )
+    common = _loader_options(cfg, accelerator, norm, cache)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = dataset.split_size("val") > 0
     plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
@@ -65,6 +52,36 @@ def build_loaders(
         return train_loader, None, streamed, cache
     val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
     return train_loader, val_loader, streamed, cache
+
+
+def train_view_loader(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None, cache
+) -> MultimodalLoader:
+    """This process's share of the train split as evaluation sees it (resized, center-cropped, in a fixed order,
+    streamed): what ``--init-proj ridge`` fits the projections on."""
+    options = _loader_options(cfg, accelerator, norm, cache)
+    return MultimodalLoader(
+        dataset, "train", cfg.eval_batch_size, shuffle=False, drop_last=False, train=False, **options
+    )
+
+
+def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | None, cache) -> dict:
+    """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
+    shard cache, this process's shard (by ``accelerator``), the image size, the seed and the DALI threads."""
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+    extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
+    return dict(
+        **extra,
+        on_bad_image=cfg.on_bad_image,
+        verify_files=cfg.verify_files,
+        source=cfg.source,
+        shard_cache=cache,
+        accelerator=accelerator,
+        size=cfg.image_size,
+        seed=cfg.seed,
+        num_workers=threads,
+        fp16=accelerator.device.type == "cuda",
+    )
 
 
 def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None:

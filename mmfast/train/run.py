@@ -19,7 +19,7 @@ from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
 from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
-from mmfast.train.data import build_loaders, images_note
+from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
 from mmfast.train.heartbeat import Heartbeat
@@ -167,6 +167,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
     train_loader, val_loader, streamed, cache = build_loaders(cfg, accelerator, dataset, norm)
+    warm = _warm_start(cfg, accelerator, dataset, model, norm, cache) if resume_from is None else None
     if cfg.compile:
         model = torch.compile(model)
     steps = total_steps(cfg, len(train_loader))
@@ -189,6 +190,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if cfg.profile and accelerator.is_main_process:
         write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
+    if warm is not None:
+        summary["init_proj"] = warm
     summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
     summary.update(shard_figures(accelerator, cache))  # the counters at the end, the last evaluation's included
     if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
@@ -225,6 +228,22 @@ def _start_state(
             "(--epochs / --max-steps); raise them to train on"
         )
     return state
+
+
+def _warm_start(cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache) -> dict | None:
+    """--init-proj ridge on a fresh run: the dual encoder's projections from one pass over the train split
+    (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's."""
+    if cfg.init_proj != "ridge":
+        return None
+    from mmfast.train.warm_start import ridge_start
+
+    model.to(accelerator.device)
+    loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
+    figures = ridge_start(model, loader, accelerator)
+    accelerator.print(
+        f"projections started from the ridge map of {figures['samples']} samples ({figures['seconds']} s)"
+    )
+    return figures
 
 
 def _fit(cfg: TrainConfig, runner: EpochRunner, val_loader) -> dict:

@@ -1,0 +1,161 @@
+"""--init-proj ridge (mmfast/train/warm_start.py): the dual encoder's projections from the closed-form ridge map
+of the towers' features; the sums over two processes equal one process's; a run records it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mmfast.train.warm_start import ridge_projections, ridge_start, tower_grams
+from tests.conftest import free_port, n_rows
+
+DIM = 16
+
+
+def _grams(x: torch.Tensor, t: torch.Tensor) -> dict:
+    x, t = x.double(), t.double()
+    return {"xx": x.T @ x, "xt": x.T @ t, "tt": t.T @ t, "n": torch.tensor(float(len(x)), dtype=torch.float64)}
+
+
+def _features(n: int = 300, c: int = 12, d: int = 10, rank: int | None = None, seed: int = 0):
+    """Image features of very different scales (1e-3 .. 1e3 per column) and text features an exact linear map
+    of them (of rank ``rank`` when given)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, c, dtype=torch.float64)
+    a = torch.randn(c, d, generator=g, dtype=torch.float64)
+    if rank is not None:
+        a = torch.randn(c, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, d, generator=g).double()
+    return x, x @ a
+
+
+def test_the_image_projection_is_the_ridge_map_into_the_text_space():
+    """Text features that are a linear map of the image features: with a negligible lambda the image
+    projection recovers that map on every feature scale (the unit-RMS scaling folded back in), and the text
+    projection is the identity when the embedding is as wide as the text space."""
+    x, t = _features()
+    image_w, text_w = ridge_projections(_grams(x, t), embed_dim=t.shape[1], lam=1e-12)
+    assert torch.equal(text_w, torch.eye(t.shape[1]))
+    predicted = x.float() @ image_w.T
+    assert torch.allclose(predicted, t.float(), rtol=1e-3, atol=1e-3 * float(t.abs().max()))
+
+
+def test_a_narrower_embedding_keeps_the_text_spaces_leading_directions():
+    """Text features of rank 4 embedded in 6 dimensions: P spans their space, so an image's projection equals
+    its caption's; the rows of P are orthonormal, the leading direction first."""
+    x, t = _features(d=10, rank=4)
+    image_w, text_w = ridge_projections(_grams(x, t), embed_dim=6, lam=1e-12)
+    assert image_w.shape == (6, x.shape[1]) and text_w.shape == (6, 10)
+    assert torch.allclose(text_w @ text_w.T, torch.eye(6), atol=1e-5)
+    images, texts = x.float() @ image_w.T, t.float() @ text_w.T
+    assert torch.allclose(images, texts, rtol=1e-3, atol=1e-3 * float(texts.abs().max()))
+    energy = (texts**2).sum(0)
+    assert torch.all(energy[:-1] >= energy[1:] - 1e-3 * float(energy.max()))
+
+
+def test_lambda_shrinks_and_no_samples_is_refused():
+    x, t = _features()
+    small, _ = ridge_projections(_grams(x, t), embed_dim=10, lam=1e-6)
+    large, _ = ridge_projections(_grams(x, t), embed_dim=10, lam=10.0)
+    assert float((x.float() @ large.T).norm()) < 0.5 * float((x.float() @ small.T).norm())
+    with pytest.raises(ValueError, match="no samples"):
+        ridge_projections(_grams(x[:0], t[:0]), embed_dim=10)
+
+
+def _tiny_dual(prepared: Path):
+    from mmfast.data.dataset import PreparedDataset
+    from mmfast.models import build_model
+
+    torch.manual_seed(0)
+    vocab = PreparedDataset(prepared).vocab_size
+    return build_model(
+        "clip", 0, image_backbone="resnet10", text_model="bert-tiny", vocab_size=vocab, embed_dim=DIM
+    )
+
+
+def _view_loader(prepared: Path, accelerator):
+    from mmfast.loading.multimodal import MultimodalLoader
+
+    return MultimodalLoader(
+        prepared, "train", 32, shuffle=False, drop_last=False, train=False, size=32, accelerator=accelerator,
+        num_workers=1, fp16=False,
+    )  # fmt: skip
+
+
+def _gram_worker(rank: int, port: int, prepared: str, out_dir: str) -> None:
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    grams = tower_grams(_tiny_dual(Path(prepared)), _view_loader(Path(prepared), accelerator), accelerator)
+    if rank == 0:
+        torch.save(grams, Path(out_dir) / "grams.pt")
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_two_processes_sum_the_same_grams_as_one(prepared, tmp_path):
+    """Each of two processes reads half of the train split; the summed Gram matrices (and so the projections)
+    equal one process's over the whole split, every sample counted once."""
+    from accelerate import Accelerator
+
+    ctx = mp.start_processes(
+        _gram_worker, args=(free_port(), str(prepared), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two processes did not finish within 150 s")
+    two = torch.load(tmp_path / "grams.pt")
+    accelerator = Accelerator(cpu=True)
+    one = tower_grams(_tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator)
+    assert int(one["n"]) == int(two["n"]) == n_rows(prepared, "train")
+    for key in ("xx", "xt", "tt"):
+        assert torch.allclose(two[key], one[key], rtol=1e-6, atol=1e-6 * float(one[key].abs().max())), key
+
+
+def test_the_ridge_start_embeds_train_images_near_their_captions(prepared):
+    """On the demo set's train split, the towers untrained: after ``ridge_start`` an image's nearest caption is
+    its own far more often than from the random projections (which rank it near chance)."""
+    from accelerate import Accelerator
+
+    from mmfast.data.dataset import PreparedDataset
+    from mmfast.tasks.contrastive import ContrastiveTask
+
+    accelerator = Accelerator(cpu=True)
+    model = _tiny_dual(prepared).eval()
+    task = ContrastiveTask(PreparedDataset(prepared))
+    loader = _view_loader(prepared, accelerator)
+    before = task.evaluate(accelerator, model, loader)
+    figures = ridge_start(model, loader, accelerator, lam=1e-3)
+    after = task.evaluate(accelerator, model, loader)
+    assert figures["samples"] == n_rows(prepared, "train")
+    assert after["val_i2t_r10"] > before["val_i2t_r10"] + 20, (before, after)
+    assert after["val_t2i_r10"] > before["val_t2i_r10"] + 20, (before, after)
+
+
+def test_a_run_records_its_start_and_a_classifier_refuses_it(prepared, tmp_path, capsys):
+    import tools.train as train_tool
+
+    common = ["--data", str(prepared), "--epochs", "1", "--batch-size", "16", "--image-size", "32"]
+    common += ["--no-progress", "--mixed-precision", "no", "--preset", "tiny"]
+    run = tmp_path / "clip"
+    argv = [*common, "--out", str(run), "--model", "clip", "--embed-dim", str(DIM), "--init-proj", "ridge"]
+    assert train_tool.main(argv) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["init_proj"]["method"] == "ridge"
+    assert summary["init_proj"]["samples"] == n_rows(prepared, "train")
+    assert json.loads((run / "config.json").read_text())["init_proj"] == "ridge"
+    assert train_tool.main([*common, "--out", str(tmp_path / "concat"), "--init-proj", "ridge"]) != 0
+    assert "--init-proj ridge" in capsys.readouterr().err
