@@ -1,9 +1,8 @@
-"""Images decoded once and kept in memory (``cache_decoded``): the same pixels as the streaming path, DALI's
-crop distribution, exact resume, bad files and a budget that does not fit."""
+"""Images decoded once and kept in memory (``cache_decoded``): the same pixels as the streaming path, exact
+resume, bad files and a budget that does not fit (the crops' draws: tests/test_draws.py)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -18,7 +17,7 @@ import torch
 from PIL import Image
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.loading.decoded import available_memory, random_crop_boxes
+from mmfast.loading.decoded import available_memory
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 
@@ -66,53 +65,6 @@ def test_a_cached_loader_serves_whole_batches_of_any_size(photos, tmp_path):
     loader = ImageLoader(files, batch_size=40, size=16, cache_decoded=True)
     assert loader.dali_part(np.arange(len(files))) == 20
     assert [len(b.ids) for b in loader] == [40, len(files) - 40]
-
-
-def test_crop_draws_follow_dalis_random_crop(photos_set):
-    """The boxes stay inside the image, with area share and aspect ratio in range, and their distribution is
-    DALI's: the mean area share and log aspect ratio of DALI's own random crops on the same images agree."""
-    from nvidia.dali.plugin.pytorch import LastBatchPolicy
-
-    from mmfast.loading.graphs import image_pipeline
-    from mmfast.loading.host_finish import ragged_iterator
-    from mmfast.loading.sources import read_files
-
-    files = [str(r["path"]) for r in photos_set]
-    shapes = np.array([Image.open(f).size[::-1] for f in files])
-    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
-    rng = np.random.default_rng(0)
-    ours = np.concatenate([random_crop_boxes(shapes, rng, scale, ratio) for _ in range(20)])
-    all_shapes = np.tile(shapes, (20, 1))
-    top, left, h, w = ours.T
-    assert (top >= 0).all() and (left >= 0).all()
-    assert (top + h <= all_shapes[:, 0]).all() and (left + w <= all_shapes[:, 1]).all()
-    share = h * w / all_shapes.prod(axis=1)
-    assert share.min() > 0.05 and share.max() <= 1.0
-    pipe = image_pipeline(
-        read=functools.partial(read_files, files, list(range(len(files)))),
-        train=True, size=32, finish_on_host=True, batch_size=len(files), num_threads=1, device_id=None, seed=1,
-    )  # fmt: skip
-    it = ragged_iterator(pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP)
-    dali = []
-    for _ in range(20):
-        out = next(it)[0]
-        dali += [c.shape[:2] for c in out["crops"]]
-        it.reset()
-    dali = np.array(dali)
-    dali_share = dali.prod(axis=1) / all_shapes.prod(axis=1)
-    assert abs(share.mean() - dali_share.mean()) < 0.05, (share.mean(), dali_share.mean())
-    log_ratio, dali_log_ratio = np.log(w / h), np.log(dali[:, 1] / dali[:, 0])
-    assert abs(log_ratio.mean() - dali_log_ratio.mean()) < 0.05
-    assert abs(log_ratio.std() - dali_log_ratio.std()) < 0.05
-
-
-def test_crop_falls_back_to_the_whole_image_cut_to_the_ratio_range():
-    """A 30 x 2000 panorama has no crop with ratio <= 4/3 of any area in range: the fallback is its centre,
-    40 pixels wide (30 * 4/3), the full height."""
-    shapes, rng = np.array([[30, 2000], [2000, 30]]), np.random.default_rng(0)
-    boxes = random_crop_boxes(shapes, rng, (0.5, 1.0), (3 / 4, 4 / 3))
-    assert boxes[0].tolist() == [0, 980, 30, 40]
-    assert boxes[1].tolist() == [980, 0, 40, 30]
 
 
 def test_cached_resume_yields_exactly_the_rest_and_epochs_draw_anew(prepared):

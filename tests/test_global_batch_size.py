@@ -100,3 +100,48 @@ def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(pre
     assert launch(first, "--batch-size", "16", "--max-steps", "3").returncode == 0
     refused = launch(then, "--batch-size", "16", "--resume", "latest")
     assert refused.returncode != 0 and "num_processes" in refused.stderr
+
+
+def _step_ids(run, ranks: int) -> dict[tuple[int, int], set[int]]:
+    """{(epoch, optimizer step): the sample ids trained in it, over all ranks and micro-batches}."""
+    out: dict[tuple[int, int], set[int]] = {}
+    for rank in range(ranks):
+        path = run / f"seen_ids.rank{rank}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            r = json.loads(line)
+            out.setdefault((r["epoch"], r["step"]), set()).update(i for i in r["ids"] if i >= 0)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("images", ["--no-cache-decoded", "--cache-decoded"], ids=["streamed", "decoded"])
+def test_one_process_accumulating_and_two_processes_train_the_same_weights(prepared, tmp_path, images):
+    """The same seed on 1 process (batch 16, accumulation 2) and on 2 (batch 16 each), two epochs, the images
+    streamed through DALI or cut from the decoded ones in memory: every step trains the same 32 samples, with
+    the same pixels (each sample's augmentation drawn from (seed, epoch, id): mmfast/loading/draws.py), and
+    the final weights agree to float32 tolerance. A frozen image tower (its batch norm in eval mode) and no
+    dropout: nothing else differs between the layouts."""
+    import subprocess
+
+    import torch
+    from conftest import ROOT, free_port, train_cmd
+    from safetensors.torch import load_file
+
+    def launch(out, n: int, *flags: str):
+        launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+        cmd = train_cmd(prepared, out, "--epochs", "2", "--record-ids", "--mixed-precision", "no", *flags)
+        cmd += ["--model", "image", "--freeze-image", "--dropout", "0", "--seed", "3", "--lr", "3e-3", images]
+        cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert (r := launch(one, 1, "--grad-accum", "2")).returncode == 0, r.stderr[-3000:]
+    assert (r := launch(two, 2)).returncode == 0, r.stderr[-3000:]
+    steps_one, steps_two = _step_ids(one, 1), _step_ids(two, 2)
+    assert len(steps_one) >= 10 and steps_one == steps_two
+    assert all(len(ids) == 32 for ids in steps_one.values())
+    a, b = load_file(one / "model-last" / "model.safetensors"), load_file(two / "model-last" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert [k for k in a if not k.startswith("image.")], sorted(a)  # layers that trained, beside the frozen tower
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), (key, float((a[key] - b[key]).abs().max()))

@@ -13,6 +13,7 @@ import functools
 import itertools
 import struct
 
+import numpy as np
 import pytest
 import torch
 from conftest import save_image
@@ -20,6 +21,7 @@ from nvidia.dali import types
 
 import mmfast.loading.epoch_reader as reader_module
 import mmfast.loading.graphs as image_module
+from mmfast.loading.draws import DrawFeed
 from mmfast.loading.graphs import image_pipeline
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sources import read_files, read_wds
@@ -122,8 +124,19 @@ def _names(graph: dict) -> list[str]:
     return [op["name"] for op in graph["ops"]]
 
 
+def _decoder_op(train: bool, source: str) -> str:
+    """The decoder a graph has: train crops from the loader's per-sample draws (a slice) on a source the loader
+    orders, DALI's own random crop on one that orders itself (WebDataset); eval decodes whole images."""
+    if not train:
+        return "decoders__Image"
+    return "decoders__ImageSlice" if source == "files" else "decoders__ImageRandomCrop"
+
+
 def _define(source: str, decode_device: str, **kwargs):
-    """image_pipeline on a source that need not exist: defining and serializing never open it."""
+    """image_pipeline on a source that need not exist: defining and serializing never open it; a train graph of
+    files takes its crops from per-sample draws, as the loader's does."""
+    if source == "files" and kwargs.get("train"):
+        kwargs.setdefault("draws", DrawFeed(0, np.array([0, 1]), np.zeros(2, dtype=np.int64)))
     read = (
         functools.partial(read_files, ["/nowhere/0.jpg", "/nowhere/1.jpg"], [0, 1])
         if source == "files"
@@ -160,7 +173,7 @@ def test_every_graph_variant_defines_and_serializes_on_both_decoders(
     gpu = _graph(_define(source, "mixed", **variant, **knobs).serialize())
     cpu = _graph(_define(source, "cpu", **variant, **knobs).serialize())
 
-    decoder_name = "decoders__ImageRandomCrop" if train else "decoders__Image"
+    decoder_name = _decoder_op(train, source)
     reader_name = "readers__File" if source == "files" else "readers__Webdataset"
     for graph, device, image_device in ((gpu, "mixed", "gpu"), (cpu, "cpu", "cpu")):
         assert _only(graph, reader_name)["device"] == "cpu"
@@ -197,7 +210,7 @@ def test_a_bogus_gpu_only_decoder_argument_fails_at_definition(monkeypatch, trai
     monkeypatch.setattr(image_module, "_decoder_kwargs", with_typo)
     with pytest.raises((KeyError, RuntimeError), match="hw_decoder_lod") as raised:
         _define("files", "mixed", train=train)
-    op = "decoders__ImageRandomCrop" if train else "decoders__Image"
+    op = _decoder_op(train, "files")
     assert f'"{op}"' in str(raised.value)
     cpu = _graph(_define("files", "cpu", train=train).serialize())  # the CPU graph never sees the knobs
     assert _only(cpu, op)["device"] == "cpu"
@@ -244,7 +257,7 @@ def test_the_loaders_gpu_graph_defines_with_its_own_arguments(tmp_path, monkeypa
         )
     # the same graph, serialized: device_id=None is the one change (a real id makes serialize() open CUDA)
     graph = _graph(image_pipeline(**{**kwargs, "device_id": None}).serialize())
-    decoder = _only(graph, "decoders__ImageRandomCrop" if train else "decoders__Image")
+    decoder = _only(graph, _decoder_op(train, "wds" if wds else "files"))
     assert decoder["device"] == "mixed"
     assert decoder["args"]["hw_decoder_load"] == pytest.approx(DECODER_KNOBS["hw_decoder_load"])
     assert decoder["args"]["preallocate_width_hint"] == DECODER_KNOBS["size_hint"]

@@ -4,15 +4,15 @@ Why: on small images the decode is most of the CPU path's work and nothing makes
 region-of-interest decode: decoding a small icon costs more than finishing its crop; BENCHMARKS.md). A
 set whose decoded pixels fit in memory need not pay it every epoch: FFCV stores such sets
 as raw pixels for the same reason. Here the loader decodes each image the first time an epoch needs it, with
-the same DALI decoder as the streaming path, and keeps the uint8 HWC array; each batch then draws its random
-resized crops and flips in numpy (the distribution of DALI's ``random_crop``: area and log aspect ratio
-uniform, 10 attempts, then the whole image clamped to the ratio range), takes the crops as views and hands
-them to the host finishing, exactly as the ragged DALI iterator does.
+the same DALI decoder as the streaming path, and keeps the uint8 HWC array; each batch then cuts its random
+resized crops and flips in numpy, takes the crops as views and hands them to the host finishing, exactly as the
+ragged DALI iterator does.
 
-The draws of a batch come from a generator seeded by (seed, shard, epoch, step), so a resumed run yields the
-same batches without any pipeline checkpoint (when it caches too: one that finds less memory and streams reads
-the same samples with DALI's draws). Colour jitter is not applied on this path (asking for both is
-an error), and the GPU path never uses it (nvJPEG decodes there).
+The draws are the streaming graph's (``mmfast.loading.draws``: a function of (seed, epoch, sample id)), and so
+are the crop windows: the same sample of the same epoch gets the same crop and flip from memory as from DALI,
+on any process count, and a resumed run yields the same batches without any pipeline checkpoint. Colour
+jitter is not applied on this path (asking for both is an error), and the GPU path never uses it (nvJPEG
+decodes there).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from mmfast.data.batch import PAD_ID
 from mmfast.data.validate import image_header
+from mmfast.loading.draws import FLIP, crop_boxes, sample_uniforms
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.graphs import decode_pipeline
 from mmfast.loading.sources import read_files
@@ -291,35 +292,6 @@ class _Fill:
         self.pipe = None  # DALI stops its threads when the pipeline is collected
 
 
-def random_crop_boxes(
-    shapes: np.ndarray, rng: np.random.Generator, scale: tuple[float, float], ratio: tuple[float, float]
-) -> np.ndarray:
-    """(B, 4) crop boxes (top, left, height, width) for images of ``shapes`` (B, 2) = (height, width): the
-    random resized crop of DALI and torchvision (10 attempts at an area share in ``scale`` and a
-    log-uniform aspect ratio in ``ratio``; failing those, the whole image cut to the nearest allowed ratio)."""
-    n, attempts = len(shapes), 10
-    ratio = (min(ratio), max(ratio))
-    h, w = shapes[:, 0:1].astype(np.float64), shapes[:, 1:2].astype(np.float64)
-    area = h * w * rng.uniform(scale[0], scale[1], (n, attempts))
-    aspect = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), (n, attempts)))
-    cw, ch = np.round(np.sqrt(area * aspect)), np.round(np.sqrt(area / aspect))
-    fits = (cw > 0) & (ch > 0) & (cw <= w) & (ch <= h)
-    first = fits.argmax(axis=1)
-    rows = np.arange(n)
-    ch, cw, found = ch[rows, first], cw[rows, first], fits[rows, first]
-    h, w = h[:, 0], w[:, 0]
-    # the fallback: the whole image, cut at its centre to the nearest ratio in range
-    in_ratio = w / h
-    too_tall, too_wide = in_ratio < ratio[0], in_ratio > ratio[1]
-    fh = np.where(too_tall, np.minimum(np.round(w / ratio[0]), h), h)
-    fw = np.where(too_wide, np.minimum(np.round(h * ratio[1]), w), w)
-    ch, cw = np.where(found, ch, fh), np.where(found, cw, fw)
-    u = rng.random((n, 2))
-    top = np.where(found, np.floor(u[:, 0] * (h - ch + 1)), (h - ch) // 2)
-    left = np.where(found, np.floor(u[:, 1] * (w - cw + 1)), (w - cw) // 2)
-    return np.stack([top, left, ch, cw], axis=1).astype(np.int64)
-
-
 class DecodedIterator:
     """Batches of ``positions`` from ``DecodedImages`` in the form of ``host_finish.ragged_iterator``'s:
     ``[{"crops": B x (h, w, 3) uint8, "flips": (B, 1) int32, "id": (B, 1) int32}]``.
@@ -329,7 +301,7 @@ class DecodedIterator:
         positions: positions in the loader's files, whole batches (-1 = padding).
         ids: sample id of each file position.
         batch_size: B.
-        key: (seed, shard, epoch, first step) seeding each batch's draws with its step added.
+        key: (seed, shard, epoch, first step); the draws depend on the seed, the epoch and each sample's id.
         train: random resized crops and flips; otherwise whole images (the eval finishing resizes them).
         scale, ratio, flip: the random resized crop's ranges, and whether to mirror half the images.
     """
@@ -347,8 +319,7 @@ class DecodedIterator:
         pos = self.positions[self.step * b : (self.step + 1) * b]
         if len(pos) == 0:
             raise StopIteration
-        seed, shard, epoch, first = self.key
-        rng = np.random.default_rng([seed, shard, epoch, first + self.step])
+        seed, _, epoch, _ = self.key
         cache = self.cache
         cache.ensure([p for p in pos.tolist() if p >= 0])  # may find files bad
         bad, stand_in = cache.health.bad, cache.stand_in()
@@ -356,11 +327,13 @@ class DecodedIterator:
         ids = np.array([self.ids[p] if p >= 0 and p not in bad else PAD_ID for p in pos.tolist()], dtype=np.int32)
         whole = [cache.image(p) for p in use]
         cache.release(use)  # the crops below hold what they need
-        if self.train:
-            boxes = random_crop_boxes(np.array([i.shape[:2] for i in whole]), rng, self.scale, self.ratio)
+        if self.train:  # the draws of the graph's crops (mmfast.loading.draws): (seed, epoch, id) alone
+            keys = np.array([self.ids[p] if p >= 0 else PAD_ID for p in pos.tolist()], dtype=np.int64)
+            u = sample_uniforms(seed, np.full(len(pos), epoch), keys)
+            boxes = crop_boxes(np.array([i.shape[:2] for i in whole]), u, self.scale, self.ratio)
             pairs = zip(whole, boxes.tolist(), strict=True)
             crops = [torch.from_numpy(i[t : t + h, x : x + w]) for i, (t, x, h, w) in pairs]
-            flips = rng.random(len(pos)) < 0.5 if self.flip else np.zeros(len(pos), dtype=bool)
+            flips = u[:, FLIP] < 0.5 if self.flip else np.zeros(len(pos), dtype=bool)
         else:
             crops, flips = [torch.from_numpy(i) for i in whole], np.zeros(len(pos), dtype=bool)
         self.step += 1  # only now: a batch that failed (a bad file with on_bad_image="error") comes again

@@ -17,6 +17,7 @@ import torch
 from mmfast.loading import dali_stream
 from mmfast.loading.arguments import dali_batch_size, first_line
 from mmfast.loading.decoded import DecodedImages, DecodedIterator
+from mmfast.loading.draws import DrawFeed
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.graphs import image_pipeline
 from mmfast.loading.host_finish import HostFinisher
@@ -140,7 +141,9 @@ class EpochReader:
             positions = self._chunk_positions(chunk)
         stream = Stream(None, chunk, epoch, step)
         self._watch(self._upcoming(stream, 0, self._watch_lead()))  # the batches DALI reads first
-        pipe = self.define_pipeline(positions, chunk["start"], checkpoint, chunk_dali_batch(chunk))
+        pipe = self.define_pipeline(
+            positions, chunk["start"], checkpoint, chunk_dali_batch(chunk), self._chunk_epochs(chunk)
+        )
         stream.it = self._iterator(pipe)
         return stream
 
@@ -187,6 +190,12 @@ class EpochReader:
         parts = [self._positions(chunk["start"] + k) for k in range(chunk["epochs"])]
         parts[0] = parts[0][chunk["offset"] * self.s.batch_size :]
         return np.concatenate(parts)
+
+    def _chunk_epochs(self, chunk: dict) -> np.ndarray:
+        """The epoch of each position ``_chunk_positions`` gives for ``chunk``."""
+        sizes = [len(self._positions(chunk["start"] + k)) for k in range(chunk["epochs"])]
+        sizes[0] -= chunk["offset"] * self.s.batch_size
+        return np.repeat(np.arange(chunk["start"], chunk["start"] + chunk["epochs"]), sizes)
 
     def dali_part(self, positions: np.ndarray) -> int | None:
         """DALI's batch for a chunk reading ``positions``: None (the loader's) when DALI has read each of
@@ -252,9 +261,11 @@ class EpochReader:
         seed_epoch: int,
         checkpoint: bytes | None = None,
         dali_batch: int | None = None,
+        epochs: np.ndarray | None = None,
     ):
         """The DALI graph reading ``positions`` (None: a source that orders itself), defined but not built;
-        ``dali_batch``: its batch, a divisor of the loader's (default: the loader's).
+        ``dali_batch``: its batch, a divisor of the loader's (default: the loader's); ``epochs``: the epoch of
+        each position (default: all ``seed_epoch``), which with the sample ids keys the augmentation's draws.
 
         Defining checks every operator's argument names without touching CUDA, so tests define the GPU
         ("mixed") graph on machines without a GPU.
@@ -262,8 +273,14 @@ class EpochReader:
         read = self.source.reader(positions, self.health, self.s.shard_id, self.s.num_shards, self.s.shuffle)
         cuda = self.s.device.type == "cuda"
         dali_batch = dali_batch or self.s.batch_size
+        draws = None
+        if self.s.train and positions is not None:
+            ids = np.where(positions >= 0, self.ids[np.maximum(positions, 0)], -1)
+            epochs = np.full(len(positions), seed_epoch) if epochs is None else epochs
+            draws = DrawFeed(self.s.seed, ids, epochs)
         return image_pipeline(
             read=read,
+            draws=draws,
             train=self.s.train,
             size=self.s.size,
             decode_device="mixed" if cuda else "cpu",

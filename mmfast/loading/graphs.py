@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import nvidia.dali.math as dmath
 from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali.pipeline import Pipeline
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
+from mmfast.loading.draws import AREA, BRIGHTNESS, CONTRAST, FLIP, RATIO, SATURATION, DrawFeed, X, Y, crop_window
 
 READER_NAME = "Reader"
 # The largest batch DALI 2.4's image decoder parses on one thread. From 32 samples on it parses a batch on
@@ -40,6 +43,29 @@ def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: 
     }
 
 
+def _random_crop(encoded, draws: DrawFeed | None, scale, ratio, decode_device: str, dec: dict) -> tuple:
+    """(the decoded random resized crops, the flip coins (B,) int32, three jitter uniforms in [0, 1)), decoding
+    only the crop's region (ROI decoding): with ``draws``, every draw a function of (seed, epoch, sample id)
+    (``mmfast.loading.draws``; the crop's size from the image's header); without, DALI's random operators."""
+    if draws is None:  # a reader that orders itself (WebDataset)
+        images = fn.decoders.image_random_crop(
+            encoded, device=decode_device, output_type=types.RGB, random_area=list(scale),
+            random_aspect_ratio=list(ratio), num_attempts=10, **dec,
+        )  # fmt: skip
+        coin = fn.random.coin_flip(probability=0.5, dtype=types.INT32)
+        return images, coin, [fn.random.uniform(range=[0.0, 1.0]) for _ in range(3)]
+    draws.batch_size = int(Pipeline.current().max_batch_size)
+    u = fn.external_source(source=draws, batch=True, batch_info=True, dtype=types.FLOAT)
+    shape = fn.peek_image_shape(encoded, dtype=types.FLOAT)  # (H, W, C)
+    left, top, width, height = crop_window(u[AREA], u[RATIO], u[X], u[Y], shape[0], shape[1], scale, ratio, dmath)
+    images = fn.decoders.image_slice(
+        encoded, fn.stack(left, top), fn.stack(width, height), device=decode_device, output_type=types.RGB,
+        normalized_anchor=True, normalized_shape=True, axis_names="WH", **dec,
+    )  # fmt: skip
+    coin = fn.cast(u[FLIP] < 0.5, dtype=types.INT32)
+    return images, coin, [u[BRIGHTNESS], u[CONTRAST], u[SATURATION]]
+
+
 def process_images(
     encoded,
     *,
@@ -58,6 +84,7 @@ def process_images(
     memory_padding: int = 64 << 20,
     size_hint: int = 1024,
     finish_on_host: bool = False,
+    draws: DrawFeed | None = None,
 ):
     """The processing shared by every source: decode (+ random crop) -> resize -> flip/jitter -> normalize.
 
@@ -70,29 +97,16 @@ def process_images(
     dec = _decoder_kwargs(decode_device, hw_decoder_load, memory_padding, size_hint)
     mirror = 0
     if train:
-        # Fused decode + crop: only the region of interest is decoded (ROI decoding).
-        images = fn.decoders.image_random_crop(
-            encoded,
-            device=decode_device,
-            output_type=types.RGB,
-            random_area=list(scale),
-            random_aspect_ratio=list(ratio),
-            num_attempts=10,
-            **dec,
-        )
+        images, coin, jitter = _random_crop(encoded, draws, scale, ratio, decode_device, dec)
         if not finish_on_host:
             images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
         if flip:
-            mirror = fn.random.coin_flip(probability=0.5, dtype=types.INT32)
+            mirror = coin
         if color_jitter > 0:
             # per-pixel ops: on the host path they run on the crop, before the resize
-            lo, hi = 1.0 - color_jitter, 1.0 + color_jitter
-            images = fn.color_twist(
-                images,
-                brightness=fn.random.uniform(range=[lo, hi]),
-                contrast=fn.random.uniform(range=[lo, hi]),
-                saturation=fn.random.uniform(range=[lo, hi]),
-            )
+            lo, width_j = 1.0 - color_jitter, 2 * color_jitter
+            b, c, sat = (lo + width_j * j for j in jitter)
+            images = fn.color_twist(images, brightness=b, contrast=c, saturation=sat)
         crop = None
         if finish_on_host:
             return images, mirror if flip else fn.random.coin_flip(probability=0.0, dtype=types.INT32)
@@ -132,6 +146,7 @@ def image_pipeline(
     memory_padding: int = 64 << 20,
     size_hint: int = 1024,
     finish_on_host: bool = False,
+    draws: DrawFeed | None = None,
 ):
     """The image graph: a source's reader followed by ``process_images``.
 
@@ -151,6 +166,8 @@ def image_pipeline(
             images with the flip draws; ``mmfast.loading.host_finish`` resizes (eval: and centre-crops), flips and
             normalizes them (the fast way on the CPU, where DALI's resize and normalize cost more than the
             decode).
+        draws: train: the per-sample draws of the reader's samples, batch by batch (``DrawFeed``: the crop,
+            flip and jitter of a sample depend on (seed, epoch, id) only); None: DALI's random operators.
 
     Returns:
         images (B, 3, size, size) normalized, and sample ids (B, 1) int32; with ``finish_on_host``:
@@ -174,6 +191,7 @@ def image_pipeline(
         memory_padding=memory_padding,
         size_hint=size_hint,
         finish_on_host=finish_on_host,
+        draws=draws,
     )
     if finish_on_host:  # (images, flips)
         return (*processed, sample_ids)

@@ -1,0 +1,132 @@
+"""Augmentation drawn per sample (mmfast/loading/draws.py): a sample's crop and flip depend on (seed, epoch, id)
+only, the DALI graph and the decoded cache cut the same windows, and one process and two get the same global
+batches with the same pixels (#29 item 1)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmfast.loading.draws import AREA, FLIP, RATIO, DrawFeed, X, Y, crop_boxes, crop_window, sample_uniforms
+from mmfast.loading.multimodal import MultimodalLoader
+
+SCALE, RATIO_RANGE = (0.08, 1.0), (3 / 4, 4 / 3)
+
+
+def test_a_samples_draws_depend_on_seed_epoch_and_id_alone():
+    ids = np.arange(1000)
+    u = sample_uniforms(7, np.full(1000, 3), ids)
+    assert u.shape == (1000, 8) and u.dtype == np.float32 and (u >= 0).all() and (u < 1).all()
+    perm = np.random.default_rng(0).permutation(1000)
+    assert np.array_equal(sample_uniforms(7, np.full(1000, 3), ids[perm]), u[perm])  # any batch, any order
+    assert np.array_equal(sample_uniforms(7, np.full(10, 3), ids[:10]), u[:10])
+    for other in (sample_uniforms(8, np.full(1000, 3), ids), sample_uniforms(7, np.full(1000, 4), ids)):
+        assert (other != u).mean() > 0.99  # another seed or epoch: other draws
+    assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float(u.std()) - (1 / 12) ** 0.5) < 0.02
+    assert abs(float(np.corrcoef(u[:, AREA], u[:, RATIO])[0, 1])) < 0.1  # the columns are not one draw
+
+
+def test_crop_windows_fit_keep_the_area_and_the_ratio_range():
+    """Every window lies inside the image with the drawn area share and an aspect ratio in range, wherever a
+    crop of that area fits at some ratio in range; the area share is uniform in the scale range."""
+    n = 20000
+    u = sample_uniforms(0, np.zeros(n), np.arange(n)).astype(np.float64)
+    aspect = np.exp(np.random.default_rng(1).uniform(np.log(0.5), np.log(2.0), n))
+    sides = (np.full(n, 1000.0), 1000.0 * aspect)  # height, width
+    left, top, w, h = crop_window(u[:, AREA], u[:, RATIO], u[:, X], u[:, Y], *sides, SCALE, RATIO_RANGE)
+    assert (left >= 0).all() and (top >= 0).all() and (left + w <= 1 + 1e-9).all() and (top + h <= 1 + 1e-9).all()
+    s = SCALE[0] + u[:, AREA] * (SCALE[1] - SCALE[0])
+    fits = np.maximum(np.log(s * aspect), np.log(3 / 4)) <= np.minimum(np.log(aspect / s), np.log(4 / 3))
+    assert fits.mean() > 0.8  # aspect ratios out to 1:2 and 2:1 leave the largest areas no fit
+    assert np.allclose((w * h)[fits], s[fits])
+    r = w * aspect / h  # the crop's width / height in pixels
+    assert (r[fits] >= 3 / 4 - 1e-9).all() and (r[fits] <= 4 / 3 + 1e-9).all()
+    assert abs(float(s.mean()) - 0.54) < 0.01
+
+
+def test_an_image_too_elongated_for_the_range_is_cut_whole_at_its_centre():
+    """A 30 x 2000 panorama has no crop with ratio <= 4/3 of any area in range: its centre, 40 pixels wide
+    (30 * 4/3), the full height; the same turned upright."""
+    u = np.full((2, 8), 0.3)
+    boxes = crop_boxes(np.array([[30, 2000], [2000, 30]]), u, (0.5, 1.0), RATIO_RANGE)
+    assert boxes[0].tolist() == [0, 980, 30, 40]
+    assert boxes[1].tolist() == [980, 0, 40, 30]
+
+
+def _graph_crops(files: list[str], ids: list[int], epoch: int, seed: int) -> list[np.ndarray]:
+    from nvidia.dali.plugin.pytorch import LastBatchPolicy
+
+    from mmfast.loading.graphs import image_pipeline
+    from mmfast.loading.host_finish import ragged_iterator
+    from mmfast.loading.sources import read_files
+
+    feed = DrawFeed(seed, np.array(ids), np.full(len(ids), epoch))
+    pipe = image_pipeline(
+        read=functools.partial(read_files, files, ids), train=True, size=32, finish_on_host=True, draws=feed,
+        batch_size=len(files), num_threads=1, device_id=None, seed=1,
+    )  # fmt: skip
+    it = ragged_iterator(pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.DROP)
+    out = next(it)[0]
+    return [c.numpy() for c in out["crops"]], out["flips"].view(-1).numpy()
+
+
+def test_the_graph_cuts_the_windows_the_host_computes(photos):
+    """DALI's slice decode of the draws gives the boxes ``crop_boxes`` computes from the same draws (a PNG:
+    the same pixels as the whole image decoded and cut), and the same flips; the pipeline's own seed plays
+    no part."""
+    files = [str(p) for p in photos]
+    ids = [5, 17, 3, 40, 8, 11][: len(files)]
+    crops, flips = _graph_crops(files, ids, epoch=2, seed=9)
+    again, _ = _graph_crops(files[::-1], ids[::-1], epoch=2, seed=9)  # another order: the same crops
+    u = sample_uniforms(9, np.full(len(ids), 2), np.array(ids))
+    shapes = np.array([Image.open(f).size[::-1] for f in files])
+    boxes = crop_boxes(shapes, u, SCALE, RATIO_RANGE)
+    assert np.array_equal(flips, (u[:, FLIP] < 0.5).astype(np.int32))
+    for k, (crop, (top, left, h, w)) in enumerate(zip(crops, boxes.tolist(), strict=True)):
+        assert crop.shape[:2] == (h, w), (files[k], crop.shape, (h, w))
+        assert np.array_equal(crop, again[len(files) - 1 - k])
+        if files[k].endswith(".png"):
+            whole = np.asarray(Image.open(files[k]).convert("RGB"))
+            assert np.array_equal(crop, whole[top : top + h, left : left + w]), files[k]
+
+
+def _by_id(loader, epochs: int) -> list[dict[int, torch.Tensor]]:
+    """Per epoch, each batch as {sample id: its image}."""
+    out = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        out += [{int(i): img.clone() for i, img in zip(b["id"], b["image"], strict=True)} for b in loader]
+    return out
+
+
+@pytest.mark.parametrize("cache_decoded", [False, True], ids=["streamed", "decoded"])
+def test_one_process_and_two_train_on_the_same_global_batches_with_the_same_pixels(prepared, cache_decoded):
+    """Batch 16 on one process, two micro-batches a step, against batch 16 on each of two: step k's samples
+    are the same 32 and every sample's pixels are equal, over two epochs (the second draws anew)."""
+    common = dict(size=32, fp16=False, train=True, cache_decoded=cache_decoded, num_workers=1)
+    one = _by_id(MultimodalLoader(prepared, "train", 16, **common), 2)
+    shards = [
+        _by_id(MultimodalLoader(prepared, "train", 16, shard_id=r, num_shards=2, **common), 2) for r in (0, 1)
+    ]
+    assert len(one) == 2 * len(shards[0]) and len(shards[0]) == len(shards[1]) > 4
+    for k, (a, b) in enumerate(zip(*shards, strict=True)):
+        merged = {**one[2 * k], **one[2 * k + 1]}
+        assert set(merged) == set(a) | set(b) and len(merged) == 32, k
+        for i, image in {**a, **b}.items():
+            assert torch.equal(image, merged[i]), (k, i)
+    first, second = one[0], {i: x for batch in one[len(one) // 2 :] for i, x in batch.items()}
+    common_ids = set(first) & set(second)
+    assert common_ids and all(not torch.equal(first[i], second[i]) for i in common_ids)
+
+
+def test_a_one_pixel_image_gets_a_one_pixel_crop():
+    u = sample_uniforms(0, np.zeros(4), np.arange(4))
+    assert crop_boxes(np.array([[1, 1], [1, 5], [5, 1], [2, 2]]), u, SCALE, RATIO_RANGE)[:3].tolist() == [
+        [0, 0, 1, 1],
+        [0, 2, 1, 1],
+        [2, 0, 1, 1],
+    ]
