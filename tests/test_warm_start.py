@@ -159,3 +159,12 @@ def test_a_run_records_its_start_and_a_classifier_refuses_it(prepared, tmp_path,
     assert json.loads((run / "config.json").read_text())["init_proj"] == "ridge"
     assert train_tool.main([*common, "--out", str(tmp_path / "concat"), "--init-proj", "ridge"]) != 0
     assert "--init-proj ridge" in capsys.readouterr().err
+
+
+def test_the_fit_reads_at_most_its_share_of_a_large_split(prepared):
+    """``max_samples`` bounds the pass: whole batches until the share is reached (40 -> two batches of 32)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    grams = tower_grams(_tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator, max_samples=40)
+    assert int(grams["n"]) == 64 < n_rows(prepared, "train")
