@@ -72,19 +72,36 @@ def _epoch_ids(run, ranks: int) -> dict[int, list[int]]:
 def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(prepared, tmp_path, first, then):
     """--global-batch-size 32 with batch 16: 1 process accumulates 2, 2 processes take 16 each. Stopped after 3
     steps on ``first`` processes and resumed on ``then``: every whole global batch of the epoch trained exactly
-    once, the step counter carried over; without --global-batch-size the same change is refused."""
+    once, the step counter carried over, and the weights and the epoch's loss those of a run that was never
+    stopped (the augmentation is each sample's own; a frozen image tower, no dropout and a constant learning
+    rate, which --max-steps does not reshape, so nothing else differs); without --global-batch-size the same
+    change is refused."""
     import subprocess
 
+    import torch
     from conftest import ROOT, free_port, n_rows, train_cmd
+    from safetensors.torch import load_file
 
     def launch(n: int, *flags: str):
         launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
         cmd = train_cmd(prepared, out, "--epochs", "1", "--record-ids", "--mixed-precision", "no", *flags)
+        cmd += [
+            "--model",
+            "image",
+            "--freeze-image",
+            "--dropout",
+            "0",
+            "--no-cache-decoded",
+            "--scheduler",
+            "constant",
+        ]
         cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
-    out = tmp_path / "run"
+    out = tmp_path / "whole"  # the reference: never stopped
     common = ("--global-batch-size", "32", "--batch-size", "16")
+    assert (r := launch(then, *common)).returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
     first_run = launch(first, *common, "--max-steps", "3")
     assert first_run.returncode == 0, first_run.stderr[-3000:]
     resumed = launch(then, *common, "--resume", "latest")
@@ -95,6 +112,11 @@ def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(pre
     assert len(ids) == len(set(ids)) == steps * 32, (len(ids), len(set(ids)), steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["global_step"] == steps and summary["num_processes"] == then
+    whole, resumed_w = (load_file(d / "model-last" / "model.safetensors") for d in (tmp_path / "whole", out))
+    for key in whole:
+        assert torch.allclose(resumed_w[key], whole[key], rtol=1e-4, atol=1e-6), key
+    losses = [json.loads(ln)["train_loss"] for d in (tmp_path / "whole", out) for ln in open(d / "metrics.jsonl")]
+    assert losses[-1] == pytest.approx(losses[0], rel=1e-4), losses
 
     out = tmp_path / "fixed"  # a per-process batch: the process count must not change
     assert launch(first, "--batch-size", "16", "--max-steps", "3").returncode == 0

@@ -144,6 +144,8 @@ class EpochRunner:
         epoch's train figures."""
         cfg, loader = self.cfg, self.loader
         s = self.state["epoch_stats"] or {"loss_sum": 0.0, "samples": 0, "time": 0.0, "data_wait": 0.0}
+        if s.get("summed") and self.acc.process_index > 0:  # the resumed sums are all processes': counted once
+            s = {**s, "loss_sum": 0.0, "samples": 0}
         n_batches = len(loader)
         self.model.train()
         bar = self.steps.progress_bar(epoch, n_batches, loader.step)
@@ -211,6 +213,7 @@ class EpochRunner:
         if self.interrupted or stop_mid_epoch or (periodic and mid_epoch):
             s_now = {
                 **s,
+                **self._global_sums(s),
                 "time": s["time"] + time.perf_counter() - t0,
                 "data_wait": s["data_wait"] + self.timer.total("data") - start.get("data", 0.0),
             }
@@ -226,6 +229,16 @@ class EpochRunner:
             )
             return True
         return stop_mid_epoch
+
+    def _global_sums(self, s: dict) -> dict:
+        """The epoch's loss sum and samples so far over every process (a collective), as a checkpoint keeps
+        them: the main process's trainer state is every process's on resume, and on another process count."""
+        totals = self.acc.reduce(
+            torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64, device=self.acc.device),
+            reduction="sum",
+        )
+        loss_sum, samples = totals.tolist()
+        return {"loss_sum": loss_sum, "samples": samples, "summed": True}
 
     def epoch_figures(self, s: dict, complete: bool, start: dict, first_sample: int) -> dict:
         """The epoch's train figures; the loss is the mean over every process's finite micro-batches."""
