@@ -31,21 +31,21 @@ def test_a_samples_draws_depend_on_seed_epoch_and_id_alone():
 
 
 def test_crop_windows_fit_keep_the_area_and_the_ratio_range():
-    """Every window lies inside the image with the drawn area share and an aspect ratio in range, wherever a
-    crop of that area fits at some ratio in range; the area share is uniform in the scale range."""
+    """Every window lies inside the image with an aspect ratio in range and an area share in the scale range,
+    below the largest that fits at a ratio in range; the area share is uniform in the scale range where the
+    image's own ratio is in range."""
     n = 20000
     u = sample_uniforms(0, np.zeros(n), np.arange(n)).astype(np.float64)
     aspect = np.exp(np.random.default_rng(1).uniform(np.log(0.5), np.log(2.0), n))
     sides = (np.full(n, 1000.0), 1000.0 * aspect)  # height, width
     left, top, w, h = crop_window(u[:, AREA], u[:, RATIO], u[:, X], u[:, Y], *sides, SCALE, RATIO_RANGE)
     assert (left >= 0).all() and (top >= 0).all() and (left + w <= 1 + 1e-9).all() and (top + h <= 1 + 1e-9).all()
-    s = SCALE[0] + u[:, AREA] * (SCALE[1] - SCALE[0])
-    fits = np.maximum(np.log(s * aspect), np.log(3 / 4)) <= np.minimum(np.log(aspect / s), np.log(4 / 3))
-    assert fits.mean() > 0.8  # aspect ratios out to 1:2 and 2:1 leave the largest areas no fit
-    assert np.allclose((w * h)[fits], s[fits])
-    r = w * aspect / h  # the crop's width / height in pixels
-    assert (r[fits] >= 3 / 4 - 1e-9).all() and (r[fits] <= 4 / 3 + 1e-9).all()
-    assert abs(float(s.mean()) - 0.54) < 0.01
+    s_fit = np.minimum(np.minimum((4 / 3) / aspect, aspect / (3 / 4)), 1.0)
+    area, r = w * h, w * aspect / h  # the crop's area share, its width / height in pixels
+    assert (area >= SCALE[0] - 1e-6).all() and (area <= s_fit + 1e-6).all()
+    assert (r >= 3 / 4 - 1e-6).all() and (r <= 4 / 3 + 1e-6).all()
+    in_range = (aspect >= 3 / 4) & (aspect <= 4 / 3)
+    assert abs(float(area[in_range].mean()) - 0.54) < 0.01
 
 
 def test_an_image_too_elongated_for_the_range_is_cut_whole_at_its_centre():
@@ -125,8 +125,20 @@ def test_one_process_and_two_train_on_the_same_global_batches_with_the_same_pixe
 
 def test_a_one_pixel_image_gets_a_one_pixel_crop():
     u = sample_uniforms(0, np.zeros(4), np.arange(4))
-    assert crop_boxes(np.array([[1, 1], [1, 5], [5, 1], [2, 2]]), u, SCALE, RATIO_RANGE)[:3].tolist() == [
-        [0, 0, 1, 1],
-        [0, 2, 1, 1],
-        [2, 0, 1, 1],
-    ]
+    shapes = np.array([[1, 1], [1, 5], [5, 1], [2, 2]])
+    boxes = crop_boxes(shapes, u, SCALE, RATIO_RANGE)
+    assert boxes[0].tolist() == [0, 0, 1, 1]
+    assert (boxes[:3, 2:] == 1).all()  # a pixel, somewhere inside
+    assert (boxes[:, 0] + boxes[:, 2] <= shapes[:, 0]).all() and (boxes[:, 1] + boxes[:, 3] <= shapes[:, 1]).all()
+
+
+def test_a_wide_image_gets_crops_spread_over_it_not_one_box():
+    """A 16:9 image cannot hold a 4:3 crop of more than 3/4 of its area: the area is drawn among the ones that
+    fit, so no box repeats (a fallback to one centred box did, in a quarter of the draws)."""
+    n = 4000
+    u = sample_uniforms(1, np.zeros(n), np.arange(n))
+    boxes = crop_boxes(np.tile([[900, 1600]], (n, 1)), u, SCALE, RATIO_RANGE)
+    _, counts = np.unique(boxes, axis=0, return_counts=True)
+    assert counts.max() <= 3
+    share = boxes[:, 2] * boxes[:, 3] / (900 * 1600)
+    assert share.max() <= 0.75 + 0.01 and abs(float(share.mean()) - (0.08 + 0.75) / 2) < 0.02

@@ -18,6 +18,18 @@ from tests.conftest import free_port, n_rows
 DIM = 16
 
 
+@pytest.fixture
+def cpu_accelerator():
+    """Accelerate's one-process CPU state for a test, reset after it (the state is a process-wide singleton:
+    a later in-process run that wants another precision would be refused)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def _grams(x: torch.Tensor, t: torch.Tensor) -> dict:
     x, t = x.double(), t.double()
     return {"xx": x.T @ x, "xt": x.T @ t, "tt": t.T @ t, "n": torch.tensor(float(len(x)), dtype=torch.float64)}
@@ -103,11 +115,9 @@ def _gram_worker(rank: int, port: int, prepared: str, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_processes_sum_the_same_grams_as_one(prepared, tmp_path):
+def test_two_processes_sum_the_same_grams_as_one(prepared, tmp_path, cpu_accelerator):
     """Each of two processes reads half of the train split; the summed Gram matrices (and so the projections)
     equal one process's over the whole split, every sample counted once."""
-    from accelerate import Accelerator
-
     ctx = mp.start_processes(
         _gram_worker, args=(free_port(), str(prepared), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
     )
@@ -118,22 +128,20 @@ def test_two_processes_sum_the_same_grams_as_one(prepared, tmp_path):
                 p.kill()
             pytest.fail("the two processes did not finish within 150 s")
     two = torch.load(tmp_path / "grams.pt")
-    accelerator = Accelerator(cpu=True)
+    accelerator = cpu_accelerator
     one = tower_grams(_tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator)
     assert int(one["n"]) == int(two["n"]) == n_rows(prepared, "train")
     for key in ("xx", "xt", "tt"):
         assert torch.allclose(two[key], one[key], rtol=1e-6, atol=1e-6 * float(one[key].abs().max())), key
 
 
-def test_the_ridge_start_embeds_train_images_near_their_captions(prepared):
+def test_the_ridge_start_embeds_train_images_near_their_captions(prepared, cpu_accelerator):
     """On the demo set's train split, the towers untrained: after ``ridge_start`` an image's nearest caption is
     its own far more often than from the random projections (which rank it near chance)."""
-    from accelerate import Accelerator
-
     from mmfast.data.dataset import PreparedDataset
     from mmfast.tasks.contrastive import ContrastiveTask
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = cpu_accelerator
     model = _tiny_dual(prepared).eval()
     task = ContrastiveTask(PreparedDataset(prepared))
     loader = _view_loader(prepared, accelerator)
@@ -156,15 +164,19 @@ def test_a_run_records_its_start_and_a_classifier_refuses_it(prepared, tmp_path,
     summary = json.loads((run / "summary.json").read_text())
     assert summary["init_proj"]["method"] == "ridge"
     assert summary["init_proj"]["samples"] == n_rows(prepared, "train")
+    choices = summary["hardware_choices"]  # on this CPU (mmfast/train/hardware.py)
+    assert (choices["channels_last"], choices["optimizer_impl"], choices["grad_scaler"]) == (
+        False,
+        "foreach",
+        False,
+    )
     assert json.loads((run / "config.json").read_text())["init_proj"] == "ridge"
     assert train_tool.main([*common, "--out", str(tmp_path / "concat"), "--init-proj", "ridge"]) != 0
     assert "--init-proj ridge" in capsys.readouterr().err
 
 
-def test_the_fit_reads_at_most_its_share_of_a_large_split(prepared):
+def test_the_fit_reads_at_most_its_share_of_a_large_split(prepared, cpu_accelerator):
     """``max_samples`` bounds the pass: whole batches until the share is reached (40 -> two batches of 32)."""
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=True)
+    accelerator = cpu_accelerator
     grams = tower_grams(_tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator, max_samples=40)
     assert int(grams["n"]) == 64 < n_rows(prepared, "train")

@@ -431,6 +431,7 @@ def write_run_models(
     again since); default the dataset's."""
     from safetensors.torch import load_file
 
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its names carry a prefix
     last = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     best, which = last, "last"
     if best_checkpoint is not None and (Path(best_checkpoint) / "model.safetensors").is_file():

@@ -42,6 +42,7 @@ class DualEncoder(nn.Module):
     default_preset = "clip-lite0-minilm"  # what --preset defaults to: pretrained towers that run offline
     config_options = ("loss", "embed_dim")  # TrainConfig fields build_model passes as keyword arguments
     classifies = False  # no classifier head: build_model does not ask for two or more classes
+    image_proj_start = True  # its projections can start from the ridge fit (--init-proj ridge: train/warm_start)
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ GROUPS = ("data", "model", "optimization", "evaluation", "precision", "checkpoin
 GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
 FROM_RESOLVE = ("task", "preset", "init_proj")  # choice fields None stands for until resolve_preset fills them
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (mmfast/train/hardware.py)
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
 
@@ -134,7 +135,10 @@ class TrainConfig:
     mixed_precision: str = _opt(
         "auto", "precision", "autocast dtype; auto: fp16 on CUDA, bf16 on CPUs with native bf16, else no"
     )
-    channels_last: bool = _opt(False, "precision", "NHWC memory format for the CNN (faster on tensor cores)")
+    channels_last: bool | None = _opt(
+        None, "precision", "NHWC memory format for the CNN (faster on tensor cores); none: on CUDA for a CNN tower"
+    )
+    optimizer_impl: str = _opt("auto", "precision", "AdamW's kernels; auto: fused on CUDA, foreach elsewhere")
     compile: bool = _opt(False, "precision", "torch.compile the model")
     num_threads: int | None = _opt(None, "data", "DALI threads per process; none: cores / processes")
     cpu_resize: str = _opt(
@@ -302,6 +306,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
+        "optimizer_impl": OPTIMIZER_IMPLS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
         "cpu_resize": CPU_RESIZE,
         "on_bad_image": ON_BAD_IMAGE,
@@ -323,6 +328,7 @@ def help_choices() -> dict[str, tuple[str, ...]]:
         "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
+        "optimizer_impl": OPTIMIZER_IMPLS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
         "cpu_resize": CPU_RESIZE,
         "on_bad_image": ON_BAD_IMAGE,
@@ -429,6 +435,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "resume",
         "overwrite",
         "init_proj",  # how a fresh run's projections started: a resumed one has its checkpoint's
+        "channels_last",  # a memory format and kernels: the same weights and optimizer state
+        "optimizer_impl",
         "epochs",
         "max_steps",
         "checkpoint_every",
@@ -482,5 +490,9 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         own = pretrained_encoder_lr(filled["image_backbone"], cfg.image_weights, filled["text_model"])
         filled["encoder_lr"] = filled["lr"] if own is None else own
     filled["task"] = cfg.task or getattr(MODELS[cfg.model], "task", "classification")
+    if cfg.init_proj is None and not hasattr(MODELS[cfg.model], "image_proj_start"):
+        filled["init_proj"] = (
+            "random"  # a preset's start is for the dual encoder; another model has no projections
+        )
     resolved = replace(cfg, **filled)
     return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)

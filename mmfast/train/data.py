@@ -57,11 +57,12 @@ def build_loaders(
 def train_view_loader(
     cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None, cache
 ) -> MultimodalLoader:
-    """This process's share of the train split as evaluation sees it (resized, center-cropped, in a fixed order,
-    streamed): what ``--init-proj ridge`` fits the projections on."""
+    """This process's share of the train split as evaluation sees it (resized, center-cropped, streamed), in the
+    seeded order of epoch 0 (a split sorted by class gives the first batches of every class): what
+    ``--init-proj ridge`` fits the projections on."""
     options = _loader_options(cfg, accelerator, norm, cache)
     return MultimodalLoader(
-        dataset, "train", cfg.eval_batch_size, shuffle=False, drop_last=False, train=False, **options
+        dataset, "train", cfg.eval_batch_size, shuffle=True, drop_last=False, train=False, **options
     )
 
 

@@ -9,6 +9,7 @@ import math
 import torch
 
 from mmfast.train.config import TrainConfig
+from mmfast.train.hardware import optimizer_kwargs
 
 
 def param_groups(
@@ -69,14 +70,15 @@ def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, steps: int):
-    """AdamW over ``param_groups`` and its schedule over ``steps`` optimizer steps (--warmup-frac,
-    --probe-frac of them).
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, steps: int, device_type: str = "cpu"):
+    """AdamW over ``param_groups`` (its kernels by --optimizer-impl for ``device_type``: ``hardware``) and its
+    schedule over ``steps`` optimizer steps (--warmup-frac, --probe-frac of them).
 
     Returns:
         (optimizer, scheduler).
     """
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.encoder_lr), lr=cfg.lr)
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.encoder_lr)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **optimizer_kwargs(cfg.optimizer_impl, device_type))
     scheduler = make_scheduler(
         optimizer, cfg.scheduler, int(steps * cfg.warmup_frac), steps, int(steps * cfg.probe_frac)
     )

@@ -375,8 +375,12 @@ def _compute_advice(settings: dict, on_gpu: bool) -> list[str]:
             steps.append("use mixed precision (--mixed-precision fp16, or bf16 on Ampere and newer)")
         elif settings.get("cpu_fast_bf16", True):
             steps.append("use mixed precision (--mixed-precision bf16: this CPU has native bf16)")
+    elif on_gpu and settings.get("mixed_precision") == "fp16" and settings.get("cuda_bf16"):
+        steps.append("--mixed-precision bf16: this GPU computes bf16 natively, and needs no gradient scaler")
     if (on_gpu or gpus) and not settings.get("channels_last"):
         steps.append("--channels-last for faster convolutions on tensor cores")
+    if on_gpu and not settings.get("compile"):
+        steps.append("--compile: fewer, fused kernels (its warm-up steps are left out of the figures)")
     if gpus > procs:
         steps.append(f"use all {gpus} GPUs: accelerate launch --multi_gpu --num_processes {gpus} ...")
     steps.append("a smaller model or --image-size" + (", or more GPUs" if on_gpu or gpus else ""))

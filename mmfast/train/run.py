@@ -22,6 +22,7 @@ from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
 from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
+from mmfast.train.hardware import choices_made, resolve_channels_last
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
 from mmfast.train.profiler import UtilizationSampler
@@ -87,6 +88,10 @@ def _train(cfg: TrainConfig) -> dict:
     given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
     cfg = apply_global_batch(cfg, accelerator.num_processes)  # --global-batch-size: batch and accumulation
+    memory_format = resolve_channels_last(
+        cfg.channels_last, accelerator.device.type, cfg.image_backbone, cfg.model
+    )
+    cfg = replace(cfg, channels_last=memory_format)  # what config.json records
     if note := encoder_lr_note(given, cfg):
         accelerator.print(note)
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
@@ -171,7 +176,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if cfg.compile:
         model = torch.compile(model)
     steps = total_steps(cfg, len(train_loader))
-    optimizer, scheduler = build_optimizer(cfg, model, steps)
+    optimizer, scheduler = build_optimizer(cfg, model, steps, accelerator.device.type)
     # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -190,6 +195,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if cfg.profile and accelerator.is_main_process:
         write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
+    summary["hardware_choices"] = choices_made(cfg, accelerator, optimizer)
     if warm is not None:
         summary["init_proj"] = warm
     summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)

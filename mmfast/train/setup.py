@@ -21,34 +21,11 @@ from mmfast.prepare.core import prepare_dataset
 from mmfast.prepare.demo import default_cache_dir, demo_dataset
 from mmfast.tasks import TASKS
 from mmfast.train.config import TRACKERS, TrainConfig, trackers
+from mmfast.train.hardware import resolve_mixed_precision
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
 from mmfast.util.remote import is_remote, redact
-
-
-def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
-    """``auto``: fp16/bf16 if ``accelerate launch --mixed_precision`` set it, else fp16 on CUDA, bf16 on CPUs
-    with native bf16 (AMX / AVX512-BF16), else no. (``accelerate launch`` exports "no" even when the user
-    gave no flag, so "no" from the launcher is not taken as a choice: pass --mixed-precision no for fp32.)"""
-    if requested == "auto":
-        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-        if launcher in ("fp16", "bf16"):
-            if launcher == "fp16" and not cuda:
-                raise ValueError("accelerate launch --mixed_precision fp16 needs a CUDA GPU; use bf16 or no")
-            return launcher
-        return "fp16" if cuda else ("bf16" if cpu_has_fast_bf16() else "no")
-    if requested == "fp16" and not cuda:
-        raise ValueError("--mixed-precision fp16 needs a CUDA GPU; on the CPU use bf16 or no")
-    return requested
 
 
 class LaunchError(RuntimeError):

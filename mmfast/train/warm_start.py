@@ -35,15 +35,16 @@ RIDGE_SAMPLES = 50_000
 @torch.no_grad()
 def tower_grams(model, loader, accelerator, max_samples: int = RIDGE_SAMPLES) -> dict[str, torch.Tensor]:
     """{"xx": X'X (C, C), "xt": X'T (C, D), "tt": T'T (D, D), "n": samples (0-dim)} in float64, summed over every
-    process's share of ``loader`` (padding left out; each process stops after its share of ``max_samples``):
+    process's share of ``loader`` (padding left out; each process stops after as many batches as make its share
+    of ``max_samples``):
     the pooled image features X and the L2-normalized pooled text features T of ``model``'s towers."""
     sums: dict[str, torch.Tensor] = {}
     was_training = model.training
     model.eval()
-    share = -(-max_samples // accelerator.num_processes)
+    batches = -(-max_samples // (accelerator.num_processes * loader.batch_size))  # the same on every process
     try:
-        for batch in loader:
-            if "n" in sums and float(sums["n"]) >= share:
+        for k, batch in enumerate(loader):
+            if k == batches:
                 break
             keep = batch["id"] != PAD_ID
             with accelerator.autocast():

@@ -35,7 +35,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     from mmfast.models import MODELS, build_model, get_preset
     from mmfast.tasks.classification import training_loss
-    from mmfast.train.setup import resolve_mixed_precision
+    from mmfast.train.hardware import resolve_mixed_precision
     from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)

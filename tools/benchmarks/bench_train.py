@@ -247,7 +247,7 @@ def plot(res: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from benchlib.data import prepared_photos
 
-    from mmfast.train.setup import resolve_mixed_precision
+    from mmfast.train.hardware import resolve_mixed_precision
     from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)

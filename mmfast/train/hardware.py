@@ -1,0 +1,88 @@
+"""The settings that fit the hardware a run is on, each chosen by ``auto`` and overridable by its flag (#31):
+
+- precision (``--mixed-precision auto``): bf16 autocast on a GPU that computes in bf16 (compute capability 8.0
+  on: A100, H100, H200, L4, RTX 30xx on), which needs no gradient scaler; fp16 + GradScaler on older GPUs; on
+  the CPU bf16 where the cores have it natively (AMX / AVX512-BF16), else float32;
+- memory format (``--channels-last``, unset): NHWC for a convolutional image tower on CUDA (tensor cores
+  convolve NHWC; 1.6x for the write-up's ResNet-50 on an H200, BENCHMARKS.md), NCHW on the CPU;
+- the optimizer's kernels (``--optimizer-impl auto``): AdamW's fused kernel on CUDA (one kernel for every
+  parameter), its foreach kernels elsewhere.
+
+``summary.json`` records what was chosen (``hardware_choices``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mmfast.train.config import OPTIMIZER_IMPLS
+
+CONV_BACKBONES = ("resnet", "efficientnet")  # image towers that are CNNs (timm:<name>: only when asked)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """The CPU computes bf16 natively (AMX or AVX512-BF16), so bf16 autocast pays."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cuda_has_bf16() -> bool:
+    """The current CUDA device computes bf16 natively (compute capability 8.0 or newer)."""
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
+    """``auto``: fp16/bf16 if ``accelerate launch --mixed_precision`` set it, else bf16 on a CUDA device that
+    has it and fp16 on one that has not, bf16 on CPUs with native bf16, else no. (``accelerate launch``
+    exports "no" even when the user gave no flag, so "no" from the launcher is not taken as a choice: pass
+    --mixed-precision no for fp32.)"""
+    if requested == "auto":
+        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if launcher in ("fp16", "bf16"):
+            if launcher == "fp16" and not cuda:
+                raise ValueError("accelerate launch --mixed_precision fp16 needs a CUDA GPU; use bf16 or no")
+            return launcher
+        if cuda:
+            return "bf16" if cuda_has_bf16() else "fp16"
+        return "bf16" if cpu_has_fast_bf16() else "no"
+    if requested == "fp16" and not cuda:
+        raise ValueError("--mixed-precision fp16 needs a CUDA GPU; on the CPU use bf16 or no")
+    return requested
+
+
+def resolve_channels_last(
+    requested: bool | None, device_type: str, image_backbone: str | None, model: str
+) -> bool:
+    """``requested`` when given; otherwise NHWC exactly when the run is on CUDA and its image tower is a CNN."""
+    if requested is not None:
+        return requested
+    conv = image_backbone is not None and image_backbone.startswith(CONV_BACKBONES)
+    return device_type == "cuda" and conv and model != "text"
+
+
+def optimizer_kwargs(requested: str, device_type: str) -> dict:
+    """AdamW's keyword arguments for ``--optimizer-impl``: fused on CUDA under ``auto``, else foreach."""
+    if requested not in OPTIMIZER_IMPLS:
+        raise ValueError(f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got '{requested}'")
+    impl = ("fused" if device_type == "cuda" else "foreach") if requested == "auto" else requested
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+
+
+def choices_made(cfg, accelerator, optimizer) -> dict:
+    """What summary.json records of the hardware choices: precision, memory format, optimizer kernels."""
+    defaults = getattr(optimizer, "optimizer", optimizer).defaults  # Accelerate's wrapper holds the AdamW
+    impl = "fused" if defaults.get("fused") else ("foreach" if defaults.get("foreach") else "for-loop")
+    return {
+        "mixed_precision": accelerator.mixed_precision,
+        "grad_scaler": accelerator.scaler is not None,
+        "channels_last": cfg.channels_last,
+        "optimizer_impl": impl,
+        "cuda_bf16": torch.cuda.is_available() and cuda_has_bf16(),
+        "cpu_fast_bf16": cpu_has_fast_bf16(),
+    }

@@ -1,0 +1,118 @@
+"""The settings chosen for the hardware (mmfast/train/hardware.py, #31 item 1): bf16 where the GPU has it, fp16
++ GradScaler where it has not, NHWC for a CNN on CUDA, AdamW's fused kernel on CUDA; each overridable, and a
+run records what it chose. GPUs are faked: a compute capability reported by a patched torch.cuda."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmfast.train import hardware
+from mmfast.train.config import TrainConfig
+from mmfast.train.hardware import optimizer_kwargs, resolve_channels_last, resolve_mixed_precision
+from mmfast.train.optim import build_optimizer
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake CUDA device of a given compute capability: ``gpu((9, 0))``."""
+
+    def fake(capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    return fake
+
+
+@pytest.mark.parametrize(("capability", "want"), [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp16")])
+def test_auto_precision_is_bf16_where_the_gpu_has_it_and_fp16_elsewhere(gpu, capability, want):
+    gpu(capability)  # H100/H200 9.0, A100 8.0, T4 7.5
+    assert resolve_mixed_precision("auto", cuda=True) == want
+    assert resolve_mixed_precision("fp16", cuda=True) == "fp16"  # a flag wins
+    assert resolve_mixed_precision("no", cuda=True) == "no"
+
+
+def test_auto_precision_on_the_cpu_and_the_launchers_choice(monkeypatch, gpu):
+    for native, want in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda native=native: native)
+        assert resolve_mixed_precision("auto", cuda=False) == want
+    gpu((9, 0))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # accelerate launch --mixed_precision fp16
+    assert resolve_mixed_precision("auto", cuda=True) == "fp16"
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        resolve_mixed_precision("auto", cuda=False)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        resolve_mixed_precision("fp16", cuda=False)
+
+
+def test_channels_last_for_a_cnn_on_cuda_unless_told():
+    assert resolve_channels_last(None, "cuda", "resnet50", "concat") is True
+    assert resolve_channels_last(None, "cuda", "efficientnet-lite0", "clip") is True
+    assert resolve_channels_last(None, "cpu", "resnet50", "concat") is False
+    assert resolve_channels_last(None, "cuda", "timm:vit_small_patch16_224", "concat") is False  # not a CNN
+    assert resolve_channels_last(None, "cuda", "resnet50", "text") is False  # no image tower runs
+    assert resolve_channels_last(False, "cuda", "resnet50", "concat") is False
+    assert resolve_channels_last(True, "cpu", "resnet18", "image") is True
+
+
+@pytest.mark.parametrize(
+    ("impl", "device", "fused", "foreach"),
+    [("auto", "cuda", True, None), ("auto", "cpu", None, True), ("foreach", "cuda", None, True),
+     ("for-loop", "cpu", None, False), ("fused", "cpu", True, None)],
+)  # fmt: skip
+def test_the_optimizer_kernels_follow_the_device_and_the_flag(impl, device, fused, foreach):
+    assert optimizer_kwargs(impl, device) == {
+        k: v for k, v in (("fused", fused), ("foreach", foreach)) if v is not None
+    }
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer, _ = build_optimizer(
+        TrainConfig(optimizer_impl=impl, lr=1e-3, warmup_frac=0.0, probe_frac=0.0), model, 10, device
+    )
+    assert bool(optimizer.defaults.get("fused")) == bool(fused)
+    (model(torch.randn(2, 4)) ** 2).sum().backward()  # not a plain sum: its gradient in the norm weight is 0
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()  # every kernel runs here (fused AdamW has a CPU kernel too)
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="--optimizer-impl"):
+        optimizer_kwargs("apex", device)
+
+
+def test_the_profiler_names_the_flag_a_compute_bound_gpu_run_leaves_off():
+    """A compute-bound GPU run on fp16 where bf16 runs natively, NCHW and uncompiled: the advice names
+    --mixed-precision bf16, --channels-last and --compile; with them on, none of the three."""
+    from mmfast.train.profiler import verdict
+
+    gpu = {"gpu": {"gpu_util": {"mean": 97.0}}, "cpu_util_mean": 30.0}
+    off = {"mixed_precision": "fp16", "cuda_bf16": True, "channels_last": False, "compile": False}
+    steps = verdict({"data_wait_frac": 0.01, "utilization": gpu, "settings": off})["next_steps"]
+    for flag in ("--mixed-precision bf16", "--channels-last", "--compile"):
+        assert any(flag in s for s in steps), (flag, steps)
+    on = {"mixed_precision": "bf16", "cuda_bf16": True, "channels_last": True, "compile": True}
+    steps = verdict({"data_wait_frac": 0.01, "utilization": gpu, "settings": on})["next_steps"]
+    assert not any(flag in s for s in steps for flag in ("--mixed-precision", "--channels-last", "--compile"))
+
+
+@pytest.mark.slow
+def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path):
+    """--compile on the CPU (inductor): three steps give the weights of the same run uncompiled, to the
+    tolerance of fused kernels, and the model directory loads (its keys without the compiler's prefix)."""
+    import subprocess
+
+    from conftest import ROOT, train_cmd
+    from safetensors.torch import load_file
+
+    def run(out, *flags):
+        cmd = train_cmd(prepared, out, "--model", "image", "--dropout", "0", "--max-steps", "3", "--epochs", "1")
+        cmd += ["--mixed-precision", "no", "--scheduler", "constant", *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+    assert (r := run(tmp_path / "eager")).returncode == 0, r.stderr[-3000:]
+    assert (r := run(tmp_path / "compiled", "--compile")).returncode == 0, r.stderr[-3000:]
+    eager = load_file(tmp_path / "eager" / "model-last" / "model.safetensors")
+    compiled = load_file(tmp_path / "compiled" / "model-last" / "model.safetensors")
+    assert eager.keys() == compiled.keys()
+    for key in eager:
+        assert torch.allclose(compiled[key], eager[key], rtol=1e-3, atol=1e-4), key
+    import mmfast
+
+    assert mmfast.load_model(tmp_path / "compiled" / "model-last").config["model"] == "image"

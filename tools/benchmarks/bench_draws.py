@@ -1,0 +1,114 @@
+"""What drawing each sample's augmentation from (seed, epoch, id) costs the DALI graph: the train graph with the
+per-sample draws (``mmfast.loading.draws``: an external source of the draws, the crop window computed from the
+image header, a slice decode) against the same graph with DALI's own random operators (``random_crop`` decode,
+``coin_flip``), on the same files, in one interleaved run.
+
+    python tools/benchmarks/bench_draws.py [--n 512] [--batch-size 64] [--size 224] [--rounds 5] [--epochs 2]
+        [--threads N] [--json OUT]
+
+Images: 512 real 800x600 JPEGs cut from scikit-image's photos (``benchlib.data.prepared_photos``). Each row is
+the graph alone (``pipe.run()`` per batch, the host finishing of the CPU path excluded: it is the same for
+both), with the decode finished on the host (the CPU path's default: crops out) and in DALI (resize + normalize
+in the graph). Rows take turns, each a warm-up epoch and ``--epochs`` timed ones per round; the figure is the
+median of every timed epoch, in images/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from benchlib.data import prepared_photos
+
+from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.draws import DrawFeed
+from mmfast.loading.graphs import image_pipeline
+from mmfast.loading.sources import read_files
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=512, help="images")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=2, help="timed epochs per round, after one warm-up epoch")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--json", default="bench_out/bench_draws.json")
+    return p.parse_args(argv)
+
+
+def make_pipe(files: list[str], batch: int, size: int, threads: int, per_sample: bool, host: bool, epochs: int):
+    """The train graph over ``epochs`` passes of ``files`` (the file reader reads their concatenation, as a
+    loader's chunk does), with per-sample draws or DALI's."""
+    ids = list(range(len(files))) * epochs
+    draws = DrawFeed(0, np.array(ids), np.repeat(np.arange(epochs), len(files))) if per_sample else None
+    pipe = image_pipeline(
+        read=functools.partial(read_files, files * epochs, ids), train=True, size=size, finish_on_host=host,
+        draws=draws, batch_size=batch, num_threads=threads, device_id=None, seed=0, prefetch_queue_depth=2,
+    )  # fmt: skip
+    pipe.build()
+    return pipe
+
+
+def epoch_rates(pipe, batches: int, epochs: int) -> list[float]:
+    """Images/s of ``epochs`` epochs of ``batches`` batches after a warm-up epoch."""
+    for _ in range(batches):
+        pipe.run()
+    rates = []
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            pipe.run()
+        rates.append(batches * pipe.max_batch_size / (time.perf_counter() - t0))
+    return rates
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    data = PreparedDataset(prepared_photos(args.n))
+    files = [
+        str(data.root / r["image"]) if not os.path.isabs(r["image"]) else r["image"]
+        for r in data.iter_rows("train")
+    ]
+    batches = len(files) // args.batch_size
+    files = files[: batches * args.batch_size]
+    variants = {
+        (host, per_sample): f"{'per-sample draws' if per_sample else 'DALI draws'}, "
+        f"{'finished on the host' if host else 'finished in DALI'}"
+        for host in (True, False)
+        for per_sample in (False, True)
+    }
+    rates: dict[tuple, list[float]] = {k: [] for k in variants}
+    for r in range(args.rounds):
+        for host, per_sample in variants:
+            pipe = make_pipe(files, args.batch_size, args.size, args.threads, per_sample, host, args.epochs + 1)
+            rates[host, per_sample] += epoch_rates(pipe, batches, args.epochs)
+            del pipe
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    rows = []
+    for (host, per_sample), name in variants.items():
+        median = statistics.median(rates[host, per_sample])
+        base = statistics.median(rates[host, False])
+        rows.append({"variant": name, "images_per_s": median, "min": min(rates[host, per_sample]),
+                     "max": max(rates[host, per_sample]), "vs_dali_draws": median / base})  # fmt: skip
+    print(f"\n{'variant':<48}{'images/s':>10}{'min-max':>16}{'vs DALI draws':>15}")
+    for row in rows:
+        spread = f"{row['min']:.0f}-{row['max']:.0f}"
+        print(f"{row['variant']:<48}{row['images_per_s']:>10.0f}{spread:>16}{row['vs_dali_draws']:>14.2f}x")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
