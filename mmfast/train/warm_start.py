@@ -14,7 +14,9 @@ the L2-normalized text features T, and T'T. From them, on every process alike:
 - text projection = P, image projection = P W' (the scaling folded in). An image then starts embedded where ridge
   puts it among the captions, and the contrastive loss trains on from there.
 
-The preset clip-lite0-minilm starts so; the comparison with and without it is in BENCHMARKS.md (#27).
+The preset clip-lite0-minilm starts so: on the two real dev sets its recipe then beats the frozen-tower
+baselines (a ridge map, a linear probe) on R@1 both ways, where from random projections it did not
+(BENCHMARKS.md, "The contrastive recipes against frozen-tower baselines").
 """
 
 from __future__ import annotations
