@@ -76,6 +76,10 @@ def cluster():
         from ray.cluster_utils import Cluster
 
         temp = tempfile.mkdtemp(prefix="mmfast-ray-")  # short: Ray's socket paths must fit in 107 bytes
+        # Ray writes the cluster's address under $RAY_TMPDIR/ray, /tmp/ray by default: a folder a fresh machine
+        # lacks (and another user's session may own), so the test's own
+        os.makedirs(os.path.join(temp, "ray"))
+        mp.setenv("RAY_TMPDIR", temp)
         node = {"node_ip_address": "127.0.0.1", "temp_dir": temp, "include_dashboard": False}
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **node})
         try:

@@ -42,6 +42,7 @@ KIND = "shard cache"  # the kind in the root's marker
 _NAME = re.compile(r"[0-9a-f]{20}-[A-Za-z0-9._-]{1,80}")  # a complete shard's file name
 _POLL_S = 0.02  # how often a waiter tries a busy lock again
 _ROUNDS = 5  # how many times a shard evicted between its fetch and its pin is fetched again
+_AHEAD_NS = 3600 * 10**9  # how far ahead a prefetched, unread shard is dated (see _background)
 _COUNTERS = ("hits", "misses", "fetches", "bytes_fetched", "retries", "evictions", "fetch_seconds", "wait_seconds")
 
 
@@ -265,9 +266,16 @@ class ShardCache:
         return True
 
     def _background(self, url: str, size: int, sha256: str | None) -> None:
-        """A prefetch: the in-flight fetch itself, so it does not wait for the in-flight fetch."""
+        """A prefetch: the in-flight fetch itself, so it does not wait for the in-flight fetch. The shard is
+        dated ahead (``_AHEAD_NS``) until a reader's ``get`` dates it now: fetched for a reader and not read
+        yet, it is the last the LRU eviction takes (it took one before its read, which fetched it again)."""
         fd, _ = self._acquire(url, size, sha256, time.monotonic() + self.wait_s, prefetch=True)
-        os.close(fd)
+        try:
+            ahead = time.time_ns() + _AHEAD_NS
+            with contextlib.suppress(OSError):
+                os.utime(self.path_for(url, sha256), ns=(ahead, ahead))
+        finally:
+            os.close(fd)
 
     def _wait_inflight(self, name: str, deadline: float) -> None:
         """Wait for this process's prefetch of ``name``, raising its failure (once) if it failed."""
