@@ -4,6 +4,7 @@ connections, answers 503 / 403 / 404 and counts the requests that reach the stor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -49,7 +50,13 @@ def _sha(data: bytes) -> str:
 
 
 def _files(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    """{path under root: size} of the files there now (one a background eviction removes meanwhile is left out)."""
+    found = {}
+    for p in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            if p.is_file():
+                found[str(p.relative_to(root))] = p.stat().st_size
+    return found
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
