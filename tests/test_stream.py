@@ -211,18 +211,18 @@ def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, pr
 
     sizes = [p.stat().st_size for p in sorted((prepared_local.parent.parent).rglob("*.tar"))] or [0]
     limit = 2 * max(json.loads((prepared_s3 / "wds" / "train.json").read_text())["checks"], key=lambda c: c[0])[0]
-    cache = ShardCache(tmp_path / "cache", limit)
-    local = _loader(prepared_local, "stream", train=True, seed=3)
-    streamed = _loader(prepared_s3, "stream", train=True, seed=3, shard_cache=cache)
-    assert streamed.images.source.cache is cache and sizes
-    biggest = limit // 2
-    for _ in range(2):
-        for a, b in zip(local, streamed, strict=True):
-            assert torch.equal(a["id"], b["id"]) and torch.equal(a["image"], b["image"])
-            held = sum(p.stat().st_size for p in (tmp_path / "cache" / "shards").glob("*") if p.is_file())
-            assert held <= limit + biggest, (held, limit)
-    stats = cache.stats()
-    assert stats["fetches"] >= SHARDS and stats["evictions"] >= 1, stats
+    with ShardCache(tmp_path / "cache", limit) as cache:  # its fetch threads end with the test
+        local = _loader(prepared_local, "stream", train=True, seed=3)
+        streamed = _loader(prepared_s3, "stream", train=True, seed=3, shard_cache=cache)
+        assert streamed.images.source.cache is cache and sizes
+        biggest = limit // 2
+        for _ in range(2):
+            for a, b in zip(local, streamed, strict=True):
+                assert torch.equal(a["id"], b["id"]) and torch.equal(a["image"], b["image"])
+                held = sum(p.stat().st_size for p in (tmp_path / "cache" / "shards").glob("*") if p.is_file())
+                assert held <= limit + biggest, (held, limit)
+        stats = cache.stats()
+        assert stats["fetches"] >= SHARDS and stats["evictions"] >= 1, stats
     # a cache smaller than the window and two shards is said to cost fetches, with the limit that would not
     warned = [r.getMessage() for r in caplog.records if "--cache-limit-gb" in r.getMessage()]
     assert len(warned) == 1 and "fewer than the 4 the order reads from at once" in warned[0], warned

@@ -65,10 +65,11 @@ def _digest(run: Path) -> str:
     return (run / "weights.rank0.sha256").read_text()
 
 
-def _fetch_threads() -> list[str]:
-    """The shard cache's download threads alive in this process: a run that ended, even by a fault, leaves
-    none fetching shards it will never read."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("mmfast-shard-fetch")]
+def _fetch_threads(before: set[threading.Thread] = frozenset()) -> list[str]:
+    """The shard cache's download threads alive in this process, but those in ``before`` (alive before the
+    run: another test's cache not yet collected): a run that ended, even by a fault, leaves none fetching
+    shards it will never read."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("mmfast-shard-fetch") and t not in before]
 
 
 def _shard_of_id(data: Path) -> dict[int, str]:
@@ -154,12 +155,13 @@ def test_a_shard_gone_mid_run_stops_with_one_line_and_resume_latest_finishes_exa
     late = f"/{BUCKET}/{_key(reference['late'])}"
     proxy.add_fault(late, status=404)
     out, cache = tmp_path / "run", tmp_path / "cache"
+    before = set(threading.enumerate())
     assert _train(prepared_s3, out, cache) == 2
     printed = capsys.readouterr()
     errors = [line for line in printed.err.splitlines() if line.strip()]  # one line: no traceback, no retries
     assert len(errors) == 1 and errors[0].startswith(f"error: {reference['late']}: not found"), errors
     assert "check the path" in errors[0] and PREPARE in errors[0]
-    assert proxy.count(late) == 1 and not _fetch_threads()  # a permanent fault is not retried
+    assert proxy.count(late) == 1 and not _fetch_threads(before)  # a permanent fault is not retried
     done = max(_losses(printed.out))  # the steps it trained before the fault stopped it
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints and all(re.fullmatch(r"step-\d{8}", c) for c in checkpoints)  # none half-written
@@ -283,11 +285,12 @@ def test_no_secret_reaches_the_run_files_logs_or_output(prepared_s3, proxy, mini
     proxy.add_fault(SHARD_GETS, times=1, status=503)
     proxy.add_fault(SHARD_GETS, times=1, drop_mid_body=True)
     runs = [tmp_path / "run", tmp_path / "refused", tmp_path / "refused-s3"]
+    before = set(threading.enumerate())
     assert _train(data, runs[0], tmp_path / "cache" / "0", "--epochs", "1") == 0
     proxy.add_fault(SHARD_GETS, status=403)
     assert _train(data, runs[1], tmp_path / "cache" / "1", "--epochs", "1") == 2
     assert _train(prepared_s3, runs[2], tmp_path / "cache" / "2", "--epochs", "1") == 2
-    assert not _fetch_threads()  # none left to retry once the runs are over
+    assert not _fetch_threads(before)  # none left to retry once the runs are over
     printed = capsys.readouterr()
     # every logger of the run's process, but moto's server (werkzeug), which logs the requests it gets
     logged = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith("werkzeug"))

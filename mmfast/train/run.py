@@ -172,25 +172,36 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
     train_loader, val_loader, streamed, cache = build_loaders(cfg, accelerator, dataset, norm)
-    warm = _warm_start(cfg, accelerator, dataset, model, norm, cache) if resume_from is None else None
-    if cfg.compile:
-        model = torch.compile(model)
-    steps = total_steps(cfg, len(train_loader))
-    optimizer, scheduler = build_optimizer(cfg, model, steps, accelerator.device.type)
-    # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
-    if accelerator.is_main_process:
-        write_config(run_dir, identity, dataset.root, steps, resume_from, state["global_step"])
-    # written once the run has started (a run that stops before leaves nothing; a refused resume changes nothing)
-    tokenizer = snapshot_tokenizer(tokenizer_files, run_dir) if accelerator.is_main_process else None
-    if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
-        start_trackers(accelerator, tracker_config(identity), task)
-    runner = EpochRunner(
-        cfg, accelerator, model, optimizer, scheduler, train_loader, run_dir, steps, state, task, shard_cache=cache
-    )
-    with cache or contextlib.nullcontext():  # its fetches end with the loop, also when a fault stops it
+    # its fetches end with the loop, also when a fault stops the run (the warm start reads shards too)
+    with cache or contextlib.nullcontext():
+        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache) if resume_from is None else None
+        if cfg.compile:
+            model = torch.compile(model)
+        steps = total_steps(cfg, len(train_loader))
+        optimizer, scheduler = build_optimizer(cfg, model, steps, accelerator.device.type)
+        # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(scheduler)
+        state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
+        if accelerator.is_main_process:
+            write_config(run_dir, identity, dataset.root, steps, resume_from, state["global_step"])
+        # written once the run has started (a run that stops before leaves nothing; a refused resume: nothing)
+        tokenizer = snapshot_tokenizer(tokenizer_files, run_dir) if accelerator.is_main_process else None
+        if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
+            start_trackers(accelerator, tracker_config(identity), task)
+        runner = EpochRunner(
+            cfg,
+            accelerator,
+            model,
+            optimizer,
+            scheduler,
+            train_loader,
+            run_dir,
+            steps,
+            state,
+            task,
+            shard_cache=cache,
+        )
         last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
         write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
