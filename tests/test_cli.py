@@ -11,7 +11,8 @@ from dataclasses import fields
 import pytest
 from conftest import ROOT
 
-from mmfast.train.config import GROUPS, TRACKERS, TrainConfig, build_parser, parse_config, trackers
+from mmfast.train.config import GROUPS, TRACKERS, TrainConfig, trackers
+from mmfast.train.flags import build_parser, parse_config
 from tools import train as train_tool
 
 FAST = ["--batch-size", "32", "--image-size", "32", "--hidden", "32"]

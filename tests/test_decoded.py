@@ -187,7 +187,7 @@ def test_training_holds_the_splits_that_fit_in_the_budget_and_streams_the_rest(p
     from types import SimpleNamespace
 
     from mmfast.train import data
-    from mmfast.train.config import parse_config
+    from mmfast.train.flags import parse_config
 
     dataset = PreparedDataset(prepared)
     sizes = {s: sum(3 * r["width"] * r["height"] for r in dataset.rows(s)) for s in ("train", "val")}

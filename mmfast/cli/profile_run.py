@@ -97,7 +97,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _profile(args, train_flags: list[str]) -> dict:
     """The short training run with --profile; returns its summary."""
-    from mmfast.train.config import parse_config
+    from mmfast.train.flags import parse_config
     from mmfast.train.run import train
 
     default_out = args.out is None

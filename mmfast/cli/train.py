@@ -120,7 +120,7 @@ def out_of_memory(error: BaseException) -> bool:
 
 
 def _main(argv: list[str] | None) -> int:
-    from mmfast.train.config import parse_config
+    from mmfast.train.flags import parse_config
 
     try:
         cfg = parse_config(argv)  # --help exits here, before torch or DALI is imported

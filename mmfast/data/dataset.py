@@ -88,6 +88,7 @@ class SplitTable:
     labels: np.ndarray  # (N,) int64 class ids
     images: list[str] | None  # each row's image file; None when read from wds/<split>.rows.npy
     file_stats: list[tuple[int, int]] | None  # (size, mtime_ns) at preparation, when every row has them
+    sources: np.ndarray | None = None  # (N,) int64: the source of each row in a mix (``mix_sources``)
 
 
 def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
@@ -231,6 +232,12 @@ class PreparedDataset:
         """The decoded-pixel budget the images were validated against."""
         return int(self.summary.get("config", {}).get("max_pixels") or DEFAULT_MAX_PIXELS)
 
+    @property
+    def mix_sources(self) -> list[dict]:
+        """A mix's datasets (``mmfast.prepare.mix``), in the order rows' ``source`` counts them: {"root",
+        "name", "fingerprint", "train", "val"} each; [] for a dataset prepared from one input."""
+        return list((self.summary.get("mix") or {}).get("sources") or [])
+
     def remote_shards(self) -> bool:
         """Whether some WebDataset shard of either split lies in a store (is streamed through a cache)."""
         for split in ("train", "val"):
@@ -282,17 +289,19 @@ class PreparedDataset:
         if not images and npy.is_file():
             ids_labels = np.load(npy).reshape(-1, 2)  # (N, 2) int64: id, class id
             return SplitTable(ids_labels[:, 0], ids_labels[:, 1], None, None)
-        ids, labels, paths, stats = [], [], [], []
+        ids, labels, paths, stats, sources = [], [], [], [], []
         for r in self.iter_rows(split):
             ids.append(r["id"])
             labels.append(r["label"])
             paths.append(r["image"])
             stats.append((r["size"], r["mtime_ns"]) if "size" in r and "mtime_ns" in r else None)
+            sources.append(r.get("source", 0))
         return SplitTable(
             np.array(ids, dtype=np.int64),
             np.array(labels, dtype=np.int64),
             paths,
             None if None in stats else stats,
+            np.array(sources, dtype=np.int64) if self.mix_sources else None,
         )
 
     def decoded_bytes(self, split: str, limit: int) -> int | None:

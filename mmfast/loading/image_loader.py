@@ -478,7 +478,8 @@ class ImageLoader:
         return self._epoch(self._generation)
 
     def _epoch(self, generation: int) -> Iterator[Batch | dict[str, torch.Tensor]]:
-        n, per_rank, b = len(self.files), self.sampling.samples_per_rank(self.layout, self.source), self.batch_size
+        layout, b = self.layout, self.batch_size
+        n, per_rank = self.sampling.epoch_size(layout), self.sampling.samples_per_rank(layout, self.source)
         for images, ids, pos, step in self.raw_batches(generation):
             if per_rank - step * b < len(ids):  # DataLoader's partial last batch: cut DALI's filler off
                 keep = per_rank - step * b

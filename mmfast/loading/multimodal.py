@@ -15,7 +15,7 @@ from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import PreparedDataset
 from mmfast.data.token_cache import TokenCache
 from mmfast.loading.image_loader import ImageLoader
-from mmfast.loading.sampling import WHOLE_BATCHES
+from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
 from mmfast.util.commands import PREPARE
 
@@ -41,13 +41,16 @@ class MultimodalLoader:
             ``loading.stream_source``); a dataset prepared from WebDataset shards is always read from them,
             and streamed when they are remote.
         shard_cache: the ``util.shard_cache.ShardCache`` remote shards are held in while streamed.
+        sampling: ``WHOLE_BATCHES``, or another whole-batch order (``sampling.MixedOrder``: a mix's
+            sources by weight; a mix's batches then carry "source", each sample's source, -1 when masked).
         verify_files: also check every image file at start-up (see ``ImageLoader``: each batch's files are
             compared with what preparation recorded just before they are read anyway); default off.
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
             False).
 
-    ``images`` is the ImageLoader it reads (whole batches, each sample at most once per epoch: the training
-    engine relies on both); its epoch protocol (``len``, ``set_epoch``, ``state_dict``, ...) is this loader's.
+    ``images`` is the ImageLoader it reads (whole batches, each sample at most once per epoch unless a mix
+    draws a source more than once: the training engine relies on both); its epoch protocol (``len``,
+    ``set_epoch``, ``state_dict``, ...) is this loader's.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class MultimodalLoader:
         accelerator=None,
         source: str = "files",
         shard_cache: ShardCache | None = None,
+        sampling: WholeBatchOrder = WHOLE_BATCHES,
         **kwargs,
     ):
         # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
@@ -96,7 +100,7 @@ class MultimodalLoader:
             batch_size=batch_size,
             shuffle=is_train if shuffle is None else shuffle,
             drop_last=is_train if drop_last is None else drop_last,
-            sampling=WHOLE_BATCHES,
+            sampling=sampling,
             eval_geometry="dali",
             files_checked=True,  # preparation decoded every image: DALI runs whole batches
             **kwargs,
@@ -109,7 +113,7 @@ class MultimodalLoader:
                 f"{table.ids[0]}); run {PREPARE} again"
             )
         self._join(loader, tokens, dataset.num_classes)
-        self.dataset = dataset
+        self.dataset, self.sources = dataset, table.sources
 
     @classmethod
     def join(cls, images: ImageLoader, tokens: TokenCache, num_classes: int) -> MultimodalLoader:
@@ -119,7 +123,7 @@ class MultimodalLoader:
             raise ValueError("MultimodalLoader.join needs an ImageLoader with sampling=WHOLE_BATCHES")
         loader = cls.__new__(cls)
         loader._join(images, tokens, num_classes)
-        loader.dataset = None
+        loader.dataset, loader.sources = None, None
         return loader
 
     def _join(self, images: ImageLoader, tokens: TokenCache, num_classes: int) -> None:
@@ -173,10 +177,14 @@ class MultimodalLoader:
                 images = images.to(loader.dtype)
             if loader.pins_memory:
                 images = images.pin_memory()
-            yield {
+            batch = {
                 "image": images.to(self.device, non_blocking=True),
                 "input_ids": text["input_ids"].to(self.device, non_blocking=True),
                 "attention_mask": text["attention_mask"].to(self.device, non_blocking=True),
                 "label": torch.from_numpy(labels).to(self.device, non_blocking=True),
                 "id": torch.from_numpy(ids).to(self.device, non_blocking=True),
             }
+            if self.sources is not None:  # a mix: each sample's source (-1 for a masked one)
+                source = np.where((pos >= 0) & (ids >= 0), self.sources[np.maximum(pos, 0)], -1)
+                batch["source"] = torch.from_numpy(source).to(self.device, non_blocking=True)
+            yield batch

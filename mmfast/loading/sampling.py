@@ -15,13 +15,15 @@ The strategies:
 - ``WHOLE_BATCHES`` (``WholeBatchOrder``, the training engine's and predict's): a numpy permutation seeded
   by (seed, epoch), each sample at most once per epoch (``epoch_order`` + ``shard_positions``), whole
   batches (the last one padded), ``drop_last`` keeping only whole global batches.
+- ``MixedOrder`` (the training engine's over a mix of datasets, ``--data-weights``): whole batches like
+  ``WHOLE_BATCHES``, of an epoch drawn from the sources by weight, a function of (seed, epoch) alone.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,6 +109,10 @@ class DataLoaderOrder:
     partial_last_batch = True  # the loader cuts DALI's filler off the last batch
     set_epoch_keeps_any_position = False  # set_epoch(current) keeps only a position load_state_dict restored
 
+    def epoch_size(self, layout: Layout) -> int:
+        """Positions an epoch reads over all processes, before padding."""
+        return layout.n
+
     def batches(self, layout: Layout, source: SampledSource) -> int:
         """Batches per epoch on one process (the same on every process)."""
         per_rank = source.samples_per_shard(layout.n, layout.num_shards)
@@ -139,6 +145,10 @@ class WholeBatchOrder:
     partial_last_batch = False
     set_epoch_keeps_any_position = True  # set_epoch(current) keeps whatever position the epoch is at
 
+    def epoch_size(self, layout: Layout) -> int:
+        """Positions an epoch reads over all processes, before padding."""
+        return layout.n
+
     def batches(self, layout: Layout, source: SampledSource) -> int:
         per_rank = source.samples_per_shard(layout.n, layout.num_shards)
         if per_rank is not None:
@@ -158,6 +168,72 @@ class WholeBatchOrder:
     def indices(self, layout: Layout, epoch: int, source: SampledSource | None = None) -> np.ndarray:
         mine = self.positions(layout, source, epoch)
         return mine[mine >= 0]
+
+
+class MixedOrder(WholeBatchOrder):
+    """The epochs of a mix of datasets (``mmfast.prepare.mix``), drawn from its sources by weight.
+
+    An epoch is ``samples`` positions (default: all of them once): source i's share is ``weights[i]`` of it
+    (largest remainders, so the shares sum to ``samples``). A share up to the source's size is the first rows
+    of a permutation of them drawn for the epoch (another subset each epoch); a larger one is every row k times
+    and such a subset for the rest (upsampling). The draws of every source are shuffled together and cut into
+    whole batches per process as ``WHOLE_BATCHES`` does. Every draw is seeded by (seed, epoch, source), so the
+    order is the same on 1 or N processes, and a resume continues it exactly.
+
+    Args:
+        groups: (n,) the source of each position (0..S-1).
+        weights: S positive shares (normalized here).
+        samples: positions per epoch over all processes; None: n.
+    """
+
+    name = "mixed"
+
+    def __init__(self, groups: Sequence[int] | np.ndarray, weights: Sequence[float], samples: int | None = None):
+        groups = np.asarray(groups, dtype=np.int64)
+        w = np.asarray(weights, dtype=np.float64)
+        if w.ndim != 1 or len(w) < 1 or not np.all(np.isfinite(w)) or np.any(w <= 0):
+            raise ValueError(f"the weights of a mix must be positive numbers, got {list(weights)}")
+        self.members = [np.flatnonzero(groups == i) for i in range(len(w))]
+        empty = [i for i, m in enumerate(self.members) if not len(m)]
+        if empty:
+            raise ValueError(f"source {empty[0]} of the mix has no rows to draw from")
+        self.n, self.weights = len(groups), w / w.sum()
+        self.samples = self.n if samples is None else int(samples)
+        if self.samples < 1:
+            raise ValueError(f"samples per epoch must be >= 1, got {samples}")
+
+    def shares(self) -> list[int]:
+        """Positions each source gets per epoch: ``weights`` of ``samples``, by largest remainders."""
+        exact = self.weights * self.samples
+        shares = np.floor(exact).astype(np.int64)
+        rest = self.samples - int(shares.sum())
+        shares[np.argsort(-(exact - shares), kind="stable")[:rest]] += 1
+        return shares.tolist()
+
+    def order(self, layout: Layout, epoch: int) -> np.ndarray:
+        """The epoch's positions over all processes (see the class doc)."""
+        if layout.n != self.n:
+            raise ValueError(f"the mix's order is of {self.n} positions, the loader has {layout.n}")
+        parts = []
+        for i, (members, share) in enumerate(zip(self.members, self.shares(), strict=True)):
+            full, rest = divmod(share, len(members))
+            drawn = np.random.default_rng([layout.seed, epoch, 1 + i]).permutation(members)
+            parts += [members] * full + [drawn[:rest]]
+        order = np.concatenate(parts)
+        return np.random.default_rng([layout.seed, epoch, 0]).permutation(order)
+
+    def epoch_size(self, layout: Layout) -> int:
+        return self.samples
+
+    def batches(self, layout: Layout, source: SampledSource) -> int:
+        per_global = layout.num_shards * layout.batch_size
+        if layout.drop_last:
+            return self.samples // per_global
+        return math.ceil(math.ceil(self.samples / layout.num_shards) / layout.batch_size)
+
+    def positions(self, layout: Layout, source: SampledSource | None, epoch: int) -> np.ndarray:
+        order = self.order(layout, epoch)
+        return shard_positions(order, layout.batch_size, layout.shard_id, layout.num_shards, layout.drop_last)
 
 
 Sampling = DataLoaderOrder | WholeBatchOrder

@@ -64,23 +64,23 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
     out = Path(cfg.out)
     _check_input_outside(cfg)
     if cfg.shard is not None:
-        _check_out(out)  # now, not only when the parts are merged, after hours of checking
+        check_out(out)  # now, not only when the parts are merged, after hours of checking
         return prepare_part(cfg)
     with file_lock(dir_lock_path(out)), write_errors(out, "the prepared dataset"):
-        recover_dir(out, _replaceable)
-        _check_out(out)
+        recover_dir(out, replaceable)
+        check_out(out)
         fp = input_fingerprint(cfg)
         summary = reuse(out, fp)
         if summary is not None:
             log.info("%s is up to date; reusing it", out)
         else:
-            with atomic_dir(out, PREPARED_KIND, _replaceable) as tmp:
+            with atomic_dir(out, PREPARED_KIND, replaceable) as tmp:
                 summary = _prepare_into(cfg, tmp, fp)
         _remove_failure_report(cfg)
     return summary
 
 
-def _replaceable(directory: Path) -> bool:
+def replaceable(directory: Path) -> bool:
     """A directory prepare may replace: mmfast's prepared directory (marker, or the prepare.json of an
     older mmfast that wrote no marker), an empty directory, or a leftover of a killed run."""
     if is_replaceable(directory, PREPARED_KIND):
@@ -97,7 +97,7 @@ def _is_legacy(directory: Path) -> bool:
     return isinstance(summary, dict) and "input_fingerprint" in summary and "counts" in summary
 
 
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     """Refuse an --out that exists and is not a directory mmfast prepared."""
     if not os.path.lexists(out):
         return
@@ -107,7 +107,7 @@ def _check_out(out: Path) -> None:
         )
     if not out.is_dir():
         raise OutputDirError(f"--out {out} is a file, not a directory; pass a new or empty directory")
-    if not _replaceable(out):
+    if not replaceable(out):
         raise OutputDirError(
             f"--out {out} already exists and was not prepared by mmfast (it has no {MARKER} file); "
             f"nothing in it was changed. Pass a new or empty directory to --out, or move {out} away yourself"

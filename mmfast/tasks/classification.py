@@ -118,6 +118,11 @@ class ClassificationTask:
     def loss(self, output: torch.Tensor | dict, targets: torch.Tensor) -> torch.Tensor:
         return training_loss(output, targets)
 
+    def sample_losses(self, output: torch.Tensor | dict, targets: torch.Tensor) -> torch.Tensor:
+        """(B,) each sample's cross-entropy of the fused logits, without gradient (0 where masked)."""
+        logits = output["logits"] if isinstance(output, dict) else output
+        return compute_loss(logits.detach(), targets, reduction="none")
+
     def evaluate(self, accelerator, model, loader) -> dict:
         return evaluate(accelerator, model, loader, self.class_names)
 

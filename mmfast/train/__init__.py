@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmfast.train.config import TrainConfig, parse_config
+from mmfast.train.config import TrainConfig
+from mmfast.train.flags import parse_config
 
 if TYPE_CHECKING:
     from mmfast.train.run import train

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from dataclasses import MISSING, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
-from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, IMAGE_BACKBONES, INIT_PROJ, LOSSES, PRESETS, get_preset
-from mmfast.util.args import Parser
+from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, LOSSES, PRESETS, get_preset
 from mmfast.util.commands import PROFILE
 
 
@@ -31,8 +27,17 @@ SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts"
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: str | None = _opt(
-        None, "data", "prepared dataset dir, raw manifest (.jsonl/.csv/.tsv) or image folder; none: the demo set"
+    data: str | list[str] | None = _opt(
+        None,
+        "data",
+        "prepared dataset dir, raw manifest (.jsonl/.csv/.tsv) or image folder; given twice or more: prepared "
+        "datasets trained as one mix (--data-weights); none: the demo set",
+    )
+    data_weights: str | None = _opt(
+        None, "data", "a mix's share of each --data per epoch, in their order (e.g. 0.7,0.3); none: by their sizes"
+    )
+    samples_per_epoch: int | None = _opt(
+        None, "data", "train samples drawn per epoch, each source by its --data-weights share; none: the split's"
     )
     out: str | None = _opt(
         None,
@@ -219,12 +224,12 @@ class TrainConfig:
             if value is None:  # filled from the preset by resolve_preset
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{_flag(name)} must be a finite number, got {value!r}")
+                raise ValueError(f"{flag(name)} must be a finite number, got {value!r}")
         positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length", "log_every")
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{_flag(name)} must be an integer, got {value!r}")
+                raise ValueError(f"{flag(name)} must be an integer, got {value!r}")
         for name in (
             "epochs",
             "batch_size",
@@ -233,16 +238,18 @@ class TrainConfig:
             "hidden",
             "eval_batch_size",
             "num_threads",
+            "samples_per_epoch",
         ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
         for name, allowed in choices().items():
             if name in FROM_RESOLVE and getattr(self, name) is None:  # the model's or preset's (resolve_preset)
                 continue
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{_flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
+                raise ValueError(f"{flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
         trackers(self)  # raises on an unknown --report-to name
+        data_weights(self)  # raises on a share that is not a positive number, or one per --data
         checks = [
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
             (self.cache_limit_gb > 0, f"--cache-limit-gb must be > 0, got {self.cache_limit_gb}"),
@@ -281,7 +288,7 @@ class TrainConfig:
                 raise ValueError(msg)
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -336,6 +343,35 @@ def help_choices() -> dict[str, tuple[str, ...]]:
     }
 
 
+def data_sources(cfg: TrainConfig) -> list[str]:
+    """The --data paths, in order ([] for the demo set)."""
+    if cfg.data is None:
+        return []
+    return [cfg.data] if isinstance(cfg.data, str) else list(cfg.data)
+
+
+def data_weights(cfg: TrainConfig) -> list[float] | None:
+    """--data-weights as numbers (None when not given).
+
+    Raises:
+        ValueError: a share that is not a positive finite number, or not one share per --data.
+    """
+    if cfg.data is not None and not (isinstance(cfg.data, str) or all(isinstance(d, str) for d in cfg.data)):
+        raise ValueError(f"--data must be paths, got {cfg.data!r}")
+    if cfg.data_weights is None:
+        return None
+    try:
+        weights = [float(w) for w in str(cfg.data_weights).split(",")]
+    except ValueError:
+        weights = []
+    if not weights or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"--data-weights must be positive numbers separated by commas, got {cfg.data_weights!r}")
+    given = data_sources(cfg)
+    if len(given) > 1 and len(weights) != len(given):
+        raise ValueError(f"--data-weights gives {len(weights)} shares for {len(given)} --data; give one for each")
+    return weights
+
+
 def trackers(cfg: TrainConfig) -> tuple[str, ...]:
     """The trackers named by --report-to (and --tensorboard), in TRACKERS order; "all" stands for every one
     of TRACKERS (``setup.make_accelerator`` keeps those installed).
@@ -354,76 +390,6 @@ def trackers(cfg: TrainConfig) -> tuple[str, ...]:
     if "all" in names:
         return ("all",)
     return tuple(t for t in TRACKERS if t in names)
-
-
-def _help(f, choice: tuple[str, ...] | None) -> str:
-    default = None if f.default is MISSING else f.default
-    shown = "the preset's" if default is None and f.name in PRESET_FIELDS else default
-    extra = f"; choices: {', '.join(choice)}" if choice else ""
-    if f.name == "report_to":
-        extra = f"; choices: {', '.join(TRACKERS)}, all (those installed)"
-    if f.name == "preset":
-        extra = "; choices: " + "; ".join(f"{k} ({v.note})" for k, v in PRESETS.items())
-    if f.name == "image_backbone":
-        extra = f"; choices: {', '.join(IMAGE_BACKBONES)}, timm:<name>"
-    return f"{f.metadata['help']}{extra} (default: {'none' if shown is None else shown})".replace("%", "%%")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """argparse mirror of TrainConfig, grouped as GROUPS; every default is SUPPRESS so that only the flags the
-    user gave are set. Each flag's help is its field's meaning, choices and default."""
-    p = Parser(
-        description="Train an image+text fusion model with mmfast. Flags map one to one to the keys of --config "
-        "(a YAML/JSON file; flags win). Without --data it trains the tiny preset on the built-in demo set.",
-        argument_default=argparse.SUPPRESS,
-    )
-    p.add_argument("--config", help="YAML or JSON file with the same keys as the flags (flags win)")
-    groups = {g: p.add_argument_group(g) for g in GROUPS}
-    allowed = help_choices()
-    for f in fields(TrainConfig):
-        g, kind = groups[f.metadata["group"]], str(f.type)
-        help_, choice = _help(f, allowed.get(f.name)), allowed.get(f.name)
-        meta = {"metavar": "{" + ",".join(choice) + "}"} if choice and f.name != "preset" else {}
-        if "bool" in kind:
-            g.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
-        elif "float" in kind:
-            g.add_argument(_flag(f.name), dest=f.name, type=float, help=help_)
-        elif "int" in kind:
-            g.add_argument(_flag(f.name), dest=f.name, type=int, help=help_)
-        else:
-            g.add_argument(_flag(f.name), dest=f.name, help=help_, **meta)
-    return p
-
-
-def load_config_file(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of keys to values")
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown keys {unknown}; valid keys: {sorted(known)}")
-    return data
-
-
-def parse_config(argv: list[str] | None) -> TrainConfig:
-    """Resolve the configuration from a file (optional) and flags."""
-    ns = vars(build_parser().parse_args(argv))
-    file_values = load_config_file(ns.pop("config")) if "config" in ns else {}
-    try:
-        return TrainConfig(**{**file_values, **ns})
-    except TypeError as e:
-        raise ValueError(f"bad configuration: {e}") from e
 
 
 # Settings a resumed run may change (applied from the resume on, and recorded in config.json's segments).

@@ -8,11 +8,14 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from mmfast.data.dataset import PreparedDataset
 from mmfast.loading.cache_plan import CachePlan, SplitImages, plan_decoded_cache
 from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
-from mmfast.train.config import TrainConfig
+from mmfast.train.config import TrainConfig, data_weights
 from mmfast.train.setup import processes_per_machine
 
 if TYPE_CHECKING:
@@ -46,12 +49,39 @@ def build_loaders(
         color_jitter=cfg.color_jitter,
         cpu_resize=cfg.cpu_resize,
         cache_decoded=plans["train"],
+        sampling=train_sampling(cfg, dataset),
         **common,
     )
     if not has_val:
         return train_loader, None, streamed, cache
     val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
     return train_loader, val_loader, streamed, cache
+
+
+def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrder:
+    """The train split's order: ``WHOLE_BATCHES``, or for a mix (and for ``--samples-per-epoch``) its sources
+    drawn by ``--data-weights`` (by their sizes without it: every row once an epoch, as one dataset).
+
+    Raises:
+        ValueError: shares that do not match the sources, or a source without train rows.
+    """
+    sources, weights = dataset.mix_sources, data_weights(cfg)
+    if not sources and weights is not None and len(weights) > 1:
+        raise ValueError(
+            f"--data-weights gives {len(weights)} shares, and {dataset.root} is one dataset; give --data once "
+            "for each dataset of the mix"
+        )
+    if not sources and cfg.samples_per_epoch is None:
+        return WHOLE_BATCHES
+    if sources and weights is not None and len(weights) != len(sources):
+        raise ValueError(
+            f"--data-weights gives {len(weights)} shares for the {len(sources)} datasets of the mix {dataset.root}"
+        )
+    for s in sources:
+        if not s["train"]:
+            raise ValueError(f"{s['root']} has no train rows to draw from; leave it out of the mix")
+    groups = dataset.table("train").sources if sources else np.zeros(dataset.split_size("train"), np.int64)
+    return MixedOrder(groups, weights or [s["train"] for s in sources] or [1.0], cfg.samples_per_epoch)
 
 
 def train_view_loader(

@@ -23,6 +23,7 @@ from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
 from mmfast.train.profiler import StepTimer
 from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
+from mmfast.train.source_tally import SourceTally
 
 if TYPE_CHECKING:
     from mmfast.util.shard_cache import ShardCache
@@ -95,6 +96,8 @@ class EpochRunner:
         ranks = accelerator.process_index, accelerator.num_processes
         streams = ranks[1] > 1 and shard_cache is not None
         self.agreement = BatchAgreement(*ranks, cfg.dist_timeout) if streams else None
+        mix = getattr(getattr(loader, "dataset", None), "mix_sources", None)  # a mix: per-source figures
+        self.tally = SourceTally([m["name"] for m in mix], accelerator.device) if mix else None
 
     def fit(self, val_loader) -> dict:
         """Train the epochs left, evaluating (``val_loader``: None for none) and checkpointing after each;
@@ -145,7 +148,9 @@ class EpochRunner:
         cfg, loader = self.cfg, self.loader
         s = self.state["epoch_stats"] or {"loss_sum": 0.0, "samples": 0, "time": 0.0, "data_wait": 0.0}
         if s.get("summed") and self.acc.process_index > 0:  # the resumed sums are all processes': counted once
-            s = {**s, "loss_sum": 0.0, "samples": 0}
+            s = {**s, "loss_sum": 0.0, "samples": 0, "sources": None}
+        if self.tally is not None:
+            self.tally.start(s.get("sources"))
         n_batches = len(loader)
         self.model.train()
         bar = self.steps.progress_bar(epoch, n_batches, loader.step)
@@ -214,6 +219,7 @@ class EpochRunner:
             s_now = {
                 **s,
                 **self._global_sums(s),
+                **({"sources": self.tally.global_sums(self.acc)} if self.tally is not None else {}),
                 "time": s["time"] + time.perf_counter() - t0,
                 "data_wait": s["data_wait"] + self.timer.total("data") - start.get("data", 0.0),
             }
@@ -242,12 +248,11 @@ class EpochRunner:
 
     def epoch_figures(self, s: dict, complete: bool, start: dict, first_sample: int) -> dict:
         """The epoch's train figures; the loss is the mean over every process's finite micro-batches."""
-        totals = self.acc.reduce(
-            torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64, device=self.acc.device),
-            reduction="sum",
-        )
-        loss_sum, samples = totals.tolist()  # note: a CPU-GPU sync point, once per epoch
+        totals = self._global_sums(s)  # note: a CPU-GPU sync point, once per epoch
+        loss_sum, samples = totals["loss_sum"], totals["samples"]
+        sources = {"sources": self.tally.figures(self.tally.global_sums(self.acc))} if self.tally else {}
         return {
+            **sources,
             "epoch_complete": complete,
             # An epoch whose every loss was non-finite has no mean: say NaN, never a reassuring 0.
             "train_loss": loss_sum / samples if samples else float("nan"),
@@ -279,6 +284,9 @@ class EpochRunner:
             with self.timer.phase("forward"):
                 out = self.model(self.task.inputs(batch))  # autocast applied by Accelerate
                 loss = self.task.loss(out, self.task.targets(batch))
+                if self.tally is not None:  # a mix: each sample's loss by its source, where the task has them
+                    per_sample = getattr(self.task, "sample_losses", None)
+                    self.tally.add(batch["source"], per_sample and per_sample(out, self.task.targets(batch)))
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
         return loss.item()  # note: a CPU-GPU sync point per micro-batch (keeps NaN detection exact)
@@ -295,6 +303,8 @@ class EpochRunner:
             loss = self.task.backward_window(acc, model, batches, no_sync)
         for batch in batches:
             self.count(epoch, batch, loss, s, logwin)
+            if self.tally is not None:  # a mix: the samples of each source (the window's loss is not theirs)
+                self.tally.add(batch["source"], None)
 
     def optimizer_step(self) -> None:
         acc, cfg = self.acc, self.cfg

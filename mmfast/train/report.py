@@ -54,6 +54,8 @@ def write_epoch_metrics(accelerator, run_dir: Path, metrics: dict, task: Task) -
     )
     if accelerator.trackers:
         numbers = {f"epoch/{k}": v for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
+        for name, figures in (metrics.get("sources") or {}).items():  # a mix: each source's samples and loss
+            numbers.update({f"epoch/{name}/{k}": v for k, v in figures.items() if v is not None})
         accelerator.log({k: v for k, v in numbers.items() if not isinstance(v, bool)}, step=metrics["step"])
 
 

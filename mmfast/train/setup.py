@@ -19,8 +19,9 @@ from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, resolve_text_model
 from mmfast.prepare.config import PrepareConfig, failure_report_path
 from mmfast.prepare.core import prepare_dataset
 from mmfast.prepare.demo import default_cache_dir, demo_dataset
+from mmfast.prepare.mix import prepare_mix
 from mmfast.tasks import TASKS
-from mmfast.train.config import TRACKERS, TrainConfig, trackers
+from mmfast.train.config import TRACKERS, TrainConfig, data_sources, trackers
 from mmfast.train.hardware import resolve_mixed_precision
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
@@ -139,8 +140,10 @@ def installed_trackers(names: tuple[str, ...]) -> list[str]:
 
 def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
-    ``<out>/prepared``, or a prepared directory as given. The main process prepares; the others reuse."""
-
+    ``<out>/prepared``, a prepared directory as given, or the mix of several (``--data`` given twice or more)
+    made into ``<out>/prepared``. The main process prepares; the others reuse."""
+    if len(data_sources(cfg)) > 1:
+        return _mix(cfg, accelerator)
     if cfg.data is not None and _looks_prepared(Path(cfg.data)):
         return Path(cfg.data)  # PreparedDataset verifies it (and explains an incomplete one)
     if cfg.data is not None and _is_prepared_split(Path(cfg.data)):
@@ -217,10 +220,27 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
 
 def check_data_exists(cfg: TrainConfig) -> None:
     """A --data that names nothing is refused (by the engine, before the run directory is touched)."""
-    if cfg.data is not None:
-        restore_interrupted_swap(cfg.data)  # a preparation killed while replacing it left it aside
-    if cfg.data is not None and not Path(cfg.data).exists() and not claimed(cfg.data):
-        raise ValueError(f"--data {cfg.data}: no such prepared directory, manifest or image folder")
+    for data in data_sources(cfg):
+        restore_interrupted_swap(data)  # a preparation killed while replacing it left it aside
+        if not Path(data).exists() and not claimed(data):
+            raise ValueError(f"--data {data}: no such prepared directory, manifest or image folder")
+
+
+def _mix(cfg: TrainConfig, accelerator) -> Path:
+    """The mix of the prepared datasets --data names, made (or reused) in ``<out>/prepared``."""
+    given = data_sources(cfg)
+    for data in given:
+        if not _looks_prepared(Path(data)):
+            raise ValueError(
+                f"--data {data}: a mix (--data given {len(given)} times) takes prepared datasets; prepare it "
+                f"first: {PREPARE} {data} --out DIR, then pass --data DIR"
+            )
+    out = Path(cfg.out) / RAW_DATA_DIR
+    with accelerator.main_process_first():
+        summary = prepare_mix(given, out)
+    shares = ", ".join(f"{s['name']} ({s['train']} train)" for s in summary["mix"]["sources"])
+    accelerator.print(f"mixed {shares} into {out}")
+    return out
 
 
 def _is_prepared_split(path: Path) -> bool:
