@@ -228,3 +228,40 @@ def test_a_mix_stopped_mid_epoch_resumes_the_same_draw(sources, tmp_path, capsys
     assert [m["sources"] for m in _metrics(parts) if m["epoch_complete"]] == [
         m["sources"] for m in _metrics(whole)
     ]
+
+
+@pytest.mark.slow
+def test_a_mix_stopped_on_two_processes_resumes_on_one_with_the_same_draw(sources, tmp_path):
+    """--global-batch-size 32 over a 0.7 / 0.3 mix: stopped after 3 steps on 2 processes and resumed on 1, the
+    epoch trains the samples of a run on 1 process that never stopped (as a multiset: the upsampled source's
+    repeats included), and metrics.jsonl's per-source counts (summed over the processes, carried in the
+    checkpoint) are that run's."""
+    import subprocess
+    from collections import Counter
+
+    from conftest import ROOT, free_port, train_cmd
+
+    a, b = sources
+
+    def launch(out: Path, n: int, *flags: str):
+        launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+        cmd = train_cmd(a, out, "--data", str(b), "--data-weights", "0.3,0.7", "--epochs", "1", "--record-ids")
+        cmd += ["--mixed-precision", "no", "--global-batch-size", "32", "--no-cache-decoded", *flags]
+        cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    assert (r := launch(whole, 1)).returncode == 0, r.stderr[-3000:]
+    assert (r := launch(run, 2, "--max-steps", "3")).returncode == 0, r.stderr[-3000:]
+    assert (r := launch(run, 1, "--resume", "latest")).returncode == 0, r.stderr[-3000:]
+
+    def ids(run_dir: Path) -> Counter:
+        rows = [json.loads(x) for p in run_dir.glob("seen_ids.rank*.jsonl") for x in p.read_text().splitlines()]
+        return Counter(i for r in rows for i in r["ids"])
+
+    assert ids(run) == ids(whole) and max(ids(whole).values()) == 2  # b's rows drawn twice
+    counts = lambda d: {k: v["samples"] for k, v in _metrics(d)[-1]["sources"].items()}  # noqa: E731
+    table = PreparedDataset(whole / "prepared").table("train")
+    drawn = MixedOrder(table.sources, [0.3, 0.7]).positions(_layout(len(table.ids), batch=32), None, 0)
+    want = np.bincount(table.sources[drawn], minlength=2).tolist()
+    assert [counts(run)[n] for n in ("a", "b")] == [counts(whole)[n] for n in ("a", "b")] == want
