@@ -262,6 +262,8 @@ def test_a_mix_stopped_on_two_processes_resumes_on_one_with_the_same_draw(source
     assert ids(run) == ids(whole) and max(ids(whole).values()) == 2  # b's rows drawn twice
     counts = lambda d: {k: v["samples"] for k, v in _metrics(d)[-1]["sources"].items()}  # noqa: E731
     table = PreparedDataset(whole / "prepared").table("train")
-    drawn = MixedOrder(table.sources, [0.3, 0.7]).positions(_layout(len(table.ids), batch=32), None, 0)
+    drawn = MixedOrder(table.sources, [0.3, 0.7]).positions(
+        _layout(len(table.ids), batch=16), None, 0
+    )  # 16 x 2 accumulated
     want = np.bincount(table.sources[drawn], minlength=2).tolist()
     assert [counts(run)[n] for n in ("a", "b")] == [counts(whole)[n] for n in ("a", "b")] == want
