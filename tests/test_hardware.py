@@ -4,6 +4,8 @@ run records what it chose. GPUs are faked: a compute capability reported by a pa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -118,3 +120,53 @@ def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path)
     import mmfast
 
     assert mmfast.load_model(tmp_path / "compiled" / "model-last").config["model"] == "image"
+
+
+def test_the_loop_reads_the_loss_back_at_log_lines_not_per_micro_batch(prepared, tmp_path, monkeypatch, capsys):
+    """#31 item 3: a run of 4-micro-batch windows reads a tensor back to the host (``item``, ``tolist``,
+    ``bool``, ``float``, ``int``) from the loop's code at most once per optimizer step (the gradient norm's
+    finiteness) plus its log lines and the epoch's end, not once per micro-batch; and the loss it prints and
+    records is still the mean of the micro-batches' losses."""
+    import inspect
+    import json
+
+    from conftest import SMALL_RUN
+
+    from tools import train as train_tool
+
+    loop_files = ("mmfast/train/engine.py", "mmfast/train/report.py", "mmfast/train/source_tally.py")
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            caller = inspect.currentframe().f_back.f_code.co_filename.replace("\\", "/")
+            if caller.endswith(loop_files):
+                reads.append(f"{_name} {caller.rsplit('/', 1)[-1]}:{inspect.currentframe().f_back.f_lineno}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = tmp_path / "run"
+    flags = [
+        *(f for f in SMALL_RUN if f != "--no-progress"),
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "4",
+        "--epochs",
+        "1",
+        "--log-every",
+        "5",
+    ]
+    flags += ["--mixed-precision", "no", "--no-checkpoints"]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
+    monkeypatch.undo()
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    steps, logs = metrics["step"], metrics["step"] // 5
+    micro_batches = len((prepared / "train.jsonl").read_text().splitlines()) // 4
+    assert micro_batches >= 4 * (steps - 1) and steps >= 10
+    assert len(reads) <= steps + logs + 4, (len(reads), steps, sorted(set(reads)))
+    assert len(reads) < micro_batches
+    printed = [float(x) for x in re.findall(r"step \d+/\d+: loss (\S+)", capsys.readouterr().out)]
+    assert len(printed) == logs and all(0 < x < 10 for x in printed)
+    assert 0 < metrics["train_loss"] < 10

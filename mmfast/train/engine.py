@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -151,6 +150,9 @@ class EpochRunner:
             s = {**s, "loss_sum": 0.0, "samples": 0, "sources": None}
         if self.tally is not None:
             self.tally.start(s.get("sources"))
+        # this process's finite loss sum and samples since the epoch (or its resumed part) began: on the device,
+        # read back only by the figures (a log line, a checkpoint, the epoch's end), never per micro-batch
+        self._losses = torch.zeros(2, dtype=_sum_dtype(self.acc.device), device=self.acc.device)
         n_batches = len(loader)
         self.model.train()
         bar = self.steps.progress_bar(epoch, n_batches, loader.step)
@@ -182,9 +184,9 @@ class EpochRunner:
             if not window_end:
                 continue
             self.optimizer_step()
-            if bar is not None:
-                bar.set_postfix_str(self.steps.line(logwin, bar=True), refresh=False)
-            if self.state["global_step"] % cfg.log_every == 0:
+            if self.state["global_step"] % cfg.log_every == 0:  # the loss is read back here, not every step
+                if bar is not None:
+                    bar.set_postfix_str(self.steps.line(logwin, bar=True), refresh=False)
                 self.steps.log(epoch, self.state["global_step"], logwin, terminal=bar is not None)
                 logwin = self.steps.window()
             if self.after_step(i < n_batches, s, t0, start):
@@ -195,13 +197,14 @@ class EpochRunner:
         s["data_wait"] += self.timer.total("data") - start.get("data", 0.0)
         return self.epoch_figures(s, i == n_batches, start, n_samples)
 
-    def count(self, epoch: int, batch: dict, loss: float, s: dict, logwin: StepWindow) -> None:
-        """A micro-batch's share of the epoch's and the log window's figures."""
+    def count(self, epoch: int, batch: dict, loss: torch.Tensor | float, s: dict, logwin: StepWindow) -> None:
+        """A micro-batch's share of the epoch's and the log window's figures (added up on the device)."""
         n = int(batch["id"].shape[0])  # samples, masked ones included
-        if math.isfinite(loss):  # a non-finite step is skipped and counted, not averaged in
-            s["loss_sum"] += loss * n
-            s["samples"] += n
-            logwin.loss_sum, logwin.loss_samples = logwin.loss_sum + loss * n, logwin.loss_samples + n
+        loss = torch.as_tensor(loss, device=self.acc.device).detach().to(self._losses.dtype)
+        # a non-finite loss is counted as trained, not averaged in
+        part = torch.where(torch.isfinite(loss), torch.stack([loss * n, torch.ones_like(loss) * n]), 0.0)
+        self._losses += part
+        logwin.loss_sum, logwin.loss_samples = logwin.loss_sum + part[0], logwin.loss_samples + part[1]
         logwin.seen += n
         self.timer.end_step(n)
         if self.cfg.record_ids:
@@ -239,11 +242,8 @@ class EpochRunner:
     def _global_sums(self, s: dict) -> dict:
         """The epoch's loss sum and samples so far over every process (a collective), as a checkpoint keeps
         them: the main process's trainer state is every process's on resume, and on another process count."""
-        totals = self.acc.reduce(
-            torch.tensor([s["loss_sum"], s["samples"]], dtype=torch.float64, device=self.acc.device),
-            reduction="sum",
-        )
-        loss_sum, samples = totals.tolist()
+        resumed = torch.tensor([s["loss_sum"], s["samples"]], dtype=self._losses.dtype, device=self.acc.device)
+        loss_sum, samples = self.acc.reduce(resumed + self._losses, reduction="sum").tolist()
         return {"loss_sum": loss_sum, "samples": samples, "summed": True}
 
     def epoch_figures(self, s: dict, complete: bool, start: dict, first_sample: int) -> dict:
@@ -277,7 +277,7 @@ class EpochRunner:
             "cpu_util_mean": sum(cpu) / len(cpu) if cpu else None,
         }
 
-    def micro_step(self, batch: dict, window: int, sync: bool) -> float:
+    def micro_step(self, batch: dict, window: int, sync: bool) -> torch.Tensor:
         """Forward + backward of one micro-batch; gradients are all-reduced only at the window's end."""
         ctx = self.acc.no_sync(self.model) if not sync and self.acc.num_processes > 1 else contextlib.nullcontext()
         with ctx:
@@ -289,7 +289,7 @@ class EpochRunner:
                     self.tally.add(batch["source"], per_sample and per_sample(out, self.task.targets(batch)))
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
-        return loss.item()  # note: a CPU-GPU sync point per micro-batch (keeps NaN detection exact)
+        return loss.detach()  # on the device: ``count`` adds it up there
 
     def window_step(self, epoch: int, batches: list[dict], s: dict, logwin: StepWindow) -> None:
         """A whole-window task's forward and backward of a window's micro-batches together
@@ -365,3 +365,8 @@ class EpochRunner:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps({"epoch": epoch, "step": self.state["global_step"], "ids": ids.tolist()}) + "\n")
+
+
+def _sum_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the loss sums on ``device`` (float64 where it has one: MPS has not)."""
+    return torch.float32 if device.type == "mps" else torch.float64

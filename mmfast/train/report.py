@@ -65,8 +65,8 @@ class StepWindow:
 
     t0: float  # perf_counter at the window's start
     data0: float  # the timer's total data-wait seconds at the start
-    loss_sum: float = 0.0  # sum of finite micro-batch losses x their samples
-    loss_samples: int = 0
+    loss_sum: float | torch.Tensor = 0.0  # sum of finite micro-batch losses x their samples (on the device)
+    loss_samples: float | torch.Tensor = 0
     seen: int = 0  # samples trained on (finite loss or not)
 
 
@@ -95,12 +95,13 @@ class StepLog:
         """The mean loss, the lr, images/s and the data-wait share since the window began. The loss is this
         process's (no collective per log); images/s counts every process (each takes equal batches)."""
         elapsed = max(1e-9, time.perf_counter() - w.t0)
+        loss_sum, samples = float(w.loss_sum), float(w.loss_samples)  # note: the sync point of a log line
         lrs = self.sched.get_last_lr()
         # train/lr: the heads' (the first group); a pretrained encoder's own lr (--encoder-lr, 0 during the
         # --probe-frac linear probe) as train/lr_encoder
         encoder = [lr for lr, g in zip(lrs, self.opt.param_groups, strict=True) if g.get("pretrained")]
         return {
-            "train/loss": w.loss_sum / w.loss_samples if w.loss_samples else float("nan"),
+            "train/loss": loss_sum / samples if samples else float("nan"),
             "train/lr": lrs[0],
             **({"train/lr_encoder": encoder[0]} if encoder else {}),
             "train/images_per_s": w.seen * self.acc.num_processes / elapsed,
