@@ -97,16 +97,22 @@ def test_dry_run_runs_every_step_and_packs_their_outputs(tmp_path):
         "models",
         "loader",
         "train-bench",
+        "models-256",
+        "train-256",
         "profile",
     ]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
     # the benchmarks' JSON is in the summary, and every file the steps wrote is in the tarball
     assert set(summary["bench_train"]["claims"]) >= {"a DataLoader+PIL fp32", "c mmfast fp32"}
     assert summary["profile"]["verdict"]
+    assert summary["train_256"]["images_per_s"] > 0 and summary["train_256"]["hardware_choices"]
+    assert summary["bench_models_256"]
     with tarfile.open(out / "gpu_check.tar.gz") as t:
         packed = set(t.getnames())
     for f in (
         "bench_models.json",
+        "bench_models_256.json",
+        "run-256/summary.json",
         "bench_loader.json",
         "bench_train.png",
         "gpu_tests.xml",

@@ -72,7 +72,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
     photos = cache / "bench" / f"prepared-photos-n{n_photos}"
     # the write-up's models: ResNet-50 (2048-d) + BERT-base (768-d; random weights: no hub offline), 224 px
     big = ["--preset", "tiny"] if dry else ["--preset", "resnet50-bert", "--text-model", "bert-base-random"]
-    size, batch = ("64", "8") if dry else ("224", "64")
+    size, batch, big_batch = ("64", "8", "8") if dry else ("224", "64", "256")
     pytest = [py, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "pythonpath=tests"]
     return [
         Step("environment", [py, "-P", "-c", ENV_SNIPPET], 60),
@@ -135,6 +135,24 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
             210,
             "the write-up's claims: DataLoader vs mmfast, fp32 vs fp16; loop overhead",
             ["bench_train.json", "bench_train.png"],
+        ),
+        Step(
+            "models-256",
+            [py, "tools/benchmarks/bench_models.py", *big, "--batch-size", big_batch, "--mixed-precision", "auto"]
+            + ["--channels-last", "--steps", "1" if dry else "10", "--warmup", "1" if dry else "3"]
+            + ["--json", str(work / "bench_models_256.json")],
+            120,
+            "#31: the model step alone at batch 256 (bf16 where the GPU has it, NHWC): what end to end is held to",
+            ["bench_models_256.json"],
+        ),
+        Step(
+            "train-256",
+            [py, "tools/train.py", "--data", str(photos), *big, "--model", "concat", "--image-size", size]
+            + ["--batch-size", big_batch, "--epochs", "1" if dry else "6", "--no-checkpoints", "--profile"]
+            + ["--out", str(work / "run-256"), "--no-progress"],
+            240,
+            "#31: end-to-end training at batch 256 with the hardware defaults (summary: images/s, data wait)",
+            ["run-256/summary.json"],
         ),
         Step(
             "profile",
@@ -299,13 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget,
         "steps": results,
     }
-    for name in ("bench_models", "bench_loader", "bench_train", "nvml"):
+    for name in ("bench_models", "bench_models_256", "bench_loader", "bench_train", "nvml"):
         f = work / f"{name}.json"
         if f.exists():
             try:
                 summary[name] = json.loads(f.read_text())
             except json.JSONDecodeError as e:
                 summary[name] = {"error": f"unreadable: {e}"}
+    if (run_256 := work / "run-256" / "summary.json").exists():  # #31's end-to-end figures
+        summary["train_256"] = json.loads(run_256.read_text())
     prof = work / "profile" / "profile.json"
     if prof.exists():
         summary["profile"] = json.loads(prof.read_text())
