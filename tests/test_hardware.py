@@ -96,9 +96,11 @@ def test_the_profiler_names_the_flag_a_compute_bound_gpu_run_leaves_off():
 
 @pytest.mark.slow
 def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path):
-    """--compile on the CPU (inductor): three steps give the weights of the same run uncompiled (each tensor
-    within 1% of its norm: fused kernels round otherwise, and Adam's first steps amplify it on tiny gradients),
-    and the model directory loads (its keys without the compiler's prefix)."""
+    """--compile on the CPU (inductor, static shapes: the captions padded to buckets): three steps give the
+    weights of the same run uncompiled (each tensor within 1% of its norm: fused kernels round otherwise, and
+    Adam's first steps amplify it on tiny gradients), and the model directory loads (its keys without the
+    compiler's prefix); summary.json records the compiled step and the caption width."""
+    import json
     import subprocess
 
     from conftest import ROOT, train_cmd
@@ -111,6 +113,14 @@ def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path)
 
     assert (r := run(tmp_path / "eager")).returncode == 0, r.stderr[-3000:]
     assert (r := run(tmp_path / "compiled", "--compile")).returncode == 0, r.stderr[-3000:]
+    # compiled with static shapes: its captions padded to buckets (the eager run's to each batch's longest)
+    chosen = [
+        json.loads((tmp_path / d / "summary.json").read_text())["hardware_choices"] for d in ("eager", "compiled")
+    ]
+    assert [(c["compile_mode"], c["text_padding"], c["cuda_graphs"]) for c in chosen] == [
+        (None, "longest", False),
+        ("default", "buckets", False),
+    ], chosen
     eager = load_file(tmp_path / "eager" / "model-last" / "model.safetensors")
     compiled = load_file(tmp_path / "compiled" / "model-last" / "model.safetensors")
     assert eager.keys() == compiled.keys()

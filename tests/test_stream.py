@@ -224,7 +224,7 @@ def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, pr
         stats = cache.stats()
         assert stats["fetches"] >= SHARDS and stats["evictions"] >= 1, stats
     # a cache smaller than the window and two shards is said to cost fetches, with the limit that would not
-    warned = [r.getMessage() for r in caplog.records if "--cache-limit-gb" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "--cache-limit" in r.getMessage()]
     assert len(warned) == 1 and "fewer than the 4 the order reads from at once" in warned[0], warned
 
 
@@ -252,8 +252,8 @@ def test_training_streams_from_s3_and_writes_no_secret(s3_shards, tmp_path, caps
         "--no-progress",
         "--shard-cache",
         str(tmp_path / "cache"),
-        "--cache-limit-gb",
-        "0.001",
+        "--cache-limit",
+        "1MiB",
     ]
     assert train_tool.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -263,3 +263,31 @@ def test_training_streams_from_s3_and_writes_no_secret(s3_shards, tmp_path, caps
     written = "".join(p.read_text(errors="replace") for p in out.rglob("*.json*")) + text.out + text.err
     assert FAKE_SECRET not in written
     assert any((tmp_path / "cache" / "shards").iterdir())
+
+
+def test_the_cache_limit_takes_bytes_or_a_unit_and_may_change_on_resume():
+    """--cache-limit: bytes or a size with a decimal or binary unit, refused naming the flag otherwise; where
+    the cache lies and how much it holds are this machine's, not the training's: a resume may change them (a
+    run recorded before --cache-limit too)."""
+    from mmfast.train.config import resume_differences
+    from mmfast.train.flags import parse_config
+    from mmfast.util.args import parse_size
+
+    assert [parse_size(t) for t in ("1234", "500MB", "20GiB", "20 gib", "3KiB", "1.5g")] == [
+        1234,
+        500 * 10**6,
+        20 * 2**30,
+        20 * 2**30,
+        3072,
+        1_500_000_000,
+    ]
+    assert parse_config(["--data", "x", "--cache-limit", "2GB"]).cache_limit == "2GB"
+    for bad in ("0", "-1", "lots", "5PB"):
+        with pytest.raises(ValueError, match="--cache-limit must be"):
+            parse_config(["--data", "x", "--cache-limit", bad])
+    saved = {"task": "clip", "shard_cache": "/scratch/a", "cache_limit_gb": 20.0, "seed": 0}
+    assert (
+        resume_differences(saved, {"task": "clip", "shard_cache": "/tmp/b", "cache_limit": "5GiB", "seed": 0})
+        == []
+    )
+    assert resume_differences(saved, {"task": "clip", "seed": 1}) == ["seed: 0 -> 1"]

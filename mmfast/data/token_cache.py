@@ -28,6 +28,22 @@ from mmfast.util.fsutil import atomic_write_bytes, atomic_write_json, file_lock
 log = logging.getLogger(__name__)
 _NO_CACHE = "no cache yet"  # the reason for a first build
 FORMAT_VERSION = 1
+TEXT_PADDINGS = ("longest", "buckets", "max")  # how wide a batch's token rows are (``TokenCache.gather``)
+_SMALLEST_BUCKET = 8
+
+
+def padded_width(longest: int, padding: str, max_length: int) -> int:
+    """The width of a batch whose longest row has ``longest`` tokens: that (``longest``), the next power of two
+    from 8 up, at most ``max_length`` (``buckets``: a handful of shapes, so a compiled step or a CUDA graph is
+    made once per bucket, at most 2x the tokens), or ``max_length`` (``max``: one shape)."""
+    if padding not in TEXT_PADDINGS:
+        raise ValueError(f"text padding must be one of {', '.join(TEXT_PADDINGS)}, got {padding!r}")
+    longest = max(1, longest)
+    if padding == "longest":
+        return longest
+    if padding == "max":
+        return max(longest, max_length)
+    return max(longest, min(max_length, max(_SMALLEST_BUCKET, 1 << (longest - 1).bit_length())))
 
 
 def cache_fingerprint(tok, max_length: int, texts: list[str]) -> str:
@@ -75,11 +91,15 @@ class TokenCache:
     def fingerprint(self) -> str:
         return self.meta["fingerprint"]
 
-    def gather(self, ids: np.ndarray | torch.Tensor | list[int]) -> dict[str, torch.Tensor]:
-        """Token ids and attention mask of the given sample ids, padded to the longest row in the batch.
+    def gather(
+        self, ids: np.ndarray | torch.Tensor | list[int], padding: str = "longest"
+    ) -> dict[str, torch.Tensor]:
+        """Token ids and attention mask of the given sample ids, padded to the longest row in the batch (or to
+        its bucket, or to max_length: ``padded_width``).
 
         Args:
-            ids: sample ids (B,); ids < 0 mark padding samples and get a lone [PAD] row with mask 0.
+            ids: sample ids (B,); ids < 0 mark padding samples and get [PAD] rows with mask 0.
+            padding: one of ``TEXT_PADDINGS``.
 
         Returns:
             {"input_ids": (B, L) int64, "attention_mask": (B, L) int64}; pinned when CUDA is available so
@@ -96,7 +116,7 @@ class TokenCache:
             )
         rows = np.where(valid, rows, 0)
         lengths = np.where(valid, self.lengths[rows], 0)
-        width = max(1, int(lengths.max(initial=0)))
+        width = padded_width(int(lengths.max(initial=0)), padding, int(self.meta["max_length"]))
         cols = np.arange(width)
         mask = cols[None, :] < lengths[:, None]  # (B, L)
         pos = np.where(mask, self.offsets[rows][:, None] + cols[None, :], 0)

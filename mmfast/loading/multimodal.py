@@ -13,7 +13,7 @@ import torch
 
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import PreparedDataset
-from mmfast.data.token_cache import TokenCache
+from mmfast.data.token_cache import TokenCache, padded_width
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
@@ -27,8 +27,8 @@ class MultimodalLoader:
     """One split of a prepared dataset: DALI images joined with cached tokens by sample id.
 
     Batches: ``{"image": (B, 3, S, S), "input_ids": (B, L), "attention_mask": (B, L), "label": (B,),
-    "id": (B,)}`` on the training device, L = the longest caption in the batch. Padding samples of the
-    last eval batch have id -1, label -100 and an all-zero attention mask.
+    "id": (B,)}`` on the training device, L = the longest caption in the batch (see ``text_padding``). Padding
+    samples of the last eval batch have id -1, label -100 and an all-zero attention mask.
 
     Args:
         data_dir: a directory written by mmfast-prepare, or a ``PreparedDataset`` of one.
@@ -43,6 +43,8 @@ class MultimodalLoader:
         shard_cache: the ``util.shard_cache.ShardCache`` remote shards are held in while streamed.
         sampling: ``WHOLE_BATCHES``, or another whole-batch order (``sampling.MixedOrder``: a mix's
             sources by weight; a mix's batches then carry "source", each sample's source, -1 when masked).
+        text_padding: the width L of a batch's tokens: "longest" (its longest caption), "buckets" (the next
+            power of two from 8, at most max_length: a few shapes, for a compiled step) or "max" (max_length).
         verify_files: also check every image file at start-up (see ``ImageLoader``: each batch's files are
             compared with what preparation recorded just before they are read anyway); default off.
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
@@ -65,6 +67,7 @@ class MultimodalLoader:
         source: str = "files",
         shard_cache: ShardCache | None = None,
         sampling: WholeBatchOrder = WHOLE_BATCHES,
+        text_padding: str = "longest",
         **kwargs,
     ):
         # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
@@ -112,7 +115,7 @@ class MultimodalLoader:
                 f"{tokens.first_id}) does not match {split}.jsonl (rows {n}, first id "
                 f"{table.ids[0]}); run {PREPARE} again"
             )
-        self._join(loader, tokens, dataset.num_classes)
+        self._join(loader, tokens, dataset.num_classes, text_padding)
         self.dataset, self.sources = dataset, table.sources
 
     @classmethod
@@ -126,8 +129,9 @@ class MultimodalLoader:
         loader.dataset, loader.sources = None, None
         return loader
 
-    def _join(self, images: ImageLoader, tokens: TokenCache, num_classes: int) -> None:
-        self.images, self.tokens, self.num_classes = images, tokens, num_classes
+    def _join(self, images: ImageLoader, tokens: TokenCache, num_classes: int, padding: str = "longest") -> None:
+        padded_width(1, padding, 1)  # refuses an unknown one now, not at the first batch
+        self.images, self.tokens, self.num_classes, self.text_padding = images, tokens, num_classes, padding
 
     def __reduce__(self):
         return self.images.__reduce__()  # refuses: it holds a live DALI pipeline
@@ -172,7 +176,8 @@ class MultimodalLoader:
         loader = self.images
         for images, ids, pos, _ in loader.raw_batches():
             labels = np.where(pos >= 0, loader.labels[pos], IGNORE_LABEL)
-            text = self.tokens.gather(ids)  # pinned on CUDA machines, so the copies below are asynchronous
+            # pinned on CUDA machines, so the copies below are asynchronous
+            text = self.tokens.gather(ids, self.text_padding)
             if images.dtype != loader.dtype:  # bfloat16 from a graph that emits float32
                 images = images.to(loader.dtype)
             if loader.pins_memory:

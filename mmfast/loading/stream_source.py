@@ -29,6 +29,7 @@ import numpy as np
 
 from mmfast.data.batch import PAD_ID
 from mmfast.data.dataset import WDS_ID_DIGITS
+from mmfast.util.args import format_size
 from mmfast.util.commands import PREPARE
 from mmfast.util.remote import is_remote, redact
 
@@ -187,11 +188,11 @@ class StreamSource:
             log.warning(
                 "the shard cache holds %d shards of %.1f MiB, fewer than the %d the order reads from at once "
                 "and the 2 it fetches ahead: shards will be fetched more than once per epoch; raise "
-                "--cache-limit-gb to %.2f or more",
+                "--cache-limit to %s or more",
                 held,
                 biggest / 2**20,
                 self.window,
-                wanted * biggest / 2**30,
+                format_size(wanted * biggest),
             )
         return held
 

@@ -256,8 +256,9 @@ def _embed_split(model, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         out = model(batch)
         ids.append(batch["id"])
         labels.append(batch["label"])
-        img.append(out["image"].float())
-        txt.append(out["text"].float())
+        # copies: a compiled model's next call may reuse its outputs' memory (CUDA graphs)
+        img.append(out["image"].to(torch.float32, copy=True))
+        txt.append(out["text"].to(torch.float32, copy=True))
         length = int(batch["input_ids"].shape[1])
     device = next(model.parameters()).device
     # every process takes part in the gathers, one that had no batch too (with the others' widths)

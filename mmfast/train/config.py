@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
 from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, LOSSES, PRESETS, get_preset
+from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
 
@@ -22,6 +23,8 @@ GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
 FROM_RESOLVE = ("task", "preset", "init_proj")  # choice fields None stands for until resolve_preset fills them
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (mmfast/train/hardware.py)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+TEXT_PADDINGS = ("auto", "longest", "buckets", "max")  # --text-padding (auto: hardware.resolve_text_padding)
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
 
@@ -145,6 +148,18 @@ class TrainConfig:
     )
     optimizer_impl: str = _opt("auto", "precision", "AdamW's kernels; auto: fused on CUDA, foreach elsewhere")
     compile: bool = _opt(False, "precision", "torch.compile the model")
+    compile_mode: str = _opt(
+        "default",
+        "precision",
+        "torch.compile's mode, implying --compile when not default; reduce-overhead records CUDA graphs (one "
+        "launch per step: for small batches, where the host sets the pace)",
+    )
+    text_padding: str = _opt(
+        "auto",
+        "data",
+        "each batch's caption width: longest, buckets (the next power of two from 8, at most --max-length), max "
+        "(--max-length); auto: buckets for a compiled step (a few static shapes), else longest",
+    )
     num_threads: int | None = _opt(None, "data", "DALI threads per process; none: cores / processes")
     cpu_resize: str = _opt(
         "torch", "data", "without a GPU: resize + normalize on the consuming thread (torch) or inside DALI (dali)"
@@ -187,7 +202,9 @@ class TrainConfig:
         "shards in the loader's order (stream: exact resume; remote shards always stream)",
     )
     shard_cache: str | None = _opt(None, "data", "where remote shards are held; none: ~/.cache/mmfast/shards")
-    cache_limit_gb: float = _opt(20.0, "data", "GiB of remote shards --shard-cache holds (LRU), plus one shard")
+    cache_limit: str = _opt(
+        "20GiB", "data", "what --shard-cache holds of remote shards (LRU), plus one shard: bytes, or 500MB, 20GiB"
+    )
     demo_size: int = _opt(2000, "data", "samples in the built-in demo set (without --data)")
     tokenizer: str | None = _opt(
         None,
@@ -250,9 +267,9 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")
         trackers(self)  # raises on an unknown --report-to name
         data_weights(self)  # raises on a share that is not a positive number, or one per --data
+        parse_size(self.cache_limit, "--cache-limit")  # raises on one that is not a size
         checks = [
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
-            (self.cache_limit_gb > 0, f"--cache-limit-gb must be > 0, got {self.cache_limit_gb}"),
             (self.lr is None or 0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
             (
                 self.encoder_lr is None or 0 <= self.encoder_lr <= 10,
@@ -315,6 +332,8 @@ def choices() -> dict[str, tuple[str, ...]]:
         "scheduler": SCHEDULERS,
         "optimizer_impl": OPTIMIZER_IMPLS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
+        "compile_mode": COMPILE_MODES,
+        "text_padding": TEXT_PADDINGS,
         "cpu_resize": CPU_RESIZE,
         "on_bad_image": ON_BAD_IMAGE,
         "source": tuple(SOURCES),
@@ -337,6 +356,8 @@ def help_choices() -> dict[str, tuple[str, ...]]:
         "scheduler": SCHEDULERS,
         "optimizer_impl": OPTIMIZER_IMPLS,
         "mixed_precision": ("auto", "fp16", "bf16", "no"),
+        "compile_mode": COMPILE_MODES,
+        "text_padding": TEXT_PADDINGS,
         "cpu_resize": CPU_RESIZE,
         "on_bad_image": ON_BAD_IMAGE,
         "source": SOURCE_NAMES,
@@ -421,8 +442,13 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "on_bad_image",
         "verify_files",
         "compile",
+        "compile_mode",
+        "text_padding",  # padding is masked: the same figures
         "dist_timeout",
         "stop_grace",
+        "shard_cache",  # where this machine holds the remote shards, and how much: the same bytes read
+        "cache_limit",
+        "cache_limit_gb",  # what runs before --cache-limit recorded
         "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written
     }
 )

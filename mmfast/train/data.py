@@ -16,7 +16,9 @@ from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
 from mmfast.train.config import TrainConfig, data_weights
+from mmfast.train.hardware import resolve_text_padding
 from mmfast.train.setup import processes_per_machine
+from mmfast.util.args import parse_size
 
 if TYPE_CHECKING:
     from mmfast.util.shard_cache import ShardCache
@@ -98,7 +100,8 @@ def train_view_loader(
 
 def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | None, cache) -> dict:
     """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
-    shard cache, this process's shard (by ``accelerator``), the image size, the seed and the DALI threads."""
+    shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
+    DALI threads."""
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
     return dict(
@@ -108,6 +111,7 @@ def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | N
         source=cfg.source,
         shard_cache=cache,
         accelerator=accelerator,
+        text_padding=resolve_text_padding(cfg),
         size=cfg.image_size,
         seed=cfg.seed,
         num_workers=threads,
@@ -116,14 +120,14 @@ def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | N
 
 
 def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None:
-    """The cache remote shards are streamed through (``--shard-cache``, ``--cache-limit-gb``), or None when the
+    """The cache remote shards are streamed through (``--shard-cache``, ``--cache-limit``), or None when the
     dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
     if not dataset.remote_shards():
         return None
     from mmfast.util.shard_cache import ShardCache  # only a run that streams pays for the network imports
 
     root = cfg.shard_cache or os.path.join(os.path.expanduser("~"), ".cache", "mmfast", "shards")
-    return ShardCache(root, int(cfg.cache_limit_gb * 2**30))
+    return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"))
 
 
 def cache_plans(

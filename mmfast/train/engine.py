@@ -20,6 +20,7 @@ from mmfast.tasks.registry import Task
 from mmfast.train.agree import BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
+from mmfast.train.hardware import uses_cuda_graphs
 from mmfast.train.profiler import StepTimer
 from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
 from mmfast.train.source_tally import SourceTally
@@ -95,6 +96,7 @@ class EpochRunner:
         ranks = accelerator.process_index, accelerator.num_processes
         streams = ranks[1] > 1 and shard_cache is not None
         self.agreement = BatchAgreement(*ranks, cfg.dist_timeout) if streams else None
+        self.cuda_graphs = uses_cuda_graphs(cfg, accelerator.device.type)  # each micro-step marks its start
         mix = getattr(getattr(loader, "dataset", None), "mix_sources", None)  # a mix: per-source figures
         self.tally = SourceTally([m["name"] for m in mix], accelerator.device) if mix else None
 
@@ -282,6 +284,8 @@ class EpochRunner:
         ctx = self.acc.no_sync(self.model) if not sync and self.acc.num_processes > 1 else contextlib.nullcontext()
         with ctx:
             with self.timer.phase("forward"):
+                if self.cuda_graphs:  # the last step's graph outputs are consumed: its replay may reuse them
+                    torch.compiler.cudagraph_mark_step_begin()
                 out = self.model(self.task.inputs(batch))  # autocast applied by Accelerate
                 loss = self.task.loss(out, self.task.targets(batch))
                 if self.tally is not None:  # a mix: each sample's loss by its source, where the task has them

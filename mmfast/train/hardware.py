@@ -6,7 +6,10 @@
 - memory format (``--channels-last``, unset): NHWC for a convolutional image tower on CUDA (tensor cores
   convolve NHWC; 1.6x for the write-up's ResNet-50 on an H200, BENCHMARKS.md), NCHW on the CPU;
 - the optimizer's kernels (``--optimizer-impl auto``): AdamW's fused kernel on CUDA (one kernel for every
-  parameter), its foreach kernels elsewhere.
+  parameter), its foreach kernels elsewhere;
+- the caption width (``--text-padding auto``): each batch's longest caption, or for a compiled step the next
+  power of two (a few static shapes: each is compiled, and under ``--compile-mode reduce-overhead`` recorded as a
+  CUDA graph, once; the image batch is static already: train batches are whole, the last eval batch is padded).
 
 ``summary.json`` records what was chosen (``hardware_choices``).
 """
@@ -74,8 +77,42 @@ def optimizer_kwargs(requested: str, device_type: str) -> dict:
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
 
 
+def compile_options(cfg) -> dict | None:
+    """``torch.compile``'s keyword arguments for this run, None when it is not compiled: ``--compile``, or a
+    ``--compile-mode`` other than default. Static shapes (``dynamic=False``) when the captions are padded to a
+    few widths: one specialized graph per width, which CUDA graphs need."""
+    if not (cfg.compile or cfg.compile_mode != "default"):
+        return None
+    return {"mode": cfg.compile_mode, "dynamic": False if resolve_text_padding(cfg) != "longest" else None}
+
+
+def resolve_text_padding(cfg) -> str:
+    """``--text-padding``; ``auto``: buckets for a compiled step, else each batch's longest caption."""
+    if cfg.text_padding != "auto":
+        return cfg.text_padding
+    return "buckets" if cfg.compile or cfg.compile_mode != "default" else "longest"
+
+
+def check_compile_fits(cfg, task) -> None:
+    """Refuse CUDA graphs where a step holds a graph's outputs across its next calls: a task that takes each
+    window at once (the contrastive feature cache embeds every micro-batch before the first backward), whose
+    features a replay would overwrite."""
+    if cfg.compile_mode == "reduce-overhead" and cfg.grad_accum > 1 and getattr(task, "whole_window", False):
+        raise ValueError(
+            f"--compile-mode reduce-overhead (CUDA graphs) with --grad-accum {cfg.grad_accum}: the {cfg.task} "
+            "objective embeds a window's micro-batches before their backward, and a graph's replay overwrites "
+            "the outputs it holds; use --compile-mode default or max-autotune-no-cudagraphs, or --grad-accum 1"
+        )
+
+
+def uses_cuda_graphs(cfg, device_type: str) -> bool:
+    """Whether the compiled step replays CUDA graphs (``reduce-overhead`` on a CUDA device)."""
+    return compile_options(cfg) is not None and cfg.compile_mode == "reduce-overhead" and device_type == "cuda"
+
+
 def choices_made(cfg, accelerator, optimizer) -> dict:
-    """What summary.json records of the hardware choices: precision, memory format, optimizer kernels."""
+    """What summary.json records of the hardware choices: precision, memory format, optimizer kernels, the
+    compiled step and the caption width."""
     defaults = getattr(optimizer, "optimizer", optimizer).defaults  # Accelerate's wrapper holds the AdamW
     impl = "fused" if defaults.get("fused") else ("foreach" if defaults.get("foreach") else "for-loop")
     return {
@@ -83,6 +120,9 @@ def choices_made(cfg, accelerator, optimizer) -> dict:
         "grad_scaler": accelerator.scaler is not None,
         "channels_last": cfg.channels_last,
         "optimizer_impl": impl,
+        "compile_mode": (compile_options(cfg) or {}).get("mode"),
+        "cuda_graphs": uses_cuda_graphs(cfg, accelerator.device.type),
+        "text_padding": resolve_text_padding(cfg),
         "cuda_bf16": torch.cuda.is_available() and cuda_has_bf16(),
         "cpu_fast_bf16": cpu_has_fast_bf16(),
     }

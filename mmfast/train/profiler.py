@@ -346,10 +346,14 @@ def verdict(report: dict) -> dict:
         summary = f"input-bound: the loop waits for data {wait:.0%} of the time"
     elif on_gpu and gpu_util < GPU_BUSY:
         bound = "host"
-        steps += [
-            "the GPU idles between kernels: larger --batch-size, --compile (fewer, fused kernels)",
-            "check for per-step host syncs (.item(), printing) in your own code",
-        ]
+        if settings.get("compile_mode") != "reduce-overhead":
+            steps.append(
+                "the GPU idles between kernels: --compile-mode reduce-overhead (CUDA graphs: the step's kernels "
+                "launched at once; captions padded to a few widths), or a larger --batch-size"
+            )
+        else:
+            steps.append("the GPU idles between kernels even with CUDA graphs: a larger --batch-size")
+        steps.append("check for per-step host syncs (.item(), printing) in your own code")
         summary = f"host-bound: data arrives in time ({wait:.0%} wait) but the GPU is only {gpu_util:.0f}% busy"
     else:
         bound = "compute"

@@ -20,7 +20,7 @@ from mmfast.models.catalog import get_preset
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import checkpoint_dir
 from mmfast.train.config import TrainConfig
-from mmfast.train.hardware import cpu_has_fast_bf16, cuda_has_bf16
+from mmfast.train.hardware import compile_options, cpu_has_fast_bf16, cuda_has_bf16
 from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.util.fsutil import atomic_write_json
 
@@ -239,7 +239,9 @@ def write_profile(
         "cuda_devices": torch.cuda.device_count(),  # what the advice may suggest, never a GPU there is not
         "cpu_fast_bf16": cpu_has_fast_bf16(),
         "cuda_bf16": torch.cuda.is_available() and cuda_has_bf16(),
-        "compile": cfg.compile,
+        "compile": compile_options(cfg) is not None,
+        "compile_mode": cfg.compile_mode,  # reduce-overhead: CUDA graphs
+        "text_padding": getattr(loader, "text_padding", None),
         "optimizer_impl": cfg.optimizer_impl,
     }
     report = build_report(timer, sampler, extra={"settings": settings})

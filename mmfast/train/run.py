@@ -22,7 +22,7 @@ from mmfast.train.config import TrainConfig, resolve_preset, resume_differences
 from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
-from mmfast.train.hardware import choices_made, resolve_channels_last
+from mmfast.train.hardware import check_compile_fits, choices_made, compile_options, resolve_channels_last
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
 from mmfast.train.profiler import UtilizationSampler
@@ -175,8 +175,9 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     # its fetches end with the loop, also when a fault stops the run (the warm start reads shards too)
     with cache or contextlib.nullcontext():
         warm = _warm_start(cfg, accelerator, dataset, model, norm, cache) if resume_from is None else None
-        if cfg.compile:
-            model = torch.compile(model)
+        if (compiling := compile_options(cfg)) is not None:
+            check_compile_fits(cfg, task)
+            model = torch.compile(model, **compiling)
         steps = total_steps(cfg, len(train_loader))
         optimizer, scheduler = build_optimizer(cfg, model, steps, accelerator.device.type)
         # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.

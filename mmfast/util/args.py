@@ -2,6 +2,10 @@
 failed writes."""
 
 import argparse
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # kB, MB..., and KiB, MiB...
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)b?|(b?))\s*", re.IGNORECASE)
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,3 +36,31 @@ def write_failure(out: object, e: OSError) -> str:
     disk): what, where and why, for ``error: ...``."""
     where = f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""
     return f"writing {out} failed: {e.strerror or e}{where}; free space or fix the path, and re-run"
+
+
+def parse_size(text: object, what: str = "a size") -> int:
+    """Bytes from ``text``: a number of bytes, or one with a unit, decimal (kB, MB, GB, TB: 1000s) or binary
+    (KiB, MiB, GiB, TiB: 1024s), case and spaces ignored ("500MB", "20 GiB", "1.5g"). ``what`` names the
+    setting in the error.
+
+    Raises:
+        ValueError: not a size, or not above 0 bytes.
+    """
+    m = _SIZE.fullmatch(str(text))
+    if m is None:
+        raise ValueError(f"{what} must be bytes or a size with a unit (500MB, 20GiB), got {text!r}")
+    unit = (m.group(2) or "").lower()
+    scale = 2 ** (10 * "kmgt".index(unit) + 10) if unit and m.group(3) else _UNITS[unit]
+    nbytes = int(float(m.group(1)) * scale)
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be above 0 bytes, got {text!r}")
+    return nbytes
+
+
+def format_size(nbytes: float) -> str:
+    """``nbytes`` as the binary unit that reads best: "512B", "1.5KiB", "20.0GiB" (what ``parse_size`` reads)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f}{unit}" if unit == "B" else f"{nbytes:.1f}{unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f}TiB"
