@@ -134,6 +134,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_two(worker, args: tuple, within_s: float) -> None:
+    """Run ``worker(rank, *args)`` in two spawned processes (never forked: DALI), failing the test, with both
+    killed, when they have not finished within ``within_s`` seconds or one of them raised."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + within_s
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the two processes did not finish within {within_s:.0f} s")
+
+
 def train_cmd(data: Path, out: Path, *flags: str, launcher: tuple[str, ...] = ()) -> list[str]:
     """argv of a real ``tools/train.py`` process on a small, fast configuration (batch 16, 32 px)."""
     script = str(ROOT / "tools" / "train.py")

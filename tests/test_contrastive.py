@@ -12,14 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +25,7 @@ from mmfast.tasks import build_task, global_batch
 from mmfast.tasks.classification import ClassificationTask
 from mmfast.tasks.contrastive import ContrastiveTask, contrastive_loss
 from mmfast.tasks.retrieval import class_embeddings, class_prompts, retrieval_figures, zero_shot_figures
+from tests.conftest import spawn_two
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32: the same sums in another order
 VOCAB, LENGTH, SIDE = 30, 6, 4
@@ -226,15 +225,7 @@ def test_two_processes_train_on_the_global_batch(tmp_path):
     """Two gloo processes, each its half: the mean loss and every gradient (averaged over ranks, as DDP does)
     equal one process on the whole batch, also when each rank accumulates two micro-batches; a gather
     without gradient does not (the test tells them apart)."""
-    ctx = mp.start_processes(
-        _worker, args=(f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 60
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two processes did not finish within 60 s")
+    spawn_two(_worker, (f"file://{tmp_path / 'pg'}", str(tmp_path)), 60)
     results = torch.load(tmp_path / "results.pt")
     for kind in ("clip", "siglip"):
         loss, grads = _global_case(kind)

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mmfast.train.warm_start import ridge_projections, ridge_start, tower_grams
-from tests.conftest import free_port, n_rows
+from tests.conftest import free_port, n_rows, spawn_two
 
 DIM = 16
 
@@ -118,15 +116,7 @@ def _gram_worker(rank: int, port: int, prepared: str, out_dir: str) -> None:
 def test_two_processes_sum_the_same_grams_as_one(prepared, tmp_path, cpu_accelerator):
     """Each of two processes reads half of the train split; the summed Gram matrices (and so the projections)
     equal one process's over the whole split, every sample counted once."""
-    ctx = mp.start_processes(
-        _gram_worker, args=(free_port(), str(prepared), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 150
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two processes did not finish within 150 s")
+    spawn_two(_gram_worker, (free_port(), str(prepared), str(tmp_path)), 150)
     two = torch.load(tmp_path / "grams.pt")
     accelerator = cpu_accelerator
     one = tower_grams(_tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator)

@@ -8,7 +8,8 @@ others with a ``PeerFailure`` that repeats it, no step taken and no checkpoint w
 
 The flag goes over a CPU (gloo) group: the exchange never waits on the GPU's queue. It is a sync point per
 micro-batch, so the engine turns it on where faults come from the network: a run that streams shards from a
-store (``--shard-cache``). Local files that go bad are skipped by the loader instead (``FileHealth``).
+store (``--shard-cache``), on the train batches and on the val split's (``AgreedLoader``). Local files that
+go bad are skipped by the loader instead (``FileHealth``).
 """
 
 from __future__ import annotations
@@ -98,3 +99,28 @@ def agreed(batches: Iterable, agreement: BatchAgreement | None, where: Callable[
                 )
             return
         yield batch
+
+
+class AgreedLoader:
+    """``loader`` whose iteration is ``agreed``: what the engine hands ``task.evaluate`` when the processes
+    agree, so a val batch one process cannot get stops them all there too, not only a train batch (every
+    other attribute is the loader's: the task reads ``num_classes``, ``batch_size``, ...)."""
+
+    def __init__(self, loader, agreement: BatchAgreement, label: str):
+        self.loader, self.agreement, self.label = loader, agreement, label
+
+    def __iter__(self) -> Iterator:
+        taken = 0  # read by the message when a batch fails: the count then
+
+        def where() -> str:
+            return f"{self.label} batch {taken}"
+
+        for batch in agreed(self.loader, self.agreement, where):
+            yield batch
+            taken += 1
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["loader"], name)

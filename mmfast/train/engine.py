@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmfast.tasks.registry import Task
-from mmfast.train.agree import BatchAgreement, agreed
+from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
 from mmfast.train.hardware import uses_cuda_graphs
@@ -112,9 +112,7 @@ class EpochRunner:
             if self.interrupted:
                 break
             with self.timer.phase("eval"):
-                val_metrics = (
-                    self.task.evaluate(self.acc, self.model, val_loader) if val_loader is not None else {}
-                )
+                val_metrics = self.evaluate(val_loader, epoch) if val_loader is not None else {}
             metrics = {
                 "epoch": epoch,
                 "step": self.state["global_step"],
@@ -139,6 +137,12 @@ class EpochRunner:
             if self.done():
                 break
         return metrics
+
+    def evaluate(self, val_loader, epoch: int) -> dict:
+        """The task's evaluation of the val split; streamed on several processes, its batches agreed too."""
+        if self.agreement is not None:
+            val_loader = AgreedLoader(val_loader, self.agreement, f"the val split after epoch {epoch}:")
+        return self.task.evaluate(self.acc, self.model, val_loader)
 
     def done(self) -> bool:
         return self.state["global_step"] >= self.total_steps
