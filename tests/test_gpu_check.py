@@ -100,11 +100,13 @@ def test_dry_run_runs_every_step_and_packs_their_outputs(tmp_path):
         "models-256",
         "train-256",
         "profile",
+        "profile-graphs",
     ]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
     # the benchmarks' JSON is in the summary, and every file the steps wrote is in the tarball
     assert set(summary["bench_train"]["claims"]) >= {"a DataLoader+PIL fp32", "c mmfast fp32"}
     assert summary["profile"]["verdict"]
+    assert summary["profile_graphs"]["settings"]["compile_mode"] == "reduce-overhead"
     assert summary["train_256"]["images_per_s"] > 0 and summary["train_256"]["hardware_choices"]
     assert summary["bench_models_256"]
     with tarfile.open(out / "gpu_check.tar.gz") as t:
@@ -113,6 +115,7 @@ def test_dry_run_runs_every_step_and_packs_their_outputs(tmp_path):
         "bench_models.json",
         "bench_models_256.json",
         "run-256/summary.json",
+        "profile-graphs/profile.json",
         "bench_loader.json",
         "bench_train.png",
         "gpu_tests.xml",

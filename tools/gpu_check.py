@@ -162,6 +162,15 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
             "where step time goes, GPU utilization, verdict",
             ["profile/profile.json"],
         ),
+        Step(
+            "profile-graphs",
+            [py, "tools/profile_run.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
+            + ["--compile-mode", "reduce-overhead", "--steps", "3" if dry else "40"]
+            + ["--out", str(work / "profile-graphs"), "--no-progress"],
+            300,
+            "#31: the same at batch 64 with CUDA graphs (compiled, captions padded to buckets): GPU busy >= 85%?",
+            ["profile-graphs/profile.json"],
+        ),
     ]
 
 
@@ -326,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                 summary[name] = {"error": f"unreadable: {e}"}
     if (run_256 := work / "run-256" / "summary.json").exists():  # #31's end-to-end figures
         summary["train_256"] = json.loads(run_256.read_text())
-    prof = work / "profile" / "profile.json"
-    if prof.exists():
-        summary["profile"] = json.loads(prof.read_text())
+    for name in ("profile", "profile-graphs"):
+        if (prof := work / name / "profile.json").exists():
+            summary[name.replace("-", "_")] = json.loads(prof.read_text())
     log("\n" + f"{'step':<14}{'status':<9}{'seconds':>8}")
     for r in results:
         log(f"{r['name']:<14}{r['status']:<9}{r.get('seconds', 0):>8}")
