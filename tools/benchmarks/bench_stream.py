@@ -3,7 +3,7 @@ baseline), from an S3-compatible server on loopback (moto's server mode, through
 through a proxy that limits bandwidth and adds latency (a remote store's link), in one interleaved run.
 
     python tools/benchmarks/bench_stream.py [--n 512] [--per-shard 64] [--batch-size 64] [--size 224]
-        [--rounds 3] [--bandwidth-mb 50 200] [--latency-ms 20] [--threads N] [--json OUT]
+        [--rounds 3] [--bandwidth-mb 50 200] [--latency-ms 20] [--threads N] [--store-cpus 1] [--json OUT]
 
 The images are ``--n`` real 800x600 JPEGs cut from scikit-image's photos (``benchlib.data``), written as
 img2dataset-layout shards (key.jpg + key.txt + key.cls), prepared in place (local) and from ``s3://``
@@ -15,6 +15,11 @@ first shard is in) and a second
 epoch (warm: the cache holds the set when ``--cache-mb`` allows); train augmentation (random resized crop +
 flip) at ``--size``. The cache's hits, misses, fetches and retries are reported beside the figures. Needs
 ``moto[server]``, ``boto3`` and ``s3fs`` (the ``remote`` and ``test`` extras).
+
+``--store-cpus`` pins the store and its links to those cores and this process (the loader, its DALI threads
+and the cache's fetch threads) to the others: on a small machine the loopback store's own work (moto and the
+proxies serving every byte in Python) otherwise competes with the loader, which a remote store's does not.
+Every row, local disk too, then runs on the same cores.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def parse_args(argv):
     )
     p.add_argument("--latency-ms", type=float, default=20.0, help="the throttled link's latency per request")
     p.add_argument("--cache-mb", type=float, default=1024.0, help="the shard cache's limit")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", type=int, default=None, help="DALI threads (default: the cores this process has)")
+    p.add_argument("--store-cpus", type=int, nargs="+", default=None, help="cores for the store process alone")
     p.add_argument("--json", default="bench_out/bench_stream.json")
     return p.parse_args(argv)
 
@@ -140,6 +146,13 @@ def one_shard_fetch_s(url: str, dest: Path) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.store_cpus:
+        rest = os.sched_getaffinity(0) - set(args.store_cpus)
+        if not rest or not set(args.store_cpus) <= os.sched_getaffinity(0):
+            print(f"error: --store-cpus {args.store_cpus} must be some of cores {sorted(os.sched_getaffinity(0))}")
+            return 2
+        os.sched_setaffinity(0, rest)  # before any pipeline starts: DALI's and the fetch threads inherit it
+    args.threads = args.threads or len(os.sched_getaffinity(0))
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server: one line per request otherwise
     try:
         import boto3
@@ -155,7 +168,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    with StoreProcess(args.bandwidth_mb, args.latency_ms) as store:  # not in this process: no GIL shared
+    # the store in a process of its own: its threads share no GIL with the loader's
+    with StoreProcess(args.bandwidth_mb, args.latency_ms, args.store_cpus) as store:
         client = boto3.client("s3", endpoint_url=store.direct)
         client.create_bucket(Bucket=BUCKET)
         for tar in sorted((work / "shards").glob("*.tar")):
@@ -196,7 +210,9 @@ def report(runs: dict[str, list[dict]], args, shards: int) -> dict:
     for name, rs in runs.items():
         rows[name] = {k: statistics.median(r[k] for r in rs) if k in rs[0] else None for k in figures}
     base = rows["local disk"]
-    print(f"\n{args.n} images in {shards} shards, batch {args.batch_size}, {args.size} px, {args.threads} threads")
+    cores = f", the store on cores {args.store_cpus}" if args.store_cpus else ""
+    print(f"\n{args.n} images in {shards} shards, batch {args.batch_size}, {args.size} px", end="")
+    print(f", {args.threads} threads{cores}")
     cols = ("first batch s", "1 shard s", "cold img/s", "x local", "after 1st", "x local", "warm img/s", "x local")
     print(f"{'source':<36}" + "".join(f"{c:>12}" for c in cols) + f"{'hits':>6}{'misses':>7}{'retries':>8}")
     out = {"settings": vars(args), "shards": shards, "rows": {}}

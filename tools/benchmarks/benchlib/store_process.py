@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 _CHILD = """
-import json, logging, sys
+import json, logging, os, sys
+if {cpus!r}:
+    os.sched_setaffinity(0, {cpus!r})  # before any thread starts: they inherit it
 sys.path.insert(0, {benchlib!r})
 from fault_proxy import FaultProxy
 from moto.server import ThreadedMotoServer
@@ -36,10 +38,12 @@ sys.stdin.read()  # until the benchmark closes it (or dies)
 
 
 class StoreProcess:
-    """moto's S3 server and one throttled link per bandwidth, served by a child process."""
+    """moto's S3 server and one throttled link per bandwidth, served by a child process (on ``cpus`` only, when
+    given: a store on cores of its own, as a remote one is)."""
 
-    def __init__(self, bandwidths_mb: list[float], latency_ms: float):
+    def __init__(self, bandwidths_mb: list[float], latency_ms: float, cpus: list[int] | None = None):
         code = _CHILD.format(
+            cpus=sorted(cpus or []),
             benchlib=str(Path(__file__).resolve().parent),
             bandwidths=[float(b) for b in bandwidths_mb],
             latency=latency_ms / 1000,
