@@ -60,6 +60,18 @@ def prepared(tmp_path_factory, demo_manifest) -> Path:
     return out
 
 
+@pytest.fixture
+def cpu_accelerator():
+    """Accelerate's one-process CPU state for a test, reset after it (the state is a process-wide singleton:
+    a later in-process run that wants another precision would be refused)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def photos(tmp_path_factory) -> list[Path]:
     """Real photos shipped with scikit-image (JPEG and PNG, color and RGBA)."""

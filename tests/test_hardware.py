@@ -5,6 +5,7 @@ run records what it chose. GPUs are faked: a compute capability reported by a pa
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -132,11 +133,15 @@ def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path)
     assert mmfast.load_model(tmp_path / "compiled" / "model-last").config["model"] == "image"
 
 
-def test_the_loop_reads_the_loss_back_at_log_lines_not_per_micro_batch(prepared, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_the_loop_reads_the_loss_back_at_log_lines_not_per_micro_batch(
+    prepared, tmp_path, monkeypatch, capsys, impl
+):
     """#31 item 3: a run of 4-micro-batch windows reads a tensor back to the host (``item``, ``tolist``,
     ``bool``, ``float``, ``int``) from the loop's code at most once per optimizer step (the gradient norm's
-    finiteness) plus its log lines and the epoch's end, not once per micro-batch; and the loss it prints and
-    records is still the mean of the micro-batches' losses."""
+    finiteness) plus its log lines and the epoch's end, not once per micro-batch; with a fused AdamW (CUDA's
+    default), which skips a non-finite step on the device, not even once per step: only at the log lines (the
+    loss, the skips) and the epoch's end. The loss it prints and records is still the micro-batches' mean."""
     import inspect
     import json
 
@@ -168,15 +173,53 @@ def test_the_loop_reads_the_loss_back_at_log_lines_not_per_micro_batch(prepared,
         "--log-every",
         "5",
     ]
-    flags += ["--mixed-precision", "no", "--no-checkpoints"]
+    flags += ["--mixed-precision", "no", "--no-checkpoints", "--optimizer-impl", impl]
     assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
     monkeypatch.undo()
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     steps, logs = metrics["step"], metrics["step"] // 5
     micro_batches = len((prepared / "train.jsonl").read_text().splitlines()) // 4
     assert micro_batches >= 4 * (steps - 1) and steps >= 10
-    assert len(reads) <= steps + logs + 4, (len(reads), steps, sorted(set(reads)))
-    assert len(reads) < micro_batches
+    per_step = steps if impl == "foreach" else 0
+    assert len(reads) <= per_step + 2 * logs + 5, (len(reads), steps, sorted(set(reads)))
+    assert len(reads) < (micro_batches if impl == "foreach" else steps)
     printed = [float(x) for x in re.findall(r"step \d+/\d+: loss (\S+)", capsys.readouterr().out)]
     assert len(printed) == logs and all(0 < x < 10 for x in printed)
     assert 0 < metrics["train_loss"] < 10
+
+
+def test_a_fused_adamw_skips_a_non_finite_step_on_the_device_leaving_everything_as_it_was(cpu_accelerator):
+    """#31 item 3: the step the loop takes without reading the gradient norm back (CUDA's fused AdamW, here its
+    CPU kernel, through Accelerate's wrapper): NaN gradients leave the parameters, both moments and the step
+    count exactly as they were, weight decay included; a finite step after it moves them. A foreach AdamW
+    cannot skip so: the loop checks its norm on the host."""
+    from mmfast.train.optim import skips_on_device, step_unless_non_finite
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    cfg = TrainConfig(optimizer_impl="fused", lr=1e-2, weight_decay=0.1, warmup_frac=0.0, probe_frac=0.0)
+    optimizer, _ = build_optimizer(cfg, model, 10, "cpu")
+    model, optimizer = cpu_accelerator.prepare(model, optimizer)
+    assert skips_on_device(optimizer, cpu_accelerator)
+    x = torch.randn(8, 4)
+
+    def step(scale: float) -> float:
+        (model(x) ** 2).sum().mul(scale).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        skipped = step_unless_non_finite(optimizer, norm)
+        optimizer.zero_grad(set_to_none=True)
+        return float(skipped)
+
+    def snapshot() -> list[torch.Tensor]:
+        state = [v for p in model.parameters() for v in optimizer.optimizer.state[p].values()]
+        return [t.detach().clone() for t in [*model.parameters(), *state]]
+
+    assert step(1.0) == 0.0  # a first step: the moments exist
+    before = snapshot()
+    assert step(float("nan")) == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
+    assert not hasattr(optimizer.optimizer, "found_inf")  # left as a plain optimizer for the next step
+    assert step(1.0) == 0.0
+    assert not all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
+    foreach, _ = build_optimizer(replace(cfg, optimizer_impl="foreach"), model, 10, "cpu")
+    assert not skips_on_device(foreach, cpu_accelerator)

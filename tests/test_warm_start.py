@@ -16,18 +16,6 @@ from tests.conftest import free_port, n_rows, spawn_two
 DIM = 16
 
 
-@pytest.fixture
-def cpu_accelerator():
-    """Accelerate's one-process CPU state for a test, reset after it (the state is a process-wide singleton:
-    a later in-process run that wants another precision would be refused)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def _grams(x: torch.Tensor, t: torch.Tensor) -> dict:
     x, t = x.double(), t.double()
     return {"xx": x.T @ x, "xt": x.T @ t, "tt": t.T @ t, "n": torch.tensor(float(len(x)), dtype=torch.float64)}

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,7 @@ from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
 from mmfast.train.hardware import uses_cuda_graphs
+from mmfast.train.optim import skips_on_device, step_unless_non_finite
 from mmfast.train.profiler import StepTimer
 from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
 from mmfast.train.source_tally import SourceTally
@@ -88,6 +91,10 @@ class EpochRunner:
         self.stop = None  # a StopFlag while the loop runs
         self.interrupted = False
         self.consecutive_bad = 0
+        # A fused AdamW skips a step whose gradient norm is not finite on the device (its found_inf, as a
+        # GradScaler hands it): no read back per step. [skipped, current run, longest run] since settle_skips.
+        on_device = skips_on_device(optimizer, accelerator) and cfg.grad_clip  # the norm comes with clipping
+        self._skips = torch.zeros(3, device=accelerator.device) if on_device else None
         # profiling reports the steady state: the first steps carry CUDA / cuDNN start-up and the first prefetch
         self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile, warmup_steps=PROFILE_WARMUP_STEPS)
         self.steps = StepLog(cfg, accelerator, optimizer, scheduler, self.timer, total_steps)
@@ -191,6 +198,7 @@ class EpochRunner:
                 continue
             self.optimizer_step()
             if self.state["global_step"] % cfg.log_every == 0:  # the loss is read back here, not every step
+                self.settle_skips()
                 if bar is not None:
                     bar.set_postfix_str(self.steps.line(logwin, bar=True), refresh=False)
                 self.steps.log(epoch, self.state["global_step"], logwin, terminal=bar is not None)
@@ -201,6 +209,7 @@ class EpochRunner:
             bar.close()
         s["time"] += time.perf_counter() - t0
         s["data_wait"] += self.timer.total("data") - start.get("data", 0.0)
+        self.settle_skips()
         return self.epoch_figures(s, i == n_batches, start, n_samples)
 
     def count(self, epoch: int, batch: dict, loss: torch.Tensor | float, s: dict, logwin: StepWindow) -> None:
@@ -225,6 +234,7 @@ class EpochRunner:
         periodic = cfg.checkpoint_every and self.state["global_step"] % cfg.checkpoint_every == 0
         stop_mid_epoch = self.done() and mid_epoch  # --max-steps reached inside the epoch
         if self.interrupted or stop_mid_epoch or (periodic and mid_epoch):
+            self.settle_skips()
             s_now = {
                 **s,
                 **self._global_sums(s),
@@ -315,27 +325,54 @@ class EpochRunner:
                 self.tally.add(batch["source"], None)
 
     def optimizer_step(self) -> None:
+        """Clip, step (skipped when the gradients are not finite) and advance the schedule; the schedule
+        advances on a skipped step too (as a GradScaler recipe's does), so the learning rate follows the step."""
         acc, cfg = self.acc, self.cfg
         with self.timer.phase("optimizer"):
             norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
-            finite = norm is None or bool(torch.isfinite(norm))  # note: a sync point, once per optimizer step
-            if acc.scaler is not None or finite:
-                self.opt.step()  # with fp16 the GradScaler skips the step itself on inf/NaN gradients
-            skipped = (not finite) if acc.scaler is None else self.opt.step_was_skipped
+            if self._skips is not None:
+                self._step_on_device(norm)
+            else:
+                finite = norm is None or bool(torch.isfinite(norm))  # note: a sync point, once per optimizer step
+                if acc.scaler is not None or finite:
+                    self.opt.step()  # with fp16 the GradScaler skips the step itself on inf/NaN gradients
+                skipped = (not finite) if acc.scaler is None else self.opt.step_was_skipped
+                self.count_skips(int(skipped), int(skipped) * (self.consecutive_bad + 1))
             self.opt.zero_grad(set_to_none=True)
-        if skipped:
-            self.state["skipped_steps"] += 1
-            self.consecutive_bad += 1
-            if self.consecutive_bad >= cfg.max_nan_steps:
-                raise NonFiniteLossError(
-                    f"{self.consecutive_bad} consecutive optimizer steps had non-finite gradients (NaN/inf loss); "
-                    "stopping instead of training garbage. Lower --lr, use --mixed-precision bf16 or no, "
-                    "or check the data"
-                )
-        else:
-            self.consecutive_bad = 0
+        with warnings.catch_warnings():  # a first step skipped on the host: torch warns of the order
+            warnings.filterwarnings("ignore", re.escape(_SCHEDULER_FIRST), UserWarning)
             self.sched.step()
         self.state["global_step"] += 1
+
+    def _step_on_device(self, norm: torch.Tensor) -> None:
+        """The fused AdamW's step, skipped by its kernel when ``norm`` is not finite; counted on the device and
+        read by ``settle_skips``."""
+        bad = step_unless_non_finite(self.opt, norm)
+        skipped, run, longest = self._skips.unbind()
+        run = (run + 1) * bad
+        self._skips = torch.stack([skipped + bad, run, torch.maximum(longest, run)])
+
+    def settle_skips(self) -> None:
+        """The skips counted on the device, read (a sync point: at log lines, checkpoints and the epoch's end)
+        into the run's state; raises as ``count_skips`` does."""
+        if self._skips is None:
+            return
+        skipped, run, longest = (int(x) for x in self._skips.tolist())
+        self._skips = torch.tensor([0.0, run, run], device=self._skips.device)
+        self.count_skips(skipped, run, longest)
+
+    def count_skips(self, skipped: int, run: int, longest: int | None = None) -> None:
+        """``skipped`` more skipped steps, the current run of them ``run`` long (``longest`` at most since the
+        last count). Raises NonFiniteLossError once a run reaches --max-nan-steps."""
+        self.state["skipped_steps"] += skipped
+        self.consecutive_bad = run
+        longest = max(run, longest or 0)
+        if longest >= self.cfg.max_nan_steps:
+            raise NonFiniteLossError(
+                f"{longest} consecutive optimizer steps had non-finite gradients (NaN/inf loss); "
+                "stopping instead of training garbage. Lower --lr, use --mixed-precision bf16 or no, "
+                "or check the data"
+            )
 
     def stop_requested(self) -> bool:
         """Whether any process got SIGTERM/SIGINT; all processes agree, so all stop at this same step.
@@ -373,6 +410,9 @@ class EpochRunner:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps({"epoch": epoch, "step": self.state["global_step"], "ids": ids.tolist()}) + "\n")
+
+
+_SCHEDULER_FIRST = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"  # torch's warning
 
 
 def _sum_dtype(device: torch.device) -> torch.dtype:

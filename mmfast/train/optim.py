@@ -83,3 +83,24 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, steps: int, device
         optimizer, cfg.scheduler, int(steps * cfg.warmup_frac), steps, int(steps * cfg.probe_frac)
     )
     return optimizer, scheduler
+
+
+def skips_on_device(optimizer, accelerator) -> bool:
+    """Whether ``optimizer`` (or the one Accelerate's wrapper holds) can skip a step on the device: a fused
+    AdamW, which takes a GradScaler's ``found_inf``, in a run without a GradScaler of its own."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return accelerator.scaler is None and bool(getattr(inner, "_step_supports_amp_scaling", False))
+
+
+def step_unless_non_finite(optimizer, norm: torch.Tensor) -> torch.Tensor:
+    """``optimizer.step()``, which the fused kernel itself skips (the parameters, their moments, the weight
+    decay and the step count all left as they were) when the gradient norm ``norm`` is not finite; nothing is
+    read back to the host. Returns 1.0 (skipped) or 0.0 on the device."""
+    bad = (~torch.isfinite(norm)).to(torch.float32)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.found_inf = bad  # what the fused kernel reads, as from a GradScaler (and the step count it puts back)
+    try:
+        optimizer.step()
+    finally:
+        del inner.found_inf
+    return bad
