@@ -46,6 +46,14 @@ class BatchAgreement:
         dist.all_reduce(states, group=self.group)
         return states.tolist()
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any process (a CPU all-reduce: it never waits for the GPU's queue)."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(flags, group=self.group)
+        return bool(flags[0])
+
     def messages(self, message: str) -> list[str]:
         """Every process's message, by rank (only called when one failed: every process calls it then)."""
         import torch.distributed as dist

@@ -101,8 +101,9 @@ class EpochRunner:
         self.sampler = None  # a running UtilizationSampler when profiling
         # streaming from a store: the processes stop together at a batch one of them cannot get (agree.py)
         ranks = accelerator.process_index, accelerator.num_processes
-        streams = ranks[1] > 1 and shard_cache is not None
-        self.agreement = BatchAgreement(*ranks, cfg.dist_timeout) if streams else None
+        # the processes' gloo group for what they decide together (a stop signal, a failed batch): on the CPU
+        self.control = BatchAgreement(*ranks, cfg.dist_timeout) if ranks[1] > 1 else None
+        self.agreement = self.control if shard_cache is not None else None
         self.cuda_graphs = uses_cuda_graphs(cfg, accelerator.device.type)  # each micro-step marks its start
         mix = getattr(getattr(loader, "dataset", None), "mix_sources", None)  # a mix: per-source figures
         self.tally = SourceTally([m["name"] for m in mix], accelerator.device) if mix else None
@@ -377,13 +378,11 @@ class EpochRunner:
     def stop_requested(self) -> bool:
         """Whether any process got SIGTERM/SIGINT; all processes agree, so all stop at this same step.
 
-        A collective call at every optimizer step of a multi-process run (one small all-reduce).
+        A collective call at every optimizer step of a multi-process run: one small all-reduce over the CPU
+        (gloo) group, which never waits for the GPU to finish the step's queued work.
         """
         local = self.stop is not None and self.stop.signum is not None
-        if self.acc.num_processes == 1:
-            return local
-        flag = torch.tensor([int(local)], device=self.acc.device)
-        return bool(self.acc.reduce(flag, reduction="sum").item())  # note: a sync point per optimizer step
+        return local if self.control is None else self.control.any(local)
 
     def loader_states(self) -> list[dict]:
         """Every process's loader position (a collective call): the main process saves them all."""
