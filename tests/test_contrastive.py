@@ -191,7 +191,7 @@ def _global_case(kind: str, gather=None, window: int = 1, rank: int = 0, world: 
         step = n // window
         batches = [{k: v[i : i + step] for k, v in mine.items()} for i in range(0, n, step)]
         acc = SimpleNamespace(device=torch.device("cpu"), backward=lambda loss: loss.backward())
-        loss = task.backward_window(acc, model, batches, contextlib.nullcontext)
+        loss = float(task.backward_window(acc, model, batches, contextlib.nullcontext))
     else:
         out = model(mine)
         loss_t = contrastive_loss(
@@ -255,7 +255,7 @@ def _accum_setup(kind: str, dropout: float):
 def _cached(model, task, micro) -> tuple[float, dict]:
     torch.manual_seed(11)
     acc = SimpleNamespace(device=torch.device("cpu"), backward=lambda loss: loss.backward())
-    loss = task.backward_window(acc, model, micro, contextlib.nullcontext)
+    loss = float(task.backward_window(acc, model, micro, contextlib.nullcontext))
     return loss, _grads(model)
 
 

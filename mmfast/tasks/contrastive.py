@@ -159,9 +159,10 @@ class ContrastiveTask:
     def loss(self, output: dict, targets: torch.Tensor) -> torch.Tensor:
         return contrastive_loss(self.kind, output, targets, self.groups(targets))
 
-    def backward_window(self, accelerator, model, batches: list[dict], no_sync) -> float:
+    def backward_window(self, accelerator, model, batches: list[dict], no_sync) -> torch.Tensor:
         """Forward and backward of one accumulation window as one batch of all its samples (and every
-        process's); returns the window's loss. A window of one micro-batch is a plain forward and backward.
+        process's); returns the window's loss, on the device (nothing is read back). A window of one
+        micro-batch is a plain forward and backward.
 
         Args:
             accelerator: the run's Accelerator (``device``, ``backward``).
@@ -173,7 +174,7 @@ class ContrastiveTask:
             out = model(self.inputs(batches[0]))
             loss = self.loss(out, self.targets(batches[0]))
             accelerator.backward(loss)
-            return loss.item()  # note: a CPU-GPU sync point per window
+            return loss.detach()
         ids = torch.cat([self.targets(b) for b in batches])
         inputs = [self.inputs(b) for b in batches]
         return cached_window_backward(accelerator, model, inputs, lambda out: self.loss(out, ids), no_sync)

@@ -87,7 +87,7 @@ def cached_window_backward(
     inputs: list,
     loss_fn: Callable[[dict], torch.Tensor],
     no_sync: Callable[[], contextlib.AbstractContextManager],
-) -> float:
+) -> torch.Tensor:
     """Gradients of ``loss_fn`` over a whole window of micro-batches, as if they were one batch, in the memory of
     one micro-batch's activations.
 
@@ -109,7 +109,7 @@ def cached_window_backward(
         no_sync: a context manager factory that holds back the gradient all-reduce.
 
     Returns:
-        The window's loss.
+        The window's loss (0-dim, on the device: not read back).
     """
     device = accelerator.device
     saved = [b.detach().clone() for b in model.buffers()]
@@ -133,7 +133,7 @@ def cached_window_backward(
             _set_rng_state(states[k], device)
             out = model(x)
             accelerator.backward(_surrogate(out, grads, k, cached if k == last else None))
-    return loss.item()  # note: a CPU-GPU sync point per window
+    return loss.detach()
 
 
 def _surrogate(out: dict, grads: dict, k: int, scalars: dict | None) -> torch.Tensor:

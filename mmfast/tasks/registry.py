@@ -31,9 +31,10 @@ class Task(Protocol):
     micro-batch at a time):
         config_options: names of training-config fields ``build_task`` passes as keyword arguments.
         whole_window: True to be handed each accumulation window's micro-batches together:
-            ``backward_window(accelerator, model, batches, no_sync) -> float`` then does the forward and
+            ``backward_window(accelerator, model, batches, no_sync) -> Tensor`` then does the forward and
             backward of all of them (``no_sync()``: a context manager that holds back the gradient all-reduce)
-            and returns the window's loss; ``inputs``/``targets``/``loss`` are the task's own business.
+            and returns the window's loss (0-dim, on the device); ``inputs``/``targets``/``loss`` are the
+            task's own business.
     """
 
     num_outputs: int
