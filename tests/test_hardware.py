@@ -227,3 +227,30 @@ def test_a_fused_adamw_skips_a_non_finite_step_on_the_device_leaving_everything_
     assert not all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
     foreach, _ = build_optimizer(replace(cfg, optimizer_impl="foreach"), model, 10, "cpu")
     assert not skips_on_device(foreach, cpu_accelerator)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_a_gradscaler_skip_is_counted_for_a_fused_adamw_too(cpu_accelerator, impl):
+    """fp16's GradScaler skips a step of inf/NaN gradients; with a fused AdamW (CUDA's default) it hands the
+    kernel ``found_inf`` and calls the step anyway, so Accelerate's ``step_was_skipped`` says False and the run
+    counted no skip and never stopped at --max-nan-steps. ``scaled_step_skipped`` sees it from the scale the
+    scaler lowered, on the device, for either kernel (the scaler here on the CPU: the same code path)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from mmfast.train.optim import scaled_step_skipped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    cfg = TrainConfig(optimizer_impl=impl, lr=1e-2, warmup_frac=0.0, probe_frac=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = AcceleratedOptimizer(build_optimizer(cfg, model, 10, "cpu")[0], scaler=scaler)
+    x = torch.randn(8, 4)
+    said = []
+    for scale in (1.0, float("nan"), 1.0):
+        scaler.scale((model(x) ** 2).sum() * scale).backward()
+        before = model.weight.detach().clone()
+        skipped = scaled_step_skipped(optimizer, scaler)
+        optimizer.zero_grad()
+        said.append((float(skipped), torch.equal(before, model.weight), optimizer.step_was_skipped))
+    assert [s[:2] for s in said] == [(0.0, False), (1.0, True), (0.0, False)]  # skipped: the weights kept
+    assert said[1][2] is (impl == "foreach")  # what Accelerate alone would have counted

@@ -23,7 +23,7 @@ from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
 from mmfast.train.config import TrainConfig
 from mmfast.train.hardware import uses_cuda_graphs
-from mmfast.train.optim import skips_on_device, step_unless_non_finite
+from mmfast.train.optim import scaled_step_skipped, skips_on_device, step_unless_non_finite
 from mmfast.train.profiler import StepTimer
 from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
 from mmfast.train.source_tally import SourceTally
@@ -92,8 +92,10 @@ class EpochRunner:
         self.interrupted = False
         self.consecutive_bad = 0
         # A fused AdamW skips a step whose gradient norm is not finite on the device (its found_inf, as a
-        # GradScaler hands it): no read back per step. [skipped, current run, longest run] since settle_skips.
+        # GradScaler hands it), and so does fp16's GradScaler: no read back per step. Their count on the
+        # device: [skipped, current run, longest run] since settle_skips.
         on_device = skips_on_device(optimizer, accelerator) and cfg.grad_clip  # the norm comes with clipping
+        on_device = on_device or accelerator.scaler is not None  # fp16: the scaler's own skip, seen on the device
         self._skips = torch.zeros(3, device=accelerator.device) if on_device else None
         # profiling reports the steady state: the first steps carry CUDA / cuDNN start-up and the first prefetch
         self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile, warmup_steps=PROFILE_WARMUP_STEPS)
@@ -331,24 +333,23 @@ class EpochRunner:
         acc, cfg = self.acc, self.cfg
         with self.timer.phase("optimizer"):
             norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
-            if self._skips is not None:
-                self._step_on_device(norm)
+            if acc.scaler is not None:  # fp16: the GradScaler skips a step of inf/NaN gradients itself
+                self._count_on_device(scaled_step_skipped(self.opt, acc.scaler))
+            elif self._skips is not None:  # a fused AdamW: its kernel skips one of a non-finite norm
+                self._count_on_device(step_unless_non_finite(self.opt, norm))
             else:
                 finite = norm is None or bool(torch.isfinite(norm))  # note: a sync point, once per optimizer step
-                if acc.scaler is not None or finite:
-                    self.opt.step()  # with fp16 the GradScaler skips the step itself on inf/NaN gradients
-                skipped = (not finite) if acc.scaler is None else self.opt.step_was_skipped
-                self.count_skips(int(skipped), int(skipped) * (self.consecutive_bad + 1))
+                if finite:
+                    self.opt.step()
+                self.count_skips(int(not finite), int(not finite) * (self.consecutive_bad + 1))
             self.opt.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a first step skipped on the host: torch warns of the order
             warnings.filterwarnings("ignore", re.escape(_SCHEDULER_FIRST), UserWarning)
             self.sched.step()
         self.state["global_step"] += 1
 
-    def _step_on_device(self, norm: torch.Tensor) -> None:
-        """The fused AdamW's step, skipped by its kernel when ``norm`` is not finite; counted on the device and
-        read by ``settle_skips``."""
-        bad = step_unless_non_finite(self.opt, norm)
+    def _count_on_device(self, bad: torch.Tensor) -> None:
+        """Count a step skipped on the device (``bad``: 1.0 or 0.0 there), read by ``settle_skips``."""
         skipped, run, longest = self._skips.unbind()
         run = (run + 1) * bad
         self._skips = torch.stack([skipped + bad, run, torch.maximum(longest, run)])

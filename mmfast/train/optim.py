@@ -104,3 +104,15 @@ def step_unless_non_finite(optimizer, norm: torch.Tensor) -> torch.Tensor:
     finally:
         del inner.found_inf
     return bad
+
+
+def scaled_step_skipped(optimizer, scaler) -> torch.Tensor:
+    """``optimizer.step()`` under Accelerate's GradScaler, and whether the scaler skipped it (1.0 or 0.0, on the
+    device): it lowers its scale exactly when it found inf/NaN gradients. Accelerate's ``step_was_skipped``
+    cannot tell for a fused AdamW (CUDA's default): the scaler hands that one ``found_inf`` and calls its step
+    anyway, so it always says False."""
+    before = scaler._scale.clone() if scaler._scale is not None else None  # set by the first scale()
+    optimizer.step()
+    if before is None:
+        return torch.zeros((), device=scaler._scale.device if scaler._scale is not None else "cpu")
+    return (scaler._scale < before).to(torch.float32)
