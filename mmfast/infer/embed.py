@@ -19,7 +19,7 @@ import torch
 
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.model_dir import MmfastModel
-from mmfast.infer.predict import image_file, image_problem, rows_loader
+from mmfast.infer.predict import flag_unreadable, image_file, rows_loader
 from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
@@ -89,11 +89,7 @@ def _image_embeddings(
 ) -> dict[int, np.ndarray]:
     """{row position: its image's embedding (D,)}; rows whose image cannot be read get an "error" in ``out``."""
     max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
-    for r in out:  # said in words, from the file's header; DALI would only skip it
-        problem = "" if r.get("error") else image_problem(r, max_pixels)
-        if problem:
-            r["error"] = problem
-    usable = [i for i, r in enumerate(out) if not r.get("error")]
+    usable = flag_unreadable(out, max_pixels, num_workers)
     got: dict[int, np.ndarray] = {}
     if not usable:
         return got

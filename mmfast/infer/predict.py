@@ -48,7 +48,7 @@ def rows_loader(
         cache_decoded=False,  # one pass: nothing would read the held images again
         sampling=WHOLE_BATCHES,
         eval_geometry="dali",
-        files_checked=True,  # each row's header was read (image_problem): DALI runs whole batches
+        files_checked=True,  # each row's image was decoded (flag_unreadable): DALI runs whole batches
         crop_ratio=cfg.get("crop_ratio", EVAL_CROP_RATIO),
         **_norm(cfg),
         **kwargs,
@@ -89,11 +89,7 @@ def predict_rows(
     device = torch.device(device)
     out = [dict(r) for r in rows]
     max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
-    for i, r in enumerate(rows):  # said in words, from the file's header; DALI would only skip it
-        problem = "" if r.get("error") else image_problem(r, max_pixels)
-        if problem:
-            out[i]["error"] = problem
-    usable = [i for i, r in enumerate(out) if not r.get("error")]
+    usable = flag_unreadable(out, max_pixels, num_workers)
     if not usable:
         return out
     with tempfile.TemporaryDirectory(prefix="mmfast-predict-") as tmp:
@@ -144,6 +140,29 @@ def _predict_batches(model: MmfastModel, loader: MultimodalLoader, targets: list
             raise
     for pos, reason in loader.bad.items():
         targets[pos]["error"] = f"image unreadable: {reason}"
+
+
+def flag_unreadable(rows: list[dict], max_pixels: int, workers: int | None = None) -> list[int]:
+    """Give each row whose image cannot be read an "error" in words; returns the positions of the others.
+
+    Each image is checked as preparation checks it, before DALI sees it: its header (``image_problem``), then
+    a full decode with PIL in ``workers`` processes and DALI's CPU decoder on the survivors
+    (``validate.check_images``). A file with a good header and a cut-off body (a truncated PNG) crashed
+    DALI's parser (SIGSEGV) instead of raising, so a header check alone does not do.
+    """
+    from mmfast.data.validate import check_images
+
+    for r in rows:  # said in words, from the file's header; DALI would only skip it
+        problem = "" if r.get("error") else image_problem(r, max_pixels)
+        if problem:
+            r["error"] = problem
+    usable = [i for i, r in enumerate(rows) if not r.get("error")]
+    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    checks = check_images([image_file(rows[i]) for i in usable], workers, max_pixels=max_pixels)
+    for i, check in zip(usable, checks, strict=True):
+        if not check.ok:
+            rows[i]["error"] = f"image unreadable: {check.reason}"
+    return [i for i in usable if not rows[i].get("error")]
 
 
 def image_problem(row: dict, max_pixels: int) -> str:
