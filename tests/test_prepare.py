@@ -124,6 +124,18 @@ def test_csv_and_folder_inputs(tmp_path):
         ("2.png", "a dog on grass", "dog"),
     ]
     assert len(rejects) == 1 and "not an image file name" in rejects[0].reason
+    # named by a relative path, the folder's rows still name files that open from anywhere (they were
+    # relative to where mmfast-prepare ran, so training looked for them inside the prepared directory)
+    here = Path.cwd()
+    try:
+        os.chdir(tmp_path)
+        cands, _, _ = read_input(Path("folder"))
+    finally:
+        os.chdir(here)
+    assert [c.image for c in cands] == [
+        str((root / "cat" / "1.jpg").resolve()),
+        str((root / "dog" / "2.png").resolve()),
+    ]
 
 
 def test_confine_rejects_paths_outside_the_manifest_folder(tmp_path):

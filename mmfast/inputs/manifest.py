@@ -109,7 +109,7 @@ def read_input(
         if not path.is_dir():
             raise ManifestError(f"{path}: not a folder (an image folder is root/<class>/<image>)")
         _refuse_prepared_dir(path)
-        cands, rejects = _read_folder(path)
+        cands, rejects = _read_folder(path.resolve())  # absolute: the rows are read from anywhere later
         kind = "folder"
     else:
         if path.is_dir():
