@@ -170,6 +170,13 @@ def test_a_raw_input_or_mismatched_weights_in_a_mix_stop_the_run_with_one_line(
     argv = ["--data", str(a), "--data", str(b), "--data-weights", "1,1,1", "--out", str(out), *RUN]
     assert train_tool.main(argv) == 2
     assert "--data-weights gives 3 shares for 2 --data" in capsys.readouterr().err
+    # fewer samples an epoch than one batch: refused before a run that would train nothing (it exited 0, with
+    # an untrained model written)
+    argv = ["--data", str(a), "--data", str(b), "--samples-per-epoch", "10", "--out", str(out), *RUN]
+    assert train_tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "an epoch of 10 samples (--samples-per-epoch) cannot fill one batch" in err, err
+    assert not (out / "model").exists()
 
 
 def _seen(run: Path) -> dict[int, list[int]]:

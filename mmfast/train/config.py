@@ -37,10 +37,16 @@ class TrainConfig:
         "datasets trained as one mix (--data-weights); none: the demo set",
     )
     data_weights: str | None = _opt(
-        None, "data", "a mix's share of each --data per epoch, in their order (e.g. 0.7,0.3); none: by their sizes"
+        None,
+        "data",
+        "a mix's share of each --data per epoch, in their order, positive numbers scaled to sum to 1 (e.g. "
+        "0.7,0.3); none: by their sizes",
     )
     samples_per_epoch: int | None = _opt(
-        None, "data", "train samples drawn per epoch, each source by its --data-weights share; none: the split's"
+        None,
+        "data",
+        "train samples drawn per epoch, each source by its --data-weights share, trained in whole global batches "
+        "(the rest of a batch's worth left out); none: the split's",
     )
     out: str | None = _opt(
         None,

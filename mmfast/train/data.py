@@ -54,6 +54,13 @@ def build_loaders(
         sampling=train_sampling(cfg, dataset),
         **common,
     )
+    if len(train_loader) == 0:  # --samples-per-epoch under one global batch: an epoch would train nothing
+        per_step = cfg.batch_size * accelerator.num_processes
+        raise ValueError(
+            f"an epoch of {cfg.samples_per_epoch} samples (--samples-per-epoch) cannot fill one batch of "
+            f"{cfg.batch_size} on each of {accelerator.num_processes} processes: pass --samples-per-epoch "
+            f"{per_step} or more, or a smaller --batch-size"
+        )
     if not has_val:
         return train_loader, None, streamed, cache
     val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
