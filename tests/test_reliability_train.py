@@ -87,6 +87,26 @@ def test_an_earlier_run_needs_resume_or_overwrite_and_overwrite_moves_it_aside(p
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
 
 
+def test_a_run_whose_first_batch_failed_leaves_an_out_the_next_run_may_use(prepared, tmp_path, capsys):
+    """A run that stopped at its first batch (every image gone) had written config.json and its tokenizer's
+    copy and nothing else: the corrected command was refused ("holds an earlier run") though there was nothing
+    to resume or keep. Now it starts there; a run that checkpointed still needs --resume or --overwrite."""
+    from mmfast.train.rundir import plan_run_dir
+
+    out = tmp_path / "run"
+    assert _run(prepared, out, "--max-steps", "1") == 0
+    for name in ("checkpoints", "model", "model-last", "metrics.jsonl", "summary.json"):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    left = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "tokenizer"} <= set(left), left
+    assert plan_run_dir(out, resume=False, overwrite=False, default_out=False).action == "new", left
+    assert _run(prepared, out, "--max-steps", "1") == 0  # no --overwrite asked for
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 1
+    assert _run(prepared, out, "--max-steps", "1") == 2  # this one trained: kept
+    assert "holds an earlier run" in capsys.readouterr().err
+
+
 def test_default_out_moves_the_previous_run_aside(prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     flags = ["--data", str(prepared), *SMALL_RUN, "--max-steps", "1"]

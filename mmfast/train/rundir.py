@@ -25,9 +25,17 @@ RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
 RUN_TOKENIZER_DIR = "tokenizer"  # <run>/tokenizer: the tokenizer the run trains with (snapshot_tokenizer)
 RAW_DATA_DIR = "prepared"  # a raw --data is prepared into <run>/prepared (mmfast.train.setup.resolve_data)
-# What a start writes before its first step: the marker, the lock, and a raw --data's preparation (or the
-# rejects of one that found no usable row).
-_START_FILES = {RUN_MARKER, LOCK_FILE, RAW_DATA_DIR, f"{RAW_DATA_DIR}.rejected.jsonl"}
+# What a start writes before its first step: the marker, the lock, a raw --data's preparation (or the
+# rejects of one that found no usable row), and config.json and the tokenizer's copy (written before the
+# first batch is read: a run whose first batch failed, every image missing, left them and nothing else).
+_START_FILES = {
+    RUN_MARKER,
+    LOCK_FILE,
+    RAW_DATA_DIR,
+    f"{RAW_DATA_DIR}.rejected.jsonl",
+    "config.json",
+    RUN_TOKENIZER_DIR,
+}
 
 
 class RunDirError(ValueError):
