@@ -195,6 +195,9 @@ def test_model_dir_round_trips_encode_image_and_encode_text(prepared, net, clip_
     with torch.no_grad():
         want = net.model.encode_image(torch.stack([tf(Image.open(p).convert("RGB")) for p in paths]))
     torch.testing.assert_close(loaded.encode_image(paths, batch_size=2), want, rtol=1e-5, atol=1e-6)
+    # one image, as encode_text takes one string (a path was iterated as its characters: "no such file 'i'")
+    for one in (paths[0], Path(paths[0]), Image.open(paths[0])):
+        torch.testing.assert_close(loaded.encode_image(one), want[:1], rtol=1e-5, atol=1e-6)
     classifier = MmfastModel({**_config(prepared), "model": "concat"})
     with pytest.raises(TypeError, match="needs a dual encoder"):
         classifier.encode_text(["x"])

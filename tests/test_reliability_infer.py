@@ -232,6 +232,14 @@ def test_an_input_of_only_bad_images_exits_2_and_some_bad_ones_are_row_errors(
     _one_error_line(capsys.readouterr().err, "image is 64x64 = 0.0 MP, over the 0.001 MP budget (--max-pixels)")
 
 
+def test_a_caption_that_is_not_utf8_is_one_line(model_dir, bad_images, capsys):
+    """--text holding a byte the locale could not decode (it arrives as a surrogate escape) was a TypeError
+    traceback from the tokenizer."""
+    argv = ["--model", str(model_dir), "--image", str(bad_images["good"]), "--text", "caf\udce9"]
+    assert predict_tool.main(argv) == 2
+    _one_error_line(capsys.readouterr().err, "error: --text is not UTF-8 (byte 0xe9 at character 3)")
+
+
 def test_a_png_cut_short_among_a_folder_is_its_rows_error_not_a_crash(model_dir, tmp_path):
     """A PNG cut at byte 300 (its header whole, its pixels not) among eight good ones (real photos, RGBA like
     the icon sets), predicted at batch 64: the header read fine, and DALI's PNG parser, parsing the batch on

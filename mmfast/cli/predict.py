@@ -106,6 +106,14 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
             )
         return rows
     if getattr(args, "image", None):
+        try:
+            args.text.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes the locale could not decode come as surrogate escapes
+            byte = ord(args.text[e.start]) - 0xDC00 if 0xDC80 <= ord(args.text[e.start]) <= 0xDCFF else None
+            what = f"byte 0x{byte:02x}" if byte is not None else repr(args.text[e.start])
+            raise ValueError(
+                f"--text is not UTF-8 ({what} at character {e.start}); pass the caption in UTF-8"
+            ) from None
         return [{"image": str(Path(args.image).resolve()), "text": args.text}]
     return stack.enter_context(input_rows(args.input, input_options(args)))
 
