@@ -44,6 +44,35 @@ def test_a_malformed_flag_is_one_line_and_exit_2(command, capsys):
     assert "--help)" in err and "usage:" not in err
 
 
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("train", ["--data", "x", "--epoch", "1"]),
+        ("prepare", ["src", "--out", "o", "--val-frac", "0.1"]),
+        ("predict", ["--model", "m", "--image", "a.jpg", "--tex", "a cat"]),
+        ("evaluate", ["--model", "m", "--input", "x.jsonl", "--out", "o", "--batch", "8"]),
+    ],
+)
+def test_a_prefix_of_a_flag_is_not_that_flag_and_a_renamed_flag_names_its_new_name(command, argv, capsys):
+    """argparse took any unique prefix (``--epoch 1`` ran as --epochs, ``--data-weight`` as --data-weights):
+    a typo passed silently, and a prefix changes meaning once another flag shares it."""
+    main = importlib.import_module(f"mmfast.cli.{command}").main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+    if command == "train":
+        with pytest.raises(SystemExit):
+            main(["--data", "x", "--cache-limit-gb", "5"])
+        assert "--cache-limit-gb is now --cache-limit" in capsys.readouterr().err
+
+
+def test_resume_latest_with_nothing_to_resume_says_it_starts_fresh(prepared, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--data", str(prepared), "--out", str(out), "--resume", "latest", "--max-steps", "1", "--no-progress"]
+    assert train_tool.main([*argv, "--batch-size", "16", "--image-size", "32", "--hidden", "32"]) == 0
+    assert f"--resume latest: no checkpoint in {out}, so this is a fresh run" in capsys.readouterr().out
+
+
 def test_a_command_imports_nothing_heavy_before_its_main_runs():
     """Ctrl-C during start-up must land under main's handler, and --help should not wait for torch."""
     code = (

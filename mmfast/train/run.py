@@ -139,6 +139,8 @@ def _claim(cfg: TrainConfig, accelerator, default_out: bool):
     if plan.action == "resume" and resume_from is None:
         # --resume latest on a run that never wrote a checkpoint: nothing to continue; keep it, aside.
         plan = RunDirPlan("move-aside", run_dir)
+    if cfg.resume == "latest" and resume_from is None:  # a job script's restart-or-start: said, not an error
+        accelerator.print(f"--resume latest: no checkpoint in {run_dir}, so this is a fresh run")
     lock, err = None, None
     accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
     if accelerator.is_main_process:

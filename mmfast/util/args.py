@@ -8,11 +8,22 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # kB,
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)b?|(b?))\s*", re.IGNORECASE)
 
 
+RENAMED = {"--cache-limit-gb": "--cache-limit (bytes or a unit: 50GB, 20GiB)"}  # flags that were renamed
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with mmfast's one-line errors: ``error: ...`` and exit 2, not the whole usage above it."""
+    """argparse with mmfast's one-line errors: ``error: ...`` and exit 2, not the whole usage above it; a
+    renamed flag's new name in its error; and no abbreviations (``--epoch`` is not ``--epochs``: a prefix
+    would silently mean another flag once one is added that shares it)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if old in message]
+        hint = f"; {'; '.join(renamed)}" if renamed else ""
+        self.exit(2, f"error: {message}{hint} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
