@@ -92,6 +92,12 @@ def test_bad_weights_are_refused():
         TrainConfig(data=["a", "b", "c"], data_weights="0.5,0.5")
     with pytest.raises(ValueError, match="positive numbers"):
         TrainConfig(data=["a", "b"], data_weights="0.5,x")
+    from mmfast.train.flags import parse_config
+
+    # a negative share given as its own argument: argparse took it for a flag ("expected one argument")
+    with pytest.raises(ValueError, match="positive numbers separated by commas, got '-0.7,1.7'"):
+        parse_config(["--data", "a", "--data", "b", "--data-weights", "-0.7,1.7"])
+    assert parse_config(["--data", "a", "--data", "b", "--data-weights", "0.7,0.3"]).data_weights == "0.7,0.3"
 
 
 def test_the_mix_keeps_each_rows_source_label_name_and_tokens(sources, tmp_path):
