@@ -77,11 +77,16 @@ def optimizer_kwargs(requested: str, device_type: str) -> dict:
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
 
 
+def compiles(cfg) -> bool:
+    """Whether the run's model is compiled: ``--compile``, or a ``--compile-mode`` other than default."""
+    return cfg.compile or cfg.compile_mode != "default"
+
+
 def compile_options(cfg) -> dict | None:
-    """``torch.compile``'s keyword arguments for this run, None when it is not compiled: ``--compile``, or a
-    ``--compile-mode`` other than default. Static shapes (``dynamic=False``) when the captions are padded to a
-    few widths: one specialized graph per width, which CUDA graphs need."""
-    if not (cfg.compile or cfg.compile_mode != "default"):
+    """``torch.compile``'s keyword arguments for this run, None when it is not compiled (``compiles``).
+    Static shapes (``dynamic=False``) when the captions are padded to a few widths: one specialized graph
+    per width, which CUDA graphs need."""
+    if not compiles(cfg):
         return None
     return {"mode": cfg.compile_mode, "dynamic": False if resolve_text_padding(cfg) != "longest" else None}
 
@@ -90,7 +95,7 @@ def resolve_text_padding(cfg) -> str:
     """``--text-padding``; ``auto``: buckets for a compiled step, else each batch's longest caption."""
     if cfg.text_padding != "auto":
         return cfg.text_padding
-    return "buckets" if cfg.compile or cfg.compile_mode != "default" else "longest"
+    return "buckets" if compiles(cfg) else "longest"
 
 
 def check_compile_fits(cfg, task) -> None:
@@ -107,7 +112,7 @@ def check_compile_fits(cfg, task) -> None:
 
 def uses_cuda_graphs(cfg, device_type: str) -> bool:
     """Whether the compiled step replays CUDA graphs (``reduce-overhead`` on a CUDA device)."""
-    return compile_options(cfg) is not None and cfg.compile_mode == "reduce-overhead" and device_type == "cuda"
+    return cfg.compile_mode == "reduce-overhead" and device_type == "cuda"  # the mode implies compiling
 
 
 def choices_made(cfg, accelerator, optimizer) -> dict:
