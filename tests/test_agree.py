@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mmfast.train.agree import AgreedLoader, BatchAgreement
 from mmfast.train.heartbeat import PeerFailure
-from mmfast.util.remote import PermanentRemoteError
+from mmfast.util.remote_errors import PermanentRemoteError
 from tests.conftest import spawn_two
 
 URL = "s3://bucket/shards/00003.tar"

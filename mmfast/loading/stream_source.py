@@ -31,7 +31,8 @@ from mmfast.data.batch import PAD_ID
 from mmfast.data.dataset import WDS_ID_DIGITS
 from mmfast.util.args import format_size
 from mmfast.util.commands import PREPARE
-from mmfast.util.remote import is_remote, redact
+from mmfast.util.remote import is_remote
+from mmfast.util.remote_errors import redact
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth

@@ -40,7 +40,8 @@ from mmfast.util.fsutil import (
     recover_dir,
     write_errors,
 )
-from mmfast.util.remote import is_remote, redact
+from mmfast.util.remote import is_remote
+from mmfast.util.remote_errors import redact
 
 __all__ = ["PREPARED_KIND", "PREPARE_VERSION", "PrepareConfig", "failure_report_path", "prepare_dataset"]
 

@@ -26,7 +26,8 @@ from mmfast.train.hardware import resolve_mixed_precision
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
-from mmfast.util.remote import is_remote, redact
+from mmfast.util.remote import is_remote
+from mmfast.util.remote_errors import redact
 
 
 class LaunchError(RuntimeError):

@@ -1,20 +1,19 @@
-"""Remote objects for streaming training data: which paths are remote, URLs safe to print, failures sorted
-into transient (retry) and permanent (stop, and say what to check), whole-object downloads that are atomic
-and verified, and shard patterns expanded into URLs.
+"""Remote objects for streaming training data: which paths are remote, whole-object downloads that are
+atomic and verified, and shard patterns expanded into URLs.
 
-Every store comes through fsspec (s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://, aiohttp for
-http(s)://), with credentials only from each store's own environment and config, never printed: every message
-and log line here shows URLs and library errors through ``redact``. This module owns the retries (s3fs's and
-botocore's are off), so that ``retries`` bounds the attempts and each one is counted.
+``http(s)://`` objects, and ``s3://`` ones through a URL presigned by s3fs with the store's own credentials,
+are read with one plain GET each (``http_get``); every other store comes through fsspec (gcsfs for gs://,
+huggingface_hub for hf://). Credentials come only from each store's own environment and config, and are
+never printed: every message and log line here shows URLs and library errors through ``redact``. This module
+owns the retries (s3fs's and botocore's are off), so that ``retries`` bounds the attempts and each one is
+counted.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob as local_glob
 import hashlib
-import http.client
 import logging
 import os
 import random
@@ -24,76 +23,20 @@ import time
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from mmfast.util import http_get
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import fsync_dir
+from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError, reading, redact
 
 log = logging.getLogger(__name__)
 
-_BLOCK = 8 << 20  # bytes per read: one ranged GET of a seekable store, the write unit of a streamed one
+_BLOCK = 8 << 20  # bytes per read of a store read through fsspec: one ranged GET of a seekable one
 _RANGED = {"block_size": _BLOCK, "cache_type": "none"}  # how a seekable store is read: one ranged GET per read
 _MAX_DELAY_S = 10.0  # the longest single back-off sleep
 _PARTIAL = ".partial-"  # in the name of a download not yet complete: "." + dest name + _PARTIAL + pid-thread
 _MAX_NAMES = 1_000_000  # the most names one pattern may expand to (a typo such as {0..99999999} is an error)
-# Query parameters that carry a secret (AWS and GCS signed URLs, Azure SAS, CloudFront, API tokens).
-_SECRET_PARAMS = (
-    "x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|x-goog-credential|googleaccessid|"
-    "signature|sig|token|access_token|id_token|refresh_token|auth|authorization|key|api_key|apikey|password|"
-    "secret|client_secret|policy"
-)
-_SECRET_QUERY = re.compile(rf"(?i)([?&;](?:{_SECRET_PARAMS})=)[^&;#\s\"'<>]*")
-_USERINFO = re.compile(r"(?<=://)[^/@\s\"'<>]+@")
-# Environment variables whose values are secrets; a library message that echoes one is masked as well.
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "GCS_TOKEN")
-# 5xx but 501 Not Implemented and 505 Version Not Supported, 408 Request Timeout, 425 Too Early, 429 Too Many
-_TRANSIENT_STATUS = {408, 425, 429} | set(range(500, 600)) - {501, 505}
-# S3 (and S3-compatible) error codes that mean "try again later".
-_TRANSIENT_CODES = set(
-    "SlowDown RequestTimeout InternalError ServiceUnavailable Throttling ThrottlingException RequestLimitExceeded "
-    "TooManyRequestsException BandwidthLimitExceeded OperationAborted RequestTimeoutException "
-    "PriorRequestNotComplete".split()
-)
-# errno values of a network that failed, and those s3fs gives SlowDown / 503 (EBUSY) and 500 (EREMOTEIO).
-_TRANSIENT_ERRNOS = {
-    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ENETUNREACH,
-    errno.EHOSTUNREACH, errno.ENETDOWN, errno.EAGAIN, errno.EBUSY, errno.EREMOTEIO
-}  # fmt: skip
-# Network-library exceptions, by top-level module and class name (so that none of these optional libraries is
-# imported to recognise its errors): a connection that failed, a body cut short, a timeout.
-_TRANSIENT_TYPES = {
-    "aiohttp": {"ClientPayloadError", "ClientConnectionError", "ServerDisconnectedError", "ServerTimeoutError"},
-    "botocore": {"HTTPClientError", "ConnectionError", "IncompleteReadError", "ResponseStreamingError"},
-    "urllib3": {"ProtocolError", "TimeoutError"},
-    "requests": {"ConnectionError", "Timeout", "ChunkedEncodingError"},
-    "httpx": {"TransportError"},
-    "fsspec": {"FSTimeoutError"},
-}
-_CREDENTIALS_HINT = {
-    "s3": "the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE; "
-    "AWS_ENDPOINT_URL for an S3-compatible server) and the bucket's policy",
-    "gs": "the Google credentials (GOOGLE_APPLICATION_CREDENTIALS, or gcloud auth application-default login) "
-    "and the bucket's permissions",
-    "hf": "the Hugging Face token (HF_TOKEN, or huggingface-cli login) and access to the repository",
-    "http": "the URL's token or signature (a signed URL expires) and the server's permissions",
-}
-
-
-class RemoteError(OSError):
-    """A remote object could not be read. ``url`` is the object's URL as ``redact`` shows it."""
-
-    def __init__(self, message: str, url: str = ""):
-        super().__init__(message)
-        self.url = redact(url)
-
-
-class TransientRemoteError(RemoteError):
-    """A failure that may pass (a dropped connection, a timeout, throttling, a 5xx): worth retrying."""
-
-
-class PermanentRemoteError(RemoteError):
-    """A failure a retry cannot fix (no access, no such object, an object that changed): the message says
-    what to check."""
+_SIGNED_FOR_S = 3600  # how long a presigned s3:// URL is valid (each attempt signs anew)
 
 
 @dataclass
@@ -111,118 +54,6 @@ def is_remote(path: str | os.PathLike) -> bool:
     protocol) rather than a local file (a plain path or ``file://``)."""
     match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", os.fspath(path))
     return bool(match) and match.group(1).lower() not in ("file", "local")
-
-
-def redact(text: str | os.PathLike) -> str:
-    """``text`` (a URL, or a message that holds URLs) safe to print or log: ``user:password@`` removed, the
-    values of query parameters that carry secrets (``X-Amz-Signature``, ``token``, ``sig``, ...) replaced by
-    ``***``, and the value of any secret-holding environment variable (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``)
-    masked where a library echoed it."""
-    text = _SECRET_QUERY.sub(r"\1***", _USERINFO.sub("", os.fspath(text)))
-    for name in _SECRET_ENV:
-        secret = os.environ.get(name, "")
-        if len(secret) >= 8:
-            text = text.replace(secret, "***")
-    return text
-
-
-def classify(exc: BaseException) -> Literal["transient", "permanent"]:
-    """Whether a failure to read a remote object is worth retrying.
-
-    An S3 error code or an HTTP status anywhere in the exception's chain decides (SlowDown, RequestTimeout,
-    InternalError, 5xx, 408, 429: transient; NoSuchKey, AccessDenied, 401, 403, 404: permanent); otherwise the
-    innermost recognised exception does: timeouts, refused or reset connections, bodies cut short and s3fs's
-    EBUSY / EREMOTEIO are transient; missing objects and refused permissions are permanent; so is anything
-    unrecognised, so that a bug is reported rather than retried.
-    """
-    chain = _chain(exc)
-    for e in chain:
-        code, status = _s3_code(e), _http_status(e)
-        if code is not None and not code.isdigit():
-            return "transient" if code in _TRANSIENT_CODES else "permanent"
-        if status is not None:
-            return "transient" if status in _TRANSIENT_STATUS else "permanent"
-    for e in reversed(chain):  # innermost first: fsspec wraps a refused connection in a FileNotFoundError
-        if isinstance(e, PermanentRemoteError | FileNotFoundError | PermissionError | IsADirectoryError):
-            return "permanent"
-        if (
-            isinstance(e, TransientRemoteError | TimeoutError | ConnectionError | http.client.HTTPException)
-            or (isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS)
-            or any(c.__name__ in _TRANSIENT_TYPES.get(c.__module__.split(".")[0], ()) for c in type(e).__mro__)
-        ):
-            return "transient"
-    return "permanent"
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what caused it (``__cause__``, else ``__context__``), outermost first, at most 16 deep."""
-    out = [exc]
-    while len(out) < 16 and (e := out[-1].__cause__ or out[-1].__context__) is not None and e not in out:
-        out.append(e)
-    return out
-
-
-def _s3_code(e: BaseException) -> str | None:
-    """The error code of a botocore ``ClientError`` (``e.response["Error"]["Code"]``), else None."""
-    error = getattr(e, "response", None)
-    error = error.get("Error") if isinstance(error, dict) else None
-    return str(error["Code"]) if isinstance(error, dict) and error.get("Code") else None
-
-
-def _http_status(e: BaseException) -> int | None:
-    """The HTTP status of an error response: aiohttp's ``.status``, requests' / httpx's
-    ``.response.status_code``, botocore's ``ResponseMetadata`` (or a numeric code), and ``.code`` of urllib's
-    ``HTTPError`` and gcsfs's ``HttpError`` only (aiohttp's parse errors have a ``.code`` that is no status)."""
-    response = getattr(e, "response", None)
-    found = [getattr(e, "status", None), getattr(response, "status_code", None)]
-    if type(e).__name__ in ("HTTPError", "HttpError"):
-        found.append(getattr(e, "code", None))
-    if isinstance(response, dict):
-        code = _s3_code(e)
-        found += [
-            int(code) if code and code.isdigit() else None,
-            response.get("ResponseMetadata", {}).get("HTTPStatusCode"),
-        ]
-    valid = [v for v in found if isinstance(v, int) and not isinstance(v, bool) and 100 <= v <= 599]
-    return valid[0] if valid else None
-
-
-def _wrap(url: str, e: BaseException) -> RemoteError:
-    """``e``, raised while reading ``url``, as a Transient- or PermanentRemoteError whose message says what
-    failed (the innermost cause, redacted) and, for a permanent one, what to check."""
-    chain = _chain(e)
-    root = chain[-1]
-    what = " ".join(redact(f"{type(root).__name__}: {root}").split())[:300]
-    u = redact(url)
-    if classify(e) == "transient":
-        return TransientRemoteError(f"{u}: {what}", url)
-    statuses = {_http_status(x) for x in chain} | {_s3_code(x) for x in chain}
-    if statuses & {401, 403, "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"} or any(
-        isinstance(x, PermissionError) for x in chain
-    ):
-        scheme = url.split("://", 1)[0].lower()
-        hint = _CREDENTIALS_HINT.get({"s3a": "s3", "gcs": "gs"}.get(scheme, scheme), _CREDENTIALS_HINT["http"])
-        return PermanentRemoteError(f"{u}: access denied ({what}); check {hint}", url)
-    if statuses & {404, "NoSuchKey", "NoSuchBucket"} or any(isinstance(x, FileNotFoundError) for x in chain):
-        return PermanentRemoteError(
-            f"{u}: not found ({what}); check the path: the bucket or host, the prefix and the shard's name "
-            f"(the shards recorded by {PREPARE} may have been moved or deleted since)",
-            url,
-        )
-    return PermanentRemoteError(f"{u}: cannot be read ({what})", url)
-
-
-@contextlib.contextmanager
-def _reading(url: str):
-    """Turn whatever the store's library raises inside the block into a Transient- or PermanentRemoteError.
-    The library's exception stays reachable as ``__context__`` but is not printed with the traceback: its
-    text may hold the unredacted URL."""
-    try:
-        yield
-    except RemoteError:
-        raise
-    except Exception as e:
-        raise _wrap(url, e) from None
 
 
 def partial_path(dest: Path) -> Path:
@@ -359,35 +190,74 @@ class _Progress:
 
 
 def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: float, stats: FetchStats) -> None:
-    """One attempt: open the object, resume at ``progress.done`` where the file can seek (else start over),
-    and copy the rest into ``out``. Store failures come out as Transient- / PermanentRemoteError; a failure to
-    write ``out`` (a full disk) as the OSError it is."""
-    with _reading(url):
-        fs, path = _filesystem(url, timeout_s)
-        streamed = "http" in fs.protocol or "https" in fs.protocol
-        fs.invalidate_cache(path)  # sizes come from the store, never from a listing cached earlier
-        f = fs.open(path, "rb", block_size=0, size=size) if streamed else fs.open(path, "rb", **_RANGED)
-    try:
-        if progress.done and (streamed or not f.seekable()):
+    """One attempt: open the object at ``progress.done`` (where the store serves a range; else from the
+    start) and copy the rest into ``out``. Store failures come out as Transient- / PermanentRemoteError; a
+    failure to write ``out`` (a full disk) as the OSError it is."""
+    with reading(url):
+        body = _open(url, progress.done, timeout_s)
+    with body:
+        if body.offset != progress.done:
             progress.restart(out)
-        elif progress.done:
-            with _reading(url):
-                f.seek(progress.done)
+        pieces = body.pieces()
         while True:
-            with _reading(url):
-                block = f.read(_BLOCK)
-            if not block:
+            with reading(url):
+                piece = next(pieces, None)
+            if piece is None:
                 break
-            out.write(block)
-            progress.hasher.update(block)
-            progress.done += len(block)
-            stats.bytes += len(block)
+            out.write(piece)
+            progress.hasher.update(piece)
+            progress.done += len(piece)
+            stats.bytes += len(piece)
+        if body.total is not None and progress.done < body.total:
+            ended = f"the body ended at {progress.done} of {body.total} bytes"
+            raise TransientRemoteError(f"{redact(url)}: {ended}", url)
+
+
+def _open(url: str, offset: int, timeout_s: float):
+    """The object's bytes from ``offset`` on (an ``http_get.Body``, or an fsspec file in its shape): one GET
+    for http(s):// and for a presigned s3:// URL, fsspec's ranged reads for any other store."""
+    direct = url if url.split("://", 1)[0].lower() in ("http", "https") else _presigned(url, timeout_s)
+    if direct is not None:
+        return http_get.open_body(direct, offset, timeout_s=timeout_s)
+    fs, path = _filesystem(url, timeout_s)
+    fs.invalidate_cache(path)  # sizes come from the store, never from a listing cached earlier
+    return _FsspecBody(fs.open(path, "rb", **_RANGED), offset)
+
+
+def _presigned(url: str, timeout_s: float) -> str | None:
+    """An https GET URL for an s3:// object, signed by s3fs with the store's credentials (the signature is
+    masked by ``redact`` wherever the URL is shown); None for other stores, or when s3fs cannot sign (no
+    credentials): then s3fs reads the object and its error says what is wrong."""
+    if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+        return None
+    fs, path = _filesystem(url, timeout_s)
+    try:
+        return fs.sign(path, expiration=_SIGNED_FOR_S)
+    except Exception as e:  # botocore's NoCredentialsError and kin: the unsigned read reports it
+        log.debug("%s: not presigned (%s); reading it through s3fs", redact(url), type(e).__name__)
+        return None
+
+
+class _FsspecBody:
+    """An fsspec file read from ``offset`` (where it can seek; else from 0), in ``http_get.Body``'s shape."""
+
+    def __init__(self, f, offset: int):
+        self._f, self.offset = f, offset if offset and f.seekable() else 0
         known = getattr(f, "size", None)
-        if isinstance(known, int) and progress.done < known:
-            raise TransientRemoteError(f"{redact(url)}: the body ended at {progress.done} of {known} bytes", url)
-    finally:
+        self.total = known if isinstance(known, int) else None
+        if self.offset:
+            f.seek(self.offset)
+
+    def pieces(self):
+        while block := self._f.read(_BLOCK):
+            yield block
+
+    def __enter__(self) -> _FsspecBody:
+        return self
+
+    def __exit__(self, *exc) -> None:
         with contextlib.suppress(Exception):
-            f.close()
+            self._f.close()
 
 
 def _filesystem(url: str, timeout_s: float):
@@ -412,6 +282,7 @@ def _storage_options(protocol: str, timeout_s: float) -> dict:
         return {"client_kwargs": {"timeout": timeout}}
     if protocol in ("s3", "s3a"):
         config = {"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"total_max_attempts": 1}}
+        config["signature_version"] = "s3v4"  # presigned URLs too: buckets made since 2020 refuse SigV2
         # botocore reads AWS_ENDPOINT_URL itself; passing it too keys fsspec's cached filesystem by it.
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         return {"config_kwargs": config} | ({"endpoint_url": endpoint} if endpoint else {})
@@ -476,7 +347,7 @@ def _brace_choices(inner: str, pattern: str) -> list[str]:
 def _glob(pattern: str) -> list[str]:
     if not is_remote(pattern):
         return local_glob.glob(pattern.removeprefix("file://"))
-    with _reading(pattern):
+    with reading(pattern):
         fs, path = _filesystem(pattern, timeout_s=30.0)
         return [fs.unstrip_protocol(p) for p in fs.glob(path)]
 
@@ -488,7 +359,7 @@ def remote_version(url: str, *, timeout_s: float = 30.0) -> tuple[int, str]:
     Raises:
         PermanentRemoteError / TransientRemoteError: as ``fetch_to`` sorts the failure.
     """
-    with _reading(url):
+    with reading(url):
         fs, path = _filesystem(url, timeout_s)
         info = fs.info(path)
     version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""

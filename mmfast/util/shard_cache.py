@@ -35,6 +35,7 @@ from pathlib import Path
 
 from mmfast.util import remote
 from mmfast.util.fsutil import MARKER, OutputDirError, is_replaceable, write_marker
+from mmfast.util.remote_errors import redact
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class ShardCache:
         while reading it.
 
         Raises:
-            remote.RemoteError: the fetch failed (here or in a ``prefetch`` of it).
+            remote_errors.RemoteError: the fetch failed (here or in a ``prefetch`` of it).
             CacheFullError: the shards in use left no room for it within ``wait_s``.
         """
         with self.pinned(url, size, sha256) as path:
@@ -166,7 +167,7 @@ class ShardCache:
             finally:
                 os.close(fd)  # if another process evicts it before our shared lock, the next round fetches again
         raise CacheFullError(
-            f"{remote.redact(url)} was evicted {_ROUNDS} times before it could be read: the cache at "
+            f"{redact(url)} was evicted {_ROUNDS} times before it could be read: the cache at "
             f"{self.root} ({self.limit_bytes} bytes) is too small for the processes sharing it; raise limit_bytes"
         )
 
@@ -307,7 +308,7 @@ class ShardCache:
 def _key(url: str, sha256: str | None) -> str:
     """What names a shard in the cache: its URL without the query when its hash is known (the hash pins the
     content), else the whole URL; redacted either way."""
-    return remote.redact(url.split("?", 1)[0] if sha256 else url)
+    return redact(url.split("?", 1)[0] if sha256 else url)
 
 
 def _claim_root(root: Path) -> Path:
