@@ -4,6 +4,7 @@ connections, answers 503 / 403 / 404 and counts the requests that reach the stor
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import functools
@@ -24,6 +25,7 @@ import pytest
 
 from mmfast.util import remote, remote_errors
 from mmfast.util.fsutil import OutputDirError
+from mmfast.util.http_get import HTTPStatusError
 from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError
 from mmfast.util.shard_cache import CacheFullError, ShardCache
 from tools.benchmarks.benchlib.fault_proxy import FaultProxy
@@ -59,25 +61,46 @@ def _files(root: Path) -> dict[str, int]:
     return found
 
 
-class _QuietHandler(SimpleHTTPRequestHandler):
+class _Handler(SimpleHTTPRequestHandler):
+    """http.server's file handler, quiet; ``/moved/NAME`` answers 302 to ``/NAME`` and ``/loop`` redirects to
+    itself; the Authorization header of every GET is kept in ``server.auth``."""
+
+    def do_GET(self):
+        self.server.auth.append(self.headers.get("Authorization"))
+        if self.path.startswith("/moved/") or self.path == "/loop":
+            self.send_response(302)
+            self.send_header("Location", self.path.removeprefix("/moved"))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
     def log_message(self, format, *args):  # noqa: A002
         pass
 
 
 @pytest.fixture(scope="module")
-def http_store(tmp_path_factory):
-    """An http.server over a folder of shards: (base URL, folder, {name: bytes})."""
+def http_server(tmp_path_factory):
+    """An http.server over a folder of shards, with ``url``, ``root``, ``blobs`` ({name: bytes}) and ``auth``."""
     root = tmp_path_factory.mktemp("store")
     blobs = {"big.bin": _blob(3_000_000, 0)} | {f"shard-{i:05d}.tar": _blob(SHARD, i + 1) for i in range(8)}
     for name, data in blobs.items():
         (root / name).write_bytes(data)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(root)))
+    server.url, server.root = f"http://127.0.0.1:{server.server_address[1]}", root
+    server.blobs, server.auth = blobs, []
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", root, blobs
+    yield server
     server.shutdown()
     server.server_close()
     thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def http_store(http_server):
+    """(base URL, folder, {name: bytes}) of the http.server."""
+    return http_server.url, http_server.root, http_server.blobs
 
 
 @pytest.fixture
@@ -176,6 +199,9 @@ def test_classify_sorts_library_errors_into_transient_and_permanent():
         wrapped(OSError(errno.EBUSY, "SlowDown"), s3_error("SlowDown", 503)),  # as s3fs translates it
         wrapped(FileNotFoundError("http://h/x"), ConnectionRefusedError()),  # as fsspec's http info wraps it
         botocore_exceptions.EndpointConnectionError(endpoint_url="http://h"),
+        HTTPStatusError(503, "Service Unavailable", "SlowDown"),  # what remote's own GET raises
+        HTTPStatusError(502, "Bad Gateway", None),
+        HTTPStatusError(400, "Bad Request", "RequestTimeout"),
     ]
     permanent = [
         http_error(403),
@@ -189,6 +215,9 @@ def test_classify_sorts_library_errors_into_transient_and_permanent():
         s3_error("NoSuchBucket", 404),
         wrapped(PermissionError("x"), s3_error("AccessDenied", 403)),
         ValueError("a bug"),
+        HTTPStatusError(403, "Forbidden", "SignatureDoesNotMatch"),
+        HTTPStatusError(404, "Not Found", None),
+        HTTPStatusError(416, "Range Not Satisfiable", "InvalidRange"),
     ]
     assert [remote_errors.classify(e) for e in transient] == ["transient"] * len(transient)
     assert [remote_errors.classify(e) for e in permanent] == ["permanent"] * len(permanent)
@@ -226,6 +255,21 @@ def test_a_dropped_s3_read_resumes_where_it_stopped(s3_proxy, s3_store, tmp_path
     assert dest.read_bytes() == data
     assert stats.retries == 1 and s3_proxy.count(f"/{BUCKET}/{key}") == 2
     assert stats.bytes == len(data)  # the second GET asked for the second half only: nothing read twice
+
+
+def test_with_a_proxy_in_the_environment_s3_is_read_through_it(s3_store, monkeypatch, tmp_path):
+    """HTTP_PROXY names a proxy (the FaultProxy, forwarding to moto) and the endpoint is an address nothing
+    listens on: the shard arrives through the proxy (a plain GET to the endpoint would be refused)."""
+    key = "data/shard-00001.tar"
+    data = s3_store[1][key]
+    with FaultProxy(s3_store[0]) as p:
+        monkeypatch.setenv("HTTP_PROXY", p.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.3:9")
+        remote.fetch_to(f"s3://{BUCKET}/{key}", tmp_path / "p", size=len(data), sha256=_sha(data), retries=0)
+        assert p.count(f"/{BUCKET}/{key}") == 1
+    assert (tmp_path / "p").read_bytes() == data
 
 
 def test_a_dropped_http_read_resumes_where_the_server_serves_ranges(s3_store, tmp_path):
@@ -271,6 +315,26 @@ def test_503_twice_then_success_is_retried(store, request, tmp_path):
     assert stats.retries == 2
 
 
+def test_a_redirect_is_followed_and_a_redirect_loop_is_permanent(http_server, tmp_path):
+    data = http_server.blobs["shard-00003.tar"]
+    url = f"{http_server.url}/moved/shard-00003.tar"
+    assert remote.fetch_to(url, tmp_path / "r", size=len(data), sha256=_sha(data), **FAST).read_bytes() == data
+    with pytest.raises(PermanentRemoteError, match=r"/loop: cannot be read .*more than 5 redirects"):
+        remote.fetch_to(f"{http_server.url}/loop", tmp_path / "l", **FAST)
+    assert os.listdir(tmp_path) == ["r"]
+
+
+def test_user_and_password_in_the_url_are_sent_as_basic_auth_and_never_shown(http_server, tmp_path):
+    data = http_server.blobs["shard-00004.tar"]
+    host = http_server.url.removeprefix("http://")
+    remote.fetch_to(f"http://reader:p%40ss{SIGNATURE}@{host}/shard-00004.tar", tmp_path / "a", size=len(data))
+    assert http_server.auth[-1] == "Basic " + base64.b64encode(f"reader:p@ss{SIGNATURE}".encode()).decode()
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.fetch_to(f"http://reader:{SIGNATURE}@{host}/no-such.tar", tmp_path / "b", **FAST)
+    assert str(info.value).startswith(f"http://{host}/no-such.tar: not found")
+    assert SIGNATURE not in "".join(traceback.format_exception(info.value))
+
+
 def test_transient_failures_stop_after_the_retries_allowed(proxy, tmp_path):
     proxy.add_fault("/big.bin", status=503)
     started = time.monotonic()
@@ -304,7 +368,7 @@ def test_403_and_404_on_s3_say_what_to_check(s3_proxy, tmp_path, status, words):
     with pytest.raises(PermanentRemoteError, match=words) as info:
         remote.fetch_to(f"s3://{BUCKET}/{key}", tmp_path / "x", size=1000, **FAST)
     assert str(info.value).startswith(f"s3://{BUCKET}/{key}: ")
-    assert s3_proxy.count(f"/{BUCKET}/{key}", method="*") == 1  # the HEAD, refused: no retry
+    assert s3_proxy.count(f"/{BUCKET}/{key}", method="*") == 1  # the GET, refused: no retry
     assert SECRET_KEY not in "".join(traceback.format_exception(info.value))
 
 

@@ -272,7 +272,7 @@ def test_the_first_batch_needs_only_the_first_shard(prepared_s3, proxy, tmp_path
 
 
 def test_no_secret_reaches_the_run_files_logs_or_output(prepared_s3, proxy, minilm_dir, tmp_path, capsys, caplog):
-    """Shards at http:// URLs with ``user:password@`` and a ``sig=`` signature (fsspec's HTTP filesystem, through
+    """Shards at http:// URLs with ``user:password@`` and a ``sig=`` signature (one GET each, through
     the FaultProxy) trained on with a 503 and a dropped body retried, then refused with 403, and the S3 set
     refused with 403 with the fake AWS secret in the environment: neither secret is in config.json,
     summary.json, metrics.jsonl, the checkpoints, the cache's file names, the logs or the output, where the

@@ -37,6 +37,16 @@ def build_loaders(
     ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
     """
     cache = shard_cache(cfg, dataset)
+    try:
+        return (*_loaders(cfg, accelerator, dataset, norm, cache), cache)
+    except BaseException:
+        if cache is not None:  # its fetch threads would outlive the failed start
+            cache.close()
+        raise
+
+
+def _loaders(cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cache: ShardCache | None):
+    """build_loaders' train loader, val loader (or None) and {split: why it is streamed}."""
     common = _loader_options(cfg, accelerator, norm, cache)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = dataset.split_size("val") > 0
@@ -62,9 +72,9 @@ def build_loaders(
             f"{per_step} or more, or a smaller --batch-size"
         )
     if not has_val:
-        return train_loader, None, streamed, cache
+        return train_loader, None, streamed
     val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
-    return train_loader, val_loader, streamed, cache
+    return train_loader, val_loader, streamed
 
 
 def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrder:

@@ -20,6 +20,8 @@ import random
 import re
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,16 +228,21 @@ def _open(url: str, offset: int, timeout_s: float):
 
 def _presigned(url: str, timeout_s: float) -> str | None:
     """An https GET URL for an s3:// object, signed by s3fs with the store's credentials (the signature is
-    masked by ``redact`` wherever the URL is shown); None for other stores, or when s3fs cannot sign (no
-    credentials): then s3fs reads the object and its error says what is wrong."""
+    masked by ``redact`` wherever the URL is shown); None for other stores, when s3fs cannot sign (no
+    credentials: then s3fs reads the object and its error says what is wrong), or when the environment names
+    a proxy for the endpoint."""
     if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
         return None
     fs, path = _filesystem(url, timeout_s)
     try:
-        return fs.sign(path, expiration=_SIGNED_FOR_S)
+        signed = fs.sign(path, expiration=_SIGNED_FOR_S)
     except Exception as e:  # botocore's NoCredentialsError and kin: the unsigned read reports it
         log.debug("%s: not presigned (%s); reading it through s3fs", redact(url), type(e).__name__)
         return None
+    parts = urllib.parse.urlsplit(signed)
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname or ""):
+        return None  # HTTPS_PROXY / HTTP_PROXY: s3fs's reads go through the proxy, a plain GET would not
+    return signed
 
 
 class _FsspecBody:
