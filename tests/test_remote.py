@@ -257,19 +257,36 @@ def test_a_dropped_s3_read_resumes_where_it_stopped(s3_proxy, s3_store, tmp_path
     assert stats.bytes == len(data)  # the second GET asked for the second half only: nothing read twice
 
 
-def test_with_a_proxy_in_the_environment_s3_is_read_through_it(s3_store, monkeypatch, tmp_path):
-    """HTTP_PROXY names a proxy (the FaultProxy, forwarding to moto) and the endpoint is an address nothing
-    listens on: the shard arrives through the proxy (a plain GET to the endpoint would be refused)."""
-    key = "data/shard-00001.tar"
-    data = s3_store[1][key]
+@pytest.fixture
+def s3_forward_proxy(s3_store, monkeypatch):
+    """HTTP_PROXY naming a FaultProxy (forwarding to moto) and an endpoint nothing listens on: what reaches the
+    store went through the proxy, read by s3fs (a plain GET to the endpoint would be refused)."""
     with FaultProxy(s3_store[0]) as p:
         monkeypatch.setenv("HTTP_PROXY", p.url)
         monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.delenv("no_proxy", raising=False)
         monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.3:9")
-        remote.fetch_to(f"s3://{BUCKET}/{key}", tmp_path / "p", size=len(data), sha256=_sha(data), retries=0)
-        assert p.count(f"/{BUCKET}/{key}") == 1
+        yield p
+
+
+def test_with_a_proxy_in_the_environment_s3_is_read_through_it(s3_forward_proxy, s3_store, tmp_path):
+    key = "data/shard-00001.tar"
+    data = s3_store[1][key]
+    remote.fetch_to(f"s3://{BUCKET}/{key}", tmp_path / "p", size=len(data), sha256=_sha(data), retries=0)
+    assert s3_forward_proxy.count(f"/{BUCKET}/{key}") == 1
     assert (tmp_path / "p").read_bytes() == data
+
+
+def test_read_by_s3fs_a_dropped_block_resumes_at_that_block(s3_forward_proxy, s3_store, tmp_path):
+    key = "data/shard-00000.tar"
+    data = s3_store[1][key]
+    s3_forward_proxy.add_fault(f"/{BUCKET}/{key}", after=1, times=1, drop_mid_body=True)  # the 2nd block's GET
+    stats = remote.FetchStats()
+    dest = remote.fetch_to(
+        f"s3://{BUCKET}/{key}", tmp_path / "s", size=len(data), sha256=_sha(data), stats=stats, **FAST
+    )
+    assert dest.read_bytes() == data and stats.retries == 1
+    assert s3_forward_proxy.count(f"/{BUCKET}/{key}") == 3  # block 1, block 2 dropped, block 2 again: not block 1
 
 
 def test_a_dropped_http_read_resumes_where_the_server_serves_ranges(s3_store, tmp_path):
