@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -202,6 +202,7 @@ def test_classify_sorts_library_errors_into_transient_and_permanent():
         HTTPStatusError(503, "Service Unavailable", "SlowDown"),  # what remote's own GET raises
         HTTPStatusError(502, "Bad Gateway", None),
         HTTPStatusError(400, "Bad Request", "RequestTimeout"),
+        HTTPStatusError(503, "Service Unavailable", "ServerBusy"),  # a code not S3's: its status decides
     ]
     permanent = [
         http_error(403),
@@ -350,6 +351,96 @@ def test_user_and_password_in_the_url_are_sent_as_basic_auth_and_never_shown(htt
         remote.fetch_to(f"http://reader:{SIGNATURE}@{host}/no-such.tar", tmp_path / "b", **FAST)
     assert str(info.value).startswith(f"http://{host}/no-such.tar: not found")
     assert SIGNATURE not in "".join(traceback.format_exception(info.value))
+
+
+class _OddServer(BaseHTTPRequestHandler):
+    """Answers real servers give that a plain GET must survive, one per path, for ``ODD`` bytes:
+    ``/auth/go`` redirects to an absolute URL on the same host, and ``/auth/ok`` wants the basic auth;
+    ``/end`` sends the whole body chunked but drops the connection before its last chunk, and answers a
+    range from the end with 416; ``/star`` answers a range with ``bytes N-END/*`` and sends less than that;
+    ``/trickle`` sends a byte every 0.1 s."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 10
+
+    def do_GET(self):
+        data, start = ODD, int((self.headers.get("Range") or "bytes=0-")[6:].rstrip("-"))
+        if self.path == "/auth/go":
+            return self._answer(302, b"", Location=f"http://{self.headers['Host']}/auth/ok")
+        if self.path == "/auth/ok":
+            ok = self.headers.get("Authorization") == "Basic " + base64.b64encode(b"reader:pw").decode()
+            return self._answer(200, data) if ok else self._answer(401, b"")
+        if self.path == "/end" and start == len(data):
+            return self._answer(416, b"", **{"Content-Range": f"bytes */{len(data)}"})
+        if self.path == "/end":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))  # no closing 0-chunk
+            self.close_connection = True
+            return None
+        if self.path == "/star" and start:
+            return self._answer(
+                206, data[start : start + 100], **{"Content-Range": f"bytes {start}-{len(data) - 1}/*"}
+            )
+        if self.path == "/star":
+            return self._answer(200, data[: len(data) // 2], drop=True, length=len(data))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            for i in range(50):  # bounded: 5 s at most
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.1)
+        self.close_connection = True
+        return None
+
+    def _answer(self, status, body, drop=False, length=None, **headers):
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(length or len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = drop
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+ODD = _blob(200_000, 7)
+
+
+@pytest.fixture(scope="module")
+def odd_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OddServer)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_odd_but_valid_answers_are_read_whole_and_short_ones_refused(odd_server, tmp_path):
+    got = remote.fetch_to(f"http://reader:pw@{odd_server}/auth/go", tmp_path / "a", size=len(ODD), **FAST)
+    assert got.read_bytes() == ODD  # the auth kept across a redirect to the same host
+    stats = remote.FetchStats()
+    got = remote.fetch_to(f"http://{odd_server}/end", tmp_path / "e", size=len(ODD), stats=stats, **FAST)
+    assert got.read_bytes() == ODD and stats.retries == 1  # every byte in: the range from the end is 416
+    with pytest.raises(TransientRemoteError, match="the body ended at"):
+        remote.fetch_to(f"http://{odd_server}/star", tmp_path / "s", retries=1, backoff_s=0.01, timeout_s=10)
+    started = time.monotonic()
+    with pytest.raises(TransientRemoteError, match="stalled"):
+        remote.fetch_to(f"http://{odd_server}/trickle", tmp_path / "t", retries=0, timeout_s=1.0)
+    assert time.monotonic() - started < 4
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.fetch_to(f"http://u:Pa#{SIGNATURE}@{odd_server}/x", tmp_path / "x", **FAST)
+    assert "percent-encode" in str(info.value)
+    assert SIGNATURE not in "".join(traceback.format_exception(info.value))
+    assert sorted(os.listdir(tmp_path)) == ["a", "e"]
 
 
 def test_transient_failures_stop_after_the_retries_allowed(proxy, tmp_path):

@@ -253,7 +253,11 @@ class _FsspecBody:
         known = getattr(f, "size", None)
         self.total = known if isinstance(known, int) else None
         if self.offset:
-            f.seek(self.offset)
+            try:
+                f.seek(self.offset)
+            except BaseException:
+                f.close()
+                raise
 
     def pieces(self):
         while block := self._f.read(_BLOCK):

@@ -93,7 +93,8 @@ def classify(exc: BaseException) -> Literal["transient", "permanent"]:
     """Whether a failure to read a remote object is worth retrying.
 
     An S3 error code or an HTTP status anywhere in the exception's chain decides (SlowDown, RequestTimeout,
-    InternalError, 5xx, 408, 429: transient; NoSuchKey, AccessDenied, 401, 403, 404: permanent); otherwise the
+    InternalError, 5xx, 408, 429: transient; NoSuchKey, AccessDenied, 401, 403, 404: permanent; a code not
+    known as transient goes by its status when there is one); otherwise the
     innermost recognised exception does: timeouts, refused or reset connections, bodies cut short and s3fs's
     EBUSY / EREMOTEIO are transient; missing objects and refused permissions are permanent; so is anything
     unrecognised, so that a bug is reported rather than retried.
@@ -101,10 +102,12 @@ def classify(exc: BaseException) -> Literal["transient", "permanent"]:
     chain = _chain(exc)
     for e in chain:
         code, status = _s3_code(e), _http_status(e)
-        if code is not None and not code.isdigit():
-            return "transient" if code in _TRANSIENT_CODES else "permanent"
-        if status is not None:
+        if code in _TRANSIENT_CODES:
+            return "transient"
+        if status is not None:  # a code not known as transient goes by its status (Azure's 503 ServerBusy)
             return "transient" if status in _TRANSIENT_STATUS else "permanent"
+        if code is not None and not code.isdigit():
+            return "permanent"
     for e in reversed(chain):  # innermost first: fsspec wraps a refused connection in a FileNotFoundError
         if isinstance(e, PermanentRemoteError | FileNotFoundError | PermissionError | IsADirectoryError):
             return "permanent"
