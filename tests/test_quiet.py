@@ -38,11 +38,13 @@ def decode():
     return fn.decoders.image(enc, device="cpu", output_type=types.RGB)
 
 with filter_native_stderr():
+    # before the pipeline exists: its threads, decoding ahead, write their warnings in pieces that another
+    # thread's line could land between
+    os.write(2, b"libpng warning: something else\\n")  # not a colour-profile warning: kept
     pipe = decode()
     pipe.build()
     for _ in range(3):
         (images,) = pipe.run()
-    os.write(2, b"libpng warning: something else\\n")  # not a colour-profile warning: kept
     print("python stderr", file=sys.stderr)
     print("decoded", np.array(images[0]).shape)
     del images, pipe  # its prefetching threads decode ahead: stop them inside the block
