@@ -39,6 +39,7 @@ _MAX_DELAY_S = 10.0  # the longest single back-off sleep
 _PARTIAL = ".partial-"  # in the name of a download not yet complete: "." + dest name + _PARTIAL + pid-thread
 _MAX_NAMES = 1_000_000  # the most names one pattern may expand to (a typo such as {0..99999999} is an error)
 _SIGNED_FOR_S = 3600  # how long a presigned s3:// URL is valid (each attempt signs anew)
+_WRITE_BUFFER = 1 << 20  # bytes gathered before one write to the partial file
 
 
 @dataclass
@@ -110,7 +111,7 @@ def fetch_to(
     started, tmp = time.monotonic(), partial_path(dest)
     try:
         for again in (False, True):  # a mismatch is fetched once more: it may have been a change mid-download
-            with open(tmp, "wb") as out:
+            with open(tmp, "wb", buffering=_WRITE_BUFFER) as out:  # pieces off a slow link are small
                 wrong = _mismatch(size, sha256, *_download(url, out, size, policy, stats))
                 if not wrong:
                     out.flush()
