@@ -204,6 +204,30 @@ def test_prepared_from_s3_records_urls_and_checksums_and_no_secret(prepared_s3, 
     assert FAKE_SECRET not in written and "AKIAFAKESTREAMTEST00" not in written
 
 
+def test_prediction_reads_the_images_of_shards_prepared_from_s3_or_given_as_urls(
+    prepared_s3, prepared_local, shard_dir, s3_shards, tmp_path
+):
+    """What mmfast-predict / mmfast-evaluate read: a prepared split whose images lie inside shards (local or
+    remote: fetched and verified), and an --input that is an s3:// pattern, give each row a file with the
+    bytes of the image as the local shards hold it, named by its shard's URL."""
+    from mmfast.infer.predict import prepared_rows
+    from mmfast.infer.predict_inputs import read_rows
+
+    def images(rows):
+        return [(r["text"], Path(r["path"]).read_bytes()) for r in rows]
+
+    local = prepared_rows(prepared_local, "val", tmp_path / "l")
+    remote = prepared_rows(prepared_s3, "val", tmp_path / "r")
+    assert local and images(remote) == images(local)
+    assert all(r["image"].startswith(f"s3://{BUCKET}/shards/") and ".tar:" in r["image"] for r in remote)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["images"]  # the fetched shards removed
+    pattern = f"{{00000..{SHARDS - 1:05d}}}.tar"
+    from_urls = read_rows(f"s3://{BUCKET}/shards/{pattern}", tmp_path / "u")
+    from_disk = read_rows(str(shard_dir / pattern), tmp_path / "d")
+    assert len(from_urls) == SHARDS * PER_SHARD and images(from_urls) == images(from_disk)
+    assert from_urls[0]["image"] == f"s3://{BUCKET}/shards/00000.tar:{from_disk[0]['image'].rsplit(':', 1)[1]}"
+
+
 def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, prepared_local, tmp_path, caplog):
     """Through a cache of about two shards: the same ids and augmented pixels as the local shards for two
     epochs, the cache never past its limit plus one shard, and every shard fetched again only after eviction."""

@@ -24,6 +24,7 @@ import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,7 +99,9 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
     from mmfast.infer.predict_inputs import input_rows
 
     if getattr(args, "data", None):
-        rows = prepared_rows(args.data, args.split)
+        rows = prepared_rows(
+            args.data, args.split, stack.enter_context(tempfile.TemporaryDirectory(prefix="mmfast-rows-"))
+        )
         if not rows:
             raise ValueError(
                 f"{args.data}: its {args.split} split is empty (prepared with --val-fraction 0?); pass --split "

@@ -27,6 +27,8 @@ from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
 from mmfast.util.fsutil import atomic_write_bytes, atomic_write_jsonl
+from mmfast.util.remote import fetch_to, is_remote
+from mmfast.util.remote_errors import redact
 
 
 def rows_loader(
@@ -256,16 +258,55 @@ def predict_pil(model: MmfastModel, rows: list[dict], batch_size: int = 64) -> l
     return preds
 
 
-def prepared_rows(data_dir: str | os.PathLike, split: str) -> list[dict]:
-    """The rows of a prepared dataset's split, labels as class names (``id``: the prepared sample id)."""
+def prepared_rows(
+    data_dir: str | os.PathLike, split: str, work_dir: str | os.PathLike | None = None
+) -> list[dict]:
+    """The rows of a prepared dataset's split, labels as class names (``id``: the prepared sample id).
+
+    A row whose image lies inside a shard (a dataset prepared from WebDataset shards, local or remote) gets its
+    bytes copied out into ``work_dir`` (the file its "path" names; its "image" names it for the user as
+    ``<shard>:<member>``, the URL redacted); a remote shard is fetched there first, verified against the size
+    and SHA-256 recorded at preparation, and removed once its images are out.
+
+    Raises:
+        ValueError: the split has rows inside shards and no ``work_dir`` was given.
+        remote_errors.RemoteError: a remote shard cannot be fetched (the message names its URL).
+    """
     from mmfast.data.dataset import PreparedDataset
 
     dataset = PreparedDataset(data_dir)
     names = {i: name for name, i in dataset.labels.items()}
-    return [
-        {"id": r["id"], "image": r["image"], "text": r["text"], "label": names[r["label"]]}
-        for r in dataset.rows(split)
-    ]
+    rows, in_shards = [], {}
+    for r in dataset.rows(split):
+        rows.append({"id": r["id"], "image": r["image"], "text": r["text"], "label": names[r["label"]]})
+        if r.get("tar"):
+            in_shards.setdefault(r["tar"], []).append((rows[-1], r))
+    if in_shards and work_dir is None:
+        raise ValueError(f"{data_dir}: the images of its {split} split are inside shards: give a work folder")
+    for tar, members in in_shards.items():
+        _copy_out(tar, members, Path(work_dir))
+    return rows
+
+
+def _copy_out(tar: str, members: list[tuple[dict, dict]], work_dir: Path) -> None:
+    """Write each (row, prepared row)'s image, read from ``tar`` at its offset, to a file under ``work_dir``."""
+    local = Path(tar)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if is_remote(tar):
+        first = members[0][1]
+        local = fetch_to(tar, work_dir / "shard.tar", size=first.get("tar_size"), sha256=first.get("tar_sha256"))
+    images = work_dir / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(local, "rb") as f:
+            for row, r in members:
+                f.seek(r["offset"])
+                out = images / f"{r['id']}{Path(r['member']).suffix.lower()}"
+                out.write_bytes(f.read(r["nbytes"]))
+                row.update(image=f"{redact(tar)}:{r['member']}", path=str(out))
+    finally:
+        if local != Path(tar):
+            local.unlink(missing_ok=True)
 
 
 def score(results: list[dict], class_names: list[str]) -> dict:

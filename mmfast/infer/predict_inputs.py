@@ -31,6 +31,8 @@ from pathlib import Path
 
 from mmfast.inputs import ImagesInPlace, InputOptions, detect_kind, read_source, reader_named
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
+from mmfast.util.remote import fetch_to, is_remote
+from mmfast.util.remote_errors import redact
 
 _Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
 
@@ -82,14 +84,14 @@ def read_rows(
             chosen[key] = (item, False)
     base = path if path.is_dir() else path.parent  # what a row's file is relative to
     reader = reader_named(kind)
-    rows = []
+    rows, fetched = [], {}
     for k, key in enumerate(sorted(chosen)):
         item, with_label = chosen[key]
         if isinstance(item, Reject):
             where = _where(item, reader.rows_are_files, path, base)
             rows.append({"image": None, "text": None, "error": f"{where}: {item.reason}"})
         elif reader.in_place is not None:
-            rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir))
+            rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir, fetched))
         else:
             rows.append(_candidate_row(item, with_label, path, base, work_dir))
     return rows
@@ -131,20 +133,29 @@ def _copied_out_row(
     path: Path,
     base: Path,
     work_dir: Path | None,
+    fetched: dict[str, Path],
 ) -> dict:
     """The row of an image read in place (the ``k``-th row to predict): its bytes copied out of the user's file
-    into a file under ``work_dir``, which the row's "path" names; its "image" is "<file>:<member>"."""
+    into a file under ``work_dir``, which the row's "path" names; its "image" is "<file>:<member>". ``fetched``:
+    the remote shards already fetched into ``work_dir`` ({URL: local copy}), added to."""
     if work_dir is None:
         raise ManifestError(f"{path}: the images of {in_place.noun}s need a folder to be copied to")
     m = in_place.member(c)
     image_dir = work_dir / ("labeled" if with_label else "unlabeled")
     image_dir.mkdir(parents=True, exist_ok=True)
-    with open(m.file, "rb") as f:
+    local = m.file
+    if is_remote(m.file):  # a remote shard is fetched once, verified, into work_dir (removed with it)
+        if m.file not in fetched:
+            (work_dir / "shards").mkdir(exist_ok=True)
+            fetched[m.file] = fetch_to(m.file, work_dir / "shards" / f"{len(fetched):05d}.tar")
+        local = fetched[m.file]
+    with open(local, "rb") as f:
         f.seek(m.offset)
         data = f.read(m.nbytes)
     out = image_dir / f"{k:08d}{Path(m.name).suffix.lower()}"
     out.write_bytes(data)
-    row = {"image": f"{base / c.file if c.file else path}:{m.name}", "text": c.text}
+    shard = redact(m.file) if is_remote(m.file) else base / c.file if c.file else path
+    row = {"image": f"{shard}:{m.name}", "text": c.text}
     if with_label:
         row["label"] = c.label
     return row | {"path": str(out)}

@@ -98,7 +98,9 @@ def read_source(
         if not Path(path).exists():
             raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
         reader = reader or READERS[detect_kind(Path(path))]
-    cands, rejects = reader.read(Path(path), opts, confine, image_dir)
+    claimed_here = reader.claims is not None and reader.claims(str(path))
+    # a claimed source is handed over as given: Path() would fold a URL's '//'
+    cands, rejects = reader.read(path if claimed_here else Path(path), opts, confine, image_dir)
     cands, rejects = finish_rows(cands, rejects, dedupe)
     return cands, rejects, reader.name
 

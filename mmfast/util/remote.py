@@ -170,7 +170,8 @@ def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStat
             if attempt == policy.retries:
                 raise TransientRemoteError(
                     f"{e}; still failing after {attempt + 1} attempts in {time.monotonic() - started:.1f} s: the "
-                    "store or the network is down or throttling; re-run when it is back, or allow more retries",
+                    "store or the network is down or throttling; re-run when it is back (a training run: with "
+                    "--resume latest)",
                     url,
                 ) from None
             delay = min(policy.backoff_s * 2**attempt, _MAX_DELAY_S) * random.uniform(0.5, 1.0)
