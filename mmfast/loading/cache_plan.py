@@ -139,9 +139,12 @@ def _obstacle(split: SplitImages, device_type: str, host_finish: bool, source, w
     if not host_finish:
         return words.dali_finish
     if not source.ordered_by_loader:
-        return f"read by the {source.name} source, which orders its reads itself; the cache works with image files"
+        return (
+            f"read by the {source.name} source, which orders its reads itself (images are held decoded from image "
+            "files only)"
+        )
     if not source.needs_paths:
-        return f"read by the {source.name} source from shards; the cache works with image files"
+        return f"read from shards by the {source.name} source (images are held decoded from image files only)"
     if split.train and split.color_jitter > 0:
         return words.jitter
     if split.train and split.epochs == 1:  # and the cache's first epoch decodes whole images

@@ -123,7 +123,7 @@ class StreamSource:
         for k, idx in enumerate(self.index):
             for offset, size, sid in read_index(idx):
                 where[int(sid)] = (k, int(offset), int(size))
-        self._where, self._warned = where, False
+        self._where = where
         self.shard_of = np.zeros(0, dtype=np.int64)  # per position, once ``bind`` knows the loader's ids
         self._loc = np.zeros((0, 3), dtype=np.int64)
 
@@ -179,21 +179,16 @@ class StreamSource:
 
     def shards_held(self) -> int:
         """How many of the largest shards the cache holds (its limit, plus the one shard it may exceed it by);
-        warns once when that is fewer than the window's shards and two more (the next one arriving while the
-        window is read): the order then fetches shards more than once per epoch."""
+        warns (once per cache) when that is fewer than the window's shards and two more (the next one arriving
+        while the window is read): the order then fetches shards more than once per epoch."""
         biggest = max((c[0] or 0 for c in self.checks), default=0) or 1
         held = self.cache.limit_bytes // biggest + 1 if self.cache is not None else len(self.tars)
         wanted = self.window + 2
-        if held < wanted and not self._warned:
-            self._warned = True
-            log.warning(
-                "the shard cache holds %d shards of %.1f MiB, fewer than the %d the order reads from at once "
-                "and the 2 it fetches ahead: shards will be fetched more than once per epoch; raise "
-                "--cache-limit to %s or more",
-                held,
-                biggest / 2**20,
-                self.window,
-                format_size(wanted * biggest),
+        if held < wanted and self.cache is not None:
+            self.cache.warn_once(
+                f"the shard cache holds {held} shard{'s' * (held != 1)} of {biggest / 2**20:.1f} MiB, fewer than "
+                f"the {self.window} the order reads from at once and the 2 it fetches ahead: shards will be "
+                f"fetched more than once per epoch; raise --cache-limit to {format_size(wanted * biggest)} or more"
             )
         return held
 

@@ -82,6 +82,7 @@ class ShardCache:
         self._inflight: dict[str, Future] = {}
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._mutex = threading.Lock()
+        self._said: set[str] = set()  # the warnings given (warn_once)
         with _flocked(self.root / "space.lock", shared=False, deadline=time.monotonic() + wait_s):
             self._scan()  # leftovers of processes that died mid-download
 
@@ -127,6 +128,15 @@ class ShardCache:
                 future = self._pool.submit(self._background, url, size, sha256)
                 self._inflight[path.name] = future
             future.add_done_callback(lambda f, name=path.name: self._forget_if_ok(name, f))
+
+    def warn_once(self, message: str) -> None:
+        """Log ``message`` as a warning the first time this cache is given it (the loaders that share the
+        cache, each epoch's, say a thing about it once)."""
+        with self._mutex:
+            if message in self._said:
+                return
+            self._said.add(message)
+        log.warning("%s", message)
 
     def stats(self) -> dict:
         """This process's counters: hits and misses (of ``get`` / ``pinned``), fetches, bytes_fetched, retries,
