@@ -480,6 +480,18 @@ def test_403_and_404_on_s3_say_what_to_check(s3_proxy, tmp_path, status, words):
     assert SECRET_KEY not in "".join(traceback.format_exception(info.value))
 
 
+def test_a_presigned_get_refused_as_for_another_region_is_read_through_s3fs(s3_proxy, s3_store, tmp_path):
+    """S3 answers a URL signed for another region than the bucket's with 301 (or 400) and no Location: the
+    object is then read by s3fs, whose client follows the region."""
+    key = "data/shard-00001.tar"
+    data = s3_store[1][key]
+    s3_proxy.add_fault(f"/{BUCKET}/{key}", times=1, status=301, methods=("GET",))
+    stats = remote.FetchStats()
+    dest = remote.fetch_to(f"s3://{BUCKET}/{key}", tmp_path / "r", size=len(data), sha256=_sha(data), stats=stats)
+    assert dest.read_bytes() == data and stats.retries == 0
+    assert s3_proxy.count(f"/{BUCKET}/{key}") == 2  # the presigned GET refused, then s3fs's
+
+
 def test_a_missing_key_on_s3_is_permanent(s3_proxy, tmp_path):
     with pytest.raises(PermanentRemoteError, match="not found"):
         remote.fetch_to(f"s3://{BUCKET}/data/no-such.tar", tmp_path / "x", **FAST)

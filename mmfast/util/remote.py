@@ -39,6 +39,7 @@ _MAX_DELAY_S = 10.0  # the longest single back-off sleep
 _PARTIAL = ".partial-"  # in the name of a download not yet complete: "." + dest name + _PARTIAL + pid-thread
 _MAX_NAMES = 1_000_000  # the most names one pattern may expand to (a typo such as {0..99999999} is an error)
 _SIGNED_FOR_S = 3600  # how long a presigned s3:// URL is valid (each attempt signs anew)
+_REGION_REDIRECT = {301, 400}  # what S3 answers a URL signed for another region than the bucket's
 _WRITE_BUFFER = 1 << 20  # bytes gathered before one write to the partial file
 
 
@@ -219,10 +220,19 @@ def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: f
 
 def _open(url: str, offset: int, timeout_s: float):
     """The object's bytes from ``offset`` on (an ``http_get.Body``, or an fsspec file in its shape): one GET
-    for http(s):// and for a presigned s3:// URL, fsspec's ranged reads for any other store."""
-    direct = url if url.split("://", 1)[0].lower() in ("http", "https") else _presigned(url, timeout_s)
-    if direct is not None:
-        return http_get.open_body(direct, offset, timeout_s=timeout_s)
+    for http(s):// and for a presigned s3:// URL, fsspec's ranged reads for any other store, and for an
+    s3:// object whose presigned GET S3 answers with a redirect or 400 (a bucket in another region than the
+    one signed for: s3fs's client follows S3's region redirects)."""
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        return http_get.open_body(url, offset, timeout_s=timeout_s)
+    signed = _presigned(url, timeout_s)
+    if signed is not None:
+        try:
+            return http_get.open_body(signed, offset, timeout_s=timeout_s)
+        except http_get.HTTPStatusError as e:
+            if e.status not in _REGION_REDIRECT:
+                raise
+            log.debug("%s: the presigned GET was answered %s; reading it through s3fs", redact(url), e)
     fs, path = _filesystem(url, timeout_s)
     fs.invalidate_cache(path)  # sizes come from the store, never from a listing cached earlier
     return _FsspecBody(fs.open(path, "rb", **_RANGED), offset)
