@@ -88,8 +88,8 @@ def verdict(report: dict, words: Knobs = TRAIN_FLAGS) -> dict:
         bound = "host"
         if settings.get("compile_mode") != "reduce-overhead":
             steps = [
-                f"the GPU idles between kernels: {words.reduce_overhead} (CUDA graphs: the step's kernels launched "
-                f"at once; captions padded to a few widths), or a larger {words.batch_size}"
+                f"the GPU idles between kernels: {words.reduce_overhead} (CUDA graphs: the step's kernels "
+                f"launched at once; captions padded to a few widths), or a larger {words.batch_size}"
             ]
         else:
             steps = [f"the GPU idles between kernels even with CUDA graphs: a larger {words.batch_size}"]
