@@ -31,6 +31,7 @@ from mmfast.train.source_tally import SourceTally
 if TYPE_CHECKING:
     from mmfast.util.shard_cache import ShardCache
 
+
 class NonFiniteLossError(RuntimeError):
     pass
 
