@@ -1,8 +1,9 @@
 """mmfast: fast multimodal (image + text) training.
 
 The pieces most users touch: ``MultimodalLoader`` / ``ImageLoader`` (DALI loaders), ``TokenCache``,
-``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``mmfast.train.profiler``,
-``load_model`` (a trained run's model directory). The command-line entry points live in ``mmfast.cli``.
+``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``LoopProfiler`` (the
+profiler's verdict on your own loop), ``load_model`` (a trained run's model directory). The command-line entry
+points live in ``mmfast.cli``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ moved.install()  # the modules that moved in 0.2 keep their old names (mmfast.ut
 # command's --help is quick and a Ctrl-C during start-up lands under the command's own handler.
 _LAZY = {
     "ImageLoader": "mmfast.loading.image_loader",
+    "LoopProfiler": "mmfast.train.loop_profiler",
     "MultimodalLoader": "mmfast.loading.multimodal",
     "MmfastModel": "mmfast.infer.model_dir",
     "load_model": "mmfast.infer.model_dir",
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from mmfast.loading.image_loader import ImageLoader
     from mmfast.loading.multimodal import MultimodalLoader
     from mmfast.models import build_model
+    from mmfast.train.loop_profiler import LoopProfiler
 
 
 def __getattr__(name: str):
@@ -39,5 +42,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mmfast' has no attribute '{name}'")
 
 
-__all__ = ["ImageLoader", "MmfastModel", "MultimodalLoader", "TokenCache", "build_model", "load_model"]
+__all__ = [
+    "ImageLoader",
+    "LoopProfiler",
+    "MmfastModel",
+    "MultimodalLoader",
+    "TokenCache",
+    "build_model",
+    "load_model",
+]
 __version__ = "0.1.0"

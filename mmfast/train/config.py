@@ -25,6 +25,7 @@ FROM_RESOLVE = ("task", "preset", "init_proj")  # choice fields None stands for 
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (mmfast/train/hardware.py)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 TEXT_PADDINGS = ("auto", "longest", "buckets", "max")  # --text-padding (auto: hardware.resolve_text_padding)
+PROFILE_WARMUP_STEPS = 5  # optimizer steps a profile leaves out of its figures by default: start-up lands there
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
 

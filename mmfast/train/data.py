@@ -27,9 +27,13 @@ log = logging.getLogger(__name__)
 
 
 def build_loaders(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None = None
+    cfg: TrainConfig,
+    accelerator,
+    dataset: PreparedDataset,
+    norm: tuple[tuple, tuple] | None = None,
+    val: bool = True,
 ) -> tuple[MultimodalLoader, MultimodalLoader | None, dict[str, str], ShardCache | None]:
-    """This process's train loader (its shard, augmented), val loader (None without a val split), why a
+    """This process's train loader (its shard, augmented), val loader (None without a val split or ``val``), why a
     split's images are streamed rather than held in memory ({split: reason}, ``images_note``), and the shard
     cache both loaders read remote shards through, whose counters the run's figures report (None when the
     shards are local).
@@ -38,18 +42,18 @@ def build_loaders(
     """
     cache = shard_cache(cfg, dataset)
     try:
-        return (*_loaders(cfg, accelerator, dataset, norm, cache), cache)
+        return (*_loaders(cfg, accelerator, dataset, norm, cache, val), cache)
     except BaseException:
         if cache is not None:  # its fetch threads would outlive the failed start
             cache.close()
         raise
 
 
-def _loaders(cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cache: ShardCache | None):
+def _loaders(cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cache: ShardCache | None, val: bool):
     """build_loaders' train loader, val loader (or None) and {split: why it is streamed}."""
     common = _loader_options(cfg, accelerator, norm, cache)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
-    has_val = dataset.split_size("val") > 0
+    has_val = val and dataset.split_size("val") > 0
     plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
     train_loader = MultimodalLoader(

@@ -21,7 +21,7 @@ import torch
 from mmfast.tasks.registry import Task
 from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
-from mmfast.train.config import TrainConfig
+from mmfast.train.config import PROFILE_WARMUP_STEPS, TrainConfig
 from mmfast.train.hardware import uses_cuda_graphs
 from mmfast.train.optim import scaled_step_skipped, skips_on_device, step_unless_non_finite
 from mmfast.train.profiler import StepTimer
@@ -30,8 +30,6 @@ from mmfast.train.source_tally import SourceTally
 
 if TYPE_CHECKING:
     from mmfast.util.shard_cache import ShardCache
-
-PROFILE_WARMUP_STEPS = 5  # micro-batches left out of a profile's figures (when the run has more)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -69,6 +67,7 @@ class EpochRunner:
     ``step``, ``set_epoch`` and ``state_dict`` (a MultimodalLoader in training, or batches held in memory to
     measure the loop alone). ``task`` is the objective (``mmfast.tasks.registry.Task``). ``shard_cache``: the
     cache the loaders stream remote shards through (None: local data), whose counters each epoch's figures carry.
+    ``warmup_steps``: the optimizer steps a profile leaves out of its figures (start-up lands in them).
     """
 
     def __init__(
@@ -84,6 +83,7 @@ class EpochRunner:
         state: dict,
         task: Task,
         shard_cache: ShardCache | None = None,
+        warmup_steps: int = PROFILE_WARMUP_STEPS,
     ):
         self.cfg, self.acc, self.model, self.opt, self.sched = cfg, accelerator, model, optimizer, scheduler
         self.loader, self.run_dir, self.total_steps, self.state = loader, run_dir, total_steps, state
@@ -98,7 +98,8 @@ class EpochRunner:
         on_device = on_device or accelerator.scaler is not None  # fp16: the scaler's own skip, seen on the device
         self._skips = torch.zeros(3, device=accelerator.device) if on_device else None
         # profiling reports the steady state: the first steps carry CUDA / cuDNN start-up and the first prefetch
-        self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile, warmup_steps=PROFILE_WARMUP_STEPS)
+        self.timer = StepTimer(enabled=True, cuda_sync=cfg.profile, warmup_steps=warmup_steps)
+        self.window_samples = 0  # samples of the accumulation window so far: the timer's step counts them
         self.steps = StepLog(cfg, accelerator, optimizer, scheduler, self.timer, total_steps)
         self.sampler = None  # a running UtilizationSampler when profiling
         # streaming from a store: the processes stop together at a batch one of them cannot get (agree.py)
@@ -147,6 +148,15 @@ class EpochRunner:
             if self.done():
                 break
         return metrics
+
+    def run_steps(self) -> None:
+        """Train until ``total_steps`` optimizer steps, epoch after epoch, with nothing between the epochs: no
+        evaluation, metrics line or checkpoint. What ``mmfast-profile`` times."""
+        epoch = self.state["epoch"]
+        while not self.done() and not self.interrupted:
+            self.loader.set_epoch(epoch)
+            self.train_epoch(epoch)
+            epoch += 1
 
     def evaluate(self, val_loader, epoch: int) -> dict:
         """The task's evaluation of the val split; streamed on several processes, its batches agreed too."""
@@ -200,6 +210,8 @@ class EpochRunner:
             if not window_end:
                 continue
             self.optimizer_step()
+            self.timer.end_step(self.window_samples)  # a profile's step is an optimizer step
+            self.window_samples = 0
             if self.state["global_step"] % cfg.log_every == 0:  # the loss is read back here, not every step
                 self.settle_skips()
                 if bar is not None:
@@ -224,7 +236,7 @@ class EpochRunner:
         self._losses += part
         logwin.loss_sum, logwin.loss_samples = logwin.loss_sum + part[0], logwin.loss_samples + part[1]
         logwin.seen += n
-        self.timer.end_step(n)
+        self.window_samples += n
         if self.cfg.record_ids:
             self.record_ids(epoch, batch["id"])
 

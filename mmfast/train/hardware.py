@@ -59,6 +59,26 @@ def resolve_mixed_precision(requested: str, cuda: bool) -> str | None:
     return requested
 
 
+def launcher_precision_note(requested: str, used: str) -> str | None:
+    """The line a run started by ``accelerate launch`` prints when the launcher named another precision than
+    ``used``, the one the run trains with (``requested``: --mixed-precision); None when they agree or no
+    launcher named one. Without a config file or --mixed_precision, the launcher warns that it set "no": the
+    note says that this run does not train so, and why."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher is None or launcher == used:
+        return None
+    if launcher == "no" and requested == "auto":
+        return (
+            f"mixed precision: this run trains in {used} (--mixed-precision auto on this machine). accelerate "
+            "launch's --mixed_precision 'no' is its default, not taken for a choice: pass --mixed-precision no "
+            "for float32"
+        )
+    return (
+        f"mixed precision: this run trains in {used} (--mixed-precision {requested}), not in accelerate launch's "
+        f"{launcher}"
+    )
+
+
 def resolve_channels_last(
     requested: bool | None, device_type: str, image_backbone: str | None, model: str
 ) -> bool:

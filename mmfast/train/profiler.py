@@ -10,9 +10,10 @@ Three pieces, usable from any training loop:
   NVML (``nvidia-ml-py``) and CPU utilization (``psutil``: this process and its children, as a share of
   all cores, plus the whole machine's per core for context) every ``interval`` seconds. Without a GPU or
   NVML it reports why instead of failing.
-- ``verdict(report)``: input-bound / host-bound / compute-bound, with the next thing to try.
+- ``build_report``: their figures and the verdict (``mmfast.train.verdict``): input-bound / host-bound /
+  compute-bound, with the next thing to try.
 
-A loop uses them like this::
+A loop uses them like this (``mmfast.LoopProfiler`` does the same around a loop with one wrapper)::
 
     timer, sampler = StepTimer(cuda_sync=True), UtilizationSampler(0.2)
     with sampler:
@@ -21,7 +22,7 @@ A loop uses them like this::
             with timer.phase("backward"): loss.backward()
             with timer.phase("optimizer"): opt.step(); opt.zero_grad()
             timer.end_step(batch_size)
-    report = build_report(timer, sampler); print(verdict(report)["summary"])
+    report = build_report(timer, sampler); print(report["verdict"]["summary"])
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from mmfast.train.verdict import TRAIN_FLAGS, Knobs, verdict
 
 PHASES = ("data", "forward", "backward", "optimizer")  # the order a report lists the timed phases in
 OUTSIDE_TRAINING = ("eval", "checkpoint")  # timed, reported, but not training time
@@ -47,6 +50,9 @@ class StepTimer:
         warmup_steps: the report describes the steady state after this many steps (CUDA and cuDNN
             initialization, autotuning and the first prefetch land in the first steps); ``steady`` holds
             the counters as they were then. Runs no longer than that are reported whole.
+
+    The timed span ends at the last phase or step the timer saw: what follows the loop (closing the
+    sampler, writing the report) is not in it.
     """
 
     def __init__(self, enabled: bool = True, cuda_sync: bool = False, warmup_steps: int = 0):
@@ -60,7 +66,7 @@ class StepTimer:
         self.counts: dict[str, int] = defaultdict(int)
         self.steps = 0
         self.samples = 0
-        self.started = time.perf_counter()
+        self.started = self.last = time.perf_counter()  # ``last``: the end of the latest phase or step
         self.steady: dict | None = None  # the counters at the end of the warm-up
         self.outside: list[tuple[float, float]] = []  # (start, end) of each eval / checkpoint phase
 
@@ -77,11 +83,18 @@ class StepTimer:
         finally:
             if self.cuda_sync:
                 torch.cuda.synchronize()  # note: a CPU-GPU sync point, only when profiling
-            t1 = time.perf_counter()
+            self.last = t1 = time.perf_counter()
             self.totals[name] += t1 - t0
             self.counts[name] += 1
             if name in OUTSIDE_TRAINING:
                 self.outside.append((t0, t1))
+
+    def add(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` that the caller timed (a training phase, ending now) to phase ``name``."""
+        if self.enabled:
+            self.totals[name] += seconds
+            self.counts[name] += 1
+            self.last = time.perf_counter()
 
     def iterate(self, iterable: Iterable) -> Iterator:
         """Yield from ``iterable``, charging the time spent waiting for each item to the "data" phase."""
@@ -94,11 +107,13 @@ class StepTimer:
             yield item
 
     def end_step(self, samples: int) -> None:
+        """One step ends now, having trained on ``samples`` samples."""
         self.steps += 1
         self.samples += samples
+        self.last = time.perf_counter()
         if self.steps == self.warmup_steps:
             self.steady = {
-                "started": time.perf_counter(),
+                "started": self.last,
                 "totals": dict(self.totals),
                 "counts": dict(self.counts),
                 "steps": self.steps,
@@ -267,18 +282,31 @@ def _describe(values: list[float]) -> dict:
     }
 
 
-def build_report(timer: StepTimer, sampler: UtilizationSampler | None = None, extra: dict | None = None) -> dict:
+def build_report(
+    timer: StepTimer,
+    sampler: UtilizationSampler | None = None,
+    extra: dict | None = None,
+    words: Knobs = TRAIN_FLAGS,
+) -> dict:
     """Phase times, throughput and utilization as one JSON-able dict, with the verdict.
 
     Phases named "eval" and "checkpoint" are reported but left out of the training wall time that the
     fractions and images/s refer to, and so are the utilization samples taken during them. After a
     warm-up (``StepTimer(warmup_steps=...)``) the figures are those of the steady state that followed;
-    ``warmup`` says what was left out.
+    ``warmup`` says what was left out. A run with no step after its warm-up is reported whole.
+
+    Args:
+        timer: the loop's phases and steps.
+        sampler: its utilization samples (None: no utilization figures).
+        extra: more entries for the report (``settings``: what the verdict's advice reads).
+        words: how the verdict names each knob (``mmfast.train.verdict``).
     """
-    base = timer.steady or {"started": timer.started, "totals": {}, "counts": {}, "steps": 0, "samples": 0}
+    base = {"started": timer.started, "totals": {}, "counts": {}, "steps": 0, "samples": 0}
+    if timer.steady is not None and timer.steps > timer.steady["steps"]:
+        base = timer.steady
     phases = {k: round(v - base["totals"].get(k, 0.0), 4) for k, v in timer.totals.items()}
     outside = sum(phases.get(k, 0.0) for k in OUTSIDE_TRAINING)
-    wall = max(1e-9, time.perf_counter() - base["started"] - outside)
+    wall = max(1e-9, timer.last - base["started"] - outside)
     accounted = sum(v for k, v in phases.items() if k not in OUTSIDE_TRAINING)
     samples = timer.samples - base["samples"]
     report = {
@@ -298,97 +326,37 @@ def build_report(timer: StepTimer, sampler: UtilizationSampler | None = None, ex
         else None,
         **(extra or {}),
     }
-    report["verdict"] = verdict(report)
+    report["verdict"] = verdict(report, words)
     return report
 
 
-INPUT_BOUND = 0.20  # the loop waits for data in more than 20% of its time
-GPU_BUSY = 70.0  # mean GPU utilization below this with little data wait: the host is the bottleneck
-
-
-def verdict(report: dict) -> dict:
-    """Classify a run and say what to change.
-
-    Returns:
-        {"bound": "input" | "host" | "compute", "summary": one line, "next_steps": [...]}
-    """
-    wait = report.get("data_wait_frac", 0.0)
+def report_text(report: dict) -> str:
+    """A report as ``mmfast-profile`` prints it: the phases, throughput, utilization, notes and verdict."""
+    lines = [f"\n{'phase':<12}{'seconds':>10}{'share':>8}"]
+    for name, sec in report["phase_s"].items():
+        frac = report["phase_frac"]
+        share = f"{frac[name]:>8.1%}" if name in frac else "   (not in training time)"
+        lines.append(f"{name:<12}{sec:>10.3f}{share}")
+    lines.append(f"{'other':<12}{report['other_s']:>10.3f}")
     util = report.get("utilization") or {}
     gpu = util.get("gpu", {})
-    gpu_util = gpu.get("gpu_util", {}).get("mean") if isinstance(gpu.get("gpu_util"), dict) else None
-    cpu = util.get("cpu_util_mean")
-    settings = report.get("settings", {})
-    on_gpu = gpu_util is not None
-    steps: list[str] = []
-    if wait > INPUT_BOUND:
-        bound = "input"
-        if on_gpu and settings.get("decode_device") == "cpu":
-            steps.append(
-                "decode on the GPU (DALI device 'mixed'; mmfast does this when the loader's device is cuda)"
-            )
-        if cpu is not None and cpu > 85:
-            steps.append(
-                f"the CPU is saturated ({cpu:.0f}% mean): smaller --image-size, pre-resize large images "
-                "offline, or move decoding to the GPU"
-            )
-            if not on_gpu and settings.get("cache_decoded") is False:
-                steps.append(
-                    "this run decoded every image every epoch (--cache-decoded, the default, holds them when "
-                    "they fit in half the available memory, from image files, without colour jitter or "
-                    "--cpu-resize dali): prepare with --max-side to shrink them"
-                )
-        else:
-            steps.append(
-                f"raise DALI threads (--num-threads; now {settings.get('dali_threads', '?')}) and the "
-                "prefetch depth; the CPU is not saturated"
-            )
-        steps.append("a larger batch amortizes per-batch costs")
-        summary = f"input-bound: the loop waits for data {wait:.0%} of the time"
-    elif on_gpu and gpu_util < GPU_BUSY:
-        bound = "host"
-        if settings.get("compile_mode") != "reduce-overhead":
-            steps.append(
-                "the GPU idles between kernels: --compile-mode reduce-overhead (CUDA graphs: the step's kernels "
-                "launched at once; captions padded to a few widths), or a larger --batch-size"
-            )
-        else:
-            steps.append("the GPU idles between kernels even with CUDA graphs: a larger --batch-size")
-        steps.append("check for per-step host syncs (.item(), printing) in your own code")
-        summary = f"host-bound: data arrives in time ({wait:.0%} wait) but the GPU is only {gpu_util:.0f}% busy"
-    else:
-        bound = "compute"
-        steps += _compute_advice(settings, on_gpu)
-        busy = f", GPU {gpu_util:.0f}% busy" if on_gpu else ""
-        summary = f"compute-bound: data wait is {wait:.0%}{busy}; speed comes from the model side"
-    machine = util.get("machine_cpu_util_mean")
-    if cpu is not None and machine is not None and machine > 80 and machine - cpu > 30:
-        steps.insert(
-            0,
-            f"other processes kept the machine {machine:.0f}% busy while this run used {cpu:.0f}% of it: "
-            "profile on a quiet machine before acting on this verdict",
-        )
-    return {"bound": bound, "summary": summary, "next_steps": steps}
-
-
-def _compute_advice(settings: dict, on_gpu: bool) -> list[str]:
-    """What speeds up a compute-bound run on this machine: nothing that needs a GPU it does not have."""
-    steps = []
-    gpus, procs = settings.get("cuda_devices", 1 if on_gpu else 0), settings.get("num_processes", 1)
-    if settings.get("mixed_precision") in (None, "no"):
-        if on_gpu or gpus:
-            steps.append("use mixed precision (--mixed-precision fp16, or bf16 on Ampere and newer)")
-        elif settings.get("cpu_fast_bf16", True):
-            steps.append("use mixed precision (--mixed-precision bf16: this CPU has native bf16)")
-    elif on_gpu and settings.get("mixed_precision") == "fp16" and settings.get("cuda_bf16"):
-        steps.append("--mixed-precision bf16: this GPU computes bf16 natively, and needs no gradient scaler")
-    if (on_gpu or gpus) and not settings.get("channels_last"):
-        steps.append("--channels-last for faster convolutions on tensor cores")
-    if on_gpu and not settings.get("compile"):
-        steps.append("--compile: fewer, fused kernels (its warm-up steps are left out of the figures)")
-    if gpus > procs:
-        steps.append(f"use all {gpus} GPUs: accelerate launch --multi_gpu --num_processes {gpus} ...")
-    steps.append("a smaller model or --image-size" + (", or more GPUs" if on_gpu or gpus else ""))
-    return steps
+    gpu_line = (
+        f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {gpu.get('reason', 'n/a')}"
+    )
+    if util and not util.get("samples"):
+        gpu_line = "no utilization samples in the steady state: profile more steps"
+    warm = report.get("warmup") or {}
+    after = f" (steady state, after {warm['steps']} warm-up steps)" if warm.get("steps") else ""
+    lines.append(
+        f"\n{report['steps']} steps, {report['images_per_s']:.1f} images/s, "
+        + f"data wait {report['data_wait_frac']:.0%}, "
+        + (f"CPU {util['cpu_util_mean']:.0f}% mean, " if "cpu_util_mean" in util else "")
+        + f"{gpu_line}{after}"
+    )
+    lines += [f"note: {note}" for note in report.get("notes", [])]
+    lines.append(f"\nverdict: {report['verdict']['summary']}")
+    lines += [f"  - {step}" for step in report["verdict"]["next_steps"]]
+    return "\n".join(lines)
 
 
 def plot_report(report: dict, samples: list[dict], path: str) -> None:

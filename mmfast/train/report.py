@@ -221,9 +221,16 @@ def start_trackers(accelerator, config: dict, task: Task) -> None:
 
 
 def write_profile(
-    run_dir: Path, timer: StepTimer, sampler: UtilizationSampler, loader, cfg: TrainConfig, accelerator
-) -> None:
-    """profile.json (phases, throughput, utilization, settings, verdict) and profile.png of this process."""
+    run_dir: Path,
+    timer: StepTimer,
+    sampler: UtilizationSampler,
+    loader,
+    cfg: TrainConfig,
+    accelerator,
+    notes: list[str] | None = None,
+) -> dict:
+    """profile.json (phases, throughput, utilization, settings, verdict, ``notes`` on what the profiled run left
+    out) and profile.png of this process. Returns the report, without its timeline."""
     settings = {
         "decode_device": "mixed" if loader.device.type == "cuda" else "cpu",
         "dali_threads": loader.num_threads,
@@ -244,12 +251,13 @@ def write_profile(
         "text_padding": getattr(loader, "text_padding", None),
         "optimizer_impl": cfg.optimizer_impl,
     }
-    report = build_report(timer, sampler, extra={"settings": settings})
+    report = build_report(timer, sampler, extra={"settings": settings, **({"notes": notes} if notes else {})})
     atomic_write_json(run_dir / "profile.json", {**report, "timeline": sampler.samples})
     try:
         plot_report(report, sampler.samples, str(run_dir / "profile.png"))
     except ImportError:
         log.warning("matplotlib is not installed: no profile.png")
+    return report
 
 
 def write_weights_digest(accelerator, model, run_dir: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -63,10 +64,26 @@ def train(cfg: TrainConfig) -> dict:
     Returns:
         summary.json's figures, plus ``is_main_process``.
     """
+    return as_run(cfg, _run)
+
+
+# What a run does once its directory is claimed: (cfg, accelerator, checkpoint to resume or None, start time)
+RunBody = Callable[[TrainConfig, object, Path | None, float], dict]
+
+
+def as_run(cfg: TrainConfig, body: RunBody) -> dict:
+    """``body`` as a run: the configuration resolved, the Accelerator made, --out claimed (an earlier run moved
+    aside as the flags say; put back when ``body`` stopped before writing anything), the processes told of a
+    failure, and Accelerate's process-wide state reset at the end. ``train`` runs a training so, and
+    ``mmfast.train.short_profile`` a profile's steps.
+
+    Returns:
+        what ``body`` returns.
+    """
     from accelerate.state import AcceleratorState, GradientState
 
     try:
-        return _train(cfg)
+        return _train(cfg, body)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -82,7 +99,7 @@ def run_identity(cfg: TrainConfig, accelerator, dataset: PreparedDataset) -> dic
     }
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _train(cfg: TrainConfig, body: RunBody) -> dict:
     t_start = time.perf_counter()
     default_out = cfg.out is None
     given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
@@ -99,7 +116,7 @@ def _train(cfg: TrainConfig) -> dict:
     try:
         check_data_exists(cfg)  # the cheaper mistake first: before --out is looked at
         lock, resume_from = _claim(cfg, accelerator, default_out)
-        summary = _run(cfg, accelerator, resume_from, t_start)
+        summary = body(cfg, accelerator, resume_from, t_start)
         failed = False
         return summary
     except RuntimeError as e:
@@ -169,7 +186,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
     task = build_task(cfg.task, dataset, cfg)
-    model = _build_model(cfg, dataset, task)
+    model = build_run_model(cfg, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
@@ -289,7 +306,7 @@ def _check_resumable(resume_from: Path | None, identity: dict) -> None:
             )
 
 
-def _build_model(cfg: TrainConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
+def build_run_model(cfg: TrainConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
     """The configured model with the task's outputs; a model's own options (``config_options``) come from the
     config fields of those names."""
     options = {name: getattr(cfg, name) for name in getattr(model_class(cfg.model), "config_options", ())}

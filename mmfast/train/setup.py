@@ -4,6 +4,7 @@ prepared dataset (demo, raw input prepared on the fly, or a prepared directory).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from mmfast.prepare.demo import default_cache_dir, demo_dataset
 from mmfast.prepare.mix import prepare_mix
 from mmfast.tasks import TASKS
 from mmfast.train.config import TRACKERS, TrainConfig, data_sources, trackers
-from mmfast.train.hardware import resolve_mixed_precision
+from mmfast.train.hardware import launcher_precision_note, resolve_mixed_precision
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
@@ -106,6 +107,9 @@ def make_accelerator(cfg: TrainConfig):
     kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))]
     accelerator = Accelerator(**kwargs)
     check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
+    note = launcher_precision_note(cfg.mixed_precision, accelerator.mixed_precision)
+    if note and accelerator.is_main_process:  # beside the launcher's warning, which names its own default
+        print(note, file=sys.stderr)
     if not cuda:
         # Launchers set OMP_NUM_THREADS=1 per process; on a CPU run the cores are the compute: share them.
         want = max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
