@@ -11,11 +11,22 @@ from mmfast.loading.graphs import DALI_SAFE_BATCH
 
 
 def integer_labels(labels, n: int) -> np.ndarray:
-    """``labels`` as int64 (zeros when None); a label that is not a whole number (0.7, NaN, "cat") is an error
+    """``labels`` as (n,) int64 (zeros when None). A column (n, 1), as a DataFrame's ``df[["label"]].values``
+    gives, is flattened; another shape, or a label that is not a whole number (0.7, NaN, "cat"), is an error
     naming it (numpy's cast would truncate 0.7 to class 0)."""
     if labels is None:
         return np.zeros(n, dtype=np.int64)
+    if hasattr(labels, "detach"):  # a torch tensor, maybe on the GPU
+        labels = labels.detach().cpu().numpy()
     given = np.asarray(labels)
+    if given.ndim == 2 and given.shape[1] == 1:
+        given = given[:, 0]
+    if given.ndim != 1:
+        one_hot = " (one-hot rows: labels.argmax(1))" if given.ndim == 2 else ""
+        raise ValueError(
+            f"labels must be one integer class id per file, a sequence of {n} (or a column ({n}, 1)); got shape "
+            f"{given.shape}{one_hot}"
+        )
     if given.dtype.kind in "iub":
         return given.astype(np.int64)
     if given.dtype.kind == "f":
