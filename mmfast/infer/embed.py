@@ -30,6 +30,7 @@ from mmfast.tasks.retrieval import (
     zero_shot_figures,
 )
 from mmfast.util.fsutil import atomic_write_bytes
+from mmfast.util.voice import setting
 
 MODALITIES = ("image", "text")
 
@@ -71,7 +72,8 @@ def embed_rows(
         raise ValueError(f"unknown modality '{modality}'; choose from {', '.join(MODALITIES)}")
     if not model.embeds:
         raise ValueError(
-            f"a '{model.config['model']}' model gives no embeddings; --embed needs a dual encoder (--model clip)"
+            f"a '{model.config['model']}' model gives no embeddings: they need a dual encoder (a model trained "
+            f"with {setting('model', value='clip')})"
         )
     device = torch.device(device)
     out = [dict(r) for r in rows]

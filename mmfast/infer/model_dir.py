@@ -51,6 +51,7 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
+from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
@@ -145,8 +146,8 @@ class MmfastModel(
     def _tower(self, name: str):
         if not hasattr(self.model, name):
             raise TypeError(
-                f"{name} needs a dual encoder (a model directory of --model clip); this one holds a "
-                f"'{self.config['model']}' model"
+                f"{name} needs a dual encoder (a model trained with {setting('model', value='clip')}); this one "
+                f"holds a '{self.config['model']}' model"
             )
         return getattr(self.model, name)
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from mmfast.loading.graphs import DALI_SAFE_BATCH
+from mmfast.util.voice import setting
 
 
 def integer_labels(labels, n: int) -> np.ndarray:
@@ -64,13 +65,14 @@ def check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels:
     per_rank = math.ceil(n / num_shards)
     if batch_size > max(per_rank, MAX_PADDED_BATCH):
         raise ValueError(
-            f"batch_size {batch_size} is larger than the {per_rank} samples of each process; pass at most "
-            f"{per_rank} (one batch of all of them)"
+            f"{setting('batch_size', value=batch_size)} is larger than the {per_rank} samples of each process; "
+            f"pass at most {per_rank} (one batch of all of them)"
         )
     if size * size > max_pixels:
         raise ValueError(
-            f"size {size} makes {size}x{size} = {size * size / 1e6:.0f} MP output images, over the "
-            f"{max_pixels / 1e6:g} MP budget (max_pixels); pass a smaller size"
+            f"{setting('size', '--image-size', value=size)} makes {size}x{size} = {size * size / 1e6:.0f} MP "
+            f"output images, over the {max_pixels / 1e6:g} MP budget ({setting('max_pixels')}); pass a smaller "
+            "size"
         )
     if drop_last and n < batch_size * num_shards:
         raise ValueError(

@@ -42,8 +42,8 @@ def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
     pipeline inherited from the parent waits for ever in its destructor (or on any lock another thread held).
     They import ``fn`` from its module and never re-run the caller's script (one without an
     ``if __name__ == "__main__":`` guard would otherwise run again in each). Each worker is SIGKILLed when
-    the caller dies, and runs ``fn`` in the caller's words (``voice.carried``: flags or arguments). ``fn`` must
-    be a module-level function of an importable module (or a partial of one).
+    the caller dies, and runs ``fn`` in the caller's words (``voice.carried``: flags or arguments). ``fn``
+    must be a module-level function of an importable module (or a partial of one).
     """
     context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
     owner = dict(initializer=_die_with_owner, initargs=(os.getpid(),))
@@ -51,7 +51,8 @@ def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
         main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")  # nothing for the workers to re-import
         try:
-            results = pool.map(carried(fn), items, chunksize=chunksize)  # submits every chunk: the workers start now
+            # submits every chunk: the workers start now
+            results = pool.map(carried(fn), items, chunksize=chunksize)
         finally:
             sys.modules["__main__"] = main
         yield from results
