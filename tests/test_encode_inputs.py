@@ -6,6 +6,7 @@ saying what is taken."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,32 @@ def test_on_error_raise_names_the_file_and_the_limit(model, folder, photos):
     assert model.encode_image(photos[0], max_pixels=w * h).shape == (1, DIM)
     with pytest.raises(ValueError, match="on_error must be 'skip' or 'raise', got 'ignore'"):
         model.encode_image(photos[0], on_error="ignore")
+
+
+def test_embed_rows_and_predict_rows_skip_the_same_pictures_or_raise_when_asked(model, folder):
+    """mmfast-predict's functions (the DALI eval pipeline) take the same pictures as encode_image, and the same
+    on_error."""
+    from mmfast.infer.embed import embed_rows
+    from mmfast.infer.model_dir import BadImageError
+    from mmfast.infer.predict import predict_rows
+
+    files = sorted(folder.iterdir())
+    rows = [{"image": str(f), "text": "a photo"} for f in files]
+    out, emb, kept = embed_rows(model, rows, "image", batch_size=4, num_workers=1)
+    alone = model.encode_image(files)
+    assert kept == alone.kept and emb.shape == (len(kept), DIM)
+    assert {r["image"]: r["error"] for r in out if r.get("error")} == {
+        s["image"]: f"image unreadable: {s['reason']}" for s in alone.skipped
+    }
+    huge = "image is 16000x14464 = 231.4 MP, over the 64 MP budget (max_pixels=); downscale it"
+    with pytest.raises(BadImageError, match=re.escape(f"{folder / 'huge.png'}: image unreadable: {huge}")):
+        embed_rows(model, rows, "image", on_error="raise")
+    classifier = MmfastModel({**model.config, "model": "concat", "num_classes": 3})
+    classifier.tokenizer = model.tokenizer
+    kept_rows = [rows[k] for k in kept]
+    assert not any(r.get("error") for r in predict_rows(classifier, kept_rows, on_error="raise"))
+    with pytest.raises(BadImageError, match=re.escape(f"{folder / 'cut.jpg'}: image unreadable: truncated image")):
+        predict_rows(classifier, [*kept_rows, rows[files.index(folder / "cut.jpg")]], on_error="raise")
 
 
 def test_every_way_of_giving_an_image_embeds_it_as_its_file_does(model, photos):

@@ -289,10 +289,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     if args.out:
         try:
-            write_predictions(args.out, results)
+            written = write_predictions(args.out, results)
         except OSError as e:  # written whole or not at all: nothing is left behind
             print(f"error: {write_failure(args.out, e)}", file=sys.stderr)
             return 2
+        print(f"wrote {len(results)} predictions: {written}")
     else:
         for r in results:
             print(json.dumps({k: r.get(k) for k in ("image", "class", "prob", "top_k", "error")}))

@@ -178,10 +178,11 @@ def flag_unreadable(
 
 def bad_image(row: dict, reason: str, on_error: str, prefixed: bool = False) -> None:
     """A row whose image cannot be used: its "error" says why, or (``on_error="raise"``) a ``BadImageError``
-    names the image. ``prefixed``: the reason already says what kind of fault it is."""
+    names the image and says the same. ``prefixed``: the reason already says what kind of fault it is."""
+    error = reason if prefixed else f"image unreadable: {reason}"
     if on_error == "raise":
-        raise BadImageError(str(row["image"]), reason)
-    row["error"] = reason if prefixed else f"image unreadable: {reason}"
+        raise BadImageError(str(row["image"]), error)
+    row["error"] = error
 
 
 def image_problem(row: dict, max_pixels: int) -> str:
