@@ -175,9 +175,9 @@ class MmfastModel(
         Returns:
             (K, D) float32 torch tensor on the model's device: a row per usable image, in input order, of unit
             length (cosine similarity is the dot product; ``.cpu().numpy()`` for numpy). K is N unless images
-            were skipped. The tensor carries two attributes, lost by any operation on it: ``kept``, the
-            position in the input of each row, and ``skipped``, a dict per skipped image ({"index", "image",
-            "reason"}).
+            were skipped. The tensor carries two attributes (a new tensor made from it has neither): ``kept``,
+            the position in the input of each row, and ``skipped``, a dict per skipped image ({"index",
+            "image", "reason"}).
 
         Raises:
             TypeError: an input of another type (``encode_inputs.TAKES``), or an array that is not uint8.
