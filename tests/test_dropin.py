@@ -363,6 +363,22 @@ def test_dtypes_and_dict_batches(folder, dtype, expected):
     assert (torch.cat([b["image"] for b in batches]).float() - reference).abs().max() <= tolerance
 
 
+def test_labels_as_a_column_are_class_ids_and_other_shapes_are_refused(folder):
+    """A column of labels (N, 1), as ``df[["label"]].values`` gives, batches as (B,) class ids, what a
+    DataLoader over an ImageFolder yields and CrossEntropyLoss takes."""
+    files = sorted(str(p) for p in folder.glob("*/*.jpg"))[:6]
+    want = [2, 0, 1, 1, 0, 2]
+    for column in (np.array(want)[:, None], torch.tensor(want)[:, None], [[y] for y in want]):
+        batches = list(ImageLoader(files, column, batch_size=4, size=32))
+        assert [tuple(b.labels.shape) for b in batches] == [(4,), (2,)]
+        assert torch.cat([b.labels for b in batches]).tolist() == want
+        assert ImageLoader(files, column, batch_size=4, size=32).dataset.targets == want
+    with pytest.raises(ValueError, match=r"one integer class id per file.*got shape \(6, 3\) \(one-hot rows"):
+        ImageLoader(files, np.eye(3)[want], batch_size=4)
+    with pytest.raises(ValueError, match=r"got shape \(\)"):
+        ImageLoader(files, 3, batch_size=4)
+
+
 def test_a_skipped_image_is_masked_and_labelled_minus_100(folder, tmp_path):
     files = sorted(str(p) for p in folder.glob("*/*.jpg"))[:6]
     broken = tmp_path / "broken.jpg"

@@ -238,6 +238,31 @@ def test_predict_embed_writes_embeddings_with_their_ids(prepared, clip_dir, tmp_
     assert predict_tool.main(argv) == 2 and (tmp_path / "mine.ids.npy").read_text() == "my notes"
 
 
+def test_predict_embed_into_a_folder_writes_inside_it_and_says_where(prepared, clip_dir, tmp_path, capsys):
+    import tools.predict as predict_tool
+
+    n = n_rows(prepared, "val")
+    folder = tmp_path / "embeddings"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for modality in ("text", "image"):
+        argv = ["--model", str(clip_dir), "--data", str(prepared), "--embed", modality, "--out", str(folder)]
+        assert predict_tool.main(argv) == 0
+        files = [folder / f"{modality}{suffix}" for suffix in (".npy", ".ids.npy", ".parquet")]
+        said = f"wrote {n} {modality} embeddings ({DIM}-d): {', '.join(map(str, files))}\n"
+        assert capsys.readouterr().out == said
+        assert np.load(files[0]).shape == (n, DIM)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["embeddings"]  # nothing beside the folder
+    names = [f"{m}{s}" for m in ("image", "text") for s in (".npy", ".ids.npy", ".parquet")] + ["notes.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)
+    assert (folder / "notes.txt").read_text() == "mine"
+    # a name ending in / is a folder to make
+    argv = ["--model", str(clip_dir), "--data", str(prepared), "--embed", "text", "--out", f"{tmp_path / 'new'}/"]
+    assert predict_tool.main(argv) == 0
+    assert np.load(tmp_path / "new" / "text.npy").shape == (n, DIM)
+    assert str(tmp_path / "new" / "text.npy") in capsys.readouterr().out
+
+
 def test_predict_embed_image_skips_bad_rows_and_keeps_each_rows_embedding(
     prepared, clip_dir, demo_manifest, tmp_path
 ):

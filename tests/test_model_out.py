@@ -63,7 +63,7 @@ def test_model_dir_loads_offline_without_the_data(model_dir, tmp_path):
     torch.testing.assert_close(a(batch), b(batch), rtol=0, atol=0)
 
 
-def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest, tmp_path):
+def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest, tmp_path, capsys):
     import tools.predict as predict_tool
 
     rows = [json.loads(line) for line in demo_manifest.read_text().splitlines()[:5]]
@@ -81,6 +81,7 @@ def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest
     manifest.write_text("\n".join(lines) + "\n")
     out = tmp_path / "pred.jsonl"
     assert predict_tool.main(["--model", str(model_dir), "--input", str(manifest), "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote 8 predictions: {out}\n"  # where they went
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(got) == 8
     errors = [bool(r["error"]) for r in got]

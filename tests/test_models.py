@@ -184,7 +184,7 @@ def test_unknown_names_and_mismatched_weights_fail_clearly(tmp_path):
     torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pt")
     enc = ImageEncoder("resnet18", weights=tmp_path / "r18.pt")  # matching file loads (fc is ignored)
     assert enc.width == 512
-    with pytest.raises(ValueError, match="does not match the backbone.*check --image-backbone"):
+    with pytest.raises(ValueError, match="does not match the backbone.*check image_backbone="):
         ImageEncoder("resnet34", weights=tmp_path / "r18.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a PyTorch state dict"):

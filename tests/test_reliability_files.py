@@ -182,8 +182,8 @@ def test_a_latin1_file_name_is_read_like_any_other(tmp_path):
         ({"labels": [0.7] * 20}, "label 0 is 0.7"),
         ({"labels": [1.0] * 19 + [float("nan")]}, "label 19 is nan"),
         ({"labels": ["cat"] * 20}, "map class names to ids first"),
-        ({"batch_size": 10**9}, "batch_size 1000000000 is larger than the 20 samples of each process"),
-        ({"size": 100000}, "size 100000 makes 100000x100000 = 10000 MP output images, over the 64 MP budget"),
+        ({"batch_size": 10**9}, "batch_size=1000000000 is larger than the 20 samples of each process"),
+        ({"size": 100000}, "size=100000 makes 100000x100000 = 10000 MP output images, over the 64 MP budget"),
         ({"shard_id": 1.5, "num_shards": 2}, "shard_id must be an int, got 1.5"),  # failed deep in iteration
         ({"shard_id": "0"}, "shard_id must be an int, got '0'"),
         ({"num_shards": 0}, "num_shards must be >= 1, got 0"),

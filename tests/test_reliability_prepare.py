@@ -331,18 +331,18 @@ def test_images_over_the_pixel_budget_are_rejected_from_the_header(tmp_path, cap
     with open(m, "a") as f:
         f.write(json.dumps({"image": "img/huge0.png", "text": "big", "label": "a"}) + "\n")
         f.write(json.dumps({"image": "img/huge1.png", "text": "big too", "label": "b"}) + "\n")
-    reason = "image is 9400x9400 = 88.4 MP, over the 64 MP budget (--max-pixels); downscale it"
+    reason = "image is 9400x9400 = 88.4 MP, over the 64 MP budget (max_pixels=); downscale it"  # a Python caller's
     assert pixel_budget_reason(tmp_path / "img" / "huge0.png", 64_000_000) == reason
     assert pixel_budget_reason(tmp_path / "img" / "huge0.png", 100_000_000) == ""
     assert pixel_budget_reason(tmp_path / "img" / "0.png", 191) == (
-        "image is 16x12 = 0.0 MP, over the 0.000191 MP budget (--max-pixels); downscale it"
+        "image is 16x12 = 0.0 MP, over the 0.000191 MP budget (max_pixels=); downscale it"
     )
     summary = _prepare(m, tmp_path / "out")
     rejected = {r["line"]: r["reason"] for r in _jsonl(tmp_path / "out" / "rejected.jsonl")}
     assert rejected == {7: reason, 8: reason}
     assert summary["config"]["max_pixels"] == 64_000_000 and summary["counts"]["accepted"] == 6
     assert prepare_data.main([str(m), "--out", str(tmp_path / "t"), "--max-pixels", "191", "--no-progress"]) == 2
-    assert "over the 0.000191 MP budget" in capsys.readouterr().err  # 16x12 = 192 pixels each
+    assert "over the 0.000191 MP budget (--max-pixels)" in capsys.readouterr().err  # 16x12 = 192 pixels each
 
 
 # 7. Disk full anywhere in preparation: exit 2, earlier outputs intact, nothing partial left.

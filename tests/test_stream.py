@@ -250,7 +250,7 @@ def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, pr
         next(iter(_loader(prepared_s3, "stream", train=True, seed=4, shard_cache=cache)))  # a second loader
     # a cache smaller than the window and two shards is said to cost fetches, with the limit that would not,
     # once for the cache however many loaders read through it
-    warned = [r.getMessage() for r in caplog.records if "--cache-limit" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "raise limit_bytes=" in r.getMessage()]  # Python's words
     assert len(warned) == 1 and "fewer than the 4 the order reads from at once" in warned[0], warned
 
 

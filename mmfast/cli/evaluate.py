@@ -27,6 +27,7 @@ from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
 from mmfast.cli.predict import add_max_pixels_flag, load_rows, none_usable, report_errors
 from mmfast.util.quiet import filter_native_stderr
+from mmfast.util.voice import command_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -114,6 +115,7 @@ def evaluate_retrieval(args: argparse.Namespace, model, rows: list[dict], device
     return 0
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)

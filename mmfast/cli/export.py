@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
+from mmfast.util.voice import command_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,6 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from mmfast.infer.model_dir import load_model

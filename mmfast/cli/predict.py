@@ -13,7 +13,8 @@ probability and the top-k, or the reason the row could not be predicted (naming 
 rows are predicted anyway). Exit status 2 when the input cannot be read or no row of it can be predicted.
 --embed image|text (a dual encoder, --model clip) writes the rows' normalized embeddings instead: OUT.npy
 (N, D) float32, OUT.ids.npy (N,) int64 (the prepared sample id with --data, else the row's position in the
-input) and, when pyarrow is installed, OUT.parquet (id, image, text, embedding).
+input) and, when pyarrow is installed, OUT.parquet (id, image, text, embedding). An --out that is a folder (or
+ends in /) holds them, named by modality: OUT/image.npy, OUT/image.ids.npy, OUT/image.parquet.
 --compare-pil also times a plain PIL + torchvision + model loop on the same rows and prints both throughputs.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags, input_options
 from mmfast.util.quiet import filter_native_stderr
+from mmfast.util.voice import command_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["image", "text"],
         default=None,
         help="a dual encoder (clip): write the rows' image or text embeddings (OUT.npy, OUT.ids.npy, "
-        "OUT.parquet) instead of predictions; needs --out",
+        "OUT.parquet; in a folder OUT/: image.npy or text.npy, ...) instead of predictions; needs --out",
     )
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
@@ -201,7 +203,7 @@ def check_outputs(args: argparse.Namespace, inputs: list[str]) -> None:
         return
     from mmfast.infer.embed import embedding_paths, is_embeddings_file
 
-    for path in embedding_paths(args.out).values():
+    for path in embedding_paths(args.out, args.embed).values():
         check_output_file(path, inputs, is_embeddings_file)
 
 
@@ -235,6 +237,7 @@ def embed(args: argparse.Namespace, model, rows: list[dict], device, source: str
     return 0
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)
@@ -286,10 +289,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     if args.out:
         try:
-            write_predictions(args.out, results)
+            written = write_predictions(args.out, results)
         except OSError as e:  # written whole or not at all: nothing is left behind
             print(f"error: {write_failure(args.out, e)}", file=sys.stderr)
             return 2
+        print(f"wrote {len(results)} predictions: {written}")
     else:
         for r in results:
             print(json.dumps({k: r.get(k) for k in ("image", "class", "prob", "top_k", "error")}))

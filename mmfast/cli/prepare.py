@@ -46,6 +46,7 @@ from mmfast.inputs.manifest import ManifestError
 from mmfast.prepare.config import part_dir
 from mmfast.prepare.parts import parse_shard
 from mmfast.util.commands import TRAIN
+from mmfast.util.voice import command_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -180,6 +181,7 @@ def print_summary(summary: dict) -> None:
         )
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # imported once there is something to prepare: it loads torch (the token cache), which --help need not wait for

@@ -23,6 +23,7 @@ from pathlib import Path
 from mmfast.cli import HelpFormatter, Parser
 from mmfast.train.config import PROFILE_WARMUP_STEPS
 from mmfast.util.quiet import filter_native_stderr
+from mmfast.util.voice import command_line
 
 
 def parse_args(argv):
@@ -50,6 +51,7 @@ def print_report(report: dict) -> None:
     print(report_text(report))
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
         return _main(argv)

@@ -16,6 +16,7 @@ import signal
 import sys
 
 from mmfast.util.quiet import filter_native_stderr
+from mmfast.util.voice import command_line
 
 
 def print_table(summary: dict) -> None:
@@ -73,6 +74,7 @@ class _StartupInterrupt:
         raise KeyboardInterrupt
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # Once the loop runs, SIGTERM/SIGINT only set a flag and the run checkpoints at the next step.

@@ -11,6 +11,7 @@ import errno
 import functools
 import io
 import os
+import re
 import stat
 import warnings
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmfast.util.pool import map_files
+from mmfast.util.voice import setting
 
 # PIL format names DALI's CPU decoder reads (libjpeg-turbo, libpng, libtiff, libwebp, OpenJPEG, PNM, BMP).
 DALI_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
@@ -41,7 +43,8 @@ def pixel_budget_reason(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_P
 
     Returns:
         "" when the image fits (or its header cannot be read: that is for the decoders to report), else a
-        reason such as "image is 9400x9400 = 88.4 MP, over the 64 MP budget (--max-pixels); downscale it".
+        reason such as "image is 9400x9400 = 88.4 MP, over the 64 MP budget (--max-pixels); downscale it"
+        (the budget named as the caller set it: ``voice.setting``).
     """
     from PIL import Image
 
@@ -51,7 +54,7 @@ def pixel_budget_reason(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_P
     try:
         header = image_header(path)
     except Image.DecompressionBombError as e:
-        return f"image is over PIL's decompression-bomb limit ({e}); downscale it"
+        return _bomb_reason(e, max_pixels)
     return _budget_reason(header[0], header[1], max_pixels) if header else ""
 
 
@@ -91,9 +94,22 @@ def _budget_reason(w: int, h: int, max_pixels: int) -> str:
     if w * h <= max_pixels:
         return ""
     return (
-        f"image is {w}x{h} = {w * h / 1e6:.1f} MP, over the {max_pixels / 1e6:g} MP budget (--max-pixels); "
-        "downscale it"
+        f"image is {w}x{h} = {w * h / 1e6:.1f} MP, over the {max_pixels / 1e6:g} MP budget "
+        f"({setting('max_pixels')}); downscale it"
     )
+
+
+def _bomb_reason(error: Exception, max_pixels: int) -> str:
+    """Why an image past PIL's decompression-bomb limit is refused: over the budget when it is (its pixels read
+    from PIL's message), else over PIL's limit."""
+    found = re.search(r"\((\d+) pixels\)", str(error))
+    pixels = int(found.group(1)) if found else 0
+    if pixels > max_pixels:
+        return (
+            f"image is {pixels / 1e6:.1f} MP, over the {max_pixels / 1e6:g} MP budget ({setting('max_pixels')}); "
+            "downscale it"
+        )
+    return f"image is over PIL's decompression-bomb limit ({error}); downscale it"
 
 
 def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
@@ -103,6 +119,21 @@ def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
         path: the image file.
         max_pixels: decoded-pixel budget; checked from the header, before decoding.
     """
+    return _file_problem(path) or _check_decode(path, max_pixels)[0]
+
+
+def open_image(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[object, ImageCheck]:
+    """``check_image`` that keeps what it decoded: (the image as an RGB PIL image, its check), or (None, the
+    check saying why it is unusable)."""
+    problem = _file_problem(path)
+    if problem:
+        return None, problem
+    check, rgb = _check_decode(path, max_pixels, keep=True)
+    return rgb, check
+
+
+def _file_problem(path: str | os.PathLike) -> ImageCheck | None:
+    """Why ``path`` is not a file to decode (missing, a directory, a FIFO, empty), or None."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -117,20 +148,22 @@ def check_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
         return ImageCheck(False, "not a regular file (device, socket or pipe)")
     if st.st_size == 0:
         return ImageCheck(False, "zero size file")
-    return _check_decode(path, max_pixels)
+    return None
 
 
 def check_image_bytes(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageCheck:
     """``check_image`` of an image held in memory (a member of a WebDataset shard)."""
     if not data:
         return ImageCheck(False, "zero size image")
-    return _check_decode(io.BytesIO(data), max_pixels)
+    return _check_decode(io.BytesIO(data), max_pixels)[0]
 
 
-def _check_decode(src, max_pixels: int) -> ImageCheck:
-    """Open and fully decode ``src`` (a path or a binary file object) with PIL."""
+def _check_decode(src, max_pixels: int, keep: bool = False) -> tuple[ImageCheck, object]:
+    """Open and fully decode ``src`` (a path or a binary file object) with PIL: (its check, the image as an RGB
+    PIL image when ``keep`` and it is usable, else None)."""
     from PIL import Image
 
+    rgb = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the budget below decides
@@ -138,23 +171,27 @@ def _check_decode(src, max_pixels: int) -> ImageCheck:
                 fmt = im.format or "?"
                 w, h = im.size
                 if fmt not in DALI_FORMATS:
-                    return ImageCheck(False, f"unsupported image format {fmt}; convert it to JPEG or PNG")
+                    return ImageCheck(False, f"unsupported image format {fmt}; convert it to JPEG or PNG"), None
                 over = _budget_reason(w, h, max_pixels)
                 if over:
-                    return ImageCheck(False, over)
+                    return ImageCheck(False, over), None
                 im.load()  # full decode: raises on truncated or corrupt data
+                if keep and w >= 1 and h >= 1:
+                    rgb = im.convert("RGB")
     except (Image.UnidentifiedImageError, SyntaxError):
-        return ImageCheck(False, "not an image (unrecognised content)")
-    except Image.DecompressionBombError as e:
-        return ImageCheck(False, f"image is over PIL's decompression-bomb limit ({e}); downscale it")
+        return ImageCheck(False, "not an image (unrecognised content)"), None
+    except Image.DecompressionBombError as e:  # PIL's own limit, as it opens: a PNG's size is read directly
+        size = _png_size(src) if isinstance(src, str | os.PathLike) else None
+        reason = _budget_reason(*size, max_pixels) if size else ""
+        return ImageCheck(False, reason or _bomb_reason(e, max_pixels)), None
     except (OSError, ValueError) as e:
         msg = str(e)
         if any(w in msg.lower() for w in ("truncated", "broken data stream", "premature end")):
-            return ImageCheck(False, f"truncated image: {msg}")
-        return ImageCheck(False, f"corrupt image: {msg}")
+            return ImageCheck(False, f"truncated image: {msg}"), None
+        return ImageCheck(False, f"corrupt image: {msg}"), None
     if w < 1 or h < 1:
-        return ImageCheck(False, "image has zero width or height")
-    return ImageCheck(True, "", w, h, fmt)
+        return ImageCheck(False, "image has zero width or height"), None
+    return ImageCheck(True, "", w, h, fmt), rgb
 
 
 def check_images(

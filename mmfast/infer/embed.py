@@ -19,7 +19,8 @@ import torch
 
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.model_dir import MmfastModel
-from mmfast.infer.predict import flag_unreadable, image_file, rows_loader
+from mmfast.infer.encode_inputs import check_on_error
+from mmfast.infer.predict import bad_image, flag_unreadable, image_file, rows_loader
 from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
@@ -29,6 +30,7 @@ from mmfast.tasks.retrieval import (
     zero_shot_figures,
 )
 from mmfast.util.fsutil import atomic_write_bytes
+from mmfast.util.voice import setting
 
 MODALITIES = ("image", "text")
 
@@ -48,12 +50,15 @@ def embed_rows(
     device: str | torch.device = "cpu",
     num_workers: int | None = None,
     max_pixels: int | None = None,
+    on_error: str = "skip",
 ) -> tuple[list[dict], np.ndarray, list[int]]:
     """Embed every usable row's image or text.
 
     Args:
         rows: as ``predict_rows`` takes them ({"image", "text", ...} or {"error"}).
         modality: "image" or "text".
+        on_error: as ``predict_rows`` takes it: an image training would refuse is a row "error" ("skip") or a
+            ``BadImageError`` ("raise").
 
     Returns:
         (the rows, each a copy, those not embedded with an "error"; embeddings (N, D) float32 normalized, in row
@@ -62,11 +67,13 @@ def embed_rows(
     Raises:
         ValueError: another modality, or a model that is not a dual encoder.
     """
+    check_on_error(on_error)
     if modality not in MODALITIES:
         raise ValueError(f"unknown modality '{modality}'; choose from {', '.join(MODALITIES)}")
     if not model.embeds:
         raise ValueError(
-            f"a '{model.config['model']}' model gives no embeddings; --embed needs a dual encoder (--model clip)"
+            f"a '{model.config['model']}' model gives no embeddings: they need a dual encoder (a model trained "
+            f"with {setting('model', value='clip')})"
         )
     device = torch.device(device)
     out = [dict(r) for r in rows]
@@ -78,18 +85,19 @@ def embed_rows(
         keep = [i for i, r in enumerate(out) if not r.get("error")]
         emb = model.encode_text([out[i]["text"] for i in keep], batch_size=batch_size).cpu().numpy()
         return out, emb.astype(np.float32, copy=False), keep
-    got = _image_embeddings(model, out, batch_size, device, num_workers, max_pixels)
+    got = _image_embeddings(model, out, batch_size, device, num_workers, max_pixels, on_error)
     keep = sorted(got)
     emb = np.stack([got[i] for i in keep]) if keep else np.zeros((0, model.config["embed_dim"]), np.float32)
     return out, emb.astype(np.float32, copy=False), keep
 
 
 def _image_embeddings(
-    model: MmfastModel, out: list[dict], batch_size: int, device, num_workers, max_pixels
+    model: MmfastModel, out: list[dict], batch_size: int, device, num_workers, max_pixels, on_error: str
 ) -> dict[int, np.ndarray]:
-    """{row position: its image's embedding (D,)}; rows whose image cannot be read get an "error" in ``out``."""
+    """{row position: its image's embedding (D,)}; rows whose image cannot be read get an "error" in ``out``
+    (or raise: ``on_error``)."""
     max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
-    usable = flag_unreadable(out, max_pixels, num_workers)
+    usable = flag_unreadable(out, max_pixels, num_workers, on_error)
     got: dict[int, np.ndarray] = {}
     if not usable:
         return got
@@ -116,19 +124,24 @@ def _image_embeddings(
             if len(loader.bad) < len(usable):  # it stops when every image is bad; anything else is not ours
                 raise
         for pos, reason in loader.bad.items():
-            out[usable[pos]]["error"] = f"image unreadable: {reason}"
+            bad_image(out[usable[pos]], reason, on_error)
     for i in usable:
         if i not in got and not out[i].get("error"):
             out[i]["error"] = "no embedding came back for this row"
     return got
 
 
-def embedding_paths(out: str | os.PathLike) -> dict[str, Path]:
-    """The files ``write_embeddings`` writes for ``--out OUT`` (OUT's ".npy" dropped): OUT.npy, OUT.ids.npy,
-    OUT.parquet."""
-    base = Path(out)
+def embedding_paths(out: str | os.PathLike, modality: str) -> dict[str, Path]:
+    """The files ``write_embeddings`` writes for ``--out OUT``: OUT.npy, OUT.ids.npy, OUT.parquet (OUT's ".npy"
+    dropped). OUT a folder (one that exists, or a name ending in "/") holds them, named by the modality:
+    OUT/image.npy, OUT/image.ids.npy, OUT/image.parquet."""
+    base = Path(out) / modality if _is_folder(out) else Path(out)
     base = base.with_suffix("") if base.suffix.lower() in (".npy", ".parquet") else base
     return {kind: base.parent / f"{base.name}{suffix}" for kind, suffix in _SUFFIXES.items()}
+
+
+def _is_folder(out: str | os.PathLike) -> bool:
+    return Path(out).is_dir() or os.fspath(out).endswith(("/", os.sep))
 
 
 _SUFFIXES = {"embeddings": ".npy", "ids": ".ids.npy", "parquet": ".parquet"}
@@ -138,12 +151,15 @@ def write_embeddings(
     out: str | os.PathLike, embeddings: np.ndarray, ids: list[int], rows: list[dict], modality: str
 ) -> list[Path]:
     """OUT.npy (N, D) float32, OUT.ids.npy (N,) int64 (row i of the first is the row of id i of the second)
-    and, when pyarrow is installed, OUT.parquet (id, image, text, embedding), each written whole or not at all.
+    and, when pyarrow is installed, OUT.parquet (id, image, text, embedding), each written whole or not at all;
+    inside OUT when it is a folder (``embedding_paths``: made when its name ends in "/").
 
     Returns:
         the files written.
     """
-    paths = embedding_paths(out)
+    paths = embedding_paths(out, modality)
+    if _is_folder(out):
+        Path(out).mkdir(exist_ok=True)  # named as a folder: made here (its parent must exist)
     written = []
     for kind, array in (("embeddings", np.asarray(embeddings, np.float32)), ("ids", np.asarray(ids, np.int64))):
         buf = io.BytesIO()

@@ -28,7 +28,16 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.infer.encode_inputs import (  # noqa: F401  (pil_transform, BadImageError: this module's names too)
+    BadImageError,
+    check_on_error,
+    encode_images,
+    image_inputs,
+    pil_transform,
+    preprocessed_batch,
+    text_inputs,
+)
 from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirError: this module's public names too)
     CONFIG_FILE,
     FORMAT,
@@ -42,6 +51,7 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
+from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
@@ -136,49 +146,81 @@ class MmfastModel(
     def _tower(self, name: str):
         if not hasattr(self.model, name):
             raise TypeError(
-                f"{name} needs a dual encoder (a model directory of --model clip); this one holds a "
-                f"'{self.config['model']}' model"
+                f"{name} needs a dual encoder (a model trained with {setting('model', value='clip')}); this one "
+                f"holds a '{self.config['model']}' model"
             )
         return getattr(self.model, name)
 
     @torch.no_grad()
-    def encode_image(self, images, batch_size: int = 64) -> torch.Tensor:
+    def encode_image(
+        self, images, batch_size: int = 64, *, max_pixels: int | None = None, on_error: str = "skip"
+    ) -> torch.Tensor:
         """Normalized image embeddings of a dual encoder.
 
         Args:
-            images: a batch (N, 3, S, S) already preprocessed as config.json says (what the loaders give), or a
-                list of image files / PIL images (or one of them: a (1, D) result), preprocessed here with
-                PIL + torchvision (``pil_transform``: the shorter side resized to image_size / crop_ratio,
-                center crop, mean/std) -- close to, not bit-equal to, the DALI pipeline ``mmfast-predict
-                --embed image`` decodes with (cosine 0.96-1.0 between the two on small icons, mean 0.99: the
-                resize filters differ).
+            images: image files, PIL images, uint8 RGB arrays (H, W, 3) or uint8 tensors (3, H, W) (as
+                ``torchvision.io.read_image`` gives), a list of them, or one of them (a (1, D) result). These are
+                preprocessed here with PIL + torchvision (``encode_inputs.pil_transform``: the shorter side
+                resized to image_size / crop_ratio, center crop, mean/std). That is close to, not bit-equal to,
+                the DALI pipeline of ``mmfast-predict --embed image``: the resize filters differ. A float tensor
+                is a batch already preprocessed as config.json says (what the loaders give): (N, 3, S, S), S the
+                model's image_size; any other float tensor is refused.
             batch_size: images per forward.
+            max_pixels: decoded-pixel budget of an image file, read from its header (default: the model's,
+                as its training data was prepared).
+            on_error: what to do with a file training would refuse (missing, not an image, truncated, over
+                ``max_pixels``): "skip" (log it and leave its row out) or "raise" (``encode_inputs.BadImageError``,
+                naming the file and why).
 
         Returns:
-            (N, D) float32 torch tensor on the model's device, rows of unit length (``.cpu().numpy()`` for
-            numpy); cosine similarity is the dot product.
+            (K, D) float32 torch tensor on the model's device: a row per usable image, in input order, of unit
+            length (cosine similarity is the dot product; ``.cpu().numpy()`` for numpy). K is N unless images
+            were skipped. The tensor carries two attributes (a new tensor made from it has neither): ``kept``,
+            the position in the input of each row, and ``skipped``, a dict per skipped image ({"index",
+            "image", "reason"}).
+
+        Raises:
+            TypeError: an input of another type (``encode_inputs.TAKES``), or an array that is not uint8.
+            ValueError: an image array of another shape, or a float tensor that is not such a batch.
         """
-        encode = self._tower("encode_image")
-        device = next(self.parameters()).device
-        if isinstance(images, str | os.PathLike) or hasattr(images, "getpixel"):  # one file or PIL image
-            images = [images]
-        if not isinstance(images, torch.Tensor):
-            tf = pil_transform(self.config)
-            images = [tf(_pil_rgb(x)) for x in images]
-        chunks = [images[s : s + batch_size] for s in range(0, len(images), batch_size)]
-        out = [encode((c if isinstance(c, torch.Tensor) else torch.stack(c)).to(device)).float() for c in chunks]
-        return torch.cat(out) if out else torch.zeros(0, self.config["embed_dim"], device=device)
+        tower = self._tower("encode_image")
+        check_on_error(on_error)
+        weight = next(self.parameters())
+
+        def encode(batch: torch.Tensor) -> torch.Tensor:  # (B, 3, S, S) -> (B, D)
+            return tower(batch.to(weight.device, weight.dtype)).float()
+
+        batch = preprocessed_batch(images, self.config["image_size"])
+        if batch is not None:
+            chunks = [encode(batch[s : s + batch_size]) for s in range(0, len(batch), batch_size)]
+            kept, skipped = list(range(len(batch))), []
+        else:
+            budget = max_pixels or self.config.get("max_pixels") or DEFAULT_MAX_PIXELS
+            chunks, kept, skipped = encode_images(
+                encode, image_inputs(images), self.config, batch_size=batch_size, max_pixels=budget,
+                on_error=on_error,
+            )  # fmt: skip
+        out = self._rows(chunks)
+        out.kept, out.skipped = kept, skipped
+        return out
 
     @torch.no_grad()
     def encode_text(self, texts: list[str] | str, batch_size: int = 256) -> torch.Tensor:
         """Normalized text embeddings of a dual encoder: the texts tokenized as in training (the model's
         tokenizer, truncated to its max_length, padded to the longest in each batch).
 
+        Args:
+            texts: a str, or a list (any iterable) of str.
+            batch_size: texts per forward.
+
         Returns:
             (N, D) float32 torch tensor on the model's device, rows of unit length.
+
+        Raises:
+            TypeError: ``texts`` is not a str or a list of str.
         """
         encode = self._tower("encode_text")
-        texts = [texts] if isinstance(texts, str) else list(texts)
+        texts = text_inputs(texts)
         device = next(self.parameters()).device
         out = []
         for s in range(0, len(texts), batch_size):
@@ -187,7 +229,13 @@ class MmfastModel(
                 return_tensors="pt", return_token_type_ids=False,
             )  # fmt: skip
             out.append(encode(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float())
-        return torch.cat(out) if out else torch.zeros(0, self.config["embed_dim"], device=device)
+        return self._rows(out)
+
+    def _rows(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """The embeddings of each batch as one (N, D) tensor; (0, D) for none."""
+        if chunks:
+            return torch.cat(chunks)
+        return torch.zeros(0, self.config["embed_dim"], device=next(self.parameters()).device)
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, map_location: str = "cpu", **kwargs):
@@ -203,32 +251,6 @@ class MmfastModel(
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(save_directory / TOKENIZER_DIR))
         (save_directory / CHECKSUMS_FILE).unlink(missing_ok=True)
-
-
-def pil_transform(config: dict):
-    """The eval preprocessing as PIL + torchvision give it (a PIL image -> (3, S, S) float32): the shorter side
-    resized to image_size / crop_ratio, a center crop of image_size, config.json's mean/std."""
-    from torchvision import transforms  # only this path needs it (the loaders preprocess with DALI)
-
-    size = config["image_size"]
-    return transforms.Compose(
-        [
-            transforms.Resize(round(size / config.get("crop_ratio", EVAL_CROP_RATIO))),
-            transforms.CenterCrop(size),
-            transforms.ToTensor(),
-            transforms.Normalize(config["mean"] or (0.5,) * 3, config["std"] or (0.5,) * 3),
-        ]
-    )
-
-
-def _pil_rgb(image):
-    """An RGB PIL image of a PIL image or an image file."""
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    with Image.open(image) as im:
-        return im.convert("RGB")
 
 
 @contextlib.contextmanager

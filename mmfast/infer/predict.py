@@ -22,7 +22,8 @@ import torch
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
-from mmfast.infer.model_dir import MmfastModel, pil_transform
+from mmfast.infer.encode_inputs import BadImageError, check_on_error, pil_transform
+from mmfast.infer.model_dir import MmfastModel
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
@@ -76,6 +77,7 @@ def predict_rows(
     device: str | torch.device = "cpu",
     num_workers: int | None = None,
     max_pixels: int | None = None,
+    on_error: str = "skip",
 ) -> list[dict]:
     """Predict every usable row; rows with an "error" (or whose image turns out unreadable) keep it.
 
@@ -83,15 +85,19 @@ def predict_rows(
         rows: {"image", "text", "label" (optional), "path" (optional: the file to read when "image" only names
             it, as ``mmfast.infer.predict_inputs`` gives for images stored as bytes)} or {"error"}.
         max_pixels: decoded-pixel budget per image, read from its header (default: the model's, its data's).
+        on_error: what to do with an image training would refuse (missing, not an image, truncated, over
+            ``max_pixels``): "skip" (the row gets the reason as its "error") or "raise" (``BadImageError``
+            naming the image and why).
 
     Returns:
         one dict per input row, in order: the row's fields plus "class", "prob", "top_k" [[class, prob], ...]
         and "class_id", or "error" (also when every image is unreadable: no row is predicted then).
     """
+    check_on_error(on_error)
     device = torch.device(device)
     out = [dict(r) for r in rows]
     max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
-    usable = flag_unreadable(out, max_pixels, num_workers)
+    usable = flag_unreadable(out, max_pixels, num_workers, on_error)
     if not usable:
         return out
     with tempfile.TemporaryDirectory(prefix="mmfast-predict-") as tmp:
@@ -108,6 +114,8 @@ def predict_rows(
             on_bad_image="skip",
         )
         _predict_batches(model, loader, [out[i] for i in usable], top_k)
+        for pos, reason in loader.bad.items():
+            bad_image(out[usable[pos]], reason, on_error)
     for row in out:  # anything neither predicted nor flagged (should not happen) is said, not dropped
         if "class" not in row and not row.get("error"):
             row["error"] = "no prediction came back for this row"
@@ -116,7 +124,7 @@ def predict_rows(
 
 def _predict_batches(model: MmfastModel, loader: MultimodalLoader, targets: list[dict], top_k: int) -> None:
     """Fill in ``targets`` (the loader's rows, by sample id) with the class, its probability and the top-k, or
-    the reason a row has none (its image unreadable, its logits not finite)."""
+    the reason a row has none (its logits not finite); the loader's ``bad`` says whose image was unreadable."""
     names = model.class_names
     k = min(top_k, len(names))
     try:
@@ -140,12 +148,13 @@ def _predict_batches(model: MmfastModel, loader: MultimodalLoader, targets: list
     except ValueError:
         if len(loader.bad) < len(targets):  # the loader stops when every image is bad; anything else is not ours
             raise
-    for pos, reason in loader.bad.items():
-        targets[pos]["error"] = f"image unreadable: {reason}"
 
 
-def flag_unreadable(rows: list[dict], max_pixels: int, workers: int | None = None) -> list[int]:
-    """Give each row whose image cannot be read an "error" in words; returns the positions of the others.
+def flag_unreadable(
+    rows: list[dict], max_pixels: int, workers: int | None = None, on_error: str = "skip"
+) -> list[int]:
+    """Give each row whose image cannot be read an "error" in words (``bad_image``: or raise, as ``on_error``
+    says); returns the positions of the others.
 
     Each image is checked as preparation checks it, before DALI sees it: its header (``image_problem``), then
     a full decode with PIL in ``workers`` processes and DALI's CPU decoder on the survivors
@@ -157,14 +166,23 @@ def flag_unreadable(rows: list[dict], max_pixels: int, workers: int | None = Non
     for r in rows:  # said in words, from the file's header; DALI would only skip it
         problem = "" if r.get("error") else image_problem(r, max_pixels)
         if problem:
-            r["error"] = problem
+            bad_image(r, problem, on_error, prefixed=True)
     usable = [i for i, r in enumerate(rows) if not r.get("error")]
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     checks = check_images([image_file(rows[i]) for i in usable], workers, max_pixels=max_pixels)
     for i, check in zip(usable, checks, strict=True):
         if not check.ok:
-            rows[i]["error"] = f"image unreadable: {check.reason}"
+            bad_image(rows[i], check.reason, on_error)
     return [i for i in usable if not rows[i].get("error")]
+
+
+def bad_image(row: dict, reason: str, on_error: str, prefixed: bool = False) -> None:
+    """A row whose image cannot be used: its "error" says why, or (``on_error="raise"``) a ``BadImageError``
+    names the image and says the same. ``prefixed``: the reason already says what kind of fault it is."""
+    error = reason if prefixed else f"image unreadable: {reason}"
+    if on_error == "raise":
+        raise BadImageError(str(row["image"]), error)
+    row["error"] = error
 
 
 def image_problem(row: dict, max_pixels: int) -> str:

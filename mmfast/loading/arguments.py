@@ -8,14 +8,26 @@ import math
 import numpy as np
 
 from mmfast.loading.graphs import DALI_SAFE_BATCH
+from mmfast.util.voice import setting
 
 
 def integer_labels(labels, n: int) -> np.ndarray:
-    """``labels`` as int64 (zeros when None); a label that is not a whole number (0.7, NaN, "cat") is an error
+    """``labels`` as (n,) int64 (zeros when None). A column (n, 1), as a DataFrame's ``df[["label"]].values``
+    gives, is flattened; another shape, or a label that is not a whole number (0.7, NaN, "cat"), is an error
     naming it (numpy's cast would truncate 0.7 to class 0)."""
     if labels is None:
         return np.zeros(n, dtype=np.int64)
+    if hasattr(labels, "detach"):  # a torch tensor, maybe on the GPU
+        labels = labels.detach().cpu().numpy()
     given = np.asarray(labels)
+    if given.ndim == 2 and given.shape[1] == 1:
+        given = given[:, 0]
+    if given.ndim != 1:
+        one_hot = " (one-hot rows: labels.argmax(1))" if given.ndim == 2 else ""
+        raise ValueError(
+            f"labels must be one integer class id per file, a sequence of {n} (or a column ({n}, 1)); got shape "
+            f"{given.shape}{one_hot}"
+        )
     if given.dtype.kind in "iub":
         return given.astype(np.int64)
     if given.dtype.kind == "f":
@@ -53,13 +65,14 @@ def check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels:
     per_rank = math.ceil(n / num_shards)
     if batch_size > max(per_rank, MAX_PADDED_BATCH):
         raise ValueError(
-            f"batch_size {batch_size} is larger than the {per_rank} samples of each process; pass at most "
-            f"{per_rank} (one batch of all of them)"
+            f"{setting('batch_size', value=batch_size)} is larger than the {per_rank} samples of each process; "
+            f"pass at most {per_rank} (one batch of all of them)"
         )
     if size * size > max_pixels:
         raise ValueError(
-            f"size {size} makes {size}x{size} = {size * size / 1e6:.0f} MP output images, over the "
-            f"{max_pixels / 1e6:g} MP budget (max_pixels); pass a smaller size"
+            f"{setting('size', '--image-size', value=size)} makes {size}x{size} = {size * size / 1e6:.0f} MP "
+            f"output images, over the {max_pixels / 1e6:g} MP budget ({setting('max_pixels')}); pass a smaller "
+            "size"
         )
     if drop_last and n < batch_size * num_shards:
         raise ValueError(

@@ -4,7 +4,7 @@ budget, and why the others are streamed. The training engine (``--cache-decoded`
 out the ``CachePlan`` it returns (``mmfast.loading.decoded`` holds the images).
 
 One list of reasons (``_obstacle``), each naming the setting in the caller's words (a flag for the
-command line, an argument for the library: ``Words``), and one rule for how many processes share this
+command line, an argument for the library: ``util.voice``), and one rule for how many processes share this
 machine's memory (``processes_on_machine``).
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mmfast.loading.decoded import DecodedImages, auto_plan, default_budget
+from mmfast.util import voice
 
 log = logging.getLogger(__name__)
 
@@ -28,25 +29,6 @@ class CachePlan:
     why: str  # the reason, said in the log and the run summary
     budget: int | None = None  # bytes the cache may hold (None: its share of what is available when it fills)
     share: int = 1  # processes of this machine whose caches share that memory
-
-
-@dataclass(frozen=True)
-class Words:
-    """How the settings are named to the user who made them (the command line's flags by default)."""
-
-    off: str = "--no-cache-decoded"
-    dali_finish: str = "--cpu-resize dali"
-    jitter: str = "--color-jitter is applied while streaming"
-
-
-LIBRARY_WORDS = Words(
-    off="cache_decoded=False",
-    dali_finish="it needs the host finishing (cpu_resize='torch')",
-    jitter=(
-        "colour jitter (color_jitter=, or a ColorJitter in the dataset's transform) is applied by DALI while "
-        "streaming; drop it or leave cache_decoded off"
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -86,7 +68,6 @@ def plan_decoded_cache(
     host_finish: bool,
     source,
     processes: int,
-    words: Words = Words(),
     budget: int | None = None,
 ) -> dict[str, CachePlan]:
     """Which of ``splits`` are held decoded, in order, while their decoded pixels fit together in the budget.
@@ -100,14 +81,14 @@ def plan_decoded_cache(
         host_finish: the decoded crops are finished on the host (``cpu_resize="torch"``).
         source: the image source (``mmfast.loading.sources``): cached only when the loader orders its reads.
         processes: processes of this machine (``processes_on_machine``): each holds its own copy.
-        words: how the settings are named in the reasons.
         budget: the memory to share (default: ``decoded.default_budget()``, half of what is available now).
 
     Returns:
         {split name: CachePlan}.
     """
     if setting is False or setting is None:
-        return {s.name: CachePlan(False, words.off) for s in splits}
+        off = voice.setting("cache_decoded", "--no-cache-decoded", value=False)
+        return {s.name: CachePlan(False, off) for s in splits}
     explicit = not (setting is True or (isinstance(setting, str) and setting == "auto"))
     if explicit and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1 << 20):
         raise ValueError(
@@ -116,13 +97,13 @@ def plan_decoded_cache(
     plans: dict[str, CachePlan] = {}
     left = None
     for split in splits:
-        why = _obstacle(split, device_type, host_finish, source, words)
+        why = _obstacle(split, device_type, host_finish, source)
         if why and setting != "auto":
             raise ValueError(f"cache_decoded: {why}")
         if why:
             plans[split.name] = CachePlan(False, why)
         elif setting is True:
-            plans[split.name] = CachePlan(True, "cache_decoded=True")
+            plans[split.name] = CachePlan(True, voice.setting("cache_decoded", value=True))
         elif setting != "auto":
             plans[split.name] = CachePlan(True, f"a budget of {setting / 2**20:.0f} MiB", budget=setting)
         else:
@@ -132,12 +113,13 @@ def plan_decoded_cache(
     return plans
 
 
-def _obstacle(split: SplitImages, device_type: str, host_finish: bool, source, words: Words) -> str:
+def _obstacle(split: SplitImages, device_type: str, host_finish: bool, source) -> str:
     """Why ``split`` cannot be held decoded, or ""."""
     if device_type == "cuda":
         return "the GPU decodes them (nvJPEG); the cache is for CPU decoding"
     if not host_finish:
-        return words.dali_finish
+        needed = voice.setting("cpu_resize", value="torch")
+        return f"{voice.setting('cpu_resize', value='dali')}: held images need {needed}"
     if not source.ordered_by_loader:
         return (
             f"read by the {source.name} source, which orders its reads itself (images are held decoded from image "
@@ -146,7 +128,11 @@ def _obstacle(split: SplitImages, device_type: str, host_finish: bool, source, w
     if not source.needs_paths:
         return f"read from shards by the {source.name} source (images are held decoded from image files only)"
     if split.train and split.color_jitter > 0:
-        return words.jitter
+        return voice.said(
+            "--color-jitter is applied while streaming",
+            "colour jitter (color_jitter=, or a ColorJitter in the dataset's transform) is applied by DALI while "
+            "streaming; drop it or leave cache_decoded off",
+        )
     if split.train and split.epochs == 1:  # and the cache's first epoch decodes whole images
         return "one epoch reads each image once"
     return ""
@@ -179,13 +165,13 @@ def decoded_images_for(
     num_threads: int,
 ) -> DecodedImages | None:
     """A loader's decoded cache (``ImageLoader(cache_decoded=...)``): the plan given, or
-    ``plan_decoded_cache``'s for its files (its reasons in the library's words), carried out."""
+    ``plan_decoded_cache``'s for its files, carried out."""
     plan = setting
     if not isinstance(plan, CachePlan):
         split = SplitImages("images", train, color_jitter, files=files, size=size)
         plan = plan_decoded_cache(
             [split], setting, device_type=device.type, host_finish=host_finish, source=source,
-            processes=processes_on_machine(num_shards, device.type), words=LIBRARY_WORDS,
+            processes=processes_on_machine(num_shards, device.type),
         )["images"]  # fmt: skip
         if isinstance(setting, str):
             log.info(

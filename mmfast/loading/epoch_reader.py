@@ -31,6 +31,7 @@ from mmfast.loading.stream import (
     encode_checkpoint,
     new_chunk,
 )
+from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
 
@@ -305,11 +306,12 @@ class EpochReader:
             : (self.s.prefetch + 2) * self.s.batch_size
         ]
         if not self.health.check_window(window):
+            threads = setting("num_workers", "--num-threads", "--num-workers")
             raise DaliFailure(
                 f"DALI failed on batch {self.step} of epoch {self.epoch}, whose files each decode on their own "
                 f"({first_line(error)}); the usual cause is memory: this process's limit (ulimit -v, a cgroup's) "
-                "or the machine's. Lower the batch size or the number of threads (--batch-size / --num-threads, "
-                "batch_size= / num_workers=)"
+                f"or the machine's. Lower the batch size or the number of threads ({setting('batch_size')} / "
+                f"{threads})"
             ) from error
         self.stream = None
         return self._open_stream(self.epoch, self.step)

@@ -30,6 +30,7 @@ from mmfast.data.batch import PAD_ID
 from mmfast.data.validate import check_images, pixel_budget_reason
 from mmfast.loading.options import ON_BAD_IMAGE
 from mmfast.util.commands import PREPARE
+from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
 _UNKNOWN = -1  # a baseline not taken yet
@@ -97,7 +98,8 @@ class FileHealth:
             if self.on_bad_image == "error":
                 again = f" and re-run {PREPARE}" if self.prepared else ""
                 raise ValueError(
-                    f"{self.files[p]}: {reason}. Fix or remove it{again}, or pass on_bad_image='skip'"
+                    f"{self.files[p]}: {reason}. Fix or remove it{again}, or pass "
+                    f"{setting('on_bad_image', value='skip')}"
                 )
             log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             self.bad[p] = reason

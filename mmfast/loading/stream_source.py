@@ -33,6 +33,7 @@ from mmfast.util.args import format_size
 from mmfast.util.commands import PREPARE
 from mmfast.util.remote import is_remote
 from mmfast.util.remote_errors import redact
+from mmfast.util.voice import setting
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
@@ -188,7 +189,8 @@ class StreamSource:
             self.cache.warn_once(
                 f"the shard cache holds {held} shard{'s' * (held != 1)} of {biggest / 2**20:.1f} MiB, fewer than "
                 f"the {self.window} the order reads from at once and the 2 it fetches ahead: shards will be "
-                f"fetched more than once per epoch; raise --cache-limit to {format_size(wanted * biggest)} or more"
+                f"fetched more than once per epoch; raise {setting('limit_bytes', '--cache-limit')} to "
+                f"{format_size(wanted * biggest)} or more"
             )
         return held
 

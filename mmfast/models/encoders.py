@@ -12,6 +12,7 @@ from torch import nn
 from mmfast.data.tokenizer import minilm_path
 from mmfast.models.catalog import IMAGE_BACKBONES
 from mmfast.util.fsutil import file_sha256
+from mmfast.util.voice import setting
 
 TIMM_PREFIX = "timm:"  # "timm:<name>": any timm model, random init unless --image-weights names a file
 RANDOM_TEXT_CONFIGS = {
@@ -155,16 +156,17 @@ def load_image_weights(net: nn.Module, path: str | os.PathLike, classifier: tupl
         classifier: key prefixes of the classifier layer, which is ignored.
     """
     path = Path(path)
+    given = setting("image_weights", value=str(path))
     if not path.is_file():
-        raise FileNotFoundError(f"--image-weights {path}: no such file")
+        raise FileNotFoundError(f"{given}: no such file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"--image-weights {path}: not a PyTorch state dict ({e})") from e
+        raise ValueError(f"{given}: not a PyTorch state dict ({e})") from e
     if isinstance(state, dict) and "state_dict" in state:
         state = state["state_dict"]
     if not isinstance(state, dict):
-        raise ValueError(f"--image-weights {path}: expected a state dict, got {type(state).__name__}")
+        raise ValueError(f"{given}: expected a state dict, got {type(state).__name__}")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     state = {k: v for k, v in state.items() if not k.startswith(classifier)}
     own = {k: v for k, v in net.state_dict().items() if not k.startswith(classifier)}
@@ -172,9 +174,9 @@ def load_image_weights(net: nn.Module, path: str | os.PathLike, classifier: tupl
     shape = [k for k in set(own) & set(state) if own[k].shape != state[k].shape]
     if missing or unexpected or shape:
         raise ValueError(
-            f"--image-weights {path} does not match the backbone: {len(missing)} missing keys "
+            f"{given} does not match the backbone: {len(missing)} missing keys "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}, shape mismatch {shape[:3]}; "
-            "check --image-backbone"
+            f"check {setting('image_backbone')}"
         )
     net.load_state_dict(state, strict=False)
 
@@ -253,7 +255,7 @@ class TextEncoder(nn.Module):
                 raise ValueError(
                     f"the tokenizer has {vocab_size} tokens but text model '{name}' only "
                     f"{self.model.get_input_embeddings().num_embeddings}; prepare the data with "
-                    f"--tokenizer {name}"
+                    f"{setting('tokenizer', value=name)}"
                 )
         self.pretrained = name not in RANDOM_TEXT_CONFIGS
         self.width = self.model.config.hidden_size

@@ -17,6 +17,7 @@ from torch import nn
 from mmfast.models.catalog import COMBINE
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import register_model
+from mmfast.util.voice import setting
 
 
 def _mlp(d_in: int, hidden: int, num_classes: int, dropout: float) -> nn.Sequential:
@@ -75,7 +76,7 @@ class EarlyFusion(nn.Module):
         if seq.shape[1] > self.text.max_positions:
             raise ValueError(
                 f"{seq.shape[1]} tokens (image {img.shape[1]} + text {ids.shape[1]}) exceed the text "
-                f"model's {self.text.max_positions} positions; lower --max-length or the grid"
+                f"model's {self.text.max_positions} positions; lower {setting('max_length')} or the grid"
             )
         hidden = self.text.encode_embeddings(seq, joint_mask)  # (B, S, D)
         return self.head(hidden[:, 0])

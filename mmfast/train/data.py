@@ -161,7 +161,7 @@ def cache_plans(
 ) -> dict[str, CachePlan]:
     """Which splits hold their images decoded (``--cache-decoded``): ``cache_plan.plan_decoded_cache`` over
     train, then val, sized by the decoded bytes preparation recorded (``budget``: the memory to share,
-    default half of what is available now), with its reasons in the command line's words."""
+    default half of what is available now), its reasons in the caller's words (``util.voice``)."""
     source = prepared_source(dataset, "train", cfg.source, cache or shard_cache(cfg, dataset))
     splits = [
         SplitImages("train", True, cfg.color_jitter, cfg.epochs, lambda left: dataset.decoded_bytes("train", left))

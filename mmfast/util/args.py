@@ -4,6 +4,8 @@ failed writes."""
 import argparse
 import re
 
+from mmfast.util.voice import hear_flags
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # kB, MB..., and KiB, MiB...
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)b?|(b?))\s*", re.IGNORECASE)
 
@@ -19,6 +21,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        hear_flags(self._option_string_actions)  # messages name this command's flags (util/voice)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if old in message]

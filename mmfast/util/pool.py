@@ -13,6 +13,8 @@ import types
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
+from mmfast.util.voice import carried
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -28,7 +30,7 @@ def map_files(fn, items: list, workers: int, desc: str, progress: bool = False) 
     chunk = max(1, min(64, len(items) // (workers * 8)))
     if multiprocessing.current_process().daemon:  # PIL releases the GIL while decoding and encoding
         with ThreadPoolExecutor(workers) as pool:
-            return list(tqdm(pool.map(fn, items, chunksize=chunk), **bar))
+            return list(tqdm(pool.map(carried(fn), items, chunksize=chunk), **bar))
     return list(tqdm(process_map(fn, items, workers, chunk), **bar))
 
 
@@ -40,7 +42,8 @@ def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
     pipeline inherited from the parent waits for ever in its destructor (or on any lock another thread held).
     They import ``fn`` from its module and never re-run the caller's script (one without an
     ``if __name__ == "__main__":`` guard would otherwise run again in each). Each worker is SIGKILLed when
-    the caller dies. ``fn`` must be a module-level function of an importable module (or a partial of one).
+    the caller dies, and runs ``fn`` in the caller's words (``voice.carried``: flags or arguments). ``fn``
+    must be a module-level function of an importable module (or a partial of one).
     """
     context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
     owner = dict(initializer=_die_with_owner, initargs=(os.getpid(),))
@@ -48,7 +51,8 @@ def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:
         main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")  # nothing for the workers to re-import
         try:
-            results = pool.map(fn, items, chunksize=chunksize)  # submits every chunk: the workers start now
+            # submits every chunk: the workers start now
+            results = pool.map(carried(fn), items, chunksize=chunksize)
         finally:
             sys.modules["__main__"] = main
         yield from results

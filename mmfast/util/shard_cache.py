@@ -36,6 +36,7 @@ from pathlib import Path
 from mmfast.util import remote
 from mmfast.util.fsutil import MARKER, OutputDirError, is_replaceable, write_marker
 from mmfast.util.remote_errors import redact
+from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ class ShardCache:
                 os.close(fd)  # if another process evicts it before our shared lock, the next round fetches again
         raise CacheFullError(
             f"{redact(url)} was evicted {_ROUNDS} times before it could be read: the cache at "
-            f"{self.root} ({self.limit_bytes} bytes) is too small for the processes sharing it; raise limit_bytes"
+            f"{self.root} ({self.limit_bytes} bytes) is too small for the processes sharing it; raise "
+            f"{setting('limit_bytes', '--cache-limit')}"
         )
 
     def _fetch_exclusive(self, url: str, size: int, sha256: str | None, path: Path, deadline: float) -> None:
@@ -220,7 +222,8 @@ class ShardCache:
             if time.monotonic() > deadline:
                 raise CacheFullError(
                     f"the shards in use fill the cache at {self.root} ({used} of {self.limit_bytes} bytes) and "
-                    f"none was released in {self.wait_s:.0f} s; raise limit_bytes above what readers hold at once"
+                    f"none was released in {self.wait_s:.0f} s; raise {setting('limit_bytes', '--cache-limit')} "
+                    "above what readers hold at once"
                 )
             time.sleep(_POLL_S * 5)
 
