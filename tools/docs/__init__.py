@@ -1,0 +1,1 @@
+"""Documentation tools: the sentence statistics of docs/contributing.md's writing rule."""
