@@ -1,0 +1,1 @@
+"""The documentation's tools: the generated reference pages, the site build's link hook."""
