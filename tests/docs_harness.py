@@ -155,7 +155,8 @@ class PageRun:
         reply = self._read_reply()
         if reply is None:
             self.close()
-            return f"ran past {self.timeout_s:.0f} s or its interpreter died; its output ended:\n{_tail(self._log)}"
+            why = f"ran past {self.timeout_s:.0f} s or its interpreter died"
+            return f"{why}; its output ended:\n{_tail(self._log)}"
         self.ran.append(line)
         return None if reply["ok"] else f"{reply['error']}\nits output ended:\n{_tail(self._log)}"
 
@@ -220,15 +221,19 @@ def _python(example) -> str | None:
 
 def parse_page(path: Path) -> Document:
     """The page as Sybil reads it: its bash and python blocks, and its skip directives."""
-    return Document.parse(str(path), CodeBlockParser("bash", _bash), CodeBlockParser("python", _python), SkipParser())
+    parsers = (CodeBlockParser("bash", _bash), CodeBlockParser("python", _python), SkipParser())
+    return Document.parse(str(path), *parsers)
 
 
 def trains(path: Path) -> bool:
     """Whether a block of the page trains a model (the page then belongs to the slow lane)."""
-    return any(TRAINS.search(str(ex.parsed)) for ex in parse_page(path).examples() if ex.region.evaluator in (_bash, _python))
+    blocks = [ex for ex in parse_page(path).examples() if ex.region.evaluator in (_bash, _python)]
+    return any(TRAINS.search(str(ex.parsed)) for ex in blocks)
 
 
-def run_page(path: Path, workdir: Path, data: Path, env: dict[str, str], timeout_s: float = BLOCK_TIMEOUT_S) -> PageRun:
+def run_page(
+    path: Path, workdir: Path, data: Path, env: dict[str, str], timeout_s: float = BLOCK_TIMEOUT_S
+) -> PageRun:
     """Run every block of the page at ``path`` in order, in ``workdir`` filled with ``data``.
 
     Returns:

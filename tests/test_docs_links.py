@@ -53,8 +53,10 @@ def test_a_missing_file_or_anchor_is_reported(tmp_path):
     (tmp_path / "docs" / "guide.md").write_text("# Guide\n\n## The `--max-side N` flag\n\n<a id=\"cache\"></a>\n")
     readme = tmp_path / "README.md"
     readme.write_text(
-        "[ok](docs/guide.md#the---max-side-n-flag) [ok](docs/guide.md#cache) [ok](#readme) [web](https://x.org)\n"
-        "# Readme\n\n[gone](docs/missing.md) [bad anchor](docs/guide.md#nowhere)\n\n```text\n[in code](nope.md)\n```\n"
+        "[ok](docs/guide.md#the---max-side-n-flag) [ok](docs/guide.md#cache) [ok](#readme)\n"
+        "[web](https://x.org)\n"
+        "# Readme\n\n[gone](docs/missing.md) [bad anchor](docs/guide.md#nowhere)\n\n"
+        "```text\n[in code](nope.md)\n```\n"
     )
     assert broken_links(readme) == [
         "docs/missing.md: no file docs/missing.md",
