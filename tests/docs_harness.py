@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import SkipTest
@@ -45,7 +46,7 @@ def build_fixture_data(dest: Path) -> Path:
     from tools.benchmarks.benchlib.data import photo_manifest
 
     dest.mkdir(parents=True, exist_ok=True)
-    demo = demo_dataset(n=60, seed=7, root=dest.parent / f"{dest.name}-sources")
+    demo = demo_dataset(n=200, seed=7, root=dest.parent / f"{dest.name}-sources")
     shutil.copytree(demo.parent / "images", dest / "images")
     rows = [json.loads(ln) for ln in demo.read_text().splitlines()]
     labeled = [{"image": r["image"], "text": r["text"], "label": r["label"]} for r in rows]
@@ -53,7 +54,7 @@ def build_fixture_data(dest: Path) -> Path:
     _write_jsonl(dest / "pairs.jsonl", [{"image": r["image"], "text": r["text"]} for r in rows])
     shutil.copy(dest / rows[0]["image"], dest / "query.jpg")
     _write_shards(dest / "shards", dest, labeled, n_shards=4)
-    photos = photo_manifest(dest.parent / f"{dest.name}-sources", n=24, width=96, height=72, seed=5)
+    photos = photo_manifest(dest.parent / f"{dest.name}-sources", n=48, width=96, height=72, seed=5)
     for r in (json.loads(ln) for ln in photos.read_text().splitlines()):
         target = dest / "photos" / r["label"] / Path(r["image"]).name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +120,7 @@ class PageRun:
     env: dict[str, str]
     timeout_s: float = BLOCK_TIMEOUT_S
     ran: list[int] = field(default_factory=list)  # lines of the blocks that ran
+    seconds: dict[int, float] = field(default_factory=dict)  # each block's wall time, by line
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (line, reason)
     _kernel: subprocess.Popen | None = None
     _results: int | None = None
@@ -249,10 +251,13 @@ def run_page(
     document.namespace["_page"] = page
     try:
         for example in document.examples():
+            start = time.monotonic()
             try:
                 example.evaluate()
             except SkipTest as e:
                 page.skipped.append((example.line, str(e)))
+            else:
+                page.seconds[example.line] = round(time.monotonic() - start, 1)
     finally:
         page.close()
     return page
