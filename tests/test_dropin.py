@@ -282,10 +282,10 @@ def test_a_restored_position_survives_set_epoch_and_continues(folder):
     assert [b.ids.tolist() for b in resumed] == reference[3:]
 
 
-def test_the_readmes_ddp_snippet_counts_every_image_once(folder):
-    """The README's counting loop, run as-is on the two shards of 2 processes (the all_reduce: their sum)."""
-    readme = (ROOT / "README.md").read_text()
-    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "batch.mask" in b)
+def test_the_guides_ddp_snippet_counts_every_image_once(folder):
+    """The drop-in guide's counting loop, run as-is on the two shards of 2 processes (the all_reduce: their sum)."""
+    guide = (ROOT / "docs" / "guides" / "dropin-loader.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "batch.mask" in b)
     dataset = datasets.ImageFolder(folder, EVAL_TF)
     model = _tiny_model(3)
     totals = []

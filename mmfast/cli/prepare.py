@@ -49,7 +49,9 @@ from mmfast.util.commands import TRAIN
 from mmfast.util.voice import command_line
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """mmfast-prepare's command line: every flag with its meaning and default, as --help shows them (and as
+    docs/reference/prepare-flags.md lists them)."""
     p = Parser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "source",
@@ -114,6 +116,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _add_ray_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars (a log or CI)")
     add_input_flags(p)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if (args.source is None) == (args.source_flag is None):
         if args.source is None and args.ray:

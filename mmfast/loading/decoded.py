@@ -1,7 +1,7 @@
 """Images decoded once and kept in memory (``cache_decoded``): on the CPU path every later epoch crops from RAM.
 
 Why: on small images the decode is most of the CPU path's work and nothing makes it cheaper (a PNG has no
-region-of-interest decode: decoding a small icon costs more than finishing its crop; BENCHMARKS.md). A
+region-of-interest decode: decoding a small icon costs more than finishing its crop; docs/benchmarks/). A
 set whose decoded pixels fit in memory need not pay it every epoch: FFCV stores such sets
 as raw pixels for the same reason. Here the loader decodes each image the first time an epoch needs it, with
 the same DALI decoder as the streaming path, and keeps the uint8 HWC array; each batch then cuts its random
@@ -108,7 +108,7 @@ def default_budget() -> int:
 AUTO_SAMPLE = 64  # image headers read to estimate a set's decoded size for cache_decoded="auto"
 # cache_decoded="auto" streams the train split of JPEGs larger than this many times the output's pixels: a
 # streamed random crop decodes only its region, while the cache's first epoch decodes each image whole and
-# writes it to memory (BENCHMARKS.md, "The drop-in decides: `cache_decoded="auto"`")
+# writes it to memory (docs/benchmarks/notes/2026-12-01-dropin-auto-cache.md)
 AUTO_JPEG_PIXELS = 4
 
 

@@ -202,7 +202,7 @@ class EpochReader:
         """DALI's batch for a chunk reading ``positions``: None (the loader's) when DALI has read each of
         those files before, or preparation decoded them; on the CPU, otherwise, an equal part of the loader's
         batch that DALI parses safely (``DALI_SAFE_BATCH``: a non-image among the files is then skipped, not a
-        crash, and slower (BENCHMARKS.md), so only until each file has been read once)."""
+        crash, and slower (docs/benchmarks/), so only until each file has been read once)."""
         if self.s.files_checked or self.s.device.type != "cpu" or not self.source.needs_paths:
             return None
         read = self.files_read.copy()

@@ -8,7 +8,7 @@ Two ways a bad file is found:
   also has its header's pixel count checked against the budget). Only a file that is missing, not a regular
   file, empty, or changed is decoded again; one found bad is never handed to DALI. This is what keeps a file
   replaced after validation (bytes that are no image, a FIFO) away from DALI's parser, which can crash the
-  process on such a file instead of raising (README.md, "Reliability"), and what tells the decoded cache that
+  process on such a file instead of raising (docs/reference/faults.md), and what tells the decoded cache that
   an image it holds has changed.
 - the recovery: DALI aborts the whole pipeline on a file it cannot decode (a JPEG truncated in place keeps
   no trace in its stat when its mtime is put back); the loader then checks the files of the next few batches

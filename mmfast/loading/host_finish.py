@@ -3,7 +3,7 @@
 Why not in the DALI graph: on the CPU, DALI's antialiased resize costs about as much as the ROI decode
 itself and its crop_mirror_normalize half as much again, while torch's uint8 antialiased bilinear kernel
 (the one torchvision uses, close to PIL's) and a per-channel normalize pass do the same work several
-times faster (figures in BENCHMARKS.md). So when decoding on the CPU the train graph stops after the fused
+times faster (figures in docs/benchmarks/). So when decoding on the CPU the train graph stops after the fused
 decode + random crop (``image_pipeline(finish_on_host=True)``) and ``HostFinisher`` completes the batch:
 each image is resized, flipped and normalized while it is still in the core's cache, by the consuming
 thread and ``threads - 1`` helper threads (torch's kernels release the GIL), each with one intra-op thread.
@@ -12,7 +12,7 @@ resized here (shorter side) and centre-cropped with the graph's rounding. The GP
 the graph.
 
 The output batches come from ``BatchBuffers``: a batch's memory is reused once nothing refers to it any
-more: a fresh batch's page faults would cost about as much as finishing it (BENCHMARKS.md).
+more: a fresh batch's page faults would cost about as much as finishing it (docs/benchmarks/).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def ragged_iterator(pipe, **kwargs):
 
 
 # The finishing's share of the CPU path's work per image at 224 px, as tools/benchmarks/bench_stages.py
-# measures it on photos, the common case (BENCHMARKS.md, "The CPU path at its decode limit").
+# measures it on photos, the common case (docs/benchmarks/notes/2026-11-30-cpu-decode-limit.md).
 FINISH_SHARE = 0.3
 
 

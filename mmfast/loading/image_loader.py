@@ -101,7 +101,7 @@ class ImageLoader:
             (without ``file_stats``) or checked again (one over it is a bad image): what bounds the decoder's
             memory.
         cpu_resize: who resizes, flips and normalizes the decoded crops when decoding on the CPU: "torch"
-            (the consuming thread, ``mmfast.loading.host_finish``: faster, BENCHMARKS.md; the eval path
+            (the consuming thread, ``mmfast.loading.host_finish``: faster, docs/benchmarks/; the eval path
             reproduces torchvision's Resize + CenterCrop pixels) or "dali" (in the graph). The GPU path always
             does it in DALI.
         finish_threads: threads finishing each batch on the host (``cpu_resize="torch"``), the consuming

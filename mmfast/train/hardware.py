@@ -4,7 +4,7 @@
   on: A100, H100, H200, L4, RTX 30xx on), which needs no gradient scaler; fp16 + GradScaler on older GPUs; on
   the CPU bf16 where the cores have it natively (AMX / AVX512-BF16), else float32;
 - memory format (``--channels-last``, unset): NHWC for a convolutional image tower on CUDA (tensor cores
-  convolve NHWC; 1.6x for the write-up's ResNet-50 on an H200, BENCHMARKS.md), NCHW on the CPU;
+  convolve NHWC; 1.6x for the write-up's ResNet-50 on an H200, docs/benchmarks/), NCHW on the CPU;
 - the optimizer's kernels (``--optimizer-impl auto``): AdamW's fused kernel on CUDA (one kernel for every
   parameter), its foreach kernels elsewhere;
 - the caption width (``--text-padding auto``): each batch's longest caption, or for a compiled step the next

@@ -16,7 +16,7 @@ the L2-normalized text features T, and T'T. From them, on every process alike:
 
 The preset clip-lite0-minilm starts so: on the two real dev sets its recipe then beats the frozen-tower
 baselines (a ridge map, a linear probe) on R@1 both ways, where from random projections it did not
-(BENCHMARKS.md, "The contrastive recipes against frozen-tower baselines").
+(docs/benchmarks/notes/2026-12-02-contrastive-recipes.md).
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Experiments whose results BENCHMARKS.md quotes (fusion against each modality alone)."""
+"""Experiments whose results docs/benchmarks/ quotes (fusion against each modality alone, contrastive recipes)."""
