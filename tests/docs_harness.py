@@ -256,7 +256,7 @@ def run_page(
                 example.evaluate()
             except SkipTest as e:
                 page.skipped.append((example.line, str(e)))
-            else:
+            if example.line in page.ran:  # a block, not a skip directive
                 page.seconds[example.line] = round(time.monotonic() - start, 1)
     finally:
         page.close()

@@ -57,8 +57,9 @@ def _help_entries(module: str) -> dict[str, tuple[str, str, str]]:
 
 def _split(invocation: str, text: str) -> tuple[str, str, str]:
     default = choices = ""
-    if m := re.search(r"\s*\(default: (.*)\)$", text):
-        text, default = text[: m.start()], m.group(1)
+    start = text.rfind("(default: ")  # the last: a meaning may name a default of its own in parentheses
+    if start >= 0 and text.endswith(")"):
+        text, default = text[:start].rstrip(), text[start + len("(default: ") : -1]
     if m := re.search(r";\s*choices: (.*)$", text):
         text, choices = text[: m.start()], m.group(1)
     elif m := re.search(r"\{([^}]*)\}", invocation):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference"
-DEFAULT = re.compile(r"\s*\(default: (?P<default>.*)\)$", re.DOTALL)
 CHOICES = re.compile(r";\s*choices: (?P<choices>.*)$", re.DOTALL)
 
 
@@ -47,9 +46,7 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[tuple[str, list[FlagRow]]
 
 def _row(formatter: argparse.HelpFormatter, action: argparse.Action) -> FlagRow:
     text = " ".join(formatter._expand_help(action).split()) if action.help else ""
-    default = ""
-    if m := DEFAULT.search(text):
-        text, default = text[: m.start()], m.group("default")
+    text, default = split_default(text)
     choices = ", ".join(str(c) for c in action.choices) if action.choices else ""
     if m := CHOICES.search(text):
         text, choices = text[: m.start()], m.group("choices")
@@ -58,6 +55,15 @@ def _row(formatter: argparse.HelpFormatter, action: argparse.Action) -> FlagRow:
     else:
         anchor = f"positional-{action.dest}"
     return FlagRow(anchor, formatter._format_action_invocation(action), text, choices, default)
+
+
+def split_default(text: str) -> tuple[str, str]:
+    """A help text without its closing "(default: X)", and X ("" when it has none). The last one counts: a
+    meaning may name a default of its own in parentheses."""
+    start = text.rfind("(default: ")
+    if start < 0 or not text.endswith(")"):
+        return text, ""
+    return text[:start].rstrip(), text[start + len("(default: ") : -1]
 
 
 def md_escape(text: str) -> str:
