@@ -36,8 +36,8 @@ def test_the_note_names_the_precision_trained_in_where_the_launcher_named_anothe
 
 
 @pytest.mark.slow
-def test_the_quickstart_launch_prints_no_precision_it_does_not_train_in(prepared, tmp_path):
-    """The quickstart's ``accelerate launch tools/train.py`` with no accelerate config file: every line that
+def test_a_launch_without_a_config_prints_no_precision_it_does_not_train_in(prepared, tmp_path):
+    """``accelerate launch tools/train.py`` with no accelerate config file: every line that
     names a precision agrees with the one summary.json records, or is the launcher's default followed by the
     run's note that it is not the one used."""
     launcher = Path(sys.executable).parent / "accelerate"
