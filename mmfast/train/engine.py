@@ -270,8 +270,10 @@ class EpochRunner:
         totals = self._global_sums(s)  # note: a CPU-GPU sync point, once per epoch
         loss_sum, samples = totals["loss_sum"], totals["samples"]
         sources = {"sources": self.tally.figures(self.tally.global_sums(self.acc))} if self.tally else {}
+        task_figures = getattr(self.task, "epoch_figures", None)  # a collective too; it may stop the run
         return {
             **sources,
+            **(task_figures(self.acc) if task_figures is not None else {}),
             "epoch_complete": complete,
             # An epoch whose every loss was non-finite has no mean: say NaN, never a reassuring 0.
             "train_loss": loss_sum / samples if samples else float("nan"),
