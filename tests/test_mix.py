@@ -185,6 +185,29 @@ def test_a_raw_input_or_mismatched_weights_in_a_mix_stop_the_run_with_one_line(
     assert not (out / "model").exists()
 
 
+def test_an_epoch_too_large_to_order_in_memory_is_refused_naming_the_flag(sources, tmp_path, capsys):
+    """--samples-per-epoch holds an epoch's order in memory: above both the split's rows and the bound it is
+    refused at once, naming the flag and the bound, instead of allocating gigabytes and blaming --batch-size;
+    the bound itself is taken (the order is drawn lazily, per epoch)."""
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.data import MAX_EPOCH_SAMPLES, train_sampling
+
+    a, b = sources
+    dataset = PreparedDataset(a)
+    rows = dataset.split_size("train")
+    assert isinstance(train_sampling(TrainConfig(samples_per_epoch=MAX_EPOCH_SAMPLES), dataset), MixedOrder)
+    limit = MAX_EPOCH_SAMPLES
+    want = rf"--samples-per-epoch {limit + 1}: .*use at most {limit} \(the train split has {rows} rows\)"
+    with pytest.raises(ValueError, match=want):
+        train_sampling(TrainConfig(samples_per_epoch=MAX_EPOCH_SAMPLES + 1), dataset)
+    out = tmp_path / "run"
+    argv = ["--data", str(a), "--data", str(b), "--samples-per-epoch", "1000000000", "--out", str(out), *RUN]
+    assert train_tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--samples-per-epoch 1000000000: an epoch's order is held in memory" in err and "7.5 GiB" in err, err
+    assert "--batch-size" not in err and not (out / "model").exists()
+
+
 def _seen(run: Path) -> dict[int, list[int]]:
     """{epoch: the sample ids it trained, in order} over every segment of the run (--record-ids)."""
     out: dict[int, list[int]] = {}

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# --samples-per-epoch beyond the train split's rows: an epoch's order is held in memory, 8 bytes a sample
+MAX_EPOCH_SAMPLES = 2**26
+
 
 def build_loaders(
     cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None = None
@@ -82,7 +85,8 @@ def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrde
     drawn by ``--data-weights`` (by their sizes without it: every row once an epoch, as one dataset).
 
     Raises:
-        ValueError: shares that do not match the sources, or a source without train rows.
+        ValueError: shares that do not match the sources, a source without train rows, or --samples-per-epoch
+            above both the split's rows and ``MAX_EPOCH_SAMPLES``.
     """
     sources, weights = dataset.mix_sources, data_weights(cfg)
     if not sources and weights is not None and len(weights) > 1:
@@ -92,6 +96,13 @@ def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrde
         )
     if not sources and cfg.samples_per_epoch is None:
         return WHOLE_BATCHES
+    rows = dataset.split_size("train")
+    if cfg.samples_per_epoch is not None and cfg.samples_per_epoch > max(rows, MAX_EPOCH_SAMPLES):
+        raise ValueError(
+            f"--samples-per-epoch {cfg.samples_per_epoch}: an epoch's order is held in memory, 8 bytes a sample "
+            f"({cfg.samples_per_epoch * 8 / 2**30:.1f} GiB); use at most {max(rows, MAX_EPOCH_SAMPLES)} (the "
+            f"train split has {rows} rows), and more --epochs for a longer run"
+        )
     if sources and weights is not None and len(weights) != len(sources):
         raise ValueError(
             f"--data-weights gives {len(weights)} shares for the {len(sources)} datasets of the mix {dataset.root}"
