@@ -17,7 +17,7 @@ from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
 from mmfast.train.config import TrainConfig, data_weights
 from mmfast.train.hardware import resolve_text_padding
-from mmfast.train.setup import processes_per_machine
+from mmfast.train.setup import processes_per_machine, usable_cores
 from mmfast.util.args import parse_size
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | N
     """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
     shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
     DALI threads."""
-    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+    threads = cfg.num_threads or max(1, usable_cores() // processes_per_machine(accelerator))
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
     return dict(
         **extra,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmfast.tasks.global_batch import StepNormStatistics
 from mmfast.tasks.registry import Task
 from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
@@ -107,6 +108,9 @@ class EpochRunner:
         self.control = BatchAgreement(*ranks, cfg.dist_timeout) if ranks[1] > 1 else None
         self.agreement = self.control if shard_cache is not None else None
         self.cuda_graphs = uses_cuda_graphs(cfg, accelerator.device.type)  # each micro-step marks its start
+        # batch norm's statistics move once a step, by the mean of its micro-batches' updates on every process
+        spread = ranks[1] > 1 or cfg.grad_accum > 1
+        self.norms = StepNormStatistics(model, ranks[1]) if spread else None
         mix = getattr(getattr(loader, "dataset", None), "mix_sources", None)  # a mix: per-source figures
         self.tally = SourceTally([m["name"] for m in mix], accelerator.device) if mix else None
 
@@ -186,6 +190,8 @@ class EpochRunner:
             # the mean over the samples it saw.
             window_start = (i // cfg.grad_accum) * cfg.grad_accum
             accum = min(cfg.grad_accum, n_batches - window_start)
+            if self.norms is not None and i == window_start:
+                self.norms.start()
             if whole_window:
                 window.append(batch)
                 if window_end:
@@ -199,6 +205,8 @@ class EpochRunner:
                 bar.update(1)
             if not window_end:
                 continue
+            if self.norms is not None:
+                self.norms.finish()
             self.optimizer_step()
             if self.state["global_step"] % cfg.log_every == 0:  # the loss is read back here, not every step
                 self.settle_skips()
@@ -312,6 +320,8 @@ class EpochRunner:
                     self.tally.add(batch["source"], per_sample and per_sample(out, self.task.targets(batch)))
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
+        if self.norms is not None:
+            self.norms.micro_batch_done()
         return loss.detach()  # on the device: ``count`` adds it up there
 
     def window_step(self, epoch: int, batches: list[dict], s: dict, logwin: StepWindow) -> None:
