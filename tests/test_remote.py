@@ -710,7 +710,7 @@ def test_no_secret_reaches_a_message_a_traceback_or_a_log(
         texts += [str(info.value), "".join(traceback.format_exception(info.value)), str(cache.path_for(url, None))]
     captured = capsys.readouterr()
     texts += [caplog.text, captured.out, captured.err]
-    assert "retry 2 of 5" in caplog.text  # the retries were logged, redacted
+    assert "retry 2 in" in caplog.text  # the retries were logged, redacted
     for text in texts:
         assert SECRET_KEY not in text and SIGNATURE not in text
 
@@ -743,3 +743,100 @@ def test_globs_match_local_and_s3_objects(s3_proxy, tmp_path):
     ]
     with pytest.raises(ValueError, match=r"shard-\*\.tgz' matches nothing"):
         remote.expand(f"s3://{BUCKET}/data/shard-*.tgz")
+
+
+# --- a store that is down for a while ---------------------------------------------------------------------------
+
+
+class _LateStore:
+    """An http.server over ``root`` on a port that refuses connections until ``up()`` (a store restarting)."""
+
+    def __init__(self, root: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.root, self.server, self.thread = root, None, None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        handler = functools.partial(_Handler, directory=str(self.root))
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        self.server.auth = []
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def up_after(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.up)
+        timer.start()
+        return timer
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(5)
+
+
+@pytest.fixture
+def late_store(http_store):
+    store = _LateStore(http_store[1])
+    yield store
+    store.close()
+
+
+def test_a_store_down_for_a_while_is_ridden_out_and_the_wait_counted(late_store, http_store, tmp_path):
+    """The store refuses connections for a second and a half, then serves: a fetch with a 20 s bound retries
+    until it is back and gets the exact bytes; the retries and their back-off are counted in the shard
+    cache's figures. The default bound rides out a minute's outage."""
+    _, _, blobs = http_store
+    data = blobs["shard-00003.tar"]
+    late_store.up_after(1.5)
+    fetch = functools.partial(remote.fetch_to, retry_s=20.0, backoff_s=0.05, timeout_s=5.0)
+    started = time.monotonic()
+    with ShardCache(tmp_path / "c", 10 * SHARD, fetch=fetch) as cache:
+        got = cache.get(f"{late_store.url}/shard-00003.tar", len(data), _sha(data))
+        stats = cache.stats()
+    assert got.read_bytes() == data
+    assert 1.4 < time.monotonic() - started < 15
+    assert stats["fetches"] == 1 and stats["retries"] >= 3
+    assert 0.5 < stats["retry_seconds"] <= stats["fetch_seconds"]
+    assert remote.RETRY_S == 60.0
+
+
+def test_a_store_down_past_the_bound_stops_at_it_naming_the_flag(late_store, tmp_path):
+    """Down for longer than the bound (here 1 s): the fetch gives up once the bound is reached, after one last
+    attempt at it, with a message that names --store-timeout; no file is left."""
+    stats = remote.FetchStats()
+    started = time.monotonic()
+    with pytest.raises(TransientRemoteError, match=r"still failing after \d+ attempts.*--store-timeout") as info:
+        remote.fetch_to(f"{late_store.url}/big.bin", tmp_path / "b", retry_s=1.0, backoff_s=0.05, stats=stats)
+    assert 0.95 < time.monotonic() - started < 5
+    assert "waits longer, now 1 s" in str(info.value)
+    assert stats.retries >= 3 and 0.9 < stats.retry_seconds <= 1.0 + 1e-6
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_train_flag_bounds_the_retries_of_the_runs_shard_cache(late_store, http_store, tmp_path):
+    """--store-timeout reaches the run's shard cache: 0 gives up at the first refusal, 20 waits for the store."""
+    from types import SimpleNamespace
+
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.data import shard_cache
+
+    _, _, blobs = http_store
+    data, url = blobs["shard-00004.tar"], f"{late_store.url}/shard-00004.tar"
+    dataset = SimpleNamespace(remote_shards=lambda: [url])
+    assert TrainConfig().store_timeout == 60.0
+    cfg = TrainConfig(shard_cache=str(tmp_path / "c"), store_timeout=0.0)
+    with shard_cache(cfg, dataset) as cache, pytest.raises(TransientRemoteError, match="after 1 attempt in"):
+        cache.get(url, len(data), _sha(data))
+    late_store.up_after(1.0)
+    cfg = TrainConfig(shard_cache=str(tmp_path / "c"), store_timeout=20.0)
+    with shard_cache(cfg, dataset) as cache:
+        assert cache.get(url, len(data), _sha(data)).read_bytes() == data
+        assert cache.stats()["retries"] >= 1

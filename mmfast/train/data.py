@@ -4,6 +4,7 @@ stream remote shards through (``shard_cache``), which splits hold their images d
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -152,10 +153,12 @@ def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None
     dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
     if not dataset.remote_shards():
         return None
-    from mmfast.util.shard_cache import ShardCache  # only a run that streams pays for the network imports
+    from mmfast.util import remote  # only a run that streams pays for the network imports
+    from mmfast.util.shard_cache import ShardCache
 
     root = cfg.shard_cache or os.path.join(os.path.expanduser("~"), ".cache", "mmfast", "shards")
-    return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"))
+    fetch = functools.partial(remote.fetch_to, retry_s=cfg.store_timeout)  # --store-timeout bounds the retries
+    return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"), fetch=fetch)
 
 
 def cache_plans(

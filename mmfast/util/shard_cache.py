@@ -45,6 +45,7 @@ _POLL_S = 0.02  # how often a waiter tries a busy lock again
 _ROUNDS = 5  # how many times a shard evicted between its fetch and its pin is fetched again
 _AHEAD_NS = 3600 * 10**9  # how far ahead a prefetched, unread shard is dated (see _background)
 _COUNTERS = ("hits", "misses", "fetches", "bytes_fetched", "retries", "evictions", "fetch_seconds", "wait_seconds")
+_COUNTERS += ("retry_seconds",)
 
 
 class CacheFullError(RuntimeError):
@@ -140,7 +141,8 @@ class ShardCache:
 
     def stats(self) -> dict:
         """This process's counters: hits and misses (of ``get`` / ``pinned``), fetches, bytes_fetched, retries,
-        evictions, fetch_seconds (in downloads, all threads), wait_seconds (callers blocked)."""
+        evictions, fetch_seconds (in downloads, all threads), wait_seconds (callers blocked), retry_seconds (the
+        back-off sleeps before retries of a store that failed transiently, within fetch_seconds)."""
         with self._mutex:
             return dict(self._counts)
 
@@ -196,6 +198,7 @@ class ShardCache:
                 bytes_fetched=stats.bytes,
                 retries=stats.retries,
                 fetch_seconds=stats.seconds,
+                retry_seconds=stats.retry_seconds,
             )
 
     def _make_room(self, name: str, size: int, deadline: float) -> Path:
