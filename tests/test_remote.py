@@ -13,6 +13,7 @@ import http.client
 import logging
 import multiprocessing
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -840,3 +841,66 @@ def test_the_train_flag_bounds_the_retries_of_the_runs_shard_cache(late_store, h
     with shard_cache(cfg, dataset) as cache:
         assert cache.get(url, len(data), _sha(data)).read_bytes() == data
         assert cache.stats()["retries"] >= 1
+
+
+# --- a cache that cannot be written ------------------------------------------------------------------------------
+
+_CACHE_ON = r"""
+import subprocess, sys
+from pathlib import Path
+from mmfast.util.shard_cache import ShardCache
+
+how, folder, url, size, sha = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+if how != "file-size limit":
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], check=True)
+if how == "read-only":
+    subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+try:
+    with ShardCache(folder / "cache", 10**9) as cache:
+        cache.get(url, size, sha)
+except OSError as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize(
+    ("how", "cause", "advice"),
+    [
+        ("full disk", "No space left on device", "free disk space there"),
+        ("file-size limit", "File too large", "raise the file-size limit (ulimit -f)"),
+        ("read-only", "Read-only file system", "use a folder on a writable file system"),
+    ],
+)
+def test_a_cache_that_cannot_be_written_says_where_why_and_what_to_do(http_store, tmp_path, how, cause, advice):
+    """The cache's folder on a full disk (a 64 KiB tmpfs), under a file-size limit (RLIMIT_FSIZE) or on a
+    read-only file system: one message naming the folder, the shard, the cause, and --shard-cache /
+    --cache-limit, not a bare '[Errno 28] No space left on device'."""
+    if how != "file-size limit" and not _unshare_works():
+        pytest.skip("needs unshare -rm (a private mount namespace) to mount a tmpfs")
+    base, _, blobs = http_store
+    data = blobs["shard-00005.tar"]
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    args = [sys.executable, "-c", _CACHE_ON, how, str(folder), f"{base}/shard-00005.tar", str(len(data))]
+    args.append(_sha(data))
+
+    def limit():  # Python ignores SIGXFSZ: a write over the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (SHARD // 2, SHARD // 2))
+
+    limit = limit if how == "file-size limit" else None
+    cmd = args if limit else ["unshare", "-rm", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, preexec_fn=limit)
+    (said,) = r.stdout.splitlines() or [r.stderr[-2000:]]
+    assert said.startswith(f"CacheWriteError: the shard cache at {folder / 'cache'} "), said
+    if how != "read-only":
+        assert f"cannot hold {base}/shard-00005.tar ({len(data)} bytes): {cause}" in said, said
+    assert cause in said and f"; {advice}, or pass --shard-cache a folder on a disk with room" in said, said
+    assert "--cache-limit" in said
