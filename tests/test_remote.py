@@ -904,3 +904,64 @@ def test_a_cache_that_cannot_be_written_says_where_why_and_what_to_do(http_store
         assert f"cannot hold {base}/shard-00005.tar ({len(data)} bytes): {cause}" in said, said
     assert cause in said and f"; {advice}, or pass --shard-cache a folder on a disk with room" in said, said
     assert "--cache-limit" in said
+
+
+# --- a store that answers with something else than the shard -----------------------------------------------------
+
+_LOGIN = b"<!DOCTYPE html>\n<html><head><title>Sign in - Example Corp</title></head><body>Log in</body></html>\n"
+_ANSWERS = {  # path: (Content-Type, body)
+    "/login.tar": ("text/html; charset=utf-8", _LOGIN),
+    "/portal.tar": ("application/octet-stream", _LOGIN),  # a portal's page, mislabelled
+    "/error.tar": ("application/json", b'{"error": "quota exceeded for project demo"}'),
+    "/short.tar": ("application/x-tar", b"\0" * 700),
+}
+
+
+class _OtherAnswers(BaseHTTPRequestHandler):
+    def do_GET(self):
+        kind, body = _ANSWERS[self.path.split("?", 1)[0]]
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+@pytest.fixture(scope="module")
+def other_answers():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OtherAnswers)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        ("/login.tar", f"the store answered with an HTML page ({len(_LOGIN)} bytes of text/html) that reads "
+         "'Sign in - Example Corp', not the shard. It is a sign-in, error or proxy page: check the URL"),
+        ("/portal.tar", f"the store answered with an HTML page ({len(_LOGIN)} bytes of application/octet-stream)"),
+        ("/error.tar", "the store answered with a text answer (44 bytes of application/json) that reads "
+         """'{"error": "quota exceeded for project demo"}', not the shard"""),
+        ("/short.tar", "the object changed since preparation: re-run mmfast-prepare, or check that the URL still "
+         "names that object (700 bytes of application/x-tar arrived)"),
+    ],
+)  # fmt: skip
+def test_an_answer_that_is_not_the_shard_says_what_arrived(other_answers, tmp_path, path, said):
+    """A store that answers 200 with a login page, a mislabelled portal page, a JSON error or other bytes: the
+    message names the URL (its signature masked), the size expected and the size and type that arrived, what
+    the answer reads, and what to check; only other bytes are called a changed object."""
+    url = f"{other_answers}{path}?X-Amz-Signature={SIGNATURE}"
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.fetch_to(url, tmp_path / "s.tar", size=SHARD, sha256="1" * 64, **FAST)
+    message = str(info.value)
+    assert message.startswith(f"{other_answers}{path}?X-Amz-Signature=***: expected {SHARD} bytes"), message
+    assert said in message, message
+    assert ("changed since preparation" in message) == (path == "/short.tar")
+    assert SIGNATURE not in message and os.listdir(tmp_path) == []

@@ -29,7 +29,7 @@ from pathlib import Path
 from mmfast.util import http_get
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import fsync_dir
-from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError, reading, redact
+from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError, reading, redact, wrong_answer
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ _MAX_NAMES = 1_000_000  # the most names one pattern may expand to (a typo such 
 _SIGNED_FOR_S = 3600  # how long a presigned s3:// URL is valid (each attempt signs anew)
 _REGION_REDIRECT = {301, 400}  # what S3 answers a URL signed for another region than the bucket's
 _WRITE_BUFFER = 1 << 20  # bytes gathered before one write to the partial file
+_HEAD = 1024  # the first bytes of an answer kept, to say what arrived when it is not the object
 
 
 @dataclass
@@ -119,7 +120,8 @@ def fetch_to(
     try:
         for again in (False, True):  # a mismatch is fetched once more: it may have been a change mid-download
             with open(tmp, "wb", buffering=_WRITE_BUFFER) as out:  # pieces off a slow link are small
-                wrong = _mismatch(size, sha256, *_download(url, out, size, policy, stats))
+                got = _download(url, out, size, policy, stats)
+                wrong = _mismatch(size, sha256, got.done, got.hasher.hexdigest())
                 if not wrong:
                     out.flush()
                     os.fsync(out.fileno())
@@ -130,9 +132,8 @@ def fetch_to(
                 return dest
             if not again:
                 log.warning("%s: %s; fetching it once more", redact(url), wrong)
-        raise PermanentRemoteError(
-            f"{redact(url)}: {wrong}, fetched twice: the object changed since preparation: re-run {PREPARE}", url
-        )
+        arrived = wrong_answer(got.done, got.content_type, got.head)
+        raise PermanentRemoteError(f"{redact(url)}: {wrong}, fetched twice: {arrived}", url)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -144,7 +145,8 @@ def remote_size_and_sha256(
 ) -> tuple[int, str]:
     """The size and SHA-256 of the object at ``url``, reading it once as a stream (nothing is written), with
     ``fetch_to``'s retries: what preparation records so that training can verify each shard it fetches."""
-    return _download(url, _Discard(), None, _Policy(retry_s, None, backoff_s, timeout_s), FetchStats())
+    got = _download(url, _Discard(), None, _Policy(retry_s, None, backoff_s, timeout_s), FetchStats())
+    return got.done, got.hasher.hexdigest()
 
 
 def _mismatch(size: int | None, sha256: str | None, got_size: int, got_sha: str) -> str:
@@ -165,16 +167,16 @@ class _Discard:
     write = seek = truncate = staticmethod(lambda *args: None)
 
 
-def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStats) -> tuple[int, str]:
+def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStats) -> _Progress:
     """Copy the object at ``url`` into the binary file ``out``, retrying transient failures for up to
-    ``policy.retry_s`` from the first failure since the download last got further (bounded); returns (bytes
-    written, their SHA-256 hex)."""
+    ``policy.retry_s`` from the first failure since the download last got further (bounded); returns what
+    arrived (its size, hash, content type and first bytes)."""
     progress, started = _Progress(), time.monotonic()
     attempt, failing_since, furthest = 0, None, 0
     while True:
         try:
             _transfer(url, out, size, progress, policy.timeout_s, stats)
-            return progress.done, progress.hasher.hexdigest()
+            return progress
         except TransientRemoteError as e:
             now = time.monotonic()
             if failing_since is None or progress.done > furthest:  # the outage (or a new one) starts here
@@ -198,15 +200,22 @@ def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStat
 
 
 class _Progress:
-    """How far a download got: bytes written and their running hash (kept across a resumed attempt)."""
+    """How far a download got: bytes written, their running hash and the first of them (kept across a resumed
+    attempt), and the answer's content type."""
 
     def __init__(self):
-        self.done, self.hasher = 0, hashlib.sha256()
+        self.done, self.hasher, self.head, self.content_type = 0, hashlib.sha256(), b"", None
 
     def restart(self, out) -> None:
         out.seek(0)
         out.truncate()
-        self.done, self.hasher = 0, hashlib.sha256()
+        self.done, self.hasher, self.head = 0, hashlib.sha256(), b""
+
+    def add(self, piece: bytes) -> None:
+        if len(self.head) < _HEAD:
+            self.head += piece[: _HEAD - len(self.head)]
+        self.hasher.update(piece)
+        self.done += len(piece)
 
 
 def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: float, stats: FetchStats) -> None:
@@ -218,6 +227,7 @@ def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: f
     with body:
         if body.offset != progress.done:
             progress.restart(out)
+        progress.content_type = getattr(body, "content_type", None) or progress.content_type
         pieces = body.pieces()
         while True:
             with reading(url):
@@ -225,8 +235,7 @@ def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: f
             if piece is None:
                 break
             out.write(piece)
-            progress.hasher.update(piece)
-            progress.done += len(piece)
+            progress.add(piece)
             stats.bytes += len(piece)
         if body.total is not None and progress.done < body.total:
             ended = f"the body ended at {progress.done} of {body.total} bytes"
