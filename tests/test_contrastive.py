@@ -421,6 +421,8 @@ def test_the_loop_hands_each_window_to_the_task(prepared, tmp_path, monkeypatch)
     (m,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     assert 0 <= m["val_mean_recall"] <= 100 and math.isfinite(m["train_loss"])
     assert summary["best_mean_recall"] == m["val_mean_recall"] and summary["best_epoch"] == 0
+    # the evaluation ran under the run's autocast: the metrics say so (mmfast-evaluate runs in fp32)
+    assert m["eval_precision"] == {"no": "fp32"}.get(summary["mixed_precision"], summary["mixed_precision"])
 
 
 # --- runs that cannot learn ---------------------------------------------------------------------------------------

@@ -153,10 +153,14 @@ class EpochRunner:
         return metrics
 
     def evaluate(self, val_loader, epoch: int) -> dict:
-        """The task's evaluation of the val split; streamed on several processes, its batches agreed too."""
+        """The task's evaluation of the val split; streamed on several processes, its batches agreed too. The
+        model runs in the run's mixed precision (Accelerate's autocast), which ``eval_precision`` names:
+        mmfast-evaluate runs the model directory in fp32, so its figures may differ slightly."""
         if self.agreement is not None:
             val_loader = AgreedLoader(val_loader, self.agreement, f"the val split after epoch {epoch}:")
-        return self.task.evaluate(self.acc, self.model, val_loader)
+        figures = self.task.evaluate(self.acc, self.model, val_loader)
+        precision = self.acc.mixed_precision
+        return {**figures, "eval_precision": "fp32" if precision == "no" else precision} if figures else figures
 
     def done(self) -> bool:
         return self.state["global_step"] >= self.total_steps
