@@ -72,12 +72,14 @@ def test_each_epoch_draws_each_source_by_its_weight_and_other_rows_each_time():
 
 
 def test_the_order_is_the_same_on_one_process_and_on_two():
-    """What 2 processes read, interleaved rank by rank, is the global order 1 process reads (batch halved)."""
+    """What 2 processes read, interleaved batch by batch (rank 0's k-th batch, then rank 1's), is the global
+    order 1 process reads: 1 process's micro-batches of 16 are the 2 processes' batches of 16."""
     groups = np.repeat([0, 1, 2], [50, 30, 20])
     order = MixedOrder(groups, [1, 2, 1], samples=160)
     one = order.positions(_layout(100, batch=32), None, epoch=4)
     two = [order.positions(_layout(100, batch=16, shard=r, shards=2), None, epoch=4) for r in range(2)]
-    assert len(one) == 160 and np.array_equal(np.stack(two, axis=1).reshape(-1), one)
+    interleaved = np.stack([t.reshape(-1, 16) for t in two], axis=1).reshape(-1)
+    assert len(one) == 160 and np.array_equal(interleaved, one)
     assert order.batches(_layout(100, batch=32), None) == 5 == order.batches(_layout(100, 16, 0, 2), None)
 
 
