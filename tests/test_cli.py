@@ -66,6 +66,29 @@ def test_a_prefix_of_a_flag_is_not_that_flag_and_a_renamed_flag_names_its_new_na
         assert "--cache-limit-gb is now --cache-limit" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("command", "argv", "said"),
+    [
+        ("train", ["--cache-limit", "-5GB"], "--cache-limit must be above 0 bytes, got '-5GB'"),
+        ("train", ["--lr", "-1e-3"], "--lr must be in (0, 10], got -0.001"),
+        ("train", ["--store-timeout", "-5"], "--store-timeout must be >= 0 seconds, got -5.0"),
+        ("train", ["--data-weights", "-0.7,1.7"], "--data-weights must be positive numbers"),
+        ("prepare", ["src", "--out", "o", "--max-side", "-5e2"], "--max-side"),
+    ],
+)
+def test_a_negative_value_is_checked_as_the_value_it_is(command, argv, said, capsys):
+    """A flag's negative value that argparse would take for a flag (-5GB, -1e-3, -0.7,1.7) reaches the value's
+    own check, which names the flag and what it takes, instead of argparse's "expected one argument"."""
+    main = importlib.import_module(f"mmfast.cli.{command}").main
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "expected one argument" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_resume_latest_with_nothing_to_resume_says_it_starts_fresh(prepared, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["--data", str(prepared), "--out", str(out), "--resume", "latest", "--max-steps", "1", "--no-progress"]

@@ -421,3 +421,83 @@ def test_the_loop_hands_each_window_to_the_task(prepared, tmp_path, monkeypatch)
     (m,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     assert 0 <= m["val_mean_recall"] <= 100 and math.isfinite(m["train_loss"])
     assert summary["best_mean_recall"] == m["val_mean_recall"] and summary["best_epoch"] == 0
+    # the evaluation ran under the run's autocast: the metrics say so (mmfast-evaluate runs in fp32)
+    assert m["eval_precision"] == {"no": "fp32"}.get(summary["mixed_precision"], summary["mixed_precision"])
+
+
+# --- runs that cannot learn ---------------------------------------------------------------------------------------
+
+
+def test_a_split_where_no_pair_can_be_a_negative_is_refused_at_the_boundary():
+    """A pair is a negative only when it shares neither image nor caption: one caption (or one image) for every
+    row of the train split leaves none, and is refused naming the split and what to do; two captions and two
+    images are the least that trains. A val split of two rows or more that shares one caption is refused too
+    (retrieval over it ranks nothing); a val split of one row is not."""
+    one_caption = _rows([(f"{i}.jpg", "cat") for i in range(5)])
+    with pytest.raises(ValueError, match=r"train split has one caption for all its 5 rows.*caption file"):
+        ContrastiveTask(Rows(one_caption))
+    one_image = _rows([("a.jpg", f"caption {i}") for i in range(4)])
+    with pytest.raises(ValueError, match="train split has one image for all its 4 rows"):
+        ContrastiveTask(Rows(one_image))
+    two = _rows([("a.jpg", "cat"), ("b.jpg", "cat"), ("c.jpg", "dog")])
+    ContrastiveTask(Rows(two))  # the boundary: (a or b) with c is a negative pair
+    val_dupes = _rows([("v1.jpg", "same"), ("v2.jpg", "same")], first_id=3)
+    with pytest.raises(ValueError, match="val split has one caption for all its 2 rows.*cannot rank"):
+        ContrastiveTask(Rows(two, val_dupes))
+    ContrastiveTask(Rows(two, val_dupes[:1]))
+
+
+def test_a_step_of_one_sample_is_refused_and_few_captions_are_noted():
+    """One sample per optimizer step (all processes and micro-batches) has no negative: refused naming the flags;
+    two is the boundary. A split with fewer distinct captions than a step's samples gets a note."""
+    task = ContrastiveTask(Rows(_rows([("a.jpg", "cat"), ("b.jpg", "cat"), ("c.jpg", "dog")])))
+    with pytest.raises(ValueError, match=r"1 sample per optimizer step.*--batch-size"):
+        task.check_step_samples(1)
+    assert task.check_step_samples(2) is None  # two distinct captions: a step of two may hold both
+    assert "3 rows have 2 distinct captions, fewer than the 16 samples" in task.check_step_samples(16)
+
+
+def test_an_epoch_without_a_single_negative_stops_the_run(cpu_accelerator):
+    """The loss counts, on the device, the samples whose step held a negative; ``epoch_figures`` reads the share
+    without one and raises when the whole epoch had none (every step was one image's or one caption's pairs)."""
+    rows = _rows([("a.jpg", "x"), ("a.jpg", "y"), ("b.jpg", "z"), ("c.jpg", "z"), ("d.jpg", "w")])
+    task = ContrastiveTask(Rows(rows))
+    model = TinyDual()
+    for ids in ([0, 1], [2, 3]):  # one image's two captions; one caption's two images: no negative
+        batch = _batch(ids, seed=0)
+        assert task.loss(model(batch), task.targets(batch)).item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="none of the epoch's 4 samples had a negative"):
+        task.epoch_figures(cpu_accelerator)
+    for ids in ([0, 1, -1], [0, 4]):  # then a step where 0 and 4 are each other's negative
+        batch = _batch(ids, seed=0)
+        task.loss(model(batch), task.targets(batch))
+    assert task.epoch_figures(cpu_accelerator) == {"no_negative_frac": 0.5}
+    assert task.epoch_figures(cpu_accelerator) == {}  # read and started again
+
+
+def test_mmfast_train_refuses_a_contrastive_run_that_cannot_learn(prepared, tmp_path, capsys):
+    """Through mmfast-train: --batch-size 1 is refused before training (exit 2, nothing left in --out), while
+    --batch-size 1 --grad-accum 2 (a window of two micro-batches is one batch of two) trains with a loss that is
+    not zero; an image folder of one class without caption files (every caption the class name) is refused."""
+    from conftest import save_image
+
+    from tools import train as train_tool
+
+    flags = ["--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16"]
+    flags += ["--image-size", "32", "--no-progress", "--no-checkpoints", "--max-steps", "2"]
+    out = tmp_path / "one"
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags, "--batch-size", "1"]) == 2
+    assert "1 sample per optimizer step has no negative" in capsys.readouterr().err
+    assert not (out / "summary.json").exists() and not (out / "model").exists()
+    out = tmp_path / "two"
+    argv = ["--data", str(prepared), "--out", str(out), *flags, "--batch-size", "1", "--grad-accum", "2"]
+    assert train_tool.main(argv) == 0
+    (m,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    assert m["train_loss"] > 0.1 and m["no_negative_frac"] == 0.0
+    folder = tmp_path / "photos"
+    for i in range(12):
+        save_image(folder / "cat" / f"{i}.png", seed=i)
+    out = tmp_path / "folder"
+    assert train_tool.main(["--data", str(folder), "--out", str(out), *flags, "--batch-size", "4"]) == 2
+    assert "train split has one caption for all its" in capsys.readouterr().err
+    assert not (out / "model").exists()

@@ -167,3 +167,50 @@ def test_one_process_accumulating_and_two_processes_train_the_same_weights(prepa
     assert [k for k in a if not k.startswith("image.")], sorted(a)  # layers that trained, beside the frozen tower
     for key in a:
         assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), (key, float((a[key] - b[key]).abs().max()))
+
+
+@pytest.mark.slow
+def test_with_batch_norm_training_one_process_accumulating_and_two_processes_end_with_the_same_weights(
+    prepared, tmp_path
+):
+    """The default model and tiny preset with every layer training (ResNet-10's batch norm normalizes each
+    micro-batch by its own statistics): 1 process (batch 16, accumulation 2) and 2 (16 each), two epochs. Each
+    step's two micro-batches are the same samples in both layouts (a rank's k-th batch is the order's
+    (k x 2 + rank)-th), and the running statistics move once a step by the mean of its micro-batches' updates
+    on every process. With one torch thread per process in both layouts (the 1-process run on one core, the
+    2-process run on two: the thread count changes the float sums' order, which batch norm and AdamW amplify),
+    every tensor of the final weights is bit for bit the same: parameters, batch norm's running mean and
+    variance, and its batch count, which is the optimizer steps; both processes end with the same weights."""
+    import os
+    import subprocess
+
+    import torch
+    from conftest import ROOT, free_port, train_cmd
+    from safetensors.torch import load_file
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two CPU cores")
+
+    def launch(out, n: int, *flags: str):
+        launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+        cmd = train_cmd(prepared, out, "--epochs", "2", "--record-ids", "--mixed-precision", "no", *flags)
+        cmd += ["--dropout", "0", "--seed", "3", "--lr", "3e-3", "--no-cache-decoded"]
+        cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
+        pin = set(cores[:n])  # one core a process: torch takes one thread each (setup.usable_cores)
+        pinned = lambda: os.sched_setaffinity(0, pin)  # noqa: E731  (run in the child before it starts)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, preexec_fn=pinned)
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert (r := launch(one, 1, "--grad-accum", "2")).returncode == 0, r.stderr[-3000:]
+    assert (r := launch(two, 2)).returncode == 0, r.stderr[-3000:]
+    assert (two / "weights.rank0.sha256").read_text() == (two / "weights.rank1.sha256").read_text()
+    steps = json.loads((one / "summary.json").read_text())["global_step"]
+    assert steps >= 10 and json.loads((two / "summary.json").read_text())["global_step"] == steps
+    a, b = load_file(one / "model-last" / "model.safetensors"), load_file(two / "model-last" / "model.safetensors")
+    assert a.keys() == b.keys()
+    counts = [k for k in a if k.endswith("num_batches_tracked")]
+    assert counts and all(int(a[k]) == int(b[k]) == steps for k in counts)
+    variances = [k for k in a if k.endswith("running_var")]
+    assert variances and all(not torch.allclose(a[k], torch.ones_like(a[k])) for k in variances)  # they moved
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []

@@ -72,12 +72,14 @@ def test_each_epoch_draws_each_source_by_its_weight_and_other_rows_each_time():
 
 
 def test_the_order_is_the_same_on_one_process_and_on_two():
-    """What 2 processes read, interleaved rank by rank, is the global order 1 process reads (batch halved)."""
+    """What 2 processes read, interleaved batch by batch (rank 0's k-th batch, then rank 1's), is the global
+    order 1 process reads: 1 process's micro-batches of 16 are the 2 processes' batches of 16."""
     groups = np.repeat([0, 1, 2], [50, 30, 20])
     order = MixedOrder(groups, [1, 2, 1], samples=160)
     one = order.positions(_layout(100, batch=32), None, epoch=4)
     two = [order.positions(_layout(100, batch=16, shard=r, shards=2), None, epoch=4) for r in range(2)]
-    assert len(one) == 160 and np.array_equal(np.stack(two, axis=1).reshape(-1), one)
+    interleaved = np.stack([t.reshape(-1, 16) for t in two], axis=1).reshape(-1)
+    assert len(one) == 160 and np.array_equal(interleaved, one)
     assert order.batches(_layout(100, batch=32), None) == 5 == order.batches(_layout(100, 16, 0, 2), None)
 
 
@@ -183,6 +185,29 @@ def test_a_raw_input_or_mismatched_weights_in_a_mix_stop_the_run_with_one_line(
     err = capsys.readouterr().err
     assert "an epoch of 10 samples (--samples-per-epoch) cannot fill one batch" in err, err
     assert not (out / "model").exists()
+
+
+def test_an_epoch_too_large_to_order_in_memory_is_refused_naming_the_flag(sources, tmp_path, capsys):
+    """--samples-per-epoch holds an epoch's order in memory: above both the split's rows and the bound it is
+    refused at once, naming the flag and the bound, instead of allocating gigabytes and blaming --batch-size;
+    the bound itself is taken (the order is drawn lazily, per epoch)."""
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.data import MAX_EPOCH_SAMPLES, train_sampling
+
+    a, b = sources
+    dataset = PreparedDataset(a)
+    rows = dataset.split_size("train")
+    assert isinstance(train_sampling(TrainConfig(samples_per_epoch=MAX_EPOCH_SAMPLES), dataset), MixedOrder)
+    limit = MAX_EPOCH_SAMPLES
+    want = rf"--samples-per-epoch {limit + 1}: .*use at most {limit} \(the train split has {rows} rows\)"
+    with pytest.raises(ValueError, match=want):
+        train_sampling(TrainConfig(samples_per_epoch=MAX_EPOCH_SAMPLES + 1), dataset)
+    out = tmp_path / "run"
+    argv = ["--data", str(a), "--data", str(b), "--samples-per-epoch", "1000000000", "--out", str(out), *RUN]
+    assert train_tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--samples-per-epoch 1000000000: an epoch's order is held in memory" in err and "7.5 GiB" in err, err
+    assert "--batch-size" not in err and not (out / "model").exists()
 
 
 def _seen(run: Path) -> dict[int, list[int]]:

@@ -393,7 +393,8 @@ def test_full_disk_during_preparation_exits_2_and_leaves_the_previous_directory(
     assert full.returncode == 2, (sizes, full.stderr[-2000:])
     what = "the WebDataset shards" if where == "WebDataset shards" else "the prepared dataset"
     assert full.stderr.splitlines()[-1].startswith(f"error: writing {what} to {out} failed: "), full.stderr
-    assert "File too large" in full.stderr and f"; {out} was left as it was; free disk space" in full.stderr
+    assert "File too large" in full.stderr
+    assert f"; {out} was left as it was; raise the file-size limit (ulimit -f)" in full.stderr
     assert where in full.stderr.splitlines()[-1]  # it failed where the test aimed
     assert "Traceback" not in full.stderr
     assert _tree(out) == before
@@ -483,3 +484,58 @@ def test_csv_problems_name_the_line_where_they_start(tmp_path):
     (tmp_path / "u.csv").write_bytes("image,text,label\n".encode("utf-16"))
     with pytest.raises(ManifestError, match=r"u\.csv:1: the header is not UTF-8 \(invalid start byte at byte 0\)"):
         read_input(tmp_path / "u.csv")
+
+
+# 8. An --out that cannot be renamed onto or written: refused before any work, in a private mount namespace.
+
+_MOUNTS = r"""
+import subprocess, sys
+from pathlib import Path
+from tools import prepare_data
+
+manifest, mnt = sys.argv[1], Path(sys.argv[2])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+def run(out, *flags):
+    return prepare_data.main([manifest, "--out", str(out), "--no-progress", "--workers", "1", *flags])
+
+print("= mount point:", run(mnt), flush=True)
+print("= inside:", run(mnt / "prepared"), flush=True)
+subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+print("= read-only, up to date:", run(mnt / "prepared"), flush=True)
+print("= read-only, changed:", run(mnt / "prepared", "--seed", "2"), flush=True)
+"""
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare -rm (a private mount namespace) to mount a tmpfs")
+def test_a_mount_point_or_a_read_only_out_is_refused_before_any_work_naming_the_fix(tmp_path):
+    """A mount point as --out (the prepared directory is renamed into place, which a mount point cannot take)
+    and a read-only --out that must be written again are refused at once with one line naming --out, the
+    cause and what to pass; a read-only --out that is up to date is reused (nothing to write)."""
+    m = _manifest(tmp_path / "data", ["a", "b"] * 4)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = ["unshare", "-rm", sys.executable, "-c", _MOUNTS, str(m), str(mnt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert [line for line in r.stdout.splitlines() if line.startswith("= ")] == [
+        "= mount point: 2",
+        "= inside: 0",
+        "= read-only, up to date: 0",
+        "= read-only, changed: 2",
+    ], r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: --out {mnt} is a mount point, which mmfast-prepare cannot rename a prepared directory onto; "
+        f"pass a folder inside it (--out {mnt / 'prepared'}); nothing was changed",
+        f"error: --out {mnt / 'prepared'}: {mnt} is on a read-only file system, and mmfast-prepare writes the "
+        "prepared directory there before it renames it into place; pass an --out on a writable disk; nothing "
+        "was changed",
+    ], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr

@@ -13,6 +13,7 @@ import http.client
 import logging
 import multiprocessing
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -710,7 +711,7 @@ def test_no_secret_reaches_a_message_a_traceback_or_a_log(
         texts += [str(info.value), "".join(traceback.format_exception(info.value)), str(cache.path_for(url, None))]
     captured = capsys.readouterr()
     texts += [caplog.text, captured.out, captured.err]
-    assert "retry 2 of 5" in caplog.text  # the retries were logged, redacted
+    assert "retry 2 in" in caplog.text  # the retries were logged, redacted
     for text in texts:
         assert SECRET_KEY not in text and SIGNATURE not in text
 
@@ -743,3 +744,224 @@ def test_globs_match_local_and_s3_objects(s3_proxy, tmp_path):
     ]
     with pytest.raises(ValueError, match=r"shard-\*\.tgz' matches nothing"):
         remote.expand(f"s3://{BUCKET}/data/shard-*.tgz")
+
+
+# --- a store that is down for a while ---------------------------------------------------------------------------
+
+
+class _LateStore:
+    """An http.server over ``root`` on a port that refuses connections until ``up()`` (a store restarting)."""
+
+    def __init__(self, root: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.root, self.server, self.thread = root, None, None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        handler = functools.partial(_Handler, directory=str(self.root))
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        self.server.auth = []
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def up_after(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.up)
+        timer.start()
+        return timer
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(5)
+
+
+@pytest.fixture
+def late_store(http_store):
+    store = _LateStore(http_store[1])
+    yield store
+    store.close()
+
+
+def test_a_store_down_for_a_while_is_ridden_out_and_the_wait_counted(late_store, http_store, tmp_path):
+    """The store refuses connections for a second and a half, then serves: a fetch with a 20 s bound retries
+    until it is back and gets the exact bytes; the retries and their back-off are counted in the shard
+    cache's figures. The default bound rides out a minute's outage."""
+    _, _, blobs = http_store
+    data = blobs["shard-00003.tar"]
+    late_store.up_after(1.5)
+    fetch = functools.partial(remote.fetch_to, retry_s=20.0, backoff_s=0.05, timeout_s=5.0)
+    started = time.monotonic()
+    with ShardCache(tmp_path / "c", 10 * SHARD, fetch=fetch) as cache:
+        got = cache.get(f"{late_store.url}/shard-00003.tar", len(data), _sha(data))
+        stats = cache.stats()
+    assert got.read_bytes() == data
+    assert 1.4 < time.monotonic() - started < 15
+    assert stats["fetches"] == 1 and stats["retries"] >= 3
+    assert 0.5 < stats["retry_seconds"] <= stats["fetch_seconds"]
+    assert remote.RETRY_S == 60.0
+
+
+def test_a_store_down_past_the_bound_stops_at_it_naming_the_flag(late_store, tmp_path):
+    """Down for longer than the bound (here 1 s): the fetch gives up once the bound is reached, after one last
+    attempt at it, with a message that names --store-timeout; no file is left."""
+    stats = remote.FetchStats()
+    started = time.monotonic()
+    with pytest.raises(TransientRemoteError, match=r"still failing after \d+ attempts.*--store-timeout") as info:
+        remote.fetch_to(f"{late_store.url}/big.bin", tmp_path / "b", retry_s=1.0, backoff_s=0.05, stats=stats)
+    assert 0.95 < time.monotonic() - started < 5
+    assert "waits longer, now 1 s" in str(info.value)
+    assert stats.retries >= 3 and 0.9 < stats.retry_seconds <= 1.0 + 1e-6
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_train_flag_bounds_the_retries_of_the_runs_shard_cache(late_store, http_store, tmp_path):
+    """--store-timeout reaches the run's shard cache: 0 gives up at the first refusal, 20 waits for the store."""
+    from types import SimpleNamespace
+
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.data import shard_cache
+
+    _, _, blobs = http_store
+    data, url = blobs["shard-00004.tar"], f"{late_store.url}/shard-00004.tar"
+    dataset = SimpleNamespace(remote_shards=lambda: [url])
+    assert TrainConfig().store_timeout == 60.0
+    cfg = TrainConfig(shard_cache=str(tmp_path / "c"), store_timeout=0.0)
+    with shard_cache(cfg, dataset) as cache, pytest.raises(TransientRemoteError, match="after 1 attempt in"):
+        cache.get(url, len(data), _sha(data))
+    late_store.up_after(1.0)
+    cfg = TrainConfig(shard_cache=str(tmp_path / "c"), store_timeout=20.0)
+    with shard_cache(cfg, dataset) as cache:
+        assert cache.get(url, len(data), _sha(data)).read_bytes() == data
+        assert cache.stats()["retries"] >= 1
+
+
+# --- a cache that cannot be written ------------------------------------------------------------------------------
+
+_CACHE_ON = r"""
+import subprocess, sys
+from pathlib import Path
+from mmfast.util.shard_cache import ShardCache
+
+how, folder, url, size, sha = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+if how != "file-size limit":
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], check=True)
+if how == "read-only":
+    subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+try:
+    with ShardCache(folder / "cache", 10**9) as cache:
+        cache.get(url, size, sha)
+except OSError as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize(
+    ("how", "cause", "advice"),
+    [
+        ("full disk", "No space left on device", "free disk space there"),
+        ("file-size limit", "File too large", "raise the file-size limit (ulimit -f)"),
+        ("read-only", "Read-only file system", "use a folder on a writable file system"),
+    ],
+)
+def test_a_cache_that_cannot_be_written_says_where_why_and_what_to_do(http_store, tmp_path, how, cause, advice):
+    """The cache's folder on a full disk (a 64 KiB tmpfs), under a file-size limit (RLIMIT_FSIZE) or on a
+    read-only file system: one message naming the folder, the shard, the cause, and --shard-cache /
+    --cache-limit, not a bare '[Errno 28] No space left on device'."""
+    if how != "file-size limit" and not _unshare_works():
+        pytest.skip("needs unshare -rm (a private mount namespace) to mount a tmpfs")
+    base, _, blobs = http_store
+    data = blobs["shard-00005.tar"]
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    args = [sys.executable, "-c", _CACHE_ON, how, str(folder), f"{base}/shard-00005.tar", str(len(data))]
+    args.append(_sha(data))
+
+    def limit():  # Python ignores SIGXFSZ: a write over the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (SHARD // 2, SHARD // 2))
+
+    limit = limit if how == "file-size limit" else None
+    cmd = args if limit else ["unshare", "-rm", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, preexec_fn=limit)
+    (said,) = r.stdout.splitlines() or [r.stderr[-2000:]]
+    assert said.startswith(f"CacheWriteError: the shard cache at {folder / 'cache'} "), said
+    if how != "read-only":
+        assert f"cannot hold {base}/shard-00005.tar ({len(data)} bytes): {cause}" in said, said
+    assert cause in said and f"; {advice}, or pass --shard-cache a folder on a disk with room" in said, said
+    assert "--cache-limit" in said
+
+
+# --- a store that answers with something else than the shard -----------------------------------------------------
+
+_LOGIN = b"<!DOCTYPE html>\n<html><head><title>Sign in - Example Corp</title></head><body>Log in</body></html>\n"
+_ANSWERS = {  # path: (Content-Type, body)
+    "/login.tar": ("text/html; charset=utf-8", _LOGIN),
+    "/portal.tar": ("application/octet-stream", _LOGIN),  # a portal's page, mislabelled
+    "/error.tar": ("application/json", b'{"error": "quota exceeded for project demo"}'),
+    "/short.tar": ("application/x-tar", b"\0" * 700),
+}
+
+
+class _OtherAnswers(BaseHTTPRequestHandler):
+    def do_GET(self):
+        kind, body = _ANSWERS[self.path.split("?", 1)[0]]
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+@pytest.fixture(scope="module")
+def other_answers():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OtherAnswers)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        ("/login.tar", f"the store answered with an HTML page ({len(_LOGIN)} bytes of text/html) that reads "
+         "'Sign in - Example Corp', not the shard. It is a sign-in, error or proxy page: check the URL"),
+        ("/portal.tar", f"the store answered with an HTML page ({len(_LOGIN)} bytes of application/octet-stream)"),
+        ("/error.tar", "the store answered with a text answer (44 bytes of application/json) that reads "
+         """'{"error": "quota exceeded for project demo"}', not the shard"""),
+        ("/short.tar", "the object changed since preparation: re-run mmfast-prepare, or check that the URL still "
+         "names that object (700 bytes of application/x-tar arrived)"),
+    ],
+)  # fmt: skip
+def test_an_answer_that_is_not_the_shard_says_what_arrived(other_answers, tmp_path, path, said):
+    """A store that answers 200 with a login page, a mislabelled portal page, a JSON error or other bytes: the
+    message names the URL (its signature masked), the size expected and the size and type that arrived, what
+    the answer reads, and what to check; only other bytes are called a changed object."""
+    url = f"{other_answers}{path}?X-Amz-Signature={SIGNATURE}"
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.fetch_to(url, tmp_path / "s.tar", size=SHARD, sha256="1" * 64, **FAST)
+    message = str(info.value)
+    assert message.startswith(f"{other_answers}{path}?X-Amz-Signature=***: expected {SHARD} bytes"), message
+    assert said in message, message
+    assert ("changed since preparation" in message) == (path == "/short.tar")
+    assert SIGNATURE not in message and os.listdir(tmp_path) == []

@@ -136,8 +136,8 @@ def test_a_model_registered_from_outside_trains_with_the_real_loop(prepared, tmp
     (m,) = _jsonl(out / "metrics.jsonl")
     assert list(m) == [
         *("epoch", "step", "epoch_complete", "train_loss", "images_per_s", "data_wait_frac", "phase_s"),
-        *("val_loss", "val_acc", "val_macro_f1", "val_samples", "val_per_class", "lr", "skipped_steps"),
-        "skipped_samples",
+        *("val_loss", "val_acc", "val_macro_f1", "val_samples", "val_per_class", "eval_precision", "lr"),
+        *("skipped_steps", "skipped_samples"),
     ]
     assert m["val_samples"] == n_val and summary["best_val_acc"] == m["val_acc"]
 

@@ -136,8 +136,10 @@ def test_transient_faults_mid_run_are_retried_counted_and_change_no_batch(
     assert summary["shards"]["retries"] == epochs[0]["shards"]["retries"] == 3
     assert summary["shards"]["fetches"] == SHARDS and summary["shards"]["bytes_fetched"] > 0
     assert set(summary["shards"]) == {
-        "hits", "misses", "fetches", "bytes_fetched", "retries", "evictions", "fetch_seconds", "wait_seconds"
+        "hits", "misses", "fetches", "bytes_fetched", "retries", "evictions", "fetch_seconds", "wait_seconds",
+        "retry_seconds",
     }  # fmt: skip
+    assert 0 < summary["shards"]["retry_seconds"] <= summary["shards"]["fetch_seconds"]
     assert "shards           6 fetched" in printed and "3 retries" in printed  # the summary table's line
 
 

@@ -54,10 +54,15 @@ def _shards_row(summary: dict) -> list[tuple[str, str]]:
         (
             "shards",
             f"{s['fetches']} fetched ({s['bytes_fetched'] / 2**20:.1f} MiB in {s['fetch_seconds']:.1f} s, "
-            f"{s['retries']} retries), {s['hits']} hits, {s['misses']} misses, {s['evictions']} evicted, "
+            f"{s['retries']} retries{_backed_off(s)}), {s['hits']} hits, {s['misses']} misses, {s['evictions']} evicted, "
             f"waited {s['wait_seconds']:.1f} s",
         )
     ]
+
+
+def _backed_off(shards: dict) -> str:
+    """How long the retries waited for the store (nothing without a retry)."""
+    return f" over {shards['retry_seconds']:.1f} s" if shards.get("retry_seconds") else ""
 
 
 class _StartupInterrupt:

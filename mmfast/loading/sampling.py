@@ -14,7 +14,8 @@ The strategies:
   last batch partial unless ``drop_last``.
 - ``WHOLE_BATCHES`` (``WholeBatchOrder``, the training engine's and predict's): a numpy permutation seeded
   by (seed, epoch), each sample at most once per epoch (``epoch_order`` + ``shard_positions``), whole
-  batches (the last one padded), ``drop_last`` keeping only whole global batches.
+  batches (the last one padded), ``drop_last`` keeping only whole global batches, dealt to the ranks a batch
+  at a time.
 - ``MixedOrder`` (the training engine's over a mix of datasets, ``--data-weights``): whole batches like
   ``WHOLE_BATCHES``, of an epoch drawn from the sources by weight, a function of (seed, epoch) alone.
 """
@@ -43,13 +44,17 @@ def shard_positions(
 ) -> np.ndarray:
     """This rank's positions for one epoch; every rank gets the same count, a multiple of batch_size.
 
-    drop_last: keep only whole global batches (each sample at most once; the tail differs every epoch).
+    drop_last: keep only whole global batches (each sample at most once; the tail differs every epoch), cut
+    into batches of consecutive positions dealt to the ranks in turn: rank r's k-th batch is the order's
+    (k x num_shards + r)-th. A step of N processes accumulating A batches then trains the same batches as one
+    process accumulating N x A, each batch the same samples (batch norm normalizes each by its own statistics).
     Otherwise every sample appears exactly once across ranks and each rank's list is padded with -1.
     """
     n = len(order)
     if drop_last:
         per_rank = (n // (num_shards * batch_size)) * batch_size
-        return order[: per_rank * num_shards][shard_id::num_shards]
+        dealt = order[: per_rank * num_shards].reshape(-1, num_shards, batch_size)  # (batches, ranks, batch)
+        return dealt[:, shard_id].reshape(-1)
     mine = order[shard_id::num_shards]
     per_rank = math.ceil(math.ceil(n / num_shards) / batch_size) * batch_size
     return np.concatenate([mine, np.full(per_rank - len(mine), -1, dtype=order.dtype)])

@@ -40,6 +40,7 @@ from mmfast.util.fsutil import (
     recover_dir,
     write_errors,
 )
+from mmfast.util.commands import PREPARE
 from mmfast.util.remote import is_remote
 from mmfast.util.remote_errors import redact
 
@@ -66,6 +67,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
     _check_input_outside(cfg)
     if cfg.shard is not None:
         check_out(out)  # now, not only when the parts are merged, after hours of checking
+        check_out_writable(out)
         return prepare_part(cfg)
     with file_lock(dir_lock_path(out)), write_errors(out, "the prepared dataset"):
         recover_dir(out, replaceable)
@@ -75,6 +77,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
         if summary is not None:
             log.info("%s is up to date; reusing it", out)
         else:
+            check_out_writable(out)
             with atomic_dir(out, PREPARED_KIND, replaceable) as tmp:
                 summary = _prepare_into(cfg, tmp, fp)
         _remove_failure_report(cfg)
@@ -98,6 +101,23 @@ def _is_legacy(directory: Path) -> bool:
     return isinstance(summary, dict) and "input_fingerprint" in summary and "counts" in summary
 
 
+def check_out_writable(out: Path) -> None:
+    """Refuse, before any work, an --out that cannot be (re)written: the prepared directory is written beside
+    it and renamed into its place, which neither a mount point nor a read-only or unwritable folder allows."""
+    if os.path.ismount(out):
+        raise OutputDirError(
+            f"--out {out} is a mount point, which {PREPARE} cannot rename a prepared directory onto; pass a "
+            f"folder inside it (--out {out / 'prepared'}); nothing was changed"
+        )
+    beside = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
+    if not os.access(beside, os.W_OK):
+        why = "is on a read-only file system" if _read_only(beside) else "is not writable by this user"
+        raise OutputDirError(
+            f"--out {out}: {beside} {why}, and {PREPARE} writes the prepared directory there before it renames "
+            "it into place; pass an --out on a writable disk; nothing was changed"
+        )
+
+
 def check_out(out: Path) -> None:
     """Refuse an --out that exists and is not a directory mmfast prepared."""
     if not os.path.lexists(out):
@@ -113,6 +133,13 @@ def check_out(out: Path) -> None:
             f"--out {out} already exists and was not prepared by mmfast (it has no {MARKER} file); "
             f"nothing in it was changed. Pass a new or empty directory to --out, or move {out} away yourself"
         )
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_input_outside(cfg: PrepareConfig) -> None:

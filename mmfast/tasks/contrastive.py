@@ -34,20 +34,55 @@ def sample_groups(dataset: PreparedDataset) -> torch.Tensor:
     """(2, max id + 1) int64: per sample id of both splits, its image group (rows of one image file share it:
     the file's SHA-256 where the rows record one, else the original of a --max-side copy, else the path) and
     its caption group (byte-identical captions share it); -1 for an id no row has."""
+    return _groups_and_variety(dataset)[0]
+
+
+def _groups_and_variety(dataset: PreparedDataset) -> tuple[torch.Tensor, dict[str, tuple[int, int, int]]]:
+    """``sample_groups``' table, and per split with rows its (rows, distinct images, distinct captions)."""
     images: dict[str, int] = {}
     texts: dict[str, int] = {}
-    ids, groups = [], []
+    ids, groups, variety = [], [], {}
     for split in ("train", "val"):
         if dataset.split_size(split) == 0:
             continue
+        start = len(groups)
         for row in dataset.iter_rows(split):
             key = row.get("sha256") or row.get("original") or row["image"]
             ids.append(row["id"])
             groups.append((images.setdefault(key, len(images)), texts.setdefault(row["text"], len(texts))))
+        mine = groups[start:]
+        variety[split] = (len(mine), len({g[0] for g in mine}), len({g[1] for g in mine}))
     table = np.full((2, max(ids, default=-1) + 1), -1, dtype=np.int64)
     if ids:
         table[:, np.asarray(ids)] = np.asarray(groups, dtype=np.int64).T
-    return torch.from_numpy(table)
+    return torch.from_numpy(table), variety
+
+
+def check_variety(variety: dict[str, tuple[int, int, int]], root) -> None:
+    """Refuse a dataset a contrastive loss cannot learn from or evaluate on. A pair is a negative only when it
+    shares neither the image nor the caption, so a split whose rows all share one of them has no negative
+    at all: the CLIP loss is zero and the SigLIP loss only pulls pairs together. The train split needs two
+    images and two captions; a val split of two rows or more needs them to rank anything.
+
+    Args:
+        variety: per split, (rows, distinct images, distinct captions) (``_groups_and_variety``).
+        root: the dataset's directory, for the message.
+
+    Raises:
+        ValueError: naming the split, what it lacks and what to do.
+    """
+    for split, (rows, images, captions) in variety.items():
+        if split == "val" and rows < 2:
+            continue
+        if captions >= 2 and images >= 2:
+            continue
+        lacks = f"one caption for all its {rows} rows" if captions < 2 else f"one image for all its {rows} rows"
+        raise ValueError(
+            f"{root}: the {split} split has {lacks}, so no sample has a negative and a contrastive loss "
+            f"{'cannot learn' if split == 'train' else 'cannot rank anything'}. Give each image its own caption "
+            "(an image folder takes a <image>.txt caption file beside each image; without one the caption is "
+            "the class name), or train a classifier (--task classification)"
+        )
 
 
 def contrastive_loss(
@@ -56,6 +91,7 @@ def contrastive_loss(
     ids: torch.Tensor,
     groups: torch.Tensor,
     gather: Callable[[torch.Tensor, list[int]], torch.Tensor] = gather_features,
+    tally: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This process's share of the global batch's loss: its rows against every process's columns.
 
@@ -72,6 +108,7 @@ def contrastive_loss(
         ids: (B,) sample ids, ``PAD_ID`` for padding.
         groups: (2, B) each sample's image group and caption group (``sample_groups``).
         gather: how features reach every process (``gather_features``; a test passes one without gradient).
+        tally: (2,) on the device, or None: gets this process's samples that had a negative, and its samples.
 
     Returns:
         The 0-dim loss.
@@ -89,6 +126,10 @@ def contrastive_loss(
     excluded = (same & ~positive) | (all_ids == PAD_ID)[None]  # (B, M): not a negative
     valid = ids != PAD_ID
     samples = (all_ids != PAD_ID).sum().clamp(min=1)
+    if tally is not None:  # added up on the device, read at the epoch's end
+        with torch.no_grad():
+            has_negative = (valid[:, None] & ~excluded & ~positive).any(1)
+            tally += torch.stack([has_negative.sum(), valid.sum()]).to(tally.dtype)
     if kind == "clip":
         keep, target = excluded[valid], rows[valid]
         i2t = (scale * img[valid] @ all_txt.T).masked_fill(keep, float("-inf"))
@@ -141,8 +182,11 @@ class ContrastiveTask:
         self.tracked = ("val_mean_recall", "val_i2t_r1", "val_t2i_r1") + (
             ("val_zero_shot_acc",) if self.class_names else ()
         )
-        self._groups = sample_groups(dataset)  # (2, ids) on the CPU
+        self._groups, variety = _groups_and_variety(dataset)  # (2, ids) on the CPU
+        check_variety(variety, dataset.root)
+        self._train_rows, _, self._train_captions = variety.get("train", (0, 0, 0))
         self._on_device: dict[torch.device, torch.Tensor] = {}
+        self._tally: torch.Tensor | None = None  # (2,): samples with a negative, samples; since the last read
 
     def groups(self, ids: torch.Tensor) -> torch.Tensor:
         """(2, B) image and caption groups of sample ids (padding: those of id 0; it never counts)."""
@@ -157,7 +201,55 @@ class ContrastiveTask:
         return batch["id"]  # (B,): which pairs are positives, negatives, or neither
 
     def loss(self, output: dict, targets: torch.Tensor) -> torch.Tensor:
-        return contrastive_loss(self.kind, output, targets, self.groups(targets))
+        if self._tally is None or self._tally.device != targets.device:
+            self._tally = torch.zeros(2, dtype=torch.int64, device=targets.device)
+        return contrastive_loss(self.kind, output, targets, self.groups(targets), tally=self._tally)
+
+    def check_step_samples(self, samples: int) -> str | None:
+        """Refuse an optimizer step of fewer than two samples over all processes: its only pair is the positive,
+        so the CLIP loss is zero and the SigLIP loss only pulls the pair together.
+
+        Args:
+            samples: the samples of one optimizer step, all processes and micro-batches together.
+
+        Returns:
+            A note for the user when the train split has fewer distinct captions than a step has samples (the
+            model can learn at most which of them fits an image), else None.
+        """
+        if samples < 2:
+            raise ValueError(
+                f"a contrastive loss over {samples} sample per optimizer step has no negative and cannot learn: "
+                "each step's batch is --batch-size x --grad-accum x processes; raise --batch-size (or "
+                "--grad-accum: the window's micro-batches are one batch) to 2 or more"
+            )
+        if self._train_captions >= samples:
+            return None
+        return (
+            f"note: the train split's {self._train_rows} rows have {self._train_captions} distinct captions, "
+            f"fewer than the {samples} samples of a step; rows that share a caption are not each other's "
+            "negatives, so the model learns at most which caption fits an image"
+        )
+
+    def epoch_figures(self, accelerator) -> dict:
+        """The share of the epoch's trained samples that had no negative in their step (over all processes: a
+        collective call), and the count is started again.
+
+        Raises:
+            ValueError: no sample of the epoch had a negative (the loss taught the model nothing).
+        """
+        device = accelerator.device
+        tally = torch.zeros(2, dtype=torch.int64, device=device) if self._tally is None else self._tally.to(device)
+        with_negative, samples = (int(x) for x in accelerator.reduce(tally, reduction="sum").tolist())
+        self._tally = None
+        if samples == 0:
+            return {}
+        if with_negative == 0:
+            raise ValueError(
+                f"none of the epoch's {samples} samples had a negative in its step (every other pair of each "
+                "step shared its image or its caption), so the contrastive loss taught the model nothing. Give "
+                "the images distinct captions, or raise --batch-size / --grad-accum"
+            )
+        return {"no_negative_frac": round(1 - with_negative / samples, 6)}
 
     def backward_window(self, accelerator, model, batches: list[dict], no_sync) -> torch.Tensor:
         """Forward and backward of one accumulation window as one batch of all its samples (and every

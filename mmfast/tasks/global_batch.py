@@ -1,7 +1,8 @@
 """The global batch of a contrastive loss: features of every process gathered with their gradient
 (``gather_features``), and a whole accumulation window trained as one batch by caching its features
 (``cached_window_backward``, GradCache: Gao et al. 2021). Plain torch.distributed (gloo or NCCL); one process
-without a process group gathers nothing.
+without a process group gathers nothing. ``StepNormStatistics``: a step's batch-norm statistics, the same
+whatever its micro-batches' layout on processes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _NormBase
 
 FEATURES = ("image", "text")  # the (B, D) outputs cached and split by sample
 SCALARS = ("logit_scale", "logit_bias")  # the 0-dim outputs cached once per window
@@ -43,6 +45,71 @@ def all_gather_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded)
     return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
+def norm_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The running statistics of ``model``'s normalization layers that keep them (batch norm's running mean,
+    running variance and batch count; instance norm's with ``track_running_stats``)."""
+    found = []
+    for m in model.modules():
+        if isinstance(m, _NormBase) and m.track_running_stats:
+            found += [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    return found
+
+
+class StepNormStatistics:
+    """An optimizer step's normalization statistics: one update, the mean of its micro-batches' updates over
+    all processes.
+
+    Each micro-batch updates the running statistics from those the step began with (``micro_batch_done`` puts
+    them back after its backward); ``finish`` moves them by the mean of the updates, over the processes too.
+    Batch norm's update is linear in the batch statistics: the result is one momentum update with their mean,
+    the batch count grows by one a step, and every process holds the same statistics. So a step's statistics
+    do not depend on whether its micro-batches ran on one process or several.
+
+    Args:
+        model: the model whose ``norm_statistics`` are kept (none: every call does nothing).
+        processes: the processes of the default process group that take part in ``finish``.
+    """
+
+    def __init__(self, model: torch.nn.Module, processes: int = 1):
+        self.stats = norm_statistics(model)
+        self.processes = processes
+        self._start: list[torch.Tensor] = []
+        self._sums: list[torch.Tensor] = []
+        self._count = 0
+
+    def start(self) -> None:
+        """Take the statistics the step begins with (before its first forward)."""
+        self._start = [b.detach().clone() for b in self.stats]
+        self._sums = [torch.zeros_like(b, dtype=torch.float64) for b in self.stats]
+        self._count = 0
+
+    def micro_batch_done(self) -> None:
+        """Keep a micro-batch's update and put the step's first statistics back (after its backward: the graph
+        may hold the statistics)."""
+        for b, first, total in zip(self.stats, self._start, self._sums, strict=True):
+            total += b.double() - first.double()
+            b.copy_(first)
+        self._count += 1
+
+    def finish(self) -> None:
+        """Apply the mean update: of the micro-batches done (or what the statistics moved by since ``start``,
+        without any), over the processes."""
+        if not self.stats or not self._start:
+            return
+        if self._count:
+            updates = [total / self._count for total in self._sums]
+        else:
+            updates = [b.double() - first.double() for b, first in zip(self.stats, self._start, strict=True)]
+        if self.processes > 1:
+            flat = torch.cat([u.flatten() for u in updates])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            updates = list((flat / self.processes).split([u.numel() for u in updates]))
+        for b, first, u in zip(self.stats, self._start, updates, strict=True):
+            new = first.double() + u.view_as(first)
+            b.copy_(new if b.is_floating_point() else new.round())
+        self._start, self._sums = [], []
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -99,7 +166,8 @@ def cached_window_backward(
        ``accelerator.backward`` so a GradScaler scales them). The 0-dim outputs' gradients go to the last
        micro-batch, the one whose backward all-reduces (the others run under ``no_sync``).
 
-    Buffers (batch-norm statistics) are put back after step 1, so each micro-batch updates them once.
+    Buffers (batch-norm statistics) are put back after step 1, so each micro-batch updates them once; the
+    normalization statistics move once, by the mean of the micro-batches' updates (``StepNormStatistics``).
 
     Args:
         accelerator: an ``accelerate.Accelerator`` (``device``, ``backward``).
@@ -128,11 +196,15 @@ def cached_window_backward(
     loss.backward()  # to the cached leaves only: no parameter takes part here
     grads = {k: cached[k].grad.split(sizes) if cached[k].grad is not None else None for k in FEATURES}
     last = len(inputs) - 1
+    norms = StepNormStatistics(model)
+    norms.start()
     for k, x in enumerate(inputs):
         with no_sync() if k < last else contextlib.nullcontext():
             _set_rng_state(states[k], device)
             out = model(x)
             accelerator.backward(_surrogate(out, grads, k, cached if k == last else None))
+        norms.micro_batch_done()
+    norms.finish()
     return loss.detach()
 
 

@@ -35,6 +35,11 @@ class Task(Protocol):
             backward of all of them (``no_sync()``: a context manager that holds back the gradient all-reduce)
             and returns the window's loss (0-dim, on the device); ``inputs``/``targets``/``loss`` are the
             task's own business.
+        check_step_samples(samples) -> str | None: raise ValueError when an optimizer step of ``samples`` (all
+            processes and micro-batches) cannot train the task, or return a note to print; called before the
+            model is built.
+        epoch_figures(accelerator) -> dict: the task's own figures of the epoch's training, over all processes
+            (a collective call at each epoch's end); raises ValueError when the epoch shows the run cannot learn.
     """
 
     num_outputs: int

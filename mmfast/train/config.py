@@ -212,6 +212,12 @@ class TrainConfig:
     cache_limit: str = _opt(
         "20GiB", "data", "what --shard-cache holds of remote shards (LRU), plus one shard: bytes, or 500MB, 20GiB"
     )
+    store_timeout: float = _opt(
+        60.0,
+        "data",
+        "seconds a remote shard's fetch retries a store that fails transiently (down, restarting, throttling, a "
+        "network blip) before the run stops; 0: no retry",
+    )
     demo_size: int = _opt(2000, "data", "samples in the built-in demo set (without --data)")
     tokenizer: str | None = _opt(
         None,
@@ -242,7 +248,7 @@ class TrainConfig:
 
     def __post_init__(self):
         floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout")
-        floats += ("crop_scale_min", "color_jitter", "profile_interval", "dist_timeout")
+        floats += ("crop_scale_min", "color_jitter", "profile_interval", "dist_timeout", "store_timeout")
         for name in floats:
             value = getattr(self, name)
             if value is None:  # filled from the preset by resolve_preset
@@ -254,16 +260,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{flag(name)} must be an integer, got {value!r}")
-        for name in (
-            "epochs",
-            "batch_size",
-            "max_steps",
-            "image_size",
-            "hidden",
-            "eval_batch_size",
-            "num_threads",
-            "samples_per_epoch",
-        ):
+        ints = ("epochs", "batch_size", "max_steps", "image_size", "hidden", "eval_batch_size", "num_threads")
+        for name in (*ints, "samples_per_epoch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
@@ -293,6 +291,7 @@ class TrainConfig:
             (self.profile_interval > 0, f"--profile-interval must be > 0, got {self.profile_interval}"),
             (self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}"),
             (self.stop_grace > 0, f"--stop-grace must be > 0 seconds, got {self.stop_grace}"),
+            (self.store_timeout >= 0, f"--store-timeout must be >= 0 seconds, got {self.store_timeout}"),
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
             (self.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {self.max_nan_steps}"),
             (self.demo_size >= 10, f"--demo-size must be >= 10, got {self.demo_size}"),
@@ -455,6 +454,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "stop_grace",
         "shard_cache",  # where this machine holds the remote shards, and how much: the same bytes read
         "cache_limit",
+        "store_timeout",  # how long a fetch rides out a store outage: the same bytes read
         "cache_limit_gb",  # what runs before --cache-limit recorded
         "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written
     }

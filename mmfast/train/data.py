@@ -4,6 +4,7 @@ stream remote shards through (``shard_cache``), which splits hold their images d
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -17,13 +18,16 @@ from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
 from mmfast.train.config import TrainConfig, data_weights
 from mmfast.train.hardware import resolve_text_padding
-from mmfast.train.setup import processes_per_machine
+from mmfast.train.setup import processes_per_machine, usable_cores
 from mmfast.util.args import parse_size
 
 if TYPE_CHECKING:
     from mmfast.util.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
+
+# --samples-per-epoch beyond the train split's rows: an epoch's order is held in memory, 8 bytes a sample
+MAX_EPOCH_SAMPLES = 2**26
 
 
 def build_loaders(
@@ -86,7 +90,8 @@ def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrde
     drawn by ``--data-weights`` (by their sizes without it: every row once an epoch, as one dataset).
 
     Raises:
-        ValueError: shares that do not match the sources, or a source without train rows.
+        ValueError: shares that do not match the sources, a source without train rows, or --samples-per-epoch
+            above both the split's rows and ``MAX_EPOCH_SAMPLES``.
     """
     sources, weights = dataset.mix_sources, data_weights(cfg)
     if not sources and weights is not None and len(weights) > 1:
@@ -96,6 +101,13 @@ def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrde
         )
     if not sources and cfg.samples_per_epoch is None:
         return WHOLE_BATCHES
+    rows = dataset.split_size("train")
+    if cfg.samples_per_epoch is not None and cfg.samples_per_epoch > max(rows, MAX_EPOCH_SAMPLES):
+        raise ValueError(
+            f"--samples-per-epoch {cfg.samples_per_epoch}: an epoch's order is held in memory, 8 bytes a sample "
+            f"({cfg.samples_per_epoch * 8 / 2**30:.1f} GiB); use at most {max(rows, MAX_EPOCH_SAMPLES)} (the "
+            f"train split has {rows} rows), and more --epochs for a longer run"
+        )
     if sources and weights is not None and len(weights) != len(sources):
         raise ValueError(
             f"--data-weights gives {len(weights)} shares for the {len(sources)} datasets of the mix {dataset.root}"
@@ -123,7 +135,7 @@ def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | N
     """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
     shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
     DALI threads."""
-    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+    threads = cfg.num_threads or max(1, usable_cores() // processes_per_machine(accelerator))
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
     return dict(
         **extra,
@@ -145,10 +157,12 @@ def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None
     dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
     if not dataset.remote_shards():
         return None
-    from mmfast.util.shard_cache import ShardCache  # only a run that streams pays for the network imports
+    from mmfast.util import remote  # only a run that streams pays for the network imports
+    from mmfast.util.shard_cache import ShardCache
 
     root = cfg.shard_cache or os.path.join(os.path.expanduser("~"), ".cache", "mmfast", "shards")
-    return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"))
+    fetch = functools.partial(remote.fetch_to, retry_s=cfg.store_timeout)  # --store-timeout bounds the retries
+    return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"), fetch=fetch)
 
 
 def cache_plans(

@@ -1,7 +1,7 @@
 """Elastic resume: a checkpoint written by N processes resumed on M, at the same global sample position.
 
 Why it works: every process draws the same epoch order (``loading.sampling.epoch_order``) and takes every
-N-th position of it in whole batches, so after t optimizer steps of a global batch G the run has trained the
+N-th batch of it (``shard_positions``), so after t optimizer steps of a global batch G the run has trained the
 first t x G positions of the epoch's order whatever N is. A run whose global batch is fixed
 (``--global-batch-size``) may therefore change its process count between a stop and a restart: the per-process
 batch and accumulation are derived again (``setup.apply_global_batch``), and each process's loader starts at

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmfast.tasks.global_batch import StepNormStatistics
 from mmfast.tasks.registry import Task
 from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
@@ -108,6 +109,9 @@ class EpochRunner:
         self.control = BatchAgreement(*ranks, cfg.dist_timeout) if ranks[1] > 1 else None
         self.agreement = self.control if shard_cache is not None else None
         self.cuda_graphs = uses_cuda_graphs(cfg, accelerator.device.type)  # each micro-step marks its start
+        # batch norm's statistics move once a step, by the mean of its micro-batches' updates on every process
+        spread = ranks[1] > 1 or cfg.grad_accum > 1
+        self.norms = StepNormStatistics(model, ranks[1]) if spread else None
         mix = getattr(getattr(loader, "dataset", None), "mix_sources", None)  # a mix: per-source figures
         self.tally = SourceTally([m["name"] for m in mix], accelerator.device) if mix else None
 
@@ -159,10 +163,14 @@ class EpochRunner:
             epoch += 1
 
     def evaluate(self, val_loader, epoch: int) -> dict:
-        """The task's evaluation of the val split; streamed on several processes, its batches agreed too."""
+        """The task's evaluation of the val split; streamed on several processes, its batches agreed too. The
+        model runs in the run's mixed precision (Accelerate's autocast), which ``eval_precision`` names:
+        mmfast-evaluate runs the model directory in fp32, so its figures may differ slightly."""
         if self.agreement is not None:
             val_loader = AgreedLoader(val_loader, self.agreement, f"the val split after epoch {epoch}:")
-        return self.task.evaluate(self.acc, self.model, val_loader)
+        figures = self.task.evaluate(self.acc, self.model, val_loader)
+        precision = self.acc.mixed_precision
+        return {**figures, "eval_precision": "fp32" if precision == "no" else precision} if figures else figures
 
     def done(self) -> bool:
         return self.state["global_step"] >= self.total_steps
@@ -196,6 +204,8 @@ class EpochRunner:
             # the mean over the samples it saw.
             window_start = (i // cfg.grad_accum) * cfg.grad_accum
             accum = min(cfg.grad_accum, n_batches - window_start)
+            if self.norms is not None and i == window_start:
+                self.norms.start()
             if whole_window:
                 window.append(batch)
                 if window_end:
@@ -209,6 +219,8 @@ class EpochRunner:
                 bar.update(1)
             if not window_end:
                 continue
+            if self.norms is not None:
+                self.norms.finish()
             self.optimizer_step()
             self.timer.end_step(self.window_samples)  # a profile's step is an optimizer step
             self.window_samples = 0
@@ -282,8 +294,10 @@ class EpochRunner:
         totals = self._global_sums(s)  # note: a CPU-GPU sync point, once per epoch
         loss_sum, samples = totals["loss_sum"], totals["samples"]
         sources = {"sources": self.tally.figures(self.tally.global_sums(self.acc))} if self.tally else {}
+        task_figures = getattr(self.task, "epoch_figures", None)  # a collective too; it may stop the run
         return {
             **sources,
+            **(task_figures(self.acc) if task_figures is not None else {}),
             "epoch_complete": complete,
             # An epoch whose every loss was non-finite has no mean: say NaN, never a reassuring 0.
             "train_loss": loss_sum / samples if samples else float("nan"),
@@ -322,6 +336,8 @@ class EpochRunner:
                     self.tally.add(batch["source"], per_sample and per_sample(out, self.task.targets(batch)))
             with self.timer.phase("backward"):
                 self.acc.backward(loss / window)
+        if self.norms is not None:
+            self.norms.micro_batch_done()
         return loss.detach()  # on the device: ``count`` adds it up there
 
     def window_step(self, epoch: int, batches: list[dict], s: dict, logwin: StepWindow) -> None:

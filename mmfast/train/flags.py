@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -78,7 +77,7 @@ def load_config_file(path: str | Path) -> dict:
 
 def parse_config(argv: list[str] | None) -> TrainConfig:
     """Resolve the configuration from a file (optional) and flags."""
-    ns = vars(build_parser().parse_args(_value_after_flag(argv, "--data-weights")))
+    ns = vars(build_parser().parse_args(argv))
     if "data" in ns and len(ns["data"]) == 1:  # one --data: its path, as a config file gives it
         ns["data"] = ns["data"][0]
     file_values = load_config_file(ns.pop("config")) if "config" in ns else {}
@@ -87,18 +86,3 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     except TypeError as e:
         raise ValueError(f"bad configuration: {e}") from e
 
-
-def _value_after_flag(argv: list[str] | None, flag: str) -> list[str]:
-    """``argv`` with ``flag VALUE`` joined into ``flag=VALUE`` when VALUE is a negative number: argparse takes
-    "-0.7,1.7" for a flag ("expected one argument"), so the value's own check never said what is wrong."""
-    argv = sys.argv[1:] if argv is None else argv
-    out, i = [], 0
-    while i < len(argv):
-        value = argv[i + 1] if argv[i] == flag and i + 1 < len(argv) else ""
-        if len(value) > 1 and value[0] == "-" and (value[1].isdigit() or value[1] == "."):
-            out.append(f"{flag}={value}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out

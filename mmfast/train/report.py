@@ -178,7 +178,7 @@ def summarize(
 def shard_figures(accelerator, cache: ShardCache | None) -> dict:
     """``{"shards": counters}`` for a run that streams remote shards, ``{}`` for one whose shards are local:
     the shard cache's counters (``ShardCache.stats``: hits, misses, fetches, bytes_fetched, retries,
-    evictions, fetch_seconds, wait_seconds) summed over the processes, since this segment of the run started.
+    evictions, fetch_seconds, wait_seconds, retry_seconds) summed over the processes, since this segment of the run started.
     What metrics.jsonl's epoch lines and summary.json carry, so that a transient fault retried is counted in
     the run's figures. A collective call: every process streams through a cache of its own, or none does."""
     if cache is None:

@@ -186,6 +186,9 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
     task = build_task(cfg.task, dataset, cfg)
+    if (check := getattr(task, "check_step_samples", None)) is not None:  # before a model or loader is built
+        if note := check(cfg.batch_size * cfg.grad_accum * accelerator.num_processes):
+            accelerator.print(note)
     model = build_run_model(cfg, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)

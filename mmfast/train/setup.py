@@ -59,6 +59,13 @@ def processes_per_machine(accelerator) -> int:
     return processes_on_machine(accelerator.num_processes, accelerator.device.type)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: taskset, a container's cpuset), else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def apply_global_batch(cfg: TrainConfig, num_processes: int) -> TrainConfig:
     """``cfg`` with ``--global-batch-size G`` turned into a per-process batch and accumulation: each of the N
     processes takes G / N samples per optimizer step, in micro-batches of the largest divisor of G / N that is
@@ -112,7 +119,7 @@ def make_accelerator(cfg: TrainConfig):
         print(note, file=sys.stderr)
     if not cuda:
         # Launchers set OMP_NUM_THREADS=1 per process; on a CPU run the cores are the compute: share them.
-        want = max(1, (os.cpu_count() or 1) // processes_per_machine(accelerator))
+        want = max(1, usable_cores() // processes_per_machine(accelerator))
         if torch.get_num_threads() < want:
             torch.set_num_threads(want)
     return accelerator

@@ -3,11 +3,12 @@ failed writes."""
 
 import argparse
 import re
+import sys
 
 from mmfast.util.voice import hear_flags
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # kB, MB..., and KiB, MiB...
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)b?|(b?))\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(-?\s*(?:\d+(?:\.\d*)?|\.\d+))\s*(?:([kmgt])(i?)b?|(b?))\s*", re.IGNORECASE)
 
 
 RENAMED = {"--cache-limit-gb": "--cache-limit (bytes or a unit: 50GB, 20GiB)"}  # flags that were renamed
@@ -24,7 +25,24 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         hear_flags(self._option_string_actions)  # messages name this command's flags (util/voice)
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(self._joined_negatives(args), namespace)
+
+    def _joined_negatives(self, args: list[str] | None) -> list[str]:
+        """``args`` with ``--flag VALUE`` joined into ``--flag=VALUE`` where the flag takes one value and VALUE
+        starts with a minus and a digit (-5GB, -0.7,1.7, -1e-3): argparse takes such a value for a flag and says
+        "expected one argument", so the value's own check never said what is wrong."""
+        args = sys.argv[1:] if args is None else list(args)
+        out, i = [], 0
+        while i < len(args):
+            action = self._option_string_actions.get(args[i]) if isinstance(args[i], str) else None
+            value = args[i + 1] if action is not None and action.nargs is None and i + 1 < len(args) else ""
+            if isinstance(value, str) and re.match(r"-\.?\d", value):  # a flag of one value, a negative one
+                out.append(f"{args[i]}={value}")
+                i += 2
+            else:
+                out.append(args[i])
+                i += 1
+        return out
 
     def error(self, message: str):
         renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if old in message]
@@ -68,7 +86,7 @@ def parse_size(text: object, what: str = "a size") -> int:
         raise ValueError(f"{what} must be bytes or a size with a unit (500MB, 20GiB), got {text!r}")
     unit = (m.group(2) or "").lower()
     scale = 2 ** (10 * "kmgt".index(unit) + 10) if unit and m.group(3) else _UNITS[unit]
-    nbytes = int(float(m.group(1)) * scale)
+    nbytes = int(float(m.group(1).replace(" ", "")) * scale)
     if nbytes <= 0:
         raise ValueError(f"{what} must be above 0 bytes, got {text!r}")
     return nbytes

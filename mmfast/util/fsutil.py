@@ -27,8 +27,14 @@ MARKER = ".mmfast-prepared"
 MARKER_VERSION = 2
 _AT_FDCWD = -100  # <fcntl.h>: paths relative to the current directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>
-# What a full disk looks like to a writer: no space, over quota, over RLIMIT_FSIZE, read-only filesystem.
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+# What a full disk looks like to a writer (no space, over quota, over RLIMIT_FSIZE, read-only filesystem), and
+# what to do about each.
+_WRITE_ADVICE = {
+    errno.ENOSPC: "free disk space there",
+    errno.EDQUOT: "free space or raise the disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    errno.EROFS: "use a folder on a writable file system",
+}
 _RESTORE_WAIT_S = 10.0  # how long opening a directory waits for a preparation that holds its lock
 
 log = logging.getLogger(__name__)
@@ -45,13 +51,18 @@ def write_errors(out: str | os.PathLike, what: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.errno not in _WRITE_ERRNOS:
+        if (advice := write_advice(e)) is None:
             raise
         cause = f"{e.strerror} ({e.filename})" if e.strerror and e.filename else str(e)
         raise OutputDirError(
-            f"writing {what} to {out} failed: {cause}; {out} was left as it was; "
-            "free disk space (or raise the quota / file-size limit) and re-run"
+            f"writing {what} to {out} failed: {cause}; {out} was left as it was; {advice}, and re-run"
         ) from e
+
+
+def write_advice(e: OSError) -> str | None:
+    """What to do about a write that failed for want of room or a writable disk ("free disk space there"); None
+    for another failure."""
+    return _WRITE_ADVICE.get(e.errno)
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -43,13 +43,15 @@ class HTTPStatusError(Exception):
 class Body:
     """An open answer: ``offset`` is where its bytes start in the object (0 when the server ignored the
     range and sends it whole), ``total`` the object's size (or where the range sent ends) when the server
-    said it. ``response`` is None for a range that starts at the object's end: nothing is left to read."""
+    said it, ``content_type`` its Content-Type. ``response`` is None for a range that starts at the object's
+    end: nothing is left to read."""
 
     offset: int
     total: int | None
     response: http.client.HTTPResponse | None
     connection: http.client.HTTPConnection | None
     timeout_s: float = field(default=30.0)
+    content_type: str | None = None
 
     def pieces(self) -> Iterator[bytes]:
         """The body's bytes, a piece at a time, as they arrive.
@@ -114,7 +116,7 @@ def open_body(url: str, offset: int = 0, *, timeout_s: float = 30.0) -> Body:
                 if response.status == 416:  # offset is the object's end: nothing is left to read
                     return Body(offset, offset, None, None, timeout_s)
                 connection, keep = None, connection  # the Body closes it from here on
-                return Body(*extent, response, keep, timeout_s)
+                return Body(*extent, response, keep, timeout_s, response.getheader("Content-Type"))
             _refuse(response, _error_code(response))
         finally:
             if connection is not None:

@@ -27,20 +27,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmfast.util import http_get
-from mmfast.util.commands import PREPARE
+from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import fsync_dir
-from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError, reading, redact
+from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError, reading, redact, wrong_answer
 
 log = logging.getLogger(__name__)
 
 _BLOCK = 8 << 20  # bytes per read of a store read through fsspec: one ranged GET of a seekable one
 _RANGED = {"block_size": _BLOCK, "cache_type": "none"}  # how a seekable store is read: one ranged GET per read
 _MAX_DELAY_S = 10.0  # the longest single back-off sleep
+RETRY_S = 60.0  # how long a download retries a store that fails transiently, from its first failure
 _PARTIAL = ".partial-"  # in the name of a download not yet complete: "." + dest name + _PARTIAL + pid-thread
 _MAX_NAMES = 1_000_000  # the most names one pattern may expand to (a typo such as {0..99999999} is an error)
 _SIGNED_FOR_S = 3600  # how long a presigned s3:// URL is valid (each attempt signs anew)
 _REGION_REDIRECT = {301, 400}  # what S3 answers a URL signed for another region than the bucket's
 _WRITE_BUFFER = 1 << 20  # bytes gathered before one write to the partial file
+_HEAD = 1024  # the first bytes of an answer kept, to say what arrived when it is not the object
 
 
 @dataclass
@@ -49,6 +51,7 @@ class FetchStats:
 
     fetches: int = 0  # downloads that completed
     retries: int = 0  # attempts made again after a transient failure
+    retry_seconds: float = 0.0  # the back-off sleeps before them
     bytes: int = 0  # bytes read from the store, those of failed attempts included
     seconds: float = 0.0  # time spent in fetch_to, back-off sleeps included
 
@@ -77,7 +80,8 @@ def fetch_to(
     *,
     size: int | None = None,
     sha256: str | None = None,
-    retries: int = 5,
+    retry_s: float = RETRY_S,
+    retries: int | None = None,
     backoff_s: float = 0.2,
     timeout_s: float = 30.0,
     stats: FetchStats | None = None,
@@ -86,15 +90,18 @@ def fetch_to(
 
     The bytes go to ``partial_path(dest)``; when they are complete (and match ``size`` and ``sha256``, when
     given) they are flushed to disk and renamed to ``dest`` in one step, so a failed or killed download never
-    leaves a file at ``dest``. A transient failure is retried up to ``retries`` times, sleeping
-    ``backoff_s * 2**i`` (jittered, at most 10 s each) between attempts; a seekable store's download resumes
-    where it stopped, a streamed one (http) starts again. An object whose size or hash is wrong is fetched once
-    more, then refused. A permanent failure is raised at once.
+    leaves a file at ``dest``. A transient failure is retried for up to ``retry_s`` seconds, sleeping
+    ``backoff_s * 2**i`` (jittered, at most 10 s each) between attempts, the last one at the bound; the bound
+    starts again once an attempt gets further than any before. A seekable store's download resumes where it
+    stopped, a streamed one (http) starts again. An object whose size or hash is wrong is fetched once more,
+    then refused. A permanent failure is raised at once.
 
     Args:
         url, dest: the object (any fsspec URL, or a local path) and the file to create or replace.
         size, sha256: what the object should be (bytes, hex SHA-256), or None.
-        retries, backoff_s: how many times a transient failure is retried, and the first back-off sleep.
+        retry_s: how long transient failures are retried (a store restarting, a network blip), in seconds.
+        retries: at most this many retries as well (None: as many as ``retry_s`` allows).
+        backoff_s: the first back-off sleep.
         timeout_s: how long a connection or a read may stall before the attempt fails.
         stats: counters to add this download's to.
 
@@ -104,16 +111,17 @@ def fetch_to(
     Raises:
         PermanentRemoteError: no access, no such object, or the object differs from ``size`` / ``sha256``
             twice (the message names the URL, what to check, or the expected and actual size and hash).
-        TransientRemoteError: still failing after ``retries`` retries.
+        TransientRemoteError: still failing after ``retry_s`` (or ``retries``).
         OSError: writing ``dest`` failed (a full disk); nothing is left at ``dest``.
     """
     dest, stats = Path(dest), stats if stats is not None else FetchStats()
-    policy = _Policy(retries, backoff_s, timeout_s)
+    policy = _Policy(retry_s, retries, backoff_s, timeout_s)
     started, tmp = time.monotonic(), partial_path(dest)
     try:
         for again in (False, True):  # a mismatch is fetched once more: it may have been a change mid-download
             with open(tmp, "wb", buffering=_WRITE_BUFFER) as out:  # pieces off a slow link are small
-                wrong = _mismatch(size, sha256, *_download(url, out, size, policy, stats))
+                got = _download(url, out, size, policy, stats)
+                wrong = _mismatch(size, sha256, got.done, got.hasher.hexdigest())
                 if not wrong:
                     out.flush()
                     os.fsync(out.fileno())
@@ -124,9 +132,8 @@ def fetch_to(
                 return dest
             if not again:
                 log.warning("%s: %s; fetching it once more", redact(url), wrong)
-        raise PermanentRemoteError(
-            f"{redact(url)}: {wrong}, fetched twice: the object changed since preparation: re-run {PREPARE}", url
-        )
+        arrived = wrong_answer(got.done, got.content_type, got.head)
+        raise PermanentRemoteError(f"{redact(url)}: {wrong}, fetched twice: {arrived}", url)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -134,11 +141,12 @@ def fetch_to(
 
 
 def remote_size_and_sha256(
-    url: str, *, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 30.0
+    url: str, *, retry_s: float = RETRY_S, backoff_s: float = 0.2, timeout_s: float = 30.0
 ) -> tuple[int, str]:
     """The size and SHA-256 of the object at ``url``, reading it once as a stream (nothing is written), with
     ``fetch_to``'s retries: what preparation records so that training can verify each shard it fetches."""
-    return _download(url, _Discard(), None, _Policy(retries, backoff_s, timeout_s), FetchStats())
+    got = _download(url, _Discard(), None, _Policy(retry_s, None, backoff_s, timeout_s), FetchStats())
+    return got.done, got.hasher.hexdigest()
 
 
 def _mismatch(size: int | None, sha256: str | None, got_size: int, got_sha: str) -> str:
@@ -150,7 +158,7 @@ def _mismatch(size: int | None, sha256: str | None, got_size: int, got_sha: str)
     return ""
 
 
-_Policy = namedtuple("_Policy", "retries backoff_s timeout_s")  # fetch_to's bounds, passed down as one
+_Policy = namedtuple("_Policy", "retry_s retries backoff_s timeout_s")  # fetch_to's bounds, passed down as one
 
 
 class _Discard:
@@ -159,39 +167,55 @@ class _Discard:
     write = seek = truncate = staticmethod(lambda *args: None)
 
 
-def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStats) -> tuple[int, str]:
-    """Copy the object at ``url`` into the binary file ``out``, retrying transient failures (bounded);
-    returns (bytes written, their SHA-256 hex)."""
+def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStats) -> _Progress:
+    """Copy the object at ``url`` into the binary file ``out``, retrying transient failures for up to
+    ``policy.retry_s`` from the first failure since the download last got further (bounded); returns what
+    arrived (its size, hash, content type and first bytes)."""
     progress, started = _Progress(), time.monotonic()
-    for attempt in range(policy.retries + 1):
+    attempt, failing_since, furthest = 0, None, 0
+    while True:
         try:
             _transfer(url, out, size, progress, policy.timeout_s, stats)
-            return progress.done, progress.hasher.hexdigest()
+            return progress
         except TransientRemoteError as e:
-            if attempt == policy.retries:
+            now = time.monotonic()
+            if failing_since is None or progress.done > furthest:  # the outage (or a new one) starts here
+                failing_since, furthest = now, max(furthest, progress.done)
+            left = failing_since + policy.retry_s - now
+            if left <= 0 or (policy.retries is not None and attempt >= policy.retries):
                 raise TransientRemoteError(
-                    f"{e}; still failing after {attempt + 1} attempts in {time.monotonic() - started:.1f} s: the "
-                    "store or the network is down or throttling; re-run when it is back (a training run: with "
-                    "--resume latest)",
+                    f"{e}; still failing after {attempt + 1} attempt{'s' if attempt else ''} in "
+                    f"{now - started:.1f} s: the store or the network is down or throttling; re-run when it is "
+                    f"back (a training run: with --resume latest; {TRAIN} --store-timeout waits longer, now "
+                    f"{policy.retry_s:g} s)",
                     url,
                 ) from None
-            delay = min(policy.backoff_s * 2**attempt, _MAX_DELAY_S) * random.uniform(0.5, 1.0)
+            jittered = min(policy.backoff_s * 2 ** min(attempt, 16), _MAX_DELAY_S) * random.uniform(0.5, 1.0)
+            delay = min(jittered, left)  # the last attempt is made at the bound
+            attempt += 1
             stats.retries += 1
-            log.warning("%s; retry %d of %d in %.2f s", e, attempt + 1, policy.retries, delay)
+            stats.retry_seconds += delay
+            log.warning("%s; retry %d in %.2f s (retrying for up to %g s)", e, attempt, delay, policy.retry_s)
             time.sleep(delay)
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 class _Progress:
-    """How far a download got: bytes written and their running hash (kept across a resumed attempt)."""
+    """How far a download got: bytes written, their running hash and the first of them (kept across a resumed
+    attempt), and the answer's content type."""
 
     def __init__(self):
-        self.done, self.hasher = 0, hashlib.sha256()
+        self.done, self.hasher, self.head, self.content_type = 0, hashlib.sha256(), b"", None
 
     def restart(self, out) -> None:
         out.seek(0)
         out.truncate()
-        self.done, self.hasher = 0, hashlib.sha256()
+        self.done, self.hasher, self.head = 0, hashlib.sha256(), b""
+
+    def add(self, piece: bytes) -> None:
+        if len(self.head) < _HEAD:
+            self.head += piece[: _HEAD - len(self.head)]
+        self.hasher.update(piece)
+        self.done += len(piece)
 
 
 def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: float, stats: FetchStats) -> None:
@@ -203,6 +227,7 @@ def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: f
     with body:
         if body.offset != progress.done:
             progress.restart(out)
+        progress.content_type = getattr(body, "content_type", None) or progress.content_type
         pieces = body.pieces()
         while True:
             with reading(url):
@@ -210,8 +235,7 @@ def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: f
             if piece is None:
                 break
             out.write(piece)
-            progress.hasher.update(piece)
-            progress.done += len(piece)
+            progress.add(piece)
             stats.bytes += len(piece)
         if body.total is not None and progress.done < body.total:
             ended = f"the body ended at {progress.done} of {body.total} bytes"

@@ -34,6 +34,7 @@ _TRANSIENT_CODES = set(
     "TooManyRequestsException BandwidthLimitExceeded OperationAborted RequestTimeoutException "
     "PriorRequestNotComplete".split()
 )
+_HTML_STARTS = (b"<!doctype html", b"<html")  # how an HTML page begins, whatever its Content-Type says
 # errno values of a network that failed, and those s3fs gives SlowDown / 503 (EBUSY) and 500 (EREMOTEIO).
 _TRANSIENT_ERRNOS = {
     errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ENETUNREACH,
@@ -189,3 +190,34 @@ def reading(url: str):
         raise
     except Exception as e:
         raise as_remote_error(url, e) from None
+
+
+
+
+def wrong_answer(got_size: int, content_type: str | None, head: bytes) -> str:
+    """What arrived instead of the object and what to check: an HTML page (a sign-in, error or proxy page), a
+    text answer (quoted, redacted), or other bytes (the object changed since preparation).
+
+    Args:
+        got_size: the bytes that arrived.
+        content_type: the answer's Content-Type (None when the store gave none).
+        head: its first bytes.
+    """
+    kind = (content_type or "").split(";")[0].strip().lower()
+    html = kind in ("text/html", "application/xhtml+xml") or head.lstrip()[:64].lower().startswith(_HTML_STARTS)
+    textual = kind.startswith("text/") or kind in ("application/json", "application/xml")
+    arrived = f"{got_size} bytes" + (f" of {kind}" if kind else "")
+    if not (html or textual):
+        return (
+            f"the object changed since preparation: re-run {PREPARE}, or check that the URL still names that "
+            f"object ({arrived} arrived)"
+        )
+    title = re.search(rb"<title[^>]*>(.*?)</title>", head, re.IGNORECASE | re.DOTALL) if html else None
+    text = re.sub(r"<[^>]*>", " ", (title.group(1) if title else head).decode(errors="replace"))
+    quoted = redact(" ".join(text.split()))[:120]
+    return (
+        f"the store answered with {'an HTML page' if html else 'a text answer'} ({arrived})"
+        + (f" that reads {quoted!r}" if quoted else "")
+        + ", not the shard. It is a sign-in, error or proxy page: check the URL, that it needs no login (a signed "
+        "URL expires), any proxy between, and the store's permissions"
+    )

@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from mmfast.util import remote
-from mmfast.util.fsutil import MARKER, OutputDirError, is_replaceable, write_marker
+from mmfast.util.fsutil import MARKER, OutputDirError, is_replaceable, write_advice, write_marker
 from mmfast.util.remote_errors import redact
 from mmfast.util.voice import setting
 
@@ -46,10 +47,16 @@ _POLL_S = 0.02  # how often a waiter tries a busy lock again
 _ROUNDS = 5  # how many times a shard evicted between its fetch and its pin is fetched again
 _AHEAD_NS = 3600 * 10**9  # how far ahead a prefetched, unread shard is dated (see _background)
 _COUNTERS = ("hits", "misses", "fetches", "bytes_fetched", "retries", "evictions", "fetch_seconds", "wait_seconds")
+_COUNTERS += ("retry_seconds",)
 
 
 class CacheFullError(RuntimeError):
     """The shards in use fill the cache, so the one asked for cannot be added: raise ``limit_bytes``."""
+
+
+class CacheWriteError(OSError):
+    """The cache's folder cannot take a write: its disk is full, read-only, or over a quota or file-size limit
+    (the message names the folder, the cause and what to do)."""
 
 
 class ShardCache:
@@ -74,7 +81,8 @@ class ShardCache:
     ):
         if limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
-        self.root = _claim_root(Path(root))
+        with _write_errors(Path(root), "cannot be created or written"):
+            self.root = _claim_root(Path(root))
         self.limit_bytes = limit_bytes
         self.wait_s = wait_s
         self._fetch = fetch
@@ -84,7 +92,10 @@ class ShardCache:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._mutex = threading.Lock()
         self._said: set[str] = set()  # the warnings given (warn_once)
-        with _flocked(self.root / "space.lock", shared=False, deadline=time.monotonic() + wait_s):
+        with (
+            _write_errors(self.root, "cannot be written"),
+            _flocked(self.root / "space.lock", shared=False, deadline=time.monotonic() + wait_s),
+        ):
             self._scan()  # leftovers of processes that died mid-download
 
     def path_for(self, url: str, sha256: str | None) -> Path:
@@ -141,7 +152,8 @@ class ShardCache:
 
     def stats(self) -> dict:
         """This process's counters: hits and misses (of ``get`` / ``pinned``), fetches, bytes_fetched, retries,
-        evictions, fetch_seconds (in downloads, all threads), wait_seconds (callers blocked)."""
+        evictions, fetch_seconds (in downloads, all threads), wait_seconds (callers blocked), retry_seconds (the
+        back-off sleeps before retries of a store that failed transiently, within fetch_seconds)."""
         with self._mutex:
             return dict(self._counts)
 
@@ -186,10 +198,12 @@ class ShardCache:
     def _fetch_exclusive(self, url: str, size: int, sha256: str | None, path: Path, deadline: float) -> None:
         """Fetch the shard into ``path``; the caller holds its lock exclusively."""
         path.unlink(missing_ok=True)  # a copy of the wrong size
-        reservation = self._make_room(path.name, size, deadline)
+        with _write_errors(self.root, f"cannot hold {redact(url)} ({size} bytes)"):
+            reservation = self._make_room(path.name, size, deadline)
         stats = remote.FetchStats()
         try:
-            self._fetch(url, path, size=size, sha256=sha256, stats=stats)
+            with _write_errors(self.root, f"cannot hold {redact(url)} ({size} bytes)"):
+                self._fetch(url, path, size=size, sha256=sha256, stats=stats)
         finally:
             with _flocked(self.root / "space.lock", shared=False, deadline=time.monotonic() + self.wait_s):
                 reservation.unlink(missing_ok=True)
@@ -198,6 +212,7 @@ class ShardCache:
                 bytes_fetched=stats.bytes,
                 retries=stats.retries,
                 fetch_seconds=stats.seconds,
+                retry_seconds=stats.retry_seconds,
             )
 
     def _make_room(self, name: str, size: int, deadline: float) -> Path:
@@ -316,6 +331,26 @@ class ShardCache:
         with self._mutex:
             for key, value in counts.items():
                 self._counts[key] += value
+
+
+@contextlib.contextmanager
+def _write_errors(root: Path, what: str) -> Iterator[None]:
+    """A write that fails for want of room or a writable disk, raised as a ``CacheWriteError`` naming the
+    cache's folder, the cause and what to do; other errors as they are."""
+    try:
+        yield
+    except OSError as e:
+        advice = write_advice(e)
+        if advice is None or isinstance(e, CacheWriteError):
+            raise
+        try:
+            free = f", {shutil.disk_usage(root).free} bytes free there"
+        except OSError:
+            free = ""
+        raise CacheWriteError(
+            f"the shard cache at {root} {what}: {e.strerror or e}{free}; {advice}, or pass --shard-cache a "
+            "folder on a disk with room (--cache-limit bounds what the cache holds, plus one shard)"
+        ) from e
 
 
 def _key(url: str, sha256: str | None) -> str:
