@@ -81,7 +81,7 @@ def check_variety(variety: dict[str, tuple[int, int, int]], root) -> None:
             f"{root}: the {split} split has {lacks}, so no sample has a negative and a contrastive loss "
             f"{'cannot learn' if split == 'train' else 'cannot rank anything'}. Give each image its own caption "
             "(an image folder takes a <image>.txt caption file beside each image; without one the caption is "
-            "the class name), or train a classifier (--task classification)"
+            "the class name), or train a classifier on the labels (a fusion model: --model concat)"
         )
 
 
