@@ -30,11 +30,25 @@ SLACK_S = 10  # what a stopped command may take beyond its grace (a loaded machi
 START_S = 240  # the longest a command may take to get where it is stopped (imports on a loaded machine)
 
 
-def _start(cmd: list[str], log: Path, env: dict | None = None, **kw) -> subprocess.Popen:
-    """``cmd`` in a new process group (its pid is the group's id), stdout and stderr into ``log``."""
-    with open(log, "w") as out:
-        env = {**os.environ, **(env or {})}
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kw)
+@pytest.fixture
+def start():
+    """``start(cmd, log, env=None, **popen)``: ``cmd`` in a new process group (its pid is the group's id), its
+    stdout and stderr into ``log``. Whatever is left of the groups is killed when the test ends (a stopped
+    session too: a group of its own does not get the session's signal)."""
+    procs = []
+
+    def start_(cmd: list[str], log: Path, env: dict | None = None, **kw) -> subprocess.Popen:
+        with open(log, "w") as out:
+            env = {**os.environ, **(env or {})}
+            procs.append(
+                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kw)
+            )
+        return procs[-1]
+
+    yield start_
+    for proc in procs:
+        _kill(proc.pid)
+        proc.wait(timeout=30)
 
 
 def _group(pgid: int) -> list[psutil.Process]:
@@ -93,22 +107,22 @@ sys.exit(max(r.wait() for r in ranks))
 """
 
 
-def _launch_two(prepared: Path, tmp_path: Path, port: int, *flags: str) -> tuple[subprocess.Popen, Path]:
+def _launch_two(start, prepared: Path, tmp_path: Path, port: int, *flags: str) -> tuple[subprocess.Popen, Path]:
     """Two ranks of a run whose launcher hosts the store at 127.0.0.1:``port``, as torchrun's ranks see it."""
     env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     env |= {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "stops"}
     ranks = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
     cmd = train_cmd(prepared, tmp_path / "run", "--stop-grace", str(GRACE_S), *flags)
     log = tmp_path / "ranks.log"
-    return _start([sys.executable, "-c", _LAUNCHER, json.dumps(cmd), json.dumps(ranks)], log), log
+    return start([sys.executable, "-c", _LAUNCHER, json.dumps(cmd), json.dumps(ranks)], log), log
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["sigterm-to-the-group", "launcher-killed"])
-def test_a_rendezvous_that_never_completes_ends_at_a_stop(prepared, tmp_path, stop):
+def test_a_rendezvous_that_never_completes_ends_at_a_stop(start, prepared, tmp_path, stop):
     """Both ranks wait for a store nobody hosts. SIGTERM to the group ends them within the grace; so does the
     death of their launcher, which they notice (they waited, orphaned, for torch's 30 minutes)."""
-    proc, log = _launch_two(prepared, tmp_path, free_port())
+    proc, log = _launch_two(start, prepared, tmp_path, free_port())
     waiting = [f"rank {r}: waiting for the other processes at 127.0.0.1:" for r in (0, 1)]
     _wait_for(log, *waiting, proc=proc)
     if stop == "sigterm-to-the-group":
@@ -123,9 +137,9 @@ def test_a_rendezvous_that_never_completes_ends_at_a_stop(prepared, tmp_path, st
 
 
 @pytest.mark.slow
-def test_a_rendezvous_gives_up_after_its_timeout_naming_what_to_check(prepared, tmp_path):
+def test_a_rendezvous_gives_up_after_its_timeout_naming_what_to_check(start, prepared, tmp_path):
     port = free_port()
-    proc, log = _launch_two(prepared, tmp_path, port, "--rendezvous-timeout", "8")
+    proc, log = _launch_two(start, prepared, tmp_path, port, "--rendezvous-timeout", "8")
     _ends_within(proc, START_S, log)
     out = log.read_text()
     for r in (0, 1):
@@ -136,11 +150,11 @@ def test_a_rendezvous_gives_up_after_its_timeout_naming_what_to_check(prepared, 
 
 
 @pytest.mark.slow
-def test_torchrun_with_master_port_0_is_refused_at_once(prepared, tmp_path):
+def test_torchrun_with_master_port_0_is_refused_at_once(start, prepared, tmp_path):
     """torchrun --master_port 0 gives its ranks MASTER_PORT=0, where they waited for 30 minutes."""
     launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0")
     log = tmp_path / "torchrun.log"
-    proc = _start(train_cmd(prepared, tmp_path / "run", launcher=launcher), log)
+    proc = start(train_cmd(prepared, tmp_path / "run", launcher=launcher), log)
     _ends_within(proc, START_S, log)
     out = log.read_text()
     assert out.count("MASTER_PORT=0 is no port a process can connect to") == 2, out[-3000:]
@@ -148,7 +162,7 @@ def test_torchrun_with_master_port_0_is_refused_at_once(prepared, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_ray_address_with_no_cluster_ends_at_sigterm(tmp_path):
+def test_a_ray_address_with_no_cluster_ends_at_sigterm(start, tmp_path):
     """mmfast-prepare --ray=HOST:PORT where nothing listens: SIGTERM ends it within the grace (Ray's connect
     retried, in native code, for ever)."""
     pytest.importorskip("ray")
@@ -159,7 +173,7 @@ def test_a_ray_address_with_no_cluster_ends_at_sigterm(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), str(manifest), "--out", str(tmp_path / "out")]
     cmd += [f"--ray={address}", "--stop-grace", str(GRACE_S), "--no-progress"]
     log = tmp_path / "prepare.log"
-    proc = _start(cmd, log)
+    proc = start(cmd, log)
     _wait_for(log, f"--ray {address}: waiting for the head node", proc=proc)
     os.killpg(proc.pid, signal.SIGTERM)
     _ends_within(proc, GRACE_S + SLACK_S, log)
@@ -185,7 +199,7 @@ def _big_shards(folder: Path, shards: int, per_shard: int) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_run_waiting_on_a_slow_store_says_so_and_ends_within_its_grace(tmp_path, minilm_dir):
+def test_a_run_waiting_on_a_slow_store_says_so_and_ends_within_its_grace(start, tmp_path, minilm_dir):
     """Streaming from a store that sends 16 KiB/s: the run says every REPORT_S which shard it waits for and how
     much has come, and SIGTERM ends every process within the grace (it printed nothing, and exited long after)."""
     from mmfast.prepare.core import PrepareConfig, prepare_dataset
@@ -198,7 +212,7 @@ def test_a_run_waiting_on_a_slow_store_says_so_and_ends_within_its_grace(tmp_pat
         store.rate = 16 << 10
         flags = ("--shard-cache", str(tmp_path / "cache"), "--stop-grace", str(GRACE_S), "--batch-size", "4")
         log = tmp_path / "train.log"
-        proc = _start(train_cmd(data, tmp_path / "run", *flags), log)
+        proc = start(train_cmd(data, tmp_path / "run", *flags), log)
         out = _wait_for(log, "waiting ", " for the shard http://127.0.0.1:", " fetched so far", proc=proc)
         os.killpg(proc.pid, signal.SIGTERM)
         _ends_within(proc, GRACE_S + SLACK_S, log)
@@ -229,7 +243,7 @@ def test_trains_in_this_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_ends_the_test_session_with_its_summary(prepared, tmp_path, signum):
+def test_a_stop_ends_the_test_session_with_its_summary(start, prepared, tmp_path, signum):
     """SIGTERM (as `timeout` sends) during start-up, or Ctrl-C (SIGINT to the group) inside the training loop,
     of a command run in pytest's process: the session stops with pytest's summary, the command's test is not
     failed, and nothing is left (SIGTERM was taken for "interrupted before training started", failing that
@@ -241,7 +255,7 @@ def test_a_stop_ends_the_test_session_with_its_summary(prepared, tmp_path, signu
     cmd += ["-c", str(ROOT / "pyproject.toml"), str(test)]
     env = {"INNER_FLAG": str(flag), "INNER_DATA": str(prepared), "MMFAST_TEST_STOP_GRACE": str(GRACE_S * 4)}
     log = tmp_path / "pytest.log"
-    proc = _start(cmd, log, env, cwd=tmp_path)
+    proc = start(cmd, log, env, cwd=tmp_path)
     deadline = time.monotonic() + START_S
     while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
