@@ -31,7 +31,7 @@ START_S = 240  # the longest a command may take to get where it is stopped (impo
 
 
 @pytest.fixture
-def start():
+def start(tmp_path):
     """``start(cmd, log, env=None, **popen)``: ``cmd`` in a new process group (its pid is the group's id), its
     stdout and stderr into ``log``. Whatever is left of the groups is killed when the test ends (a stopped
     session too: a group of its own does not get the session's signal)."""
@@ -47,16 +47,19 @@ def start():
 
     yield start_
     for proc in procs:
-        _kill(proc.pid)
+        _kill_all(proc.pid, str(tmp_path))
         proc.wait(timeout=30)
 
 
-def _group(pgid: int) -> list[psutil.Process]:
-    """The live processes of group ``pgid`` (zombies are ended, only not yet reaped)."""
+def _left(pgid: int, marker: str) -> list[psutil.Process]:
+    """The live processes of group ``pgid``, and any other whose command line holds ``marker`` (the test's
+    folder: torchrun starts each rank in a session of its own). Zombies are ended, only not yet reaped."""
     found = []
-    for p in psutil.process_iter(["status"]):
+    for p in psutil.process_iter(["status", "cmdline"]):
         try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                continue
+            if os.getpgid(p.pid) == pgid or any(marker in arg for arg in p.info["cmdline"] or ()):
                 found.append(p)
         except (ProcessLookupError, psutil.NoSuchProcess):
             pass
@@ -73,29 +76,32 @@ def _wait_for(log: Path, *texts: str, proc: subprocess.Popen, within: float = ST
         if proc.poll() is not None:
             break
         time.sleep(0.2)
-    _kill(proc.pid)
     pytest.fail(f"never printed {texts} (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
 
 
 def _ends_within(proc: subprocess.Popen, seconds: float, log: Path) -> float:
-    """Seconds until no process of ``proc``'s group is left; fails (killing them) past ``seconds``."""
+    """Seconds until no process of ``proc``'s group (nor any naming the test's folder) is left; fails, killing
+    them, past ``seconds``."""
     sent, deadline = time.monotonic(), time.monotonic() + seconds
     while time.monotonic() < deadline:
         proc.poll()  # reaps the group's leader once it ends
-        if not _group(proc.pid):
+        if not _left(proc.pid, str(log.parent)):
             proc.wait(timeout=5)
             return time.monotonic() - sent
         time.sleep(0.1)
-    left = [" ".join(p.cmdline()[:3]) for p in _group(proc.pid)]
-    _kill(proc.pid)
-    pytest.fail(f"{len(left)} process(es) left {seconds:.0f} s after the stop: {left}\n{log.read_text()[-3000:]}")
+    left = _left(proc.pid, str(log.parent))
+    names = [" ".join((p.info["cmdline"] or [])[:3]) for p in left]
+    _kill_all(proc.pid, str(log.parent))
+    pytest.fail(f"{len(left)} process(es) left {seconds:.0f} s after the stop: {names}\n{log.read_text()[-3000:]}")
 
 
-def _kill(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _kill_all(pgid: int, marker: str) -> None:
+    """SIGKILL to what ``_left`` finds."""
+    for p in _left(pgid, marker):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 # A launcher as torchrun is one to its ranks: it starts them (with its run id) and waits for them.
