@@ -31,6 +31,29 @@ def pytest_addoption(parser):
     )
 
 
+STOP_GRACE_S = float(os.environ.get("MMFAST_TEST_STOP_GRACE", "60"))  # a stopped session ends within this
+_STOP_WATCH = pytest.StashKey()
+
+
+def pytest_configure(config):
+    """SIGTERM stops the session as Ctrl-C does (a KeyboardInterrupt: pytest prints its summary), and either
+    ends it within STOP_GRACE_S even inside native code. A command that a test runs in this process hands the
+    signal on to this handler when it has stopped, instead of returning as an interrupted run (StopWatch)."""
+    from mmfast.util.stop_watch import StopWatch
+
+    stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")  # the terminal's, past pytest's capture of fd 2
+    watch = StopWatch("pytest", STOP_GRACE_S, stream=stream)
+    watch.overdue, watch.outcome = "the session did not end", "exiting without pytest's summary"
+    config.stash[_STOP_WATCH] = (watch.__enter__(), stream)
+
+
+def pytest_unconfigure(config):
+    watch, stream = config.stash.get(_STOP_WATCH, (None, None))
+    if watch is not None:
+        watch.__exit__(None, None, None)
+        stream.close()
+
+
 def pytest_collection_modifyitems(config, items):
     """Plain ``pytest`` is the fast lane: slow end-to-end tests need --run-slow; GPU tests need CUDA."""
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -45,7 +45,8 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.inputs.manifest import ManifestError
 from mmfast.prepare.config import part_dir
 from mmfast.prepare.parts import parse_shard
-from mmfast.util.commands import TRAIN
+from mmfast.util.commands import PREPARE, TRAIN
+from mmfast.util.stop_watch import StopWatch
 from mmfast.util.voice import command_line
 
 
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--merge", action="store_true", help="write OUT from the N parts that --shard I/N checked")
     _add_ray_flags(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (a log or CI)")
+    _add_run_flags(p)
     add_input_flags(p)
     return p
 
@@ -135,6 +136,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """--no-progress and --stop-grace: how the command runs, not what it prepares."""
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (a log or CI)")
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds from a stop signal (SIGTERM/SIGINT) to the process's exit; past them, or at a second "
+        "signal, it exits at once, printing each thread's stack (default: 60)",
+    )
+
+
 def _add_ray_flags(p: argparse.ArgumentParser) -> None:
     """--ray [ADDRESS] and --ray-parts N (mmfast.prepare.ray_parts)."""
     p.add_argument(
@@ -151,6 +165,13 @@ def _add_ray_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="parts of a --ray preparation (default: the count already in OUT.parts/, so a re-run makes only "
         "the missing ones; else a small multiple of the parts the cluster runs at once)",
+    )
+    p.add_argument(
+        "--ray-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long --ray HOST:PORT may take to accept a connection before the command gives up (default: 60)",
     )
 
 
@@ -191,6 +212,21 @@ def print_summary(summary: dict) -> None:
 @command_line
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.stop_grace > 0:
+        print(f"error: --stop-grace must be > 0 seconds, got {args.stop_grace}", file=sys.stderr)
+        return 2
+    # a stop is a KeyboardInterrupt in the main thread, bounded by --stop-grace even inside native code
+    with StopWatch(PREPARE, args.stop_grace) as watch:
+        try:
+            return _prepare(args)
+        except KeyboardInterrupt:
+            if watch.signum is None:
+                raise
+            print("interrupted", file=sys.stderr)
+            return 130
+
+
+def _prepare(args: argparse.Namespace) -> int:
     # imported once there is something to prepare: it loads torch (the token cache), which --help need not wait for
     from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
@@ -219,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ray is not None:
             from mmfast.prepare.ray_parts import RayOptions, prepare_on_ray  # loads core too: see above
 
-            summary = prepare_on_ray(cfg, RayOptions(address=args.ray or None, parts=args.ray_parts))
+            opts = RayOptions(address=args.ray or None, parts=args.ray_parts, timeout_s=args.ray_timeout)
+            summary = prepare_on_ray(cfg, opts)
         else:
             summary = prepare_dataset(cfg)
     except (ManifestError, ValueError, OSError) as e:

@@ -15,7 +15,9 @@ import os
 import signal
 import sys
 
+from mmfast.util.commands import TRAIN
 from mmfast.util.quiet import filter_native_stderr
+from mmfast.util.stop_watch import StopWatch
 from mmfast.util.voice import command_line
 
 
@@ -65,40 +67,34 @@ def _backed_off(shards: dict) -> str:
     return f" over {shards['retry_seconds']:.1f} s" if shards.get("retry_seconds") else ""
 
 
-class _StartupInterrupt:
-    """SIGINT / SIGTERM before training starts end the start-up like Ctrl-C does. ``pending`` remembers the
-    signal: a KeyboardInterrupt raised inside an import can come out wrapped (a RuntimeError from a class
-    body's ``__set_name__``) or be swallowed by a library's catch-all, and the engine checks ``pending``
-    before its first step."""
-
-    def __init__(self):
-        self.pending: int | None = None
-
-    def __call__(self, signum, frame):
-        self.pending = signum
-        raise KeyboardInterrupt
-
-
 @command_line
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    # Once the loop runs, SIGTERM/SIGINT only set a flag and the run checkpoints at the next step.
-    handler = _StartupInterrupt()
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with filter_native_stderr():  # libpng's harmless colour-profile warnings, once per PNG and epoch
-            return _main(argv)
-    except BaseException:
-        if handler.pending is None:
-            raise
-        print("interrupted before training started; nothing to resume", file=sys.stderr)
-        return 130
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        # registered last, so it runs first at exit: before DALI's own teardown handler
-        atexit.unregister(_quiet_interrupt_at_exit)
-        atexit.register(_quiet_interrupt_at_exit)
+    from mmfast.train.config import TrainConfig  # no torch: --help stays quick
+
+    # A stop before the loop ends the start-up like Ctrl-C does (a KeyboardInterrupt); once the loop runs, it
+    # sets a flag and the run checkpoints at the next step (train/stop.py). The watch bounds either by the grace.
+    with StopWatch(TRAIN, TrainConfig.stop_grace, follow_parent=_under_launcher()) as watch:
+        try:
+            with filter_native_stderr():  # libpng's harmless colour-profile warnings, once per PNG and epoch
+                return _main(argv, watch)
+        except BaseException:
+            # a KeyboardInterrupt raised inside an import can come out wrapped (a RuntimeError from a class
+            # body's __set_name__): what the watch heard tells a stop from a failure
+            if watch.signum is None:
+                raise
+            print("interrupted before training started; nothing to resume", file=sys.stderr)
+            return 130
+        finally:
+            # registered last, so it runs first at exit: before DALI's own teardown handler
+            atexit.unregister(_quiet_interrupt_at_exit)
+            atexit.register(_quiet_interrupt_at_exit)
+
+
+def _under_launcher() -> bool:
+    """Whether torchrun (or accelerate launch, through it) started this process: a rank whose launcher is
+    killed stops as on SIGTERM instead of running on alone."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _quiet_interrupt_at_exit() -> None:
@@ -113,9 +109,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     from mmfast.loading.epoch_reader import DaliFailure
     from mmfast.train.engine import NonFiniteLossError
     from mmfast.train.heartbeat import PeerFailure
+    from mmfast.train.rendezvous import RendezvousError
     from mmfast.train.setup import LaunchError
 
-    return (ValueError, ManifestError, NonFiniteLossError, OSError, LaunchError, PeerFailure, DaliFailure)
+    launch = (LaunchError, RendezvousError, PeerFailure)
+    return (ValueError, ManifestError, NonFiniteLossError, OSError, *launch, DaliFailure)
 
 
 _OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "std::bad_alloc", "cannot allocate memory")
@@ -126,7 +124,7 @@ def out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or any(m in str(error).lower() for m in _OUT_OF_MEMORY)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, watch: StopWatch) -> int:
     from mmfast.train.flags import parse_config
 
     try:
@@ -134,6 +132,7 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    watch.grace = cfg.stop_grace
     # Imported here, under main's KeyboardInterrupt handler: Ctrl-C while torch imports exits cleanly.
     from mmfast.train.run import train
 

@@ -6,7 +6,9 @@ The cluster
     no ADDRESS      ``ray.init()``: the cluster RAY_ADDRESS names, else the one last started on this machine,
                     else a new one on this machine alone
     auto, HOST:PORT, ray://HOST:PORT, local
-                    passed to ``ray.init(address=...)`` as they are (``auto``: a running cluster or an error)
+                    passed to ``ray.init(address=...)`` as they are (``auto``: a running cluster or an error);
+                    HOST:PORT must accept a connection within ``--ray-timeout`` seconds first (Ray's own
+                    connect retries for many minutes where nothing answers, in native code)
 
 The parts
     --ray-parts N   how many; by default the count of the parts already in OUT.parts/ (so a re-run after a
@@ -42,7 +44,9 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -55,12 +59,16 @@ from mmfast.prepare.core import prepare_dataset
 from mmfast.prepare.fingerprint import input_fingerprint
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import atomic_write_text
+from mmfast.util.listener import UnknownHost, wait_for_listener
 from mmfast.util.remote import is_remote
 
 log = logging.getLogger(__name__)
 RAY_HINT = "pip install 'mmfast[ray]'"
 MAX_RETRIES = 3  # runs again of a part whose worker or node died (Ray's max_retries)
 PARTS_PER_SLOT = 2  # default parts for each part the cluster runs at once
+CONNECT_TIMEOUT_S = 60.0  # default of --ray-timeout: how long a HOST:PORT address may take to answer
+_SAY_EVERY_S = 10.0  # how often a wait for the head node is said
+_HOST_PORT = re.compile(r"\[?([^\[\]/]+?)\]?:(\d{1,5})")  # HOST:PORT or [IPv6]:PORT (not ray://, auto, local)
 _TOKEN_PREFIX = ".ray-token-"  # OUT.parts/.ray-token-<hex>: the file every part must see
 _PART_NAME = re.compile(r"(\d{5})-of-(\d{5})")
 
@@ -86,10 +94,13 @@ class RayOptions:
 
     address: str | None = None  # None: ray.init()'s own choice (RAY_ADDRESS, a local cluster, a new one)
     parts: int | None = None  # None: ``part_count``'s default
+    timeout_s: float = CONNECT_TIMEOUT_S  # how long a HOST:PORT address may take to answer
 
     def __post_init__(self):
         if self.parts is not None and self.parts < 1:
             raise ValueError(f"--ray-parts must be at least 1, got {self.parts}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--ray-timeout must be > 0 seconds, got {self.timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ def prepare_on_ray(cfg: PrepareConfig, opts: RayOptions) -> dict:
         raise ValueError("--ray runs every part and merges them: pass it without --shard or --merge")
     ray = import_ray()
     input_fingerprint(cfg)  # the input is there (ManifestError), before a cluster is asked for anything
-    started = _connect(ray, opts.address)
+    started = _connect(ray, opts.address, opts.timeout_s)
     try:
         per_part = cfg.workers or 1
         cpus = int(ray.cluster_resources().get("CPU", 0))
@@ -186,16 +197,50 @@ def _listing(root: Path) -> list[Path]:
         return []
 
 
-def _connect(ray, address: str | None) -> bool:
+def _connect(ray, address: str | None, timeout_s: float) -> bool:
     """Connect to the cluster (unless this process already is a Ray driver); True when this call did."""
     if ray.is_initialized():
         return False
+    if address is not None and (m := _HOST_PORT.fullmatch(address)):
+        _await_head(address, m[1], int(m[2]), timeout_s)
+    on_term = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address)
     except Exception as e:  # ConnectionError, ValueError (a malformed address), RuntimeError, ...
         where = f"at {address}" if address else "(ray.init(): RAY_ADDRESS, else a local one)"
         raise RayPartsError(f"--ray: no Ray cluster {where}: {_first_line(e)}") from None
+    finally:
+        if threading.current_thread() is threading.main_thread() and on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)  # ray.init sets its own (sys.exit): the command's stays
     return True
+
+
+def _await_head(address: str, host: str, port: int, timeout_s: float) -> None:
+    """Return once the head node at ``host:port`` accepts a connection: Ray's own connect to an address where
+    no cluster answers retries for many minutes, in native code where a stop signal waits."""
+    if not 0 < port < 65536:
+        raise RayPartsError(f"--ray {address}: {port} is no port (1 to 65535)")
+    start = time.monotonic()
+    said = [start]  # when the last line was printed
+
+    def waiting(failure: str) -> None:
+        now = time.monotonic()
+        if now - said[0] >= _SAY_EVERY_S:
+            said[0] = now
+            log.warning("--ray %s: waiting for the head node (%.0f s of --ray-timeout %g): %s", address,
+                        now - start, timeout_s, failure)  # fmt: skip
+        if now - start > timeout_s:
+            raise RayPartsError(
+                f"--ray {address}: no Ray cluster answers there within {timeout_s:g} s ({failure}): check the "
+                "address that `ray start --head` printed on the head node (its port is 6379 unless --port said "
+                "otherwise), that the head node runs, and that no firewall blocks the port; --ray-timeout sets "
+                "the wait"
+            )
+
+    try:
+        wait_for_listener(host, port, waiting)
+    except UnknownHost as e:
+        raise RayPartsError(f"--ray {address}: {e}: check the head node's name or address") from None
 
 
 @contextmanager

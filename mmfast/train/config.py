@@ -180,17 +180,15 @@ class TrainConfig:
     augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")
     color_jitter: float = _opt(0.0, "data", "brightness/contrast/saturation jitter strength (0: off)")
-    checkpoint_every: int = _opt(
-        0, "checkpoints", "optimizer steps between checkpoints; 0: at each epoch's end only"
-    )
+    checkpoint_every: int = _opt(0, "checkpoints", "optimizer steps between checkpoints; 0: at each epoch's end")
     keep_checkpoints: int = _opt(2, "checkpoints", "checkpoints kept (the best one is never removed)")
     checkpoints: bool = _opt(True, "checkpoints", f"write checkpoints (off: a throwaway run, as {PROFILE} makes)")
     resume: str | None = _opt(None, "checkpoints", "continue from a checkpoint: its PATH, or latest (in --out)")
     stop_grace: float = _opt(
         60.0,
         "checkpoints",
-        "seconds a stop signal (SIGTERM/SIGINT) waits for the next step to write a checkpoint; past them (a "
-        "stuck run), or at a second signal, the run exits without one, printing where each thread was",
+        "seconds from a stop signal (SIGTERM/SIGINT) to the process's exit: the run checkpoints at the next step "
+        "and ends; past them (a stuck run), or at a second signal, it exits at once, printing each thread's stack",
     )
     on_bad_image: str = _opt(
         "skip", "data", "a missing/undecodable image: skip (log, count, mask it out) or error (stop the run)"
@@ -245,10 +243,14 @@ class TrainConfig:
     dist_timeout: float = _opt(
         600.0, "processes", "seconds a process waits for the others in a collective before it stops"
     )
+    rendezvous_timeout: float = _opt(
+        300.0, "processes", "seconds a process waits at start-up for the launcher's store and the other processes"
+    )
 
     def __post_init__(self):
         floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout")
-        floats += ("crop_scale_min", "color_jitter", "profile_interval", "dist_timeout", "store_timeout")
+        floats += ("crop_scale_min", "color_jitter", "profile_interval", "dist_timeout", "store_timeout",
+                   "rendezvous_timeout")
         for name in floats:
             value = getattr(self, name)
             if value is None:  # filled from the preset by resolve_preset
@@ -292,6 +294,7 @@ class TrainConfig:
             (self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}"),
             (self.stop_grace > 0, f"--stop-grace must be > 0 seconds, got {self.stop_grace}"),
             (self.store_timeout >= 0, f"--store-timeout must be >= 0 seconds, got {self.store_timeout}"),
+            (self.rendezvous_timeout > 0, f"--rendezvous-timeout must be > 0 s, got {self.rendezvous_timeout}"),
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
             (self.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {self.max_nan_steps}"),
             (self.demo_size >= 10, f"--demo-size must be >= 10, got {self.demo_size}"),
@@ -451,6 +454,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "compile_mode",
         "text_padding",  # padding is masked: the same figures
         "dist_timeout",
+        "rendezvous_timeout",
         "stop_grace",
         "shard_cache",  # where this machine holds the remote shards, and how much: the same bytes read
         "cache_limit",

@@ -5,7 +5,6 @@ the run directory's files (config.json, summary.json, the model directories)."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -289,8 +288,6 @@ def _warm_start(cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, 
 def _fit(cfg: TrainConfig, runner: EpochRunner, val_loader) -> dict:
     """The loop under the stop signals' handler (and the utilization sampler when profiling)."""
     sampler = UtilizationSampler(cfg.profile_interval) if cfg.profile else contextlib.nullcontext()
-    if getattr(signal.getsignal(signal.SIGINT), "pending", None) is not None:
-        raise KeyboardInterrupt  # a start-up Ctrl-C that a library's catch-all swallowed (mmfast.cli.train)
     with StopFlag(cfg.stop_grace) as stop, sampler:
         runner.stop, runner.sampler = stop, (sampler if cfg.profile else None)
         return runner.fit(val_loader)

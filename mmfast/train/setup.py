@@ -24,6 +24,7 @@ from mmfast.prepare.mix import prepare_mix
 from mmfast.tasks import TASKS
 from mmfast.train.config import TRACKERS, TrainConfig, data_sources, trackers
 from mmfast.train.hardware import launcher_precision_note, resolve_mixed_precision
+from mmfast.train.rendezvous import meet
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
@@ -112,6 +113,7 @@ def make_accelerator(cfg: TrainConfig):
     # A collective that waits longer than this for another process raises instead of hanging forever
     # (gloo on CPUs; NCCL's watchdog on GPUs): a rank that died, stopped or stalls cannot block the rest.
     kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))]
+    meet(cfg.rendezvous_timeout)  # bounded and stoppable: torch's own connect retries in C++ for 30 minutes
     accelerator = Accelerator(**kwargs)
     check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
     note = launcher_precision_note(cfg.mixed_precision, accelerator.mixed_precision)

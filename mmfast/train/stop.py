@@ -1,61 +1,43 @@
-"""How a stop signal ends a run: SIGTERM/SIGINT set a flag the loop reads at each optimizer step; a run stuck
-past the grace period, or a second signal, exits at once."""
+"""How a stop signal ends a run: SIGTERM / SIGINT set a flag the loop reads at each optimizer step, where the
+run writes a checkpoint and ends. ``util.stop_watch`` bounds the stop by ``--stop-grace`` up to the process's
+exit: a run stuck in a read, a collective or native code, or a second signal, exits without a checkpoint."""
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import signal
-import sys
-import threading
-import time
+import contextlib
 
 from mmfast.util.commands import TRAIN
+from mmfast.util.stop_watch import StopWatch
 
-_SAME_STOP_S = 2.0  # a second stop signal within this many seconds of the first is the same stop
+NO_STEP = "exiting without a new checkpoint (an earlier one resumes with --resume latest)"
 
 
 class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop writes a checkpoint at the next optimizer step and exits. A run that
-    does not get there within ``grace`` seconds (stuck in a read, a collective, native code), or a second
-    signal, exits at once without a new checkpoint, printing every thread's stack: a scheduler's or
-    ``timeout``'s stop always ends the run."""
+    """SIGTERM / SIGINT set ``signum``; the loop writes a checkpoint at the next optimizer step and exits.
+
+    It uses the command's ``StopWatch`` (``mmfast-train`` enters one for the whole process), or enters one of
+    its own when ``train`` is called as a library. Past ``grace`` seconds without a step, or at a second
+    signal, the watch ends the process at once, printing every thread's stack.
+    """
 
     def __init__(self, grace: float):
         self.signum = None
         self.grace = grace
-        self._old = {}
-        self._timer: threading.Timer | None = None
+        self._stack = contextlib.ExitStack()
 
-    def __enter__(self):
-        for s in (signal.SIGTERM, signal.SIGINT):
-            self._old[s] = signal.signal(s, self._handle)
+    def __enter__(self) -> StopFlag:
+        watch = StopWatch.active(TRAIN)
+        if watch is None:  # train() called as a library
+            watch = self._stack.enter_context(StopWatch(TRAIN, self.grace))
+        elif watch.signum is not None:
+            raise KeyboardInterrupt  # a start-up stop that a library's catch-all swallowed
+        watch.grace = self.grace
+        self._stack.enter_context(watch.phase(self._set, "no step ended", NO_STEP))
         return self
 
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            # the same stop may come twice at once: a terminal's Ctrl-C reaches the whole process group, and
-            # a launcher (torchrun, accelerate) forwards it to its ranks as well
-            if time.monotonic() - self._first > _SAME_STOP_S:
-                self._give_up(f"a second stop signal ({signal.Signals(signum).name})")
-            return
-        self.signum, self._first = signum, time.monotonic()
-        self._timer = threading.Timer(self.grace, self._give_up, [f"no step ended within {self.grace:g} s"])
-        self._timer.daemon = True
-        self._timer.start()
+    def _set(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
 
-    def _give_up(self, why: str) -> None:
-        print(
-            f"{TRAIN}: {why} of the stop signal: exiting without a new checkpoint (an earlier one resumes "
-            "with --resume latest); where each thread was:",
-            file=sys.stderr,
-            flush=True,
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        os._exit(128 + (self.signum or signal.SIGTERM))
-
-    def __exit__(self, *exc):
-        if self._timer is not None:
-            self._timer.cancel()
-        for s, h in self._old.items():
-            signal.signal(s, h)
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)

@@ -85,6 +85,7 @@ def fetch_to(
     backoff_s: float = 0.2,
     timeout_s: float = 30.0,
     stats: FetchStats | None = None,
+    stop: threading.Event | None = None,
 ) -> Path:
     """Download the whole object at ``url`` to ``dest``, atomically and verified.
 
@@ -104,6 +105,7 @@ def fetch_to(
         backoff_s: the first back-off sleep.
         timeout_s: how long a connection or a read may stall before the attempt fails.
         stats: counters to add this download's to.
+        stop: once set, the download stops at its next piece or back-off (``FetchStopped``).
 
     Returns:
         ``dest``.
@@ -113,9 +115,10 @@ def fetch_to(
             twice (the message names the URL, what to check, or the expected and actual size and hash).
         TransientRemoteError: still failing after ``retry_s`` (or ``retries``).
         OSError: writing ``dest`` failed (a full disk); nothing is left at ``dest``.
+        FetchStopped: ``stop`` was set; nothing is left at ``dest``.
     """
     dest, stats = Path(dest), stats if stats is not None else FetchStats()
-    policy = _Policy(retry_s, retries, backoff_s, timeout_s)
+    policy = _Policy(retry_s, retries, backoff_s, timeout_s, stop)
     started, tmp = time.monotonic(), partial_path(dest)
     try:
         for again in (False, True):  # a mismatch is fetched once more: it may have been a change mid-download
@@ -158,7 +161,11 @@ def _mismatch(size: int | None, sha256: str | None, got_size: int, got_sha: str)
     return ""
 
 
-_Policy = namedtuple("_Policy", "retry_s retries backoff_s timeout_s")  # fetch_to's bounds, passed down as one
+_Policy = namedtuple("_Policy", "retry_s retries backoff_s timeout_s stop", defaults=(None,))  # fetch_to's bounds
+
+
+class FetchStopped(Exception):
+    """A download stopped because its caller asked (``fetch_to``'s ``stop``): the shard cache closed."""
 
 
 class _Discard:
@@ -175,7 +182,7 @@ def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStat
     attempt, failing_since, furthest = 0, None, 0
     while True:
         try:
-            _transfer(url, out, size, progress, policy.timeout_s, stats)
+            _transfer(url, out, size, progress, policy, stats)
             return progress
         except TransientRemoteError as e:
             now = time.monotonic()
@@ -196,7 +203,8 @@ def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStat
             stats.retries += 1
             stats.retry_seconds += delay
             log.warning("%s; retry %d in %.2f s (retrying for up to %g s)", e, attempt, delay, policy.retry_s)
-            time.sleep(delay)
+            if (policy.stop or threading.Event()).wait(delay):  # an Event never set: a plain sleep
+                raise FetchStopped(f"{redact(url)}: stopped") from None
 
 
 class _Progress:
@@ -218,12 +226,12 @@ class _Progress:
         self.done += len(piece)
 
 
-def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: float, stats: FetchStats) -> None:
+def _transfer(url: str, out, size: int | None, progress: _Progress, policy: _Policy, stats: FetchStats) -> None:
     """One attempt: open the object at ``progress.done`` (where the store serves a range; else from the
     start) and copy the rest into ``out``. Store failures come out as Transient- / PermanentRemoteError; a
     failure to write ``out`` (a full disk) as the OSError it is."""
     with reading(url):
-        body = _open(url, progress.done, timeout_s)
+        body = _open(url, progress.done, policy.timeout_s)
     with body:
         if body.offset != progress.done:
             progress.restart(out)
@@ -234,6 +242,8 @@ def _transfer(url: str, out, size: int | None, progress: _Progress, timeout_s: f
                 piece = next(pieces, None)
             if piece is None:
                 break
+            if policy.stop is not None and policy.stop.is_set():
+                raise FetchStopped(f"{redact(url)}: stopped at {progress.done} bytes")
             out.write(piece)
             progress.add(piece)
             stats.bytes += len(piece)

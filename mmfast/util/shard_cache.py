@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from mmfast.util import remote
+from mmfast.util.args import format_size
 from mmfast.util.fsutil import MARKER, OutputDirError, is_replaceable, write_advice, write_marker
 from mmfast.util.remote_errors import redact
 from mmfast.util.voice import setting
@@ -46,6 +47,7 @@ _NAME = re.compile(r"[0-9a-f]{20}-[A-Za-z0-9._-]{1,80}")  # a complete shard's f
 _POLL_S = 0.02  # how often a waiter tries a busy lock again
 _ROUNDS = 5  # how many times a shard evicted between its fetch and its pin is fetched again
 _AHEAD_NS = 3600 * 10**9  # how far ahead a prefetched, unread shard is dated (see _background)
+REPORT_S = 15.0  # a reader that waits this long for a shard says what it waits for, and again as often
 _COUNTERS = ("hits", "misses", "fetches", "bytes_fetched", "retries", "evictions", "fetch_seconds", "wait_seconds")
 _COUNTERS += ("retry_seconds",)
 
@@ -92,6 +94,10 @@ class ShardCache:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._mutex = threading.Lock()
         self._said: set[str] = set()  # the warnings given (warn_once)
+        self._closing = threading.Event()  # set by close(): the downloads in flight stop at their next piece
+        self._waiting: dict[object, tuple[str, int, str, float]] = {}  # readers waiting: url, size, name, since
+        self._progress: dict[str, remote.FetchStats] = {}  # this process's downloads in flight, by shard name
+        self._reporter: threading.Thread | None = None
         with (
             _write_errors(self.root, "cannot be written"),
             _flocked(self.root / "space.lock", shared=False, deadline=time.monotonic() + wait_s),
@@ -122,7 +128,8 @@ class ShardCache:
     def pinned(self, url: str, size: int, sha256: str | None) -> Iterator[Path]:
         """Like ``get``, and the shard is not evicted (by any process) until the block ends."""
         started = time.monotonic()
-        fd, hit = self._acquire(url, size, sha256, started + self.wait_s)
+        with self._reporting(url, size, sha256):
+            fd, hit = self._acquire(url, size, sha256, started + self.wait_s)
         self._add(hits=int(hit), misses=int(not hit), wait_seconds=time.monotonic() - started)
         try:
             yield self.path_for(url, sha256)
@@ -158,7 +165,8 @@ class ShardCache:
             return dict(self._counts)
 
     def close(self) -> None:
-        """Cancel the prefetches not started and wait for those running (each bounded by its timeouts)."""
+        """Cancel the prefetches not started, and stop those running at their next piece (or back-off)."""
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> ShardCache:
@@ -201,10 +209,14 @@ class ShardCache:
         with _write_errors(self.root, f"cannot hold {redact(url)} ({size} bytes)"):
             reservation = self._make_room(path.name, size, deadline)
         stats = remote.FetchStats()
+        with self._mutex:
+            self._progress[path.name] = stats
         try:
             with _write_errors(self.root, f"cannot hold {redact(url)} ({size} bytes)"):
-                self._fetch(url, path, size=size, sha256=sha256, stats=stats)
+                self._fetch(url, path, size=size, sha256=sha256, stats=stats, stop=self._closing)
         finally:
+            with self._mutex:
+                self._progress.pop(path.name, None)
             with _flocked(self.root / "space.lock", shared=False, deadline=time.monotonic() + self.wait_s):
                 reservation.unlink(missing_ok=True)
             self._add(
@@ -326,6 +338,41 @@ class ShardCache:
             with self._mutex:
                 if self._inflight.get(name) is future:
                     del self._inflight[name]
+
+    @contextlib.contextmanager
+    def _reporting(self, url: str, size: int, sha256: str | None) -> Iterator[None]:
+        """Within the block a reader waits for the shard at ``url``: the reporter says so past ``REPORT_S``."""
+        token = object()
+        with self._mutex:
+            self._waiting[token] = (url, size, self.path_for(url, sha256).name, time.monotonic())
+            if self._reporter is None:
+                self._reporter = threading.Thread(target=self._report, name="mmfast-shard-wait", daemon=True)
+                self._reporter.start()
+        try:
+            yield
+        finally:
+            with self._mutex:
+                del self._waiting[token]
+
+    def _report(self) -> None:
+        """The reporter thread: a line for each reader waiting past ``REPORT_S``, again every ``REPORT_S``."""
+        said: dict[object, float] = {}
+        while not self._closing.wait(1.0):
+            now = time.monotonic()
+            with self._mutex:
+                waiting, progress = dict(self._waiting), dict(self._progress)
+            said = {token: t for token, t in said.items() if token in waiting}
+            for token, (url, size, name, since) in waiting.items():
+                if now - said.get(token, since) < REPORT_S:
+                    continue
+                said[token] = now
+                got = progress.get(name)
+                state = (
+                    f"{format_size(got.bytes)} of {format_size(size)} fetched so far, {got.retries} retries"
+                    if got is not None
+                    else "another process of this machine fetches it, or the cache waits for room"
+                )
+                log.warning("waiting %.0f s for the shard %s: %s", now - since, redact(url), state)
 
     def _add(self, **counts: float) -> None:
         with self._mutex:
