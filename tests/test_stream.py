@@ -295,7 +295,7 @@ def test_the_cache_limit_takes_bytes_or_a_unit_and_may_change_on_resume():
     """--cache-limit: bytes or a size with a decimal or binary unit, refused naming the flag otherwise; where
     the cache lies and how much it holds are this machine's, not the training's: a resume may change them (a
     run recorded before --cache-limit too)."""
-    from mmfast.train.config import resume_differences
+    from mmfast.train.resume_rules import resume_differences
     from mmfast.train.flags import parse_config
     from mmfast.util.args import parse_size
 

@@ -25,7 +25,7 @@ def elastic(saved_run: dict, now: dict) -> bool:
 
 
 def without_elastic(diffs: list[str], saved_run: dict, now: dict) -> list[str]:
-    """``config.resume_differences``' lines, less those of ``ELASTIC_KEYS`` when the resume is elastic."""
+    """``resume_rules.resume_differences``' lines, less those of ``ELASTIC_KEYS`` when the resume is elastic."""
     if not elastic(saved_run, now):
         return diffs
     return [d for d in diffs if d.split(":", 1)[0] not in ELASTIC_KEYS]

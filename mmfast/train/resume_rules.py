@@ -1,0 +1,54 @@
+"""Which settings a resumed run may change: the rest must equal the checkpoint's, or the run would not continue
+the same training."""
+
+from __future__ import annotations
+
+# Settings a resumed run may change (applied from the resume on, and recorded in config.json's segments).
+# Every other field must equal the checkpoint's, or the resumed run would not continue the same training.
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "data",  # the path may move; the data's fingerprint must match (checked separately)
+        "out",
+        "resume",
+        "overwrite",
+        "init_proj",  # how a fresh run's projections started: a resumed one has its checkpoint's
+        "channels_last",  # a memory format and kernels: the same weights and optimizer state
+        "optimizer_impl",
+        "epochs",
+        "max_steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "checkpoints",
+        "profile",
+        "profile_interval",
+        "tensorboard",
+        "report_to",
+        "log_every",
+        "progress",
+        "record_ids",
+        "num_threads",
+        "eval_batch_size",
+        "max_nan_steps",
+        "on_bad_image",
+        "verify_files",
+        "compile",
+        "compile_mode",
+        "text_padding",  # padding is masked: the same figures
+        "dist_timeout",
+        "rendezvous_timeout",
+        "stop_grace",
+        "shard_cache",  # where this machine holds the remote shards, and how much: the same bytes read
+        "cache_limit",
+        "store_timeout",  # how long a fetch rides out a store outage: the same bytes read
+        "cache_limit_gb",  # what runs before --cache-limit recorded
+        "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written
+    }
+)
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """The must-match settings in which ``now`` differs from the checkpoint's ``saved`` run, as
+    "name: saved -> now" lines (empty when the run may resume)."""
+    saved = {"task": "classification", **saved}  # a run that recorded no task trained a classifier
+    keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
