@@ -222,3 +222,14 @@ def test_a_ray_host_that_does_not_resolve_is_refused_at_once(tiny_manifest, tmp_
     assert prepare_cli.main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--ray no-such-head.invalid:6379: no-such-head.invalid resolves to no address" in err, err
+
+
+@pytest.mark.parametrize("seconds", [600.0, 120.0, 1800.0])
+def test_every_dist_timeout_reaches_the_process_group_accelerate_creates(seconds):
+    """Accelerate passes on only options that differ from its defaults (600 s, NCCL's): --dist-timeout 600, the
+    default, must still reach the process group, or gloo waits torch's 30 minutes for a stalled rank."""
+    from mmfast.train.setup import dist_timeout_handler
+
+    passed = dist_timeout_handler(seconds).to_kwargs()
+    assert "timeout" in passed
+    assert abs(passed["timeout"].total_seconds() - seconds) < 1e-3

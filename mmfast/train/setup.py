@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
 from mmfast.util.remote import is_remote
 from mmfast.util.remote_errors import redact
+
+if TYPE_CHECKING:
+    from accelerate.utils import InitProcessGroupKwargs
 
 
 class LaunchError(RuntimeError):
@@ -96,10 +100,25 @@ def apply_global_batch(cfg: TrainConfig, num_processes: int) -> TrainConfig:
     return replace(cfg, batch_size=batch, grad_accum=per // batch, eval_batch_size=cfg.eval_batch_size or batch)
 
 
+def dist_timeout_handler(seconds: float) -> InitProcessGroupKwargs:
+    """Accelerate's process-group options with ``seconds`` as the collectives' timeout.
+
+    Accelerate passes on only the options that differ from its class defaults, and its default timeout is
+    NCCL's 600 s: a timeout of exactly 600 s would be dropped, and gloo would wait torch's 30 minutes. A
+    microsecond more keeps it.
+    """
+    from accelerate.utils import InitProcessGroupKwargs  # as make_accelerator: --help imports no torch
+
+    timeout = timedelta(seconds=seconds)
+    if "timeout" not in InitProcessGroupKwargs(timeout=timeout).to_kwargs():
+        timeout += timedelta(microseconds=1)
+    return InitProcessGroupKwargs(timeout=timeout)
+
+
 def make_accelerator(cfg: TrainConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import ProjectConfiguration
 
     cuda = torch.cuda.is_available()
     kwargs = {
@@ -112,7 +131,7 @@ def make_accelerator(cfg: TrainConfig):
         kwargs["log_with"] = log_with
     # A collective that waits longer than this for another process raises instead of hanging forever
     # (gloo on CPUs; NCCL's watchdog on GPUs): a rank that died, stopped or stalls cannot block the rest.
-    kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))]
+    kwargs["kwargs_handlers"] = [dist_timeout_handler(cfg.dist_timeout)]
     meet(cfg.rendezvous_timeout)  # bounded and stoppable: torch's own connect retries in C++ for 30 minutes
     accelerator = Accelerator(**kwargs)
     check_process_group(accelerator.num_processes, os.environ.get("WORLD_SIZE"))
