@@ -32,6 +32,8 @@ from mmfast.infer.peer_towers import (
     logit_scale_and_bias,
     mean_pooled_text,
     projections,
+    refuse_starts,
+    start_kinds,
     text_config,
     timm_image,
 )
@@ -50,6 +52,9 @@ def hf_towers(model) -> tuple[TimmImage | None, object, torch.Tensor | None, tor
     Raises:
         FormatRefusal: a tower that transformers cannot build.
     """
+    if start_kinds(model) == ("hf-clip", "hf-clip"):
+        return None, None, None, None  # a CLIPModel as it is (``_write_clip``)
+    refuse_starts(model, FORMAT, "open_clip")
     net = model.model
     image_proj, text_proj = projections(model, FORMAT) if model.embeds else (None, None)
     image = timm_image(model, FORMAT) if getattr(net, "image", None) is not None else None
@@ -72,6 +77,10 @@ def write_hf(model, out: str | os.PathLike) -> Path:
     """
     out = Path(out)
     image, text, image_proj, text_proj = hf_towers(model)
+    if image is None and text is None:
+        with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
+            _write_clip(model, tmp)
+        return out
     towers = {"format": "mmfast-towers/1", "model": model.config["model"]}
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
         if image is not None:
@@ -142,7 +151,7 @@ def _write_text(text, proj: torch.Tensor | None, model, out: Path) -> None:
     from safetensors.torch import save_file
 
     out.mkdir()
-    text_config(text, model.tokenizer).save_pretrained(str(out))
+    text_config(text.config, model.tokenizer).save_pretrained(str(out))
     weights = {k: v.detach().cpu().contiguous().clone() for k, v in text.state_dict().items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     model.tokenizer.save_pretrained(str(out))
@@ -167,3 +176,32 @@ def _write_text(text, proj: torch.Tensor | None, model, out: Path) -> None:
         for i, (path, kind) in enumerate(modules)
     ]
     (out / "modules.json").write_text(json.dumps(listing, indent=2) + "\n")
+
+
+def _write_clip(model, out: Path) -> None:
+    """A dual encoder whose towers both started from a CLIP directory, as a ``CLIPModel`` with its processor:
+    the image processor of mmfast's eval preprocessing and the tokenizer it trained with."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    net = model.model
+    vision, text = net.image.module, net.text.module
+    config = CLIPConfig(
+        text_config=text.config.to_dict(),
+        vision_config=vision.config.to_dict(),
+        projection_dim=int(net.embed_dim),
+        logit_scale_init_value=float(net.logit_scale.detach()),
+    )
+    clip = CLIPModel(config)
+    state = {**vision.state_dict(), **text.state_dict(), "logit_scale": net.logit_scale.detach().reshape(())}
+    clip.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=True)
+    clip.save_pretrained(str(out))
+    size, resized = eval_geometry(model.config)
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": resized},
+        crop_size={"height": size, "width": size},
+        resample=2,  # bilinear, as mmfast's eval resize
+        image_mean=list(model.config["mean"]),
+        image_std=list(model.config["std"]),
+    )
+    processor.save_pretrained(str(out))
+    model.tokenizer.save_pretrained(str(out))

@@ -27,6 +27,8 @@ from mmfast.infer.peer_towers import (
     logit_scale_and_bias,
     mean_pooled_text,
     projections,
+    refuse_starts,
+    start_kinds,
     text_config,
     timm_image,
 )
@@ -43,6 +45,9 @@ def open_clip_config(model, out: Path) -> dict:
     Raises:
         FormatRefusal: a tower open_clip cannot build.
     """
+    if start_kinds(model) == ("open_clip", "open_clip"):
+        return _started_config(model, out)
+    refuse_starts(model, FORMAT, "hf")
     image_proj, _ = projections(model, FORMAT)
     image = timm_image(model, FORMAT)
     if image.model_args:
@@ -83,29 +88,56 @@ def open_clip_config(model, out: Path) -> dict:
             "hf_pooler_type": "mean_pooler",
         },
     }
-    preprocess = {
-        "size": size,
+    return {"model_cfg": model_cfg, "preprocess_cfg": _preprocess(config)}
+
+
+def _preprocess(config: dict) -> dict:
+    """open_clip's preprocess_cfg of mmfast's eval preprocessing (all but its crop ratio: module docstring)."""
+    return {
+        "size": int(config["image_size"]),
         "mean": list(config["mean"] or (0.5,) * 3),
         "std": list(config["std"] or (0.5,) * 3),
         "interpolation": "bilinear",
         "resize_mode": "shortest",
     }
-    return {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
+
+
+def _started_config(model, out: Path) -> dict:
+    """The config of a model whose towers both started from an open_clip directory: that model's, its text
+    tower's architecture read from ``out``, its temperature and preprocessing as trained here."""
+    model_cfg = json.loads(json.dumps(model.model.image.record["model_cfg"]))  # a copy
+    scale, bias = logit_scale_and_bias(model)
+    model_cfg["init_logit_scale"] = scale
+    model_cfg.pop("init_logit_bias", None)
+    model_cfg |= {"init_logit_bias": bias} if bias is not None else {}
+    text_cfg = dict(model_cfg["text_cfg"], hf_model_name=str(out.resolve()), hf_tokenizer_name=str(out.resolve()))
+    model_cfg["text_cfg"] = dict(text_cfg, context_length=int(model.config["max_length"]))
+    return {"model_cfg": model_cfg, "preprocess_cfg": _preprocess(model.config)}
 
 
 def open_clip_state(model) -> dict:
     """The network's weights under ``CustomTextCLIP``'s names."""
+    if start_kinds(model) == ("open_clip", "open_clip"):
+        net = model.model
+        state = {f"visual.{k}": v for k, v in net.image.module.state_dict().items()}
+        state |= {f"text.{k}": v for k, v in net.text.module.state_dict().items()}
+        return _with_temperature(model, state)
     image_proj, text_proj = projections(model, FORMAT)
     image, text = timm_image(model, FORMAT), mean_pooled_text(model, FORMAT)
     state = {f"visual.trunk.{k}": v for k, v in image.trunk.items()}
     state["visual.head.proj.weight"] = image_proj
     state |= {f"text.transformer.{k}": v.detach().cpu() for k, v in text.state_dict().items()}
     state["text.proj.weight"] = text_proj
-    scale, bias = logit_scale_and_bias(model)
-    state["logit_scale"] = model.model.logit_scale.detach().cpu().reshape(())
+    return _with_temperature(model, state)
+
+
+def _with_temperature(model, state: dict) -> dict:
+    """``state`` with the learned temperature (and SigLIP's bias), every tensor a CPU copy of its own."""
+    _, bias = logit_scale_and_bias(model)
+    state["logit_scale"] = model.model.logit_scale.reshape(())
     if bias is not None:
-        state["logit_bias"] = model.model.logit_bias.detach().cpu().reshape(())
-    return {k: v.contiguous().clone() for k, v in state.items()}
+        state["logit_bias"] = model.model.logit_bias.reshape(())
+    return {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
 
 
 def write_open_clip(model, out: str | os.PathLike) -> Path:
@@ -126,7 +158,7 @@ def write_open_clip(model, out: str | os.PathLike) -> Path:
     out = Path(out)
     config = open_clip_config(model, out)  # refusals before anything is written
     state = open_clip_state(model)
-    text = mean_pooled_text(model, FORMAT)
+    text = model.model.text.module.config if start_kinds(model)[1] else mean_pooled_text(model, FORMAT).config
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast open_clip export") as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

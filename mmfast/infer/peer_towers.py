@@ -44,6 +44,30 @@ class TimmImage:
     width: int = 0
 
 
+def start_kinds(model) -> tuple[str | None, str | None]:
+    """Where the (image, text) towers started when from a pretrained pair's directory ("hf-clip", "open_clip",
+    ...: ``mmfast.models.start_towers``); None for a tower of mmfast's own kinds."""
+    kinds = []
+    for tower in encoders(model):
+        record = getattr(tower, "record", None) if getattr(tower, "projected", False) else None
+        kinds.append(record["kind"] if record else None)
+    return kinds[0], kinds[1]
+
+
+def refuse_starts(model, fmt: str, native: str) -> None:
+    """Refuse a model whose towers started from a pretrained pair that ``fmt``'s library cannot build.
+
+    Raises:
+        FormatRefusal: naming the tower, where it started and the format that holds it (``native``).
+    """
+    for name, kind in zip(("image", "text"), start_kinds(model), strict=True):
+        if kind is not None:
+            raise FormatRefusal(
+                f"--format {fmt}: the {name} tower started from a {kind} model, which {fmt} cannot build; "
+                f"export it with --format {native}, onnx or torch"
+            )
+
+
 def encoders(model) -> tuple[nn.Module | None, nn.Module | None]:
     """The (image, text) encoders of an ``MmfastModel``'s network (None for one it does not have)."""
     net = model.model
@@ -65,7 +89,8 @@ def timm_image(model, fmt: str) -> TimmImage:
     trunk = {k: v.detach().cpu() for k, v in image.net.state_dict().items()}
     if getattr(image, "timm", False):
         name = getattr(image.net, "pretrained_cfg", {}).get("architecture") or backbone.removeprefix("timm:")
-        return TimmImage(name, {}, trunk, image.width)
+        args = (getattr(image, "record", None) or {}).get("model_args") or {}  # a timm directory's arguments
+        return TimmImage(name, dict(args), trunk, image.width)
     if backbone not in TORCHVISION_IN_TIMM:
         raise FormatRefusal(f"--format {fmt}: image backbone '{backbone}' has no timm name; {INSTEAD}")
     name, args = TORCHVISION_IN_TIMM[backbone]
@@ -117,10 +142,10 @@ def eval_geometry(config: dict) -> tuple[int, int]:
     return size, round(size / config.get("crop_ratio", EVAL_CROP_RATIO))
 
 
-def text_config(hf: nn.Module, tokenizer) -> object:
-    """A copy of the text encoder's config that names the tokenizer's pad id (a peer masks padding by it)."""
+def text_config(config, tokenizer) -> object:
+    """A copy of a text encoder's config that names the tokenizer's pad id (a peer masks padding by it)."""
     import copy
 
-    config = copy.deepcopy(hf.config)
+    config = copy.deepcopy(config)
     config.pad_token_id = tokenizer.pad_token_id
     return config

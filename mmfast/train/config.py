@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
 from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, LOSSES, PRESETS, get_preset
+from mmfast.models.start_dirs import start_embed_dim, start_fields
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
@@ -101,7 +102,16 @@ class TrainConfig:
         "contrastive: clip (symmetric InfoNCE over the global batch, a learnable temperature) or siglip "
         "(pairwise sigmoid with a learnable temperature and bias)",
     )
-    embed_dim: int = _opt(256, "model", "contrastive: width of the shared image-text embedding space")
+    embed_dim: int | None = _opt(
+        None, "model", "contrastive: width of the shared image-text embedding space; none: 256, or --init-from's"
+    )
+    init_from: str | None = _opt(
+        None,
+        "model",
+        "contrastive: a local open_clip model directory or Hugging Face CLIP directory to start from: both towers "
+        "with their projections, temperature, tokenizer and preprocessing (lock one with --freeze-image / "
+        "--freeze-text)",
+    )
     init_proj: str | None = _opt(
         None,
         "model",
@@ -424,41 +434,21 @@ def trackers(cfg: TrainConfig) -> tuple[str, ...]:
 MAY_CHANGE_ON_RESUME = frozenset(
     {
         "data",  # the path may move; the data's fingerprint must match (checked separately)
-        "out",
-        "resume",
-        "overwrite",
-        "init_proj",  # how a fresh run's projections started: a resumed one has its checkpoint's
-        "channels_last",  # a memory format and kernels: the same weights and optimizer state
-        "optimizer_impl",
-        "epochs",
-        "max_steps",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "checkpoints",
-        "profile",
-        "profile_interval",
-        "tensorboard",
-        "report_to",
-        "log_every",
-        "progress",
-        "record_ids",
-        "num_threads",
-        "eval_batch_size",
-        "max_nan_steps",
-        "on_bad_image",
-        "verify_files",
-        "compile",
-        "compile_mode",
+        "out", "resume", "overwrite",
+        "init_proj", "init_from",  # how a fresh run's weights started: a resumed one has its checkpoint's
+        "channels_last", "optimizer_impl",  # a memory format and kernels: the same weights and optimizer state
+        "epochs", "max_steps", "checkpoint_every", "keep_checkpoints", "checkpoints",
+        "profile", "profile_interval", "tensorboard", "report_to", "log_every", "progress", "record_ids",
+        "num_threads", "eval_batch_size", "max_nan_steps", "on_bad_image", "verify_files",
+        "compile", "compile_mode",
         "text_padding",  # padding is masked: the same figures
-        "dist_timeout",
-        "stop_grace",
-        "shard_cache",  # where this machine holds the remote shards, and how much: the same bytes read
-        "cache_limit",
+        "dist_timeout", "stop_grace",
+        "shard_cache", "cache_limit",  # where this machine holds the remote shards, and how much: the same bytes
         "store_timeout",  # how long a fetch rides out a store outage: the same bytes read
         "cache_limit_gb",  # what runs before --cache-limit recorded
         "mixed_precision",  # compared as resolved by Accelerate (auto -> bf16/fp16/no), not as written
     }
-)
+)  # fmt: skip
 
 
 def resume_differences(saved: dict, now: dict) -> list[str]:
@@ -481,6 +471,8 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     from mmfast.models.encoders import pretrained_encoder_lr
 
     cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
+    if cfg.init_from is not None:  # --init-from's towers and image size (models/start_dirs.py)
+        cfg = replace(cfg, **start_fields(cfg))
     preset = get_preset(cfg.preset)
     filled = {
         name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS
@@ -493,5 +485,9 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         filled["init_proj"] = (
             "random"  # a preset's start is for the dual encoder; another model has no projections
         )
+    # a tower that brings its projection sets the width (models/start_dirs.py); else 256
+    starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
+    filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)
     resolved = replace(cfg, **filled)
     return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
+
