@@ -154,3 +154,57 @@ def test_an_open_clip_model_starts_the_dual_encoder_locked_text_and_goes_back(
     capsys.readouterr()
     assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "hf"]) == 2
     assert "the image tower started from a open_clip model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["vit", "siglip"])
+def test_a_vision_model_directory_is_an_image_tower_rebuilt_without_it(kind, prepared, tmp_path):
+    """--image-backbone DIR: a Hugging Face ViT (its pooled output, then a new projection) or SigLIP's vision
+    tower (its own head: no projection after it). The model directory's record rebuilds it once DIR is gone."""
+    import shutil
+
+    from transformers import SiglipConfig, SiglipModel, ViTConfig, ViTModel
+
+    from mmfast.infer.model_dir import MmfastModel
+    from mmfast.models import build_model
+
+    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    folder = tmp_path / kind
+    torch.manual_seed(0)
+    if kind == "vit":
+        ViTModel(ViTConfig(**shape, image_size=32, patch_size=8)).save_pretrained(folder)
+    else:
+        vision = dict(shape, image_size=32, patch_size=8)
+        config = SiglipConfig(text_config=dict(shape, vocab_size=99), vision_config=vision)
+        SiglipModel(config).save_pretrained(folder)
+    vocab = len(load_tokenizer(prepared / "tokenizer"))
+    net = build_model(
+        "clip", 0, image_backbone=str(folder), text_model="bert-tiny", vocab_size=vocab, embed_dim=None
+    ).eval()
+    assert isinstance(net.image_proj, torch.nn.Identity) == (kind == "siglip")
+    assert net.embed_dim == (32 if kind == "siglip" else 256)
+    config = {
+        "model": "clip", "task": "contrastive", "loss": "clip", "embed_dim": net.embed_dim, "num_classes": 2,
+        "class_names": ["a", "b"], "image_backbone": str(folder), "text_model": "bert-tiny", "vocab_size": vocab,
+        "hidden": 32, "dropout": 0.1, "image_size": 32, "mean": [0.5] * 3, "std": [0.5] * 3, "max_length": 32,
+        "image_tower": net.image.record,
+    }  # fmt: skip
+    shutil.rmtree(folder)
+    rebuilt = MmfastModel(config)
+    rebuilt.model.load_state_dict(net.state_dict(), strict=True)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.model.encode_image(pixels), net.encode_image(pixels))
+
+
+def test_init_from_refuses_what_is_not_a_pair_and_a_text_tower_it_cannot_take(tmp_path, minilm_dir):
+    from mmfast.models.start_dirs import start_fields
+    from mmfast.models.start_towers import text_tower_from
+    from mmfast.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--init-from .*: not an open_clip model directory"):
+        start_fields(TrainConfig(model="clip", init_from=minilm_dir))
+    (tmp_path / "oc").mkdir()
+    native = {"model_cfg": {"embed_dim": 8, "text_cfg": {"width": 8}}}  # open_clip's own text transformer
+    (tmp_path / "oc" / "open_clip_config.json").write_text(json.dumps(native))
+    with pytest.raises(ValueError, match="SimpleTokenizer is not a Hugging Face tokenizer"):
+        text_tower_from(tmp_path / "oc")
