@@ -1,12 +1,15 @@
-"""Export a trained model directory to ONNX and/or a torch.export program, and check the ONNX file in
-onnxruntime (fp32 logits within --atol of PyTorch's).
+"""Export a trained model directory to ONNX, a torch.export program, an open_clip model directory or Hugging
+Face model directories, and check the ONNX file in onnxruntime (fp32 logits within --atol of PyTorch's).
 
-    mmfast-export --model runs/latest/model --out runs/latest/export
+    mmfast-export --model runs/latest/model --out runs/latest/export --format all
 
 Writes OUT/model.onnx and OUT/model.pt2 (inputs: image (B, 3, S, S) float32 normalized as the model's
 config.json says, input_ids and attention_mask (B, L) int64; output: logits (B, C)) and OUT/export.json.
 A dual encoder (--model clip) is written as its two towers: OUT/image.onnx (image -> embedding (B, D)) and
 OUT/text.onnx (input_ids, attention_mask -> embedding (B, D)), normalized; OUT/image.pt2 and OUT/text.pt2.
+--format open_clip writes OUT/open_clip (``open_clip.create_model_and_transforms("local-dir:OUT/open_clip")``),
+--format hf writes OUT/hf/image and OUT/hf/text (transformers, timm, sentence-transformers); a tower the
+library cannot build is refused before anything is written, naming it and the formats that hold it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,33 @@ from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 from mmfast.util.voice import command_line
 
 
+FORMATS = ("onnx", "torch", "open_clip", "hf")
+_ALIASES = {"both": ("onnx", "torch"), "all": FORMATS}
+
+
+def formats(value: str) -> tuple[str, ...]:
+    """--format's names, in FORMATS order."""
+    names = set()
+    for name in (n.strip() for n in value.split(",") if n.strip()):
+        if name not in (*FORMATS, *_ALIASES):
+            known = ", ".join((*FORMATS, *_ALIASES))
+            raise argparse.ArgumentTypeError(f"unknown format '{name}'; choose from {known}")
+        names.update(_ALIASES.get(name, (name,)))
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one format")
+    return tuple(f for f in FORMATS if f in names)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(description=summary_of(__doc__))
     p.add_argument("--model", required=True, help="a model directory written by mmfast-train (RUN/model)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--format", choices=["onnx", "torch", "both"], default="both")
+    p.add_argument(
+        "--format",
+        type=formats,
+        default="both",
+        help=f"comma-separated: {', '.join(FORMATS)}; both: onnx,torch; all: every one (default: both)",
+    )
     p.add_argument("--opset", type=int, default=17)
     p.add_argument("--atol", type=float, default=1e-4, help="largest allowed |onnxruntime - PyTorch| logit")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime parity check")
@@ -42,8 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        peers = peer_writers(model, args.format, Path(args.out))  # a refused tower: before anything is written
+    except ValueError as e:  # FormatRefusal
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         claim_output_dir(args.out, "export")  # a folder of the user's is refused, never written into
-        return export(model, args)
+        return export(model, args, peers)
     except OutputError as e:
         print(f"error: {e}", file=sys.stderr)
     except ImportError as e:  # onnx / onnxruntime: the export extra
@@ -56,15 +86,37 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def export(model, args: argparse.Namespace) -> int:
+def peer_writers(model, names: tuple[str, ...], out: Path) -> dict:
+    """{format: a function writing it} for the peer libraries' formats asked for, each checked first.
+
+    Raises:
+        FormatRefusal: the model, or a tower of it, is not one the format's library builds.
+    """
+    writers = {}
+    if "open_clip" in names:
+        from mmfast.infer.export_open_clip import open_clip_config, write_open_clip
+
+        open_clip_config(model, out / "open_clip")
+        writers["open_clip"] = write_open_clip
+    if "hf" in names:
+        from mmfast.infer.export_hf import hf_towers, write_hf
+
+        hf_towers(model)
+        writers["hf"] = write_hf
+    return writers
+
+
+def export(model, args: argparse.Namespace, peers: dict | None = None) -> int:
     """Write the formats asked for and export.json; 1 when the ONNX file's logits are off by more than --atol."""
     from mmfast.infer.export import export_onnx, export_program, onnx_parity
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
+    for name, write in (peers or {}).items():
+        report[name] = str(write(model, out / name))
     if model.embeds:
         return export_towers(model, args, report)
-    if args.format in ("onnx", "both"):
+    if "onnx" in args.format:
         report["onnx"] = str(export_onnx(model, out / "model.onnx", opset=args.opset))
         if not args.no_check:
             diff = onnx_parity(model, out / "model.onnx")
@@ -73,7 +125,7 @@ def export(model, args: argparse.Namespace) -> int:
             if not diff <= args.atol:
                 print(f"error: the ONNX model's logits differ by {diff:.2e} > {args.atol:.0e}", file=sys.stderr)
                 return 1
-    if args.format in ("torch", "both"):
+    if "torch" in args.format:
         report["torch_export"] = str(export_program(model, out / "model.pt2"))
     atomic_write_json(out / "export.json", report)
     print(f"exported to {out}")
@@ -86,7 +138,7 @@ def export_towers(model, args: argparse.Namespace, report: dict) -> int:
     from mmfast.infer.export import export_towers_onnx, export_towers_program, towers_parity
 
     out = Path(args.out)
-    if args.format in ("onnx", "both"):
+    if "onnx" in args.format:
         paths = export_towers_onnx(model, out, opset=args.opset)
         report["onnx"] = {name: str(p) for name, p in paths.items()}
         if not args.no_check:
@@ -103,7 +155,7 @@ def export_towers(model, args: argparse.Namespace, report: dict) -> int:
                     file=sys.stderr,
                 )
                 return 1
-    if args.format in ("torch", "both"):
+    if "torch" in args.format:
         report["torch_export"] = {name: str(p) for name, p in export_towers_program(model, out).items()}
     atomic_write_json(out / "export.json", report)
     print(f"exported to {out}")

@@ -53,11 +53,15 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
     image, text = getattr(model, "image", None), getattr(model, "text", None)
     prep = dataset.summary.get("config", {})
     # a pretrained text model's architecture, so load_model needs neither its package nor the hub
+    hf_text = getattr(text, "model", None)
     text_config = (
-        text.model.config.to_dict() if text is not None and cfg.text_model not in RANDOM_TEXT_CONFIGS else None
+        hf_text.config.to_dict() if hf_text is not None and cfg.text_model not in RANDOM_TEXT_CONFIGS else None
     )
+    # a tower started from a directory (models/start_towers.py): what rebuilds it without that directory
+    records = {f"{name}_tower": getattr(t, "record", None) for name, t in (("image", image), ("text", text))}
     cls = model_class(cfg.model)
-    options = {name: getattr(cfg, name) for name in getattr(cls, "config_options", ())}
+    # the model's own value where it has one (an embedding width a pretrained tower set), else the config's
+    options = {name: getattr(model, name, getattr(cfg, name)) for name in getattr(cls, "config_options", ())}
     task = getattr(cfg, "task", None) or getattr(cls, "task", "classification")
     # a contrastive model's zero-shot prompts, read now: the file they came from may be gone when it is used
     templates = (
@@ -75,6 +79,7 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
         "image_backbone": cfg.image_backbone,
         "text_model": cfg.text_model,
         **({"text_config": text_config} if text_config is not None else {}),
+        **{k: v for k, v in records.items() if v is not None},
         "vocab_size": len(load_tokenizer(tokenizer_dir or dataset.tokenizer_dir)),
         "hidden": cfg.hidden,
         "dropout": cfg.dropout,
@@ -130,6 +135,8 @@ _OPTIONAL_FIELDS = {
     "embed_dim": (_positive_int, "a positive integer"),
     "loss": (lambda v: isinstance(v, str), "a loss name"),
     "zero_shot_templates": (_templates, "a list of templates, each with one {}"),
+    "image_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),
+    "text_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),
 }
 
 

@@ -126,6 +126,7 @@ class MmfastModel(
                 vocab_size=config["vocab_size"],
                 hidden=config["hidden"],
                 dropout=config["dropout"],
+                **_recorded_towers(config),
                 **model_options(config),
             )
         self.model.eval()
@@ -253,13 +254,25 @@ class MmfastModel(
         (save_directory / CHECKSUMS_FILE).unlink(missing_ok=True)
 
 
+def _recorded_towers(config: dict) -> dict:
+    """The towers config.json records as started from a directory (``image_tower`` / ``text_tower``), rebuilt
+    with random weights without it, as ``build_model``'s ``image_encoder`` / ``text_encoder``."""
+    from mmfast.models.start_towers import tower_from_record
+
+    return {
+        f"{name}_encoder": tower_from_record(config[f"{name}_tower"], name)
+        for name in ("image", "text")
+        if f"{name}_tower" in config
+    }
+
+
 @contextlib.contextmanager
 def _text_model_source(config: dict):
     """What to build the text encoder from, offline: a pretrained one (MiniLM, a hub name) is rebuilt from the
     architecture recorded in config.json ("text_config"), in a temp directory with random weights that the
     trained ones replace, so neither its package nor the hub is needed; random configs need nothing."""
     text_config = config.get("text_config")
-    if config["model"] == "image" or text_config is None:
+    if config["model"] == "image" or text_config is None or "text_tower" in config:
         yield config["text_model"]
         return
     from transformers import AutoConfig, AutoModel

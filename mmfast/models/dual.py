@@ -4,6 +4,9 @@ scales their dot products by. Registered as "clip"; its objective is the "contra
 
 Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is (the encoder keeps its batch-norm
 statistics in eval mode), its projection and the text tower learn.
+
+A tower that starts from a pretrained pair (``start_towers``: CLIP, open_clip) is ``projected``: it brings its own
+projection, so none is added after it, and the pair's learned temperature (and SigLIP's bias) is the start.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch.nn import functional as F
 from mmfast.models.catalog import LOSSES
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import register_model
+from mmfast.util.voice import setting
 
 MAX_LOGIT_SCALE = 100.0  # exp(logit_scale) is clamped to this (CLIP: "to prevent scaling the logits by more")
 # Initial log-temperatures and biases. CLIP (Radford et al. 2021): temperature 0.07, no bias; SigLIP (Zhai et
@@ -52,20 +56,22 @@ class DualEncoder(nn.Module):
         hidden: int = 512,
         dropout: float = 0.1,
         loss: str = "clip",
-        embed_dim: int = 256,
+        embed_dim: int | None = 256,
     ):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"unknown loss '{loss}'; choose from {', '.join(LOSSES)}")
-        if embed_dim < 1:
-            raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
+        embed_dim = _embed_dim(image, text, embed_dim)
         self.image, self.text = image, text
         self.loss, self.embed_dim = loss, embed_dim
-        self.image_proj = nn.Linear(image.width, embed_dim, bias=False)
-        self.text_proj = nn.Linear(text.width, embed_dim, bias=False)
-        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE[loss]))
+        self.image_proj = _projection(image, embed_dim)
+        self.text_proj = _projection(text, embed_dim)
+        start = _shared_start(image, text)
+        scale = start.get("logit_scale")
+        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE[loss] if scale is None else float(scale)))
         if loss == "siglip":
-            self.logit_bias = nn.Parameter(torch.tensor(INIT_LOGIT_BIAS[loss]))
+            bias = start.get("logit_bias")
+            self.logit_bias = nn.Parameter(torch.tensor(INIT_LOGIT_BIAS[loss] if bias is None else float(bias)))
         else:  # CLIP's softmax is shift-invariant: a bias would never learn; kept as a constant 0
             self.register_buffer("logit_bias", torch.tensor(INIT_LOGIT_BIAS[loss]))
 
@@ -92,3 +98,34 @@ class DualEncoder(nn.Module):
             "logit_scale": scale,
             "logit_bias": bias,
         }
+
+
+def _embed_dim(image: nn.Module, text: nn.Module, embed_dim: int | None) -> int:
+    """The shared width: a projected tower's (both of them, when both are), else ``embed_dim`` (256 if None)."""
+    widths = {t.width for t in (image, text) if getattr(t, "projected", False)}
+    if len(widths) > 1:
+        raise ValueError(
+            f"the image and text towers embed into {image.width} and {text.width} dims: not one space"
+        )
+    if widths and embed_dim is not None and embed_dim not in widths:
+        raise ValueError(
+            f"{setting('embed_dim', value=str(embed_dim))}: the pretrained tower embeds into {min(widths)} dims; "
+            f"leave it unset or pass {min(widths)}"
+        )
+    embed_dim = min(widths) if widths else (256 if embed_dim is None else embed_dim)
+    if embed_dim < 1:
+        raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
+    return embed_dim
+
+
+def _projection(tower: nn.Module, embed_dim: int) -> nn.Module:
+    """None after a tower that brings its own projection, else a bias-free linear map into ``embed_dim``."""
+    if getattr(tower, "projected", False):
+        return nn.Identity()
+    return nn.Linear(tower.width, embed_dim, bias=False)
+
+
+def _shared_start(image: nn.Module, text: nn.Module) -> dict:
+    """The start both towers came from (its temperature and bias), or {} when they are not one pair's."""
+    a, b = getattr(image, "start", None), getattr(text, "start", None)
+    return a if a is not None and b is not None and a["path"] == b["path"] else {}

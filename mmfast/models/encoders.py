@@ -62,14 +62,19 @@ def lite0_weights_path() -> Path:
     return path
 
 
-def _timm_model(name: str) -> nn.Module:
+def _timm_model(name: str, model_args: dict | None = None) -> nn.Module:
+    """A timm model by name, or from a directory in timm's Hugging Face layout (its weights loaded)."""
     try:
         import timm
     except ImportError as e:
         raise ValueError(f"image backbone '{name}' needs timm (pip install timm)") from e
+    local = os.path.isdir(name)
     try:
         # No classifier and no pooling: forward_features gives the last feature map (B, C, h, w).
-        return timm.create_model(name, pretrained=False, num_classes=0, global_pool="")
+        return timm.create_model(
+            f"local-dir:{name}" if local else name, pretrained=local, num_classes=0, global_pool="",
+            **(model_args or {}),
+        )  # fmt: skip
     except RuntimeError as e:  # timm's "Unknown model"
         raise ValueError(f"unknown timm model '{name}': {e}") from e
 
@@ -97,11 +102,20 @@ class ImageEncoder(nn.Module):
     weights expect; the loader normalizes with them.
     """
 
-    def __init__(self, backbone: str = "resnet50", weights: str | os.PathLike | None = None, freeze: bool = False):
+    def __init__(
+        self,
+        backbone: str = "resnet50",
+        weights: str | os.PathLike | None = None,
+        freeze: bool = False,
+        model_args: dict | None = None,
+    ):
         super().__init__()
-        self.timm = backbone == "efficientnet-lite0" or backbone.startswith(TIMM_PREFIX)
+        local = os.path.isdir(backbone)  # a timm model in timm's Hugging Face layout (start_dirs.start_kind)
+        self.timm = local or backbone == "efficientnet-lite0" or backbone.startswith(TIMM_PREFIX)
         if self.timm:
-            net = _timm_model("tf_efficientnet_lite0" if backbone == "efficientnet-lite0" else backbone[5:])
+            name = backbone.removeprefix(TIMM_PREFIX)
+            name = "tf_efficientnet_lite0" if name == "efficientnet-lite0" else name
+            net = _timm_model(name, model_args)
             if weights is not None:
                 load_image_weights(net, weights, classifier=("classifier.", "head.", "fc."))
             elif backbone == "efficientnet-lite0":
@@ -117,7 +131,12 @@ class ImageEncoder(nn.Module):
             self.width = net.fc.in_features
             net.fc = nn.Identity()
             self.mean, self.std = IMAGENET_MEAN_01, IMAGENET_STD_01
-        self.pretrained = weights is not None or backbone == "efficientnet-lite0"
+        self.pretrained = weights is not None or backbone == "efficientnet-lite0" or local
+        # what rebuilds a directory's model without it: timm's name and arguments (mmfast/infer/model_config.py)
+        self.record = None
+        if local:
+            arch = net.pretrained_cfg.get("architecture") or net.default_cfg.get("architecture")
+            self.record = {"kind": "timm", "architecture": arch, "model_args": _local_args(backbone)}
         self.net = net
         self.frozen = freeze
         if freeze:
@@ -145,6 +164,16 @@ class ImageEncoder(nn.Module):
             fmap = n.layer4(n.layer3(n.layer2(n.layer1(x))))  # (B, C, h, w)
         pooled = fmap.mean(dim=(2, 3))  # (B, C): global average pooling
         return pooled, fmap
+
+
+def _local_args(folder: str) -> dict:
+    """The timm.create_model arguments a directory in timm's layout records (``model_args``)."""
+    import json
+
+    try:
+        return dict(json.loads((Path(folder) / "config.json").read_text()).get("model_args") or {})
+    except (OSError, ValueError):
+        return {}
 
 
 def load_image_weights(net: nn.Module, path: str | os.PathLike, classifier: tuple[str, ...] = ("fc.",)) -> None:

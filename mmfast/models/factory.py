@@ -10,6 +10,7 @@ from mmfast.models import fusion  # noqa: F401  isort: skip
 from mmfast.models import dual  # noqa: F401  isort: skip
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import MODELS
+from mmfast.models.start_dirs import WHOLE, start_kind
 
 
 def model_class(name: str) -> type:
@@ -36,6 +37,8 @@ def build_model(
     hidden: int = 512,
     dropout: float = 0.1,
     channels_last: bool = False,
+    image_encoder: nn.Module | None = None,
+    text_encoder: nn.Module | None = None,
     **kwargs,
 ) -> nn.Module:
     """Build a registered model with the encoders it declares.
@@ -44,12 +47,16 @@ def build_model(
         name: a registered model: "early", "concat", "late", a single-modality baseline "image" / "text", the
             dual encoder "clip", or one added with ``register_model``.
         num_classes: classifier outputs (not checked for a model that declares ``classifies = False``).
-        image_backbone: one of IMAGE_BACKBONES.
-        text_model: "bert-tiny"/"bert-mini" (random), "minilm" (local weights), a directory or hub name.
+        image_backbone: one of IMAGE_BACKBONES, "timm:<name>", or a directory: a timm model in timm's Hugging
+            Face layout, a Hugging Face vision model, CLIP or SigLIP, or an open_clip model (``start_towers``).
+        text_model: "bert-tiny"/"bert-mini" (random), "minilm" (local weights), a directory (a Hugging Face
+            encoder, CLIP, or an open_clip model with a Hugging Face text tower) or a hub name.
         vocab_size: the tokenizer's size (for random text configs and a consistency check).
         image_weights: optional local state dict for the image backbone (strict).
         freeze_image, freeze_text: no gradients into that encoder.
         channels_last: NHWC memory format for the CNN (faster convolutions on tensor cores).
+        image_encoder, text_encoder: towers already built (a model directory's, rebuilt from its records),
+            used instead of building them from ``image_backbone`` / ``text_model``.
         **kwargs: model-specific options (LateFusion: combine; EarlyFusion: max_grid; DualEncoder: loss,
             embed_dim).
 
@@ -63,19 +70,34 @@ def build_model(
     if getattr(cls, "classifies", True) and num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     # A model builds only the encoders it uses (the single-modality baselines one).
-    image = (
-        ImageEncoder(image_backbone, weights=image_weights, freeze=freeze_image)
-        if "image" in cls.modalities
-        else None
-    )
-    text = (
-        TextEncoder(text_model, vocab_size=vocab_size, freeze=freeze_text, dropout=dropout)
-        if "text" in cls.modalities
-        else None
-    )
+    image = text = None
+    if "image" in cls.modalities:
+        image = image_encoder or _image_encoder(image_backbone, image_weights, freeze_image)
+    if "text" in cls.modalities:
+        text = text_encoder or _text_encoder(text_model, vocab_size, freeze_text, dropout)
     model = cls(image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
     if channels_last and image is not None:
         import torch
 
         model.image.to(memory_format=torch.channels_last)
     return model
+
+
+def _image_encoder(backbone: str, weights: str | None, freeze: bool) -> nn.Module:
+    """A catalogue backbone or a timm directory (``ImageEncoder``), else the tower a model directory holds."""
+    if start_kind(backbone) in (None, "timm"):
+        return ImageEncoder(backbone, weights=weights, freeze=freeze)
+    if weights is not None:
+        raise ValueError(f"--image-weights {weights}: image backbone {backbone} is a directory with its weights")
+    from mmfast.models.start_towers import image_tower_from
+
+    return image_tower_from(backbone, freeze)
+
+
+def _text_encoder(name: str, vocab_size: int | None, freeze: bool, dropout: float) -> nn.Module:
+    """A Hugging Face encoder (``TextEncoder``), or the text tower of a CLIP / SigLIP / open_clip directory."""
+    if start_kind(name) in WHOLE:
+        from mmfast.models.start_towers import text_tower_from
+
+        return text_tower_from(name, freeze)
+    return TextEncoder(name, vocab_size=vocab_size, freeze=freeze, dropout=dropout)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
 from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, LOSSES, PRESETS, get_preset
+from mmfast.models.start_dirs import start_embed_dim, start_fields
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
@@ -101,7 +102,16 @@ class TrainConfig:
         "contrastive: clip (symmetric InfoNCE over the global batch, a learnable temperature) or siglip "
         "(pairwise sigmoid with a learnable temperature and bias)",
     )
-    embed_dim: int = _opt(256, "model", "contrastive: width of the shared image-text embedding space")
+    embed_dim: int | None = _opt(
+        None, "model", "contrastive: width of the shared image-text embedding space; none: 256, or --init-from's"
+    )
+    init_from: str | None = _opt(
+        None,
+        "model",
+        "contrastive: a local open_clip model directory or Hugging Face CLIP directory to start from: both towers "
+        "with their projections, temperature, tokenizer and preprocessing (lock one with --freeze-image / "
+        "--freeze-text)",
+    )
     init_proj: str | None = _opt(
         None,
         "model",
@@ -434,6 +444,8 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     from mmfast.models.encoders import pretrained_encoder_lr
 
     cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
+    if cfg.init_from is not None:  # --init-from's towers and image size (models/start_dirs.py)
+        cfg = replace(cfg, **start_fields(cfg))
     preset = get_preset(cfg.preset)
     filled = {
         name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS
@@ -446,5 +458,9 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         filled["init_proj"] = (
             "random"  # a preset's start is for the dual encoder; another model has no projections
         )
+    # a tower that brings its projection sets the width (models/start_dirs.py); else 256
+    starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
+    filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)
     resolved = replace(cfg, **filled)
     return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
+

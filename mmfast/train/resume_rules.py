@@ -11,7 +11,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "out",
         "resume",
         "overwrite",
-        "init_proj",  # how a fresh run's projections started: a resumed one has its checkpoint's
+        "init_proj",  # how a fresh run's weights started: a resumed one has its checkpoint's
+        "init_from",
         "channels_last",  # a memory format and kernels: the same weights and optimizer state
         "optimizer_impl",
         "epochs",

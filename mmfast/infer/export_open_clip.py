@@ -1,0 +1,167 @@
+"""Write a dual encoder as an open_clip model directory, which open_clip's own factory loads:
+
+    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:OUT/open_clip")
+    tokenizer = open_clip.get_tokenizer("local-dir:OUT/open_clip")
+
+The directory holds ``open_clip_config.json`` (a ``CustomTextCLIP``: a timm image tower and a Hugging Face text
+tower, each with a bias-free linear projection, the text read by the mean of its token states),
+``open_clip_model.safetensors``, the tokenizer and the text encoder's ``config.json``.
+
+open_clip reads the text encoder's architecture from the path in ``text_cfg.hf_model_name``: this directory's
+absolute path, so a moved copy needs that field changed to its new place. Its eval transform resizes the
+shorter side to the image size and crops the centre; mmfast's evaluation resizes it to size / crop_ratio first
+(a tighter centre). open_clip cannot express that ratio: ``preprocess_cfg`` records the rest (size, mean, std,
+bilinear resize), and the pixels of mmfast's own preprocessing give the same embeddings in both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from mmfast.infer.peer_towers import (
+    INSTEAD,
+    OPEN_CLIP_TEXT_TYPES,
+    FormatRefusal,
+    logit_scale_and_bias,
+    mean_pooled_text,
+    projections,
+    refuse_starts,
+    start_kinds,
+    text_config,
+    timm_image,
+)
+from mmfast.util.fsutil import atomic_dir, file_lock
+
+FORMAT = "open_clip"
+CONFIG_FILE = "open_clip_config.json"
+WEIGHTS_FILE = "open_clip_model.safetensors"
+
+
+def open_clip_config(model, out: Path) -> dict:
+    """``open_clip_config.json`` of the model, written to live at ``out`` (its text tower's config is there).
+
+    Raises:
+        FormatRefusal: a tower open_clip cannot build.
+    """
+    if start_kinds(model) == ("open_clip", "open_clip"):
+        return _started_config(model, out)
+    refuse_starts(model, FORMAT, "hf")
+    image_proj, _ = projections(model, FORMAT)
+    image = timm_image(model, FORMAT)
+    if image.model_args:
+        raise FormatRefusal(
+            f"--format {FORMAT}: open_clip builds a timm image tower by name only, and image backbone "
+            f"'{model.config['image_backbone']}' is timm's {image.name} with {image.model_args}; {INSTEAD}, or "
+            f"--format hf"
+        )
+    text = mean_pooled_text(model, FORMAT)
+    if text.config.model_type not in OPEN_CLIP_TEXT_TYPES:
+        raise FormatRefusal(
+            f"--format {FORMAT}: open_clip's Hugging Face text tower takes {', '.join(OPEN_CLIP_TEXT_TYPES)} "
+            f"models, not '{text.config.model_type}' (text model '{model.config['text_model']}'); {INSTEAD}, or "
+            f"--format hf"
+        )
+    scale, bias = logit_scale_and_bias(model)
+    config = model.config
+    size = int(config["image_size"])
+    model_cfg = {
+        "embed_dim": int(image_proj.shape[0]),
+        "custom_text": True,
+        "init_logit_scale": scale,
+        **({"init_logit_bias": bias} if bias is not None else {}),
+        "vision_cfg": {
+            "image_size": size,
+            "timm_model_name": image.name,
+            "timm_model_pretrained": False,
+            "timm_pool": "avg",
+            "timm_proj": "linear",
+            "timm_proj_bias": False,
+        },
+        "text_cfg": {
+            "context_length": int(config["max_length"]),
+            "hf_model_name": str(out.resolve()),
+            "hf_tokenizer_name": str(out.resolve()),
+            "hf_model_pretrained": False,
+            "hf_proj_type": "linear",
+            "hf_pooler_type": "mean_pooler",
+        },
+    }
+    return {"model_cfg": model_cfg, "preprocess_cfg": _preprocess(config)}
+
+
+def _preprocess(config: dict) -> dict:
+    """open_clip's preprocess_cfg of mmfast's eval preprocessing (all but its crop ratio: module docstring)."""
+    return {
+        "size": int(config["image_size"]),
+        "mean": list(config["mean"] or (0.5,) * 3),
+        "std": list(config["std"] or (0.5,) * 3),
+        "interpolation": "bilinear",
+        "resize_mode": "shortest",
+    }
+
+
+def _started_config(model, out: Path) -> dict:
+    """The config of a model whose towers both started from an open_clip directory: that model's, its text
+    tower's architecture read from ``out``, its temperature and preprocessing as trained here."""
+    model_cfg = json.loads(json.dumps(model.model.image.record["model_cfg"]))  # a copy
+    scale, bias = logit_scale_and_bias(model)
+    model_cfg["init_logit_scale"] = scale
+    model_cfg.pop("init_logit_bias", None)
+    model_cfg |= {"init_logit_bias": bias} if bias is not None else {}
+    text_cfg = dict(model_cfg["text_cfg"], hf_model_name=str(out.resolve()), hf_tokenizer_name=str(out.resolve()))
+    model_cfg["text_cfg"] = dict(text_cfg, context_length=int(model.config["max_length"]))
+    return {"model_cfg": model_cfg, "preprocess_cfg": _preprocess(model.config)}
+
+
+def open_clip_state(model) -> dict:
+    """The network's weights under ``CustomTextCLIP``'s names."""
+    if start_kinds(model) == ("open_clip", "open_clip"):
+        net = model.model
+        state = {f"visual.{k}": v for k, v in net.image.module.state_dict().items()}
+        state |= {f"text.{k}": v for k, v in net.text.module.state_dict().items()}
+        return _with_temperature(model, state)
+    image_proj, text_proj = projections(model, FORMAT)
+    image, text = timm_image(model, FORMAT), mean_pooled_text(model, FORMAT)
+    state = {f"visual.trunk.{k}": v for k, v in image.trunk.items()}
+    state["visual.head.proj.weight"] = image_proj
+    state |= {f"text.transformer.{k}": v.detach().cpu() for k, v in text.state_dict().items()}
+    state["text.proj.weight"] = text_proj
+    return _with_temperature(model, state)
+
+
+def _with_temperature(model, state: dict) -> dict:
+    """``state`` with the learned temperature (and SigLIP's bias), every tensor a CPU copy of its own."""
+    _, bias = logit_scale_and_bias(model)
+    state["logit_scale"] = model.model.logit_scale.reshape(())
+    if bias is not None:
+        state["logit_bias"] = model.model.logit_bias.reshape(())
+    return {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+
+
+def write_open_clip(model, out: str | os.PathLike) -> Path:
+    """Write ``out`` (replaced when mmfast wrote it) as an open_clip model directory.
+
+    Args:
+        model: an ``MmfastModel`` holding a dual encoder.
+        out: the directory.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        FormatRefusal: the model, or a tower of it, is not one open_clip builds.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    config = open_clip_config(model, out)  # refusals before anything is written
+    state = open_clip_state(model)
+    text = model.model.text.module.config if start_kinds(model)[1] else mean_pooled_text(model, FORMAT).config
+    with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast open_clip export") as tmp:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        text_config(text, model.tokenizer).save_pretrained(str(tmp))  # config.json: what hf_model_name reads
+        model.tokenizer.save_pretrained(str(tmp))
+    return out

@@ -1,0 +1,247 @@
+"""Models out to the peer libraries (mmfast/infer/export_open_clip.py, export_hf.py): a dual encoder trained by
+mmfast-train is exported, then loaded in a fresh process where mmfast cannot be imported, by open_clip's own
+factory and by transformers / sentence-transformers. On the same pixels and captions their embeddings match
+mmfast's (cosine >= 0.9999) and the val split's retrieval figures are the same; the preprocessing each peer
+applies to image files is compared with mmfast's, and so are the token ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmfast.infer.encode_inputs import pil_transform
+from mmfast.infer.model_dir import load_model
+from mmfast.infer.predict import prepared_rows
+from mmfast.tasks.retrieval import caption_groups, retrieval_figures
+
+PEERS = Path(__file__).parent / "peers"
+TINY_CLIP = ["--model", "clip", "--preset", "tiny", "--image-backbone", "timm:test_efficientnet", "--epochs", "1"]
+TINY_CLIP += ["--embed-dim", "16", "--batch-size", "16", "--image-size", "32", "--no-progress"]
+TINY_CLIP += ["--mixed-precision", "no"]
+PHOTO_CAPTIONS = ["a rocket on its launch pad", "galaxies of the deep field", "a retina", "a cat, Chelsea"]
+PHOTO_CAPTIONS += ["an astronaut in a white suit", "a cup of coffee on a saucer"]
+
+
+def run_peer(script: str, folder: Path, inputs: Path, tmp_path: Path) -> dict:
+    """Run a peer script in a fresh interpreter without mmfast on its path; its outputs as a dict."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = tmp_path / f"{script}.npz"
+    proc = subprocess.run(
+        [sys.executable, str(PEERS / f"{script}.py"), str(folder), str(inputs), str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(np.load(out))
+
+
+def mmfast_inputs(model_dir: Path, prepared: Path, photos: list[Path], tmp_path: Path) -> tuple[Path, dict]:
+    """INPUTS.npz for the peer scripts (the val split's images as mmfast preprocesses them, its captions and the
+    photos' captions; the photo files) and mmfast's own embeddings of the same."""
+    model = load_model(model_dir)
+    rows = prepared_rows(prepared, "val")
+    first, text_image = caption_groups([r["image"] for r in rows])
+    transform = pil_transform(model.config)
+    files = [rows[i]["image"] for i in first] + [str(p) for p in photos]
+    pixels = torch.stack([transform(Image.open(f).convert("RGB")) for f in files])
+    captions = [r["text"] for r in rows] + PHOTO_CAPTIONS[: len(photos)]
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, pixels=pixels.numpy(), captions=np.array(captions), photos=np.array([str(p) for p in photos]))
+    ours = {
+        "image": model.encode_image(pixels).numpy(),
+        "text": model.encode_text(captions).numpy(),
+        "n_val_images": len(first),
+        "text_image": text_image,
+        "model": model,
+    }
+    return inputs, ours
+
+
+def assert_same_embeddings(ours: dict, theirs: dict, key: str = "text") -> None:
+    """Row by row cosine >= 0.9999, and the val split's retrieval figures equal."""
+    for name, mine in (("image", ours["image"]), (key, ours["text"])):
+        got = theirs[name]
+        assert got.shape == mine.shape, name
+        cosine = (got * mine).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(mine, axis=1)
+        assert cosine.min() >= 0.9999, (name, cosine.min())
+    n_img, n_txt = ours["n_val_images"], len(ours["text_image"])
+    want = retrieval_figures(
+        torch.from_numpy(ours["image"][:n_img]), torch.from_numpy(ours["text"][:n_txt]), ours["text_image"]
+    )
+    got = retrieval_figures(
+        torch.from_numpy(theirs["image"][:n_img]), torch.from_numpy(theirs[key][:n_txt]), ours["text_image"]
+    )
+    assert got["i2t_r1"] == want["i2t_r1"] and got["t2i_r1"] == want["t2i_r1"], (got, want)
+    assert got == pytest.approx(want, abs=1e-9)
+
+
+def mmfast_ids(model, captions: list[str]) -> list[list[int]]:
+    enc = model.tokenizer(captions, truncation=True, max_length=model.config["max_length"])
+    return enc["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(prepared, tmp_path_factory) -> Path:
+    """RUN/model of a one-epoch ``mmfast-train --model clip`` run with tiny towers (a timm CNN, a 2-layer BERT on
+    the data's own WordPiece vocabulary), exported to both peer formats: the export folder."""
+    import tools.export as export_tool
+    import tools.train as train_tool
+
+    run = tmp_path_factory.mktemp("tiny-clip") / "run"
+    assert train_tool.main(["--data", str(prepared), "--out", str(run), *TINY_CLIP]) == 0
+    out = run / "export"
+    argv = ["--model", str(run / "model"), "--out", str(out), "--format", "open_clip,hf"]
+    assert export_tool.main(argv) == 0
+    return out
+
+
+def test_open_clip_loads_the_export_and_embeds_as_mmfast(tiny_clip, prepared, photos, tmp_path):
+    inputs, ours = mmfast_inputs(tiny_clip.parent / "model", prepared, photos, tmp_path)
+    theirs = run_peer("open_clip_embed", tiny_clip / "open_clip", inputs, tmp_path)
+    assert str(theirs["kind"]) == "CustomTextCLIP"
+    assert_same_embeddings(ours, theirs)
+    model = ours["model"]
+    captions = [str(c) for c in np.load(inputs)["captions"]]
+    for row, want in zip(theirs["ids"], mmfast_ids(model, captions), strict=True):
+        assert row[: len(want)].tolist() == want and not row[len(want) :].any()  # open_clip pads with [PAD]=0
+    assert float(theirs["logit_scale"]) == pytest.approx(float(model.model.logit_scale))
+    assert np.isnan(theirs["logit_bias"])  # the CLIP loss learns no bias
+    # open_clip's transform resizes the shorter side to the image size (crop ratio 1), mmfast's eval to
+    # size / 0.875 (a tighter centre): the one difference between the two
+    wider = pil_transform({**model.config, "crop_ratio": 1.0})
+    want = torch.stack([wider(Image.open(p).convert("RGB")) for p in photos]).numpy()
+    np.testing.assert_allclose(theirs["own_pixels"], want, atol=1e-6)
+
+
+def test_transformers_loads_the_export_and_embeds_as_mmfast(tiny_clip, prepared, photos, tmp_path):
+    inputs, ours = mmfast_inputs(tiny_clip.parent / "model", prepared, photos, tmp_path)
+    theirs = run_peer("hf_embed", tiny_clip / "hf", inputs, tmp_path)
+    assert str(theirs["kind"]) == "TimmWrapperForImageClassification+BertModel"
+    assert_same_embeddings(ours, theirs)  # sentence-transformers' text embeddings
+    assert_same_embeddings(ours, theirs, key="text_transformers")  # transformers alone, pooled and projected
+    # the image processor's pixels are mmfast's eval preprocessing (bilinear resize, centre crop, mean/std)
+    model = ours["model"]
+    want = torch.stack([pil_transform(model.config)(Image.open(p).convert("RGB")) for p in photos]).numpy()
+    np.testing.assert_allclose(theirs["own_pixels"], want, atol=1e-6)
+    towers = json.loads((tiny_clip / "hf" / "towers.json").read_text())
+    assert towers["embed_dim"] == 16 and towers["logit_scale"] == pytest.approx(float(model.model.logit_scale))
+
+
+def _model_dir(prepared: Path, tmp_path: Path, **fields) -> Path:
+    """A model directory of random weights (the prepared set's tokenizer), config.json's fields as given."""
+    from mmfast.data.tokenizer import load_tokenizer
+    from mmfast.infer.model_dir import MmfastModel, save_model_dir
+
+    labels = json.loads((prepared / "labels.json").read_text())
+    config = {
+        "model": "clip", "task": "contrastive", "loss": "clip", "embed_dim": 16, "num_classes": len(labels),
+        "class_names": sorted(labels, key=labels.get), "image_backbone": "resnet10", "text_model": "bert-tiny",
+        "vocab_size": len(load_tokenizer(prepared / "tokenizer")), "hidden": 32, "dropout": 0.1,
+        "image_size": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "max_length": 32,
+    } | fields  # fmt: skip
+    torch.manual_seed(0)
+    net = MmfastModel(config)
+    return save_model_dir(tmp_path / "model", net.model.state_dict(), net.config, prepared / "tokenizer")
+
+
+@pytest.mark.parametrize(
+    ("fields", "fmt", "words"),
+    [
+        ({}, "open_clip", ["image backbone 'resnet10'", "timm's resnet18 with {'layers': [1, 1, 1, 1]}"]),
+        ({"model": "concat"}, "open_clip", ["holds image-text dual encoders", "'concat' model is a classifier"]),
+        ({"model": "concat"}, "all", ["holds image-text dual encoders", "--format hf"]),
+    ],
+)
+def test_a_format_that_cannot_hold_the_model_is_refused_before_anything_is_written(
+    fields, fmt, words, prepared, tmp_path, capsys
+):
+    import tools.export as export_tool
+
+    model_dir = _model_dir(prepared, tmp_path, **fields)
+    out = tmp_path / "export"
+    assert export_tool.main(["--model", str(model_dir), "--out", str(out), "--format", fmt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --format {'open_clip' if fmt == 'all' else fmt}") and err.count("\n") == 1
+    for w in words:
+        assert w in err
+    assert "--format onnx or --format torch" in err or "--format onnx or torch" in err
+    assert not out.exists()
+
+
+def test_a_torchvision_resnet_tower_goes_to_transformers_as_timm_builds_it(prepared, tmp_path):
+    """ResNet-10 (torchvision's blocks) has no timm name: the hf folder names timm's resnet18 with one block a
+    stage, and transformers' TimmWrapper builds it and gives mmfast's features (its head the projection)."""
+    import tools.export as export_tool
+    from transformers import AutoModel, AutoModelForImageClassification
+
+    model = load_model(_model_dir(prepared, tmp_path))
+    out = tmp_path / "export"
+    assert export_tool.main(["--model", str(tmp_path / "model"), "--out", str(out), "--format", "hf"]) == 0
+    config = json.loads((out / "hf" / "image" / "config.json").read_text())
+    assert (config["architecture"], config["model_args"]) == ("resnet18", {"layers": [1, 1, 1, 1]})
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = AutoModelForImageClassification.from_pretrained(out / "hf" / "image").eval()(pixel_values=pixels)
+        pooled = AutoModel.from_pretrained(out / "hf" / "image").eval()(pixel_values=pixels).pooler_output
+        features, _ = model.model.image(pixels)
+    torch.testing.assert_close(pooled, features, rtol=1e-5, atol=1e-5)
+    got = torch.nn.functional.normalize(logits.logits, dim=-1)
+    torch.testing.assert_close(got, model.model.encode_image(pixels), rtol=1e-5, atol=1e-5)
+
+
+def test_a_classifier_exports_its_towers_without_projections(prepared, tmp_path):
+    """A fusion classifier's --format hf: its image and text towers as transformers models (features, no head);
+    the fusion head is not there (towers.json names no embedding)."""
+    import tools.export as export_tool
+    from transformers import AutoModel, AutoTokenizer
+
+    model = load_model(_model_dir(prepared, tmp_path, model="concat"))
+    out = tmp_path / "export"
+    argv = ["--model", str(tmp_path / "model"), "--out", str(out), "--format", "hf"]
+    assert export_tool.main(argv) == 0
+    towers = json.loads((out / "hf" / "towers.json").read_text())
+    assert towers == {"format": "mmfast-towers/1", "model": "concat", "image": "image", "text": "text"}
+    assert not (out / "hf" / "text" / "2_Dense").exists()
+    tok = AutoTokenizer.from_pretrained(out / "hf" / "text")
+    batch = tok(["a red circle", "two small blue squares"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        states = AutoModel.from_pretrained(out / "hf" / "text").eval()(**batch).last_hidden_state
+        pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        pooled = AutoModel.from_pretrained(out / "hf" / "image").eval()(pixel_values=pixels).pooler_output
+        want_text = model.model.text(batch["input_ids"], batch["attention_mask"])
+        want_image, _ = model.model.image(pixels)
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    torch.testing.assert_close((states * mask).sum(1) / mask.sum(1), want_text, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pooled, want_image, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_default_clip_preset_goes_to_open_clip_and_transformers(demo_manifest, prepared, photos, tmp_path):
+    """``mmfast-train --model clip`` with its default preset (EfficientNet-Lite0 locked + all-MiniLM-L6-v2, the
+    captions tokenized with MiniLM's vocabulary): both exports reproduce mmfast's embeddings and retrieval."""
+    import tools.export as export_tool
+    import tools.train as train_tool
+
+    run = tmp_path / "run"
+    argv = ["--data", str(demo_manifest), "--out", str(run), "--model", "clip", "--epochs", "1", "--no-progress"]
+    assert train_tool.main(argv) == 0
+    config = json.loads((run / "model" / "config.json").read_text())
+    assert (config["image_backbone"], config["text_model"]) == ("efficientnet-lite0", "minilm")
+    out = run / "export"
+    assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "open_clip,hf"]) == 0
+    inputs, ours = mmfast_inputs(run / "model", run / "prepared", photos, tmp_path)
+    for script, folder in (("open_clip_embed", out / "open_clip"), ("hf_embed", out / "hf")):
+        theirs = run_peer(script, folder, inputs, tmp_path)
+        assert_same_embeddings(ours, theirs)
+    oc = json.loads((out / "open_clip" / "open_clip_config.json").read_text())["model_cfg"]
+    assert (oc["vision_cfg"]["timm_model_name"], oc["text_cfg"]["hf_pooler_type"]) == (
+        "tf_efficientnet_lite0",
+        "mean_pooler",
+    )
