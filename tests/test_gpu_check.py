@@ -84,6 +84,7 @@ def test_a_missing_part_is_named(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the dry run's own --budget: its steps are time-boxed inside it
 def test_dry_run_runs_every_step_and_packs_their_outputs(tmp_path):
     res, out, summary = _check(["--dry-run", "--budget", "900"], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -157,7 +157,8 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         Step(
             "profile",
             [py, "tools/profile_run.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
-            + ["--steps", "3" if dry else "30", "--out", str(work / "profile"), "--no-progress"],
+            + ["--steps", "3" if dry else "30", "--warmup", "1" if dry else "5"]
+            + ["--out", str(work / "profile"), "--no-progress"],
             120,
             "where step time goes, GPU utilization, verdict",
             ["profile/profile.json"],
@@ -166,6 +167,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
             "profile-graphs",
             [py, "tools/profile_run.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
             + ["--compile-mode", "reduce-overhead", "--steps", "3" if dry else "40"]
+            + ["--warmup", "1" if dry else "5"]
             + ["--out", str(work / "profile-graphs"), "--no-progress"],
             300,
             "#31: the same at batch 64 with CUDA graphs (compiled, captions padded to buckets): GPU busy >= 85%?",
