@@ -389,6 +389,19 @@ def test_a_skipped_image_is_masked_and_labelled_minus_100(folder, tmp_path):
     assert batches[0].labels.tolist() == [7, 7, -100, 7] and batches[0].ids.tolist() == [0, 1, -1, 3]
 
 
+def test_a_streamed_picture_over_the_pixel_budget_is_skipped_wherever_the_epoch_reads_it(folder, tmp_path):
+    """Its header is read when its batch is watched, a few batches ahead of DALI's reader: the stream is
+    reopened without it, so it is never decoded, and never served with its id."""
+    files = sorted(str(p) for p in folder.glob("*/*.jpg"))[:20]
+    huge = tmp_path / "huge.png"
+    Image.new("RGB", (400, 300), (200, 30, 30)).save(huge)
+    files[17] = str(huge)  # in the fifth batch of 4: past the first batches watched when the stream opens
+    loader = ImageLoader(files, batch_size=4, size=32, max_pixels=40_000, num_workers=2, cache_decoded=False)
+    ids = torch.cat([b.ids for b in loader]).tolist()
+    assert ids == [i if i != 17 else -1 for i in range(20)]
+    assert [s["id"] for s in loader.skipped] == [17] and "over the 0.04 MP budget" in loader.skipped[0]["reason"]
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_batches_are_decoded_there_and_close_to_the_dataloaders(folder, capsys):
     """The default device is the current GPU (nvJPEG, DALI's resize there): tuples, partial last batches,
