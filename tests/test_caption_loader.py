@@ -125,6 +125,11 @@ def test_tables_are_read_as_open_clip_reads_them(pictures, tmp_path):
         read_captioned(table, sep="\t", caption_key="caption")
     with pytest.raises(ValueError, match="columns are filepath\ttitle"):
         read_captioned(table, sep=",")  # the wrong separator: one column, named in the message
+    other = tmp_path / "train.txt"  # open_clip_train's --dataset-type csv reads any name; a BOM is no column
+    other.write_text("\ufefffilepath,title\n" + "".join(f"{r['path']},\"{r['text']}, too\"\n" for r in pictures))
+    assert read_captioned(other, sep=",").captions == [r["text"] + ", too" for r in pictures]
+    with pytest.raises(ValueError, match="or give sep= for a CSV of another name"):
+        read_captioned(other)
 
 
 # -- the trainer's preprocess -------------------------------------------------------------------------------

@@ -81,15 +81,19 @@ def read_captioned(
 
 
 def _read_table(path: Path, image_key: str | None, caption_key: str | None, sep: str | None) -> list[tuple]:
-    """(path, caption) of each row of a CSV / TSV / JSONL table."""
+    """(path, caption) of each row of a CSV / TSV / JSONL table (any other name is a CSV when ``sep`` is
+    given, as open_clip_train's ``--dataset-type csv`` reads it)."""
     suffix = path.suffix.lower()
-    if suffix not in TABLE_SUFFIXES:
-        raise ValueError(f"{path}: a table of captioned pictures is a {', '.join(TABLE_SUFFIXES)} file")
+    if suffix not in TABLE_SUFFIXES and sep is None:
+        raise ValueError(
+            f"{path}: a table of captioned pictures is a {', '.join(TABLE_SUFFIXES)} file (or give sep= for a "
+            "CSV of another name)"
+        )
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if suffix == ".jsonl":
         records = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for k, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -98,7 +102,7 @@ def _read_table(path: Path, image_key: str | None, caption_key: str | None, sep:
                         raise ValueError(f"{path}: line {k} is not JSON ({e.msg})") from None
         columns = list(records[0]) if records else []
     else:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is not a column's name
             reader = csv.DictReader(f, delimiter=sep or TABLE_SUFFIXES[suffix])
             records, columns = list(reader), list(reader.fieldnames or [])
     image_key = _column(path, columns, image_key, IMAGE_KEYS, "image")
