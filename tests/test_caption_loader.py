@@ -268,6 +268,12 @@ def test_batches_are_finished_off_the_training_thread_and_a_break_stops_the_prod
     assert finishing and threading.current_thread().name not in finishing
     assert not [t for t in threading.enumerate() if t.name == "mmfast-captions"]  # the break stopped it
     assert sum(len(b.ids) for b in loader) == N and loader.epoch == 2  # epoch 1, whole
+    older = iter(loader)
+    next(older)
+    newer = iter(loader)
+    with pytest.raises(RuntimeError, match="a newer iter\\(loader\\) replaced it"):
+        next(older)
+    assert sum(len(b.ids) for b in newer) == N
 
 
 @pytest.mark.parametrize("epochs, held", [(1, [False, False]), (None, [False, True]), (3, [True, True])])

@@ -79,6 +79,11 @@ class Prefetcher:
 
     def _get(self):
         while True:
+            if self._stop.is_set():
+                raise RuntimeError(
+                    "this iterator was stopped: a newer iter(loader) replaced it (the loader reads one epoch at a "
+                    "time); finish or drop one before starting the next"
+                )
             try:
                 return self._queue.get(timeout=_POLL_S)
             except queue.Empty:
