@@ -287,3 +287,10 @@ def test_pictures_are_held_decoded_only_when_an_epoch_reads_them_again(
         assert sum(len(b.ids) for b in loader) == N
         seen.append(loader.images.holds_decoded)
     assert seen == held
+    again = CaptionLoader(write_csv(tmp_path / "t.csv", pictures), tokenizer=tokenizer, sep="\t", size=SIZE,
+                          batch_size=4, shuffle=True, epochs=epochs, num_workers=2)  # fmt: skip
+    assert sum(len(b.ids) for b in again) == N
+    for _ in again:  # the second epoch, left early ...
+        break
+    images = again.images
+    assert sum(len(b.ids) for b in again) == N and again.images is images  # ... is the image loader of the third

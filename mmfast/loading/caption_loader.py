@@ -129,6 +129,7 @@ class CaptionLoader:
             max_pixels=max_pixels, **image_options,
         )  # fmt: skip
         self._epochs_done = 0  # epochs this loader has read to their end
+        self._renewed = False  # the image loader was made anew for a second epoch (``_next_images``)
         self._skipped: dict[int, dict] = {}  # row id -> its entry, over every image loader used
         self.images = self._image_loader(self._cache_setting())
         self._prefetcher: Prefetcher | None = None
@@ -147,7 +148,7 @@ class CaptionLoader:
         """Rows of the table (open_clip_train's ``num_samples``: the dataset's size)."""
         return len(self.files)
 
-    epoch = property(lambda self: self.images.epoch, doc="The epoch the next iter() reads.")
+    epoch = property(lambda self: self.images.epoch, doc="The image loader's epoch (``ImageLoader.epoch``).")
     shard_id = property(lambda self: self.images.shard_id)
     num_shards = property(lambda self: self.images.num_shards)
     device = property(lambda self: self.images.device)
@@ -186,9 +187,9 @@ class CaptionLoader:
         """The image loader for the next epoch: a new one holding decoded pictures once a run of unknown
         length reads them a second time, at the epoch the old one was at."""
         setting = self._cache_setting()
-        if self._epochs_done != 1 or self.epochs is not None or setting is False:
+        if self._renewed or not self._epochs_done or self.epochs is not None or setting is False:
             return self.images
-        old = self.images
+        self._renewed, old = True, self.images
         self._remember_skipped()
         epoch = old.epoch + (1 if 0 < old.step < len(old) else 0)
         fresh = self._image_loader(setting)
