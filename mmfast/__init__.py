@@ -1,9 +1,9 @@
 """mmfast: fast multimodal (image + text) training.
 
-The pieces most users touch: ``MultimodalLoader`` / ``ImageLoader`` (DALI loaders), ``TokenCache``,
-``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``LoopProfiler`` (the
-profiler's verdict on your own loop), ``load_model`` (a trained run's model directory). The command-line entry
-points live in ``mmfast.cli``.
+The pieces most users touch: ``MultimodalLoader`` / ``ImageLoader`` / ``CaptionLoader`` (DALI loaders),
+``TokenCache``, ``build_model`` (fusion models), ``mmfast.train.train`` (the Accelerate loop), ``LoopProfiler``
+(the profiler's verdict on your own loop), ``load_model`` (a trained run's model directory). The command-line
+entry points live in ``mmfast.cli``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ moved.install()  # the modules that moved in 0.2 keep their old names (mmfast.ut
 # Imported on first use (PEP 562): `import mmfast.cli.train` must not pull in torch and DALI, so that a
 # command's --help is quick and a Ctrl-C during start-up lands under the command's own handler.
 _LAZY = {
+    "CaptionLoader": "mmfast.loading.caption_loader",
     "ImageLoader": "mmfast.loading.image_loader",
     "LoopProfiler": "mmfast.train.loop_profiler",
     "MultimodalLoader": "mmfast.loading.multimodal",
@@ -28,6 +29,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from mmfast.loading.caption_loader import CaptionLoader
     from mmfast.data.token_cache import TokenCache
     from mmfast.infer.model_dir import MmfastModel, load_model
     from mmfast.loading.image_loader import ImageLoader
@@ -43,6 +45,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CaptionLoader",
     "ImageLoader",
     "LoopProfiler",
     "MmfastModel",

@@ -168,8 +168,8 @@ def test_torchvision_transforms_become_loader_arguments(tv):
         (T.Compose([T.RandomCrop(32), T.ToTensor()]), "RandomCrop"),
         (T.Compose([T.Resize((64, 64)), T.ToTensor()]), "only Resize\\(int\\)"),
         (
-            T.Compose([T.Resize(73, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(64), T.ToTensor()]),
-            "bilinear",
+            T.Compose([T.Resize(73, interpolation=T.InterpolationMode.NEAREST), T.CenterCrop(64), T.ToTensor()]),
+            "only bilinear and bicubic",
         ),
         (T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip(0.2), T.ToTensor()]), "probability 0.5"),
         (T.Compose([T.Resize(73), T.CenterCrop(64), T.PILToTensor()]), "never converts the image to floats"),
@@ -387,6 +387,19 @@ def test_a_skipped_image_is_masked_and_labelled_minus_100(folder, tmp_path):
     batches = list(ImageLoader(files, [7] * 6, batch_size=4, size=32))
     assert [b.mask.tolist() for b in batches] == [[True, True, False, True], [True, True]]
     assert batches[0].labels.tolist() == [7, 7, -100, 7] and batches[0].ids.tolist() == [0, 1, -1, 3]
+
+
+def test_a_streamed_picture_over_the_pixel_budget_is_skipped_wherever_the_epoch_reads_it(folder, tmp_path):
+    """Its header is read when its batch is watched, a few batches ahead of DALI's reader: the stream is
+    reopened without it, so it is never decoded, and never served with its id."""
+    files = sorted(str(p) for p in folder.glob("*/*.jpg"))[:20]
+    huge = tmp_path / "huge.png"
+    Image.new("RGB", (400, 300), (200, 30, 30)).save(huge)
+    files[17] = str(huge)  # in the fifth batch of 4: past the first batches watched when the stream opens
+    loader = ImageLoader(files, batch_size=4, size=32, max_pixels=40_000, num_workers=2, cache_decoded=False)
+    ids = torch.cat([b.ids for b in loader]).tolist()
+    assert ids == [i if i != 17 else -1 for i in range(20)]
+    assert [s["id"] for s in loader.skipped] == [17] and "over the 0.04 MP budget" in loader.skipped[0]["reason"]
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ torchvision equivalent of the pipeline, tuple batches (``Batch``) and ``loader.d
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ PIPELINE_OPTIONS = (
     "flip",
     "color_jitter",
     "crop_ratio",
+    "interpolation",
     "mean",
     "std",
     "hw_decoder_load",
@@ -49,8 +51,8 @@ DATALOADER_REFUSED = {
     "generator": "pass seed=N: epoch e's order is torch.randperm seeded by N + e, as DistributedSampler's",
     "transform": (
         "the loader's own pipeline replaces it: set size=, train=, scale=, ratio=, flip=, crop_ratio= "
-        "(eval resize = size / crop_ratio), mean=, std= (0..255 scale); loader.torchvision_transform() "
-        "shows the equivalent torchvision transform"
+        "(eval resize = size / crop_ratio), interpolation=, mean=, std= (0..255 scale); "
+        "loader.torchvision_transform() shows the equivalent torchvision transform"
     ),
     "target_transform": "map the labels yourself: ImageLoader(files, [f(y) for y in labels], ...)",
 }
@@ -108,18 +110,47 @@ def split_options(cls_name: str, kwargs: dict) -> tuple[dict, dict]:
 
 
 _CONVERSIONS = ("ToTensor", "PILToTensor", "ToImage", "ToPureTensor", "ConvertImageDtype", "ToDtype")
+INTERPOLATIONS = ("bilinear", "bicubic")  # the resizes the graph and the host finishing reproduce
+# Steps of open_clip's preprocess (open_clip.transform) and what they are here: the loader decodes to RGB and
+# converts to floats itself.
+_OPEN_CLIP_STEPS = {"MaybeConvertMode": "rgb", "_convert_to_rgb": "rgb", "MaybeToTensor": "ToTensor"}
+
+
+def _step_name(op) -> str:
+    """The name a step of a transform is known by here: a torchvision class's, or the torchvision equivalent
+    of an open_clip step ("rgb" for its conversion to RGB); refuses any other step."""
+    plain = isinstance(op, types.FunctionType)  # open_clip's _convert_to_rgb is a function
+    name = op.__name__ if plain else type(op).__name__
+    module = op.__module__ if plain else type(op).__module__
+    if module.split(".")[0] == "open_clip" and name in _OPEN_CLIP_STEPS:
+        if name == "MaybeConvertMode" and getattr(op, "mode", "RGB") != "RGB":
+            _unsupported(op, "the loader decodes to RGB")
+        return _OPEN_CLIP_STEPS[name]
+    if not module.startswith("torchvision.transforms"):
+        _unsupported(op, "it is not a torchvision transform")
+    return name
+
+
+def _interpolation(op) -> str:
+    """ "bilinear" or "bicubic": the resize of a RandomResizedCrop / Resize step."""
+    mode = str(getattr(op.interpolation, "value", op.interpolation)).lower()
+    if mode not in INTERPOLATIONS:
+        _unsupported(op, "only bilinear and bicubic resizing are reproduced")
+    return mode
 
 
 def options_from_transform(transform) -> dict:
-    """The ``ImageLoader`` arguments that make its pipeline do what a torchvision transform (v1 or v2) does.
+    """The ``ImageLoader`` arguments that make its pipeline do what a torchvision transform (v1 or v2), or
+    open_clip's preprocess, does.
 
     Understood: train ``RandomResizedCrop(S)`` [+ ``RandomHorizontalFlip()``] [+ ``ColorJitter(j, j, j)``];
-    eval ``Resize(R)`` + ``CenterCrop(S)``; then ``ToTensor()`` (or ``PILToTensor``/``ToImage`` +
-    ``ConvertImageDtype``/``ToDtype(..., scale=True)``) and ``Normalize(mean, std)``, bilinear resizing.
+    eval ``Resize(R)`` + ``CenterCrop(S)``; bilinear or bicubic; then ``ToTensor()`` (or
+    ``PILToTensor``/``ToImage`` + ``ConvertImageDtype``/``ToDtype(..., scale=True)``) and ``Normalize(mean,
+    std)``. open_clip's conversions to RGB and to a tensor are the loader's own.
 
     Returns:
         a dict of ``train``, ``size``, ``dtype`` and the image options (scale, ratio, flip, color_jitter,
-        crop_ratio, mean, std), all set.
+        crop_ratio, interpolation, mean, std), all set.
 
     Raises:
         ValueError naming the first step the pipeline cannot reproduce, and what it can.
@@ -129,11 +160,11 @@ def options_from_transform(transform) -> dict:
     resize = crop = None
     scale_to_unit = None  # after a float conversion: True if it divided by 255 (ToTensor), False if not
     for op in steps:
-        name = type(op).__name__
-        if not type(op).__module__.startswith("torchvision.transforms"):
-            _unsupported(op, "it is not a torchvision transform")
-        if name in ("RandomResizedCrop", "Resize") and "bilinear" not in str(op.interpolation).lower():
-            _unsupported(op, "only bilinear resizing is reproduced")
+        name = _step_name(op)
+        if name in ("RandomResizedCrop", "Resize"):
+            interpolation = _interpolation(op)
+            if found.setdefault("interpolation", interpolation) != interpolation:
+                _unsupported(op, "one transform resizes with one interpolation")
         if name == "RandomResizedCrop":
             found.update(train=True, size=_square(op, op.size), scale=tuple(op.scale), ratio=tuple(op.ratio))
         elif name == "RandomHorizontalFlip":
@@ -165,13 +196,20 @@ def options_from_transform(transform) -> dict:
             unit = 255.0 if scale_to_unit else 1.0
             found["mean"] = tuple(float(m) * unit for m in _three(op, op.mean))
             found["std"] = tuple(float(s) * unit for s in _three(op, op.std))
-        else:
+        elif name != "rgb":  # the loader decodes to RGB anyway
             _unsupported(op, "the pipeline does random-resized-crop + flip (+ color jitter) for training")
+    return _finish_options(found, resize, crop, scale_to_unit)
+
+
+def _finish_options(found: dict, resize: int | None, crop: int | None, scale_to_unit: bool | None) -> dict:
+    """``options_from_transform``'s answer once every step is read: the defaults of what the transform did not
+    say, and the eval geometry; refuses a transform that is neither a train nor an eval transform."""
     if scale_to_unit is None:
         raise ValueError(
             "the dataset's transform never converts the image to floats; ImageLoader's images are float: add "
             "ToTensor() (or ToDtype(torch.float32, scale=True)) and Normalize if you want them"
         )
+    found.setdefault("interpolation", "bilinear")
     if "mean" not in found:  # no Normalize: 0..1 values after ToTensor, 0..255 after an unscaled conversion
         found["mean"], found["std"] = (0.0,) * 3, (255.0 if scale_to_unit else 1.0,) * 3
     if found.get("train"):
@@ -204,8 +242,9 @@ def _unsupported(op, why: str):
     raise ValueError(
         f"ImageLoader cannot reproduce {op!r} of the dataset's transform: {why}. It reproduces "
         "RandomResizedCrop(S) [+ RandomHorizontalFlip()] [+ ColorJitter(j, j, j)] or Resize(R) + CenterCrop(S), "
-        "then ToTensor() and Normalize(mean, std); change the transform, or give its equivalent as "
-        "ImageLoader.from_folder(root, size=..., train=..., mean=..., std=...) and accept the difference"
+        "bilinear or bicubic, then ToTensor() and Normalize(mean, std); change the transform, or give its "
+        "equivalent as ImageLoader.from_folder(root, size=..., train=..., mean=..., std=...) and accept the "
+        "difference"
     )
 
 
@@ -348,20 +387,24 @@ class ImageFiles(torch.utils.data.Dataset):
 def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: dict):
     """The torchvision (v2) transform doing to one PIL image what ``image_pipeline`` does with these
     ``options`` (PIPELINE_OPTIONS; mean and std in 0..255 units): train: RandomResizedCrop + flip (+ jitter);
-    eval: Resize(round(size / crop_ratio)) + CenterCrop(size); then normalize, as ``dtype``."""
+    eval: Resize(round(size / crop_ratio)) + CenterCrop(size), with the ``interpolation``; then normalize, as
+    ``dtype``."""
     from torchvision.transforms import v2
 
+    mode = v2.InterpolationMode(options.get("interpolation", "bilinear"))
     mean = [m / 255 for m in options.get("mean", IMAGENET_MEAN)]
     std = [s / 255 for s in options.get("std", IMAGENET_STD)]
     if train:
-        ops = [v2.RandomResizedCrop(size, options.get("scale", (0.08, 1.0)), options.get("ratio", (3 / 4, 4 / 3)))]
+        scale, ratio = options.get("scale", (0.08, 1.0)), options.get("ratio", (3 / 4, 4 / 3))
+        ops = [v2.RandomResizedCrop(size, scale, ratio, interpolation=mode)]
         if options.get("flip", True):
             ops.append(v2.RandomHorizontalFlip())
         jitter = options.get("color_jitter", 0.0)
         if jitter > 0:
             ops.append(v2.ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter))
     else:
-        ops = [v2.Resize(round(size / options.get("crop_ratio", EVAL_CROP_RATIO))), v2.CenterCrop(size)]
+        shorter = round(size / options.get("crop_ratio", EVAL_CROP_RATIO))
+        ops = [v2.Resize(shorter, interpolation=mode), v2.CenterCrop(size)]
     ops += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std), v2.ToDtype(dtype)]
     return v2.Compose(ops)
 

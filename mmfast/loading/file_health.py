@@ -144,22 +144,23 @@ class FileHealth:
         fresh = known[:, 0] == _UNKNOWN
         suspect = (now[:, 0] <= 0) | (~fresh & (now != known).any(axis=1))
         self._known[todo[fresh & ~suspect]] = now[fresh & ~suspect]
-        self._check_budget(todo[fresh & ~suspect].tolist())
+        over = self._check_budget(todo[fresh & ~suspect].tolist())
         suspects = todo[suspect].tolist()
         if suspects:
             log.info("%d image file(s) missing or changed since they were checked: checking them", len(suspects))
             self._check(suspects)
             good = [p for p in suspects if p not in self.bad]
             self._known[good] = _stat_files([self.files[p] for p in good])
-        return suspects
+        return suspects + over
 
-    def _check_budget(self, positions: list[int]) -> None:
+    def _check_budget(self, positions: list[int]) -> list[int]:
         """Files seen for the first time (nobody validated them: a drop-in's) over the decoded-pixel budget, read
-        from their headers, are bad: one small PNG can declare a 600 MP image."""
+        from their headers, are bad: one small PNG can declare a 600 MP image. Returns their positions."""
         reasons = [pixel_budget_reason(self.files[p], self.max_pixels) for p in positions]  # threads: no faster
         over = [(p, r) for p, r in zip(positions, reasons, strict=True) if r]
         if over:
             self.mark_bad(*map(list, zip(*over, strict=True)))
+        return [p for p, _ in over]
 
     def check_window(self, positions: np.ndarray) -> bool:
         """After DALI failed: check the not yet known-bad files at ``positions`` (-1 = padding); True when

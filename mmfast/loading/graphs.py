@@ -28,6 +28,7 @@ READER_NAME = "Reader"
 # until every file has been read once (``image_loader.dali_batch_size``), and ``cache_decoded`` fills in
 # smaller batches.
 DALI_SAFE_BATCH = 31
+_INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}  # the resizes a loader offers
 
 
 def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: int, size_hint: int) -> dict:
@@ -77,6 +78,7 @@ def process_images(
     flip: bool = True,
     color_jitter: float = 0.0,
     crop_ratio: float = EVAL_CROP_RATIO,
+    interpolation: str = "bilinear",
     fp16: bool = True,
     mean: tuple[float, float, float] = IMAGENET_MEAN,
     std: tuple[float, float, float] = IMAGENET_STD,
@@ -95,11 +97,12 @@ def process_images(
         flip draws (B,) int32).
     """
     dec = _decoder_kwargs(decode_device, hw_decoder_load, memory_padding, size_hint)
+    interp = _INTERP[interpolation]
     mirror = 0
     if train:
         images, coin, jitter = _random_crop(encoded, draws, scale, ratio, decode_device, dec)
         if not finish_on_host:
-            images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
+            images = fn.resize(images, resize_x=size, resize_y=size, antialias=True, interp_type=interp)
         if flip:
             mirror = coin
         if color_jitter > 0:
@@ -114,7 +117,7 @@ def process_images(
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
         if finish_on_host:
             return images, fn.random.coin_flip(probability=0.0, dtype=types.INT32)
-        images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True)
+        images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True, interp_type=interp)
         crop = (size, size)
     return fn.crop_mirror_normalize(
         images,
@@ -139,6 +142,7 @@ def image_pipeline(
     flip: bool = True,
     color_jitter: float = 0.0,
     crop_ratio: float = EVAL_CROP_RATIO,
+    interpolation: str = "bilinear",
     fp16: bool = True,
     mean: tuple[float, float, float] = IMAGENET_MEAN,
     std: tuple[float, float, float] = IMAGENET_STD,
@@ -160,6 +164,7 @@ def image_pipeline(
         scale, ratio: area fraction and aspect-ratio ranges of the random crop.
         color_jitter: strength of brightness/contrast/saturation jitter (0: off).
         crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
+        interpolation: the resize's filter, "bilinear" or "bicubic" (antialiased either way).
         fp16: emit float16 (else float32).
         hw_decoder_load, memory_padding, size_hint: GPU decoder knobs.
         finish_on_host: stop after the decode (train: of the random crop, + jitter) and return the decoded
@@ -184,6 +189,7 @@ def image_pipeline(
         flip=flip,
         color_jitter=color_jitter,
         crop_ratio=crop_ratio,
+        interpolation=interpolation,
         fp16=fp16,
         mean=mean,
         std=std,

@@ -1,8 +1,8 @@
 """The end of the CPU image path, on the host: antialiased resize, flip and normalize of DALI's output.
 
 Why not in the DALI graph: on the CPU, DALI's antialiased resize costs about as much as the ROI decode
-itself and its crop_mirror_normalize half as much again, while torch's uint8 antialiased bilinear kernel
-(the one torchvision uses, close to PIL's) and a per-channel normalize pass do the same work several
+itself and its crop_mirror_normalize half as much again, while torch's uint8 antialiased bilinear (or bicubic)
+kernel (the one torchvision uses, close to PIL's) and a per-channel normalize pass do the same work several
 times faster (figures in docs/benchmarks/). So when decoding on the CPU the train graph stops after the fused
 decode + random crop (``image_pipeline(finish_on_host=True)``) and ``HostFinisher`` completes the batch:
 each image is resized, flipped and normalized while it is still in the core's cache, by the consuming
@@ -30,9 +30,12 @@ from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from mmfast.loading.options import CPU_RESIZE
 
 OUTPUTS = ["crops", "flips", "id"]  # what image_pipeline(finish_on_host=True) returns, in order
-# The out= form of F.interpolate(mode="bilinear", antialias=True): the aten op it dispatches to (None where a
-# torch lacks it: then F.interpolate itself).
-_RESIZE_OUT = getattr(getattr(torch.ops.aten, "_upsample_bilinear2d_aa", None), "out", None)
+# The out= form of F.interpolate(mode=..., antialias=True) for each interpolation: the aten op it dispatches to
+# (None where a torch lacks it: then F.interpolate itself).
+_RESIZE_OUT = {
+    mode: getattr(getattr(torch.ops.aten, f"_upsample_{mode}2d_aa", None), "out", None)
+    for mode in ("bilinear", "bicubic")
+}
 
 
 def ragged_iterator(pipe, **kwargs):
@@ -101,6 +104,7 @@ class HostFinisher:
         resize_shorter: None (train: each input is a crop, resized to S x S) or R >= S (eval: resize the
             shorter side to R, keeping the aspect ratio, then take the centre S x S).
         threads: threads finishing each batch, the calling one included.
+        interpolation: "bilinear" or "bicubic", antialiased (torch's uint8 kernels, close to PIL's).
     """
 
     def __init__(
@@ -111,12 +115,16 @@ class HostFinisher:
         fp16: bool = True,
         resize_shorter: int | None = None,
         threads: int = 1,
+        interpolation: str = "bilinear",
     ):
         if resize_shorter is not None and resize_shorter < size:
             raise ValueError(f"resize_shorter ({resize_shorter}) must be >= size ({size}); is crop_ratio > 1?")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if interpolation not in _RESIZE_OUT:
+            raise ValueError(f"interpolation must be 'bilinear' or 'bicubic', got {interpolation!r}")
         self.size, self.resize_shorter, self.threads = size, resize_shorter, threads
+        self.interpolation = interpolation
         self._scale = torch.tensor([1.0 / s for s in std]).view(3, 1, 1)
         self._shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(3, 1, 1)
         self.dtype = torch.float16 if fp16 else torch.float32
@@ -184,12 +192,12 @@ class HostFinisher:
 
     def _resized(self, x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
         """``_resize(x)``, written into ``buffer`` ((1, 3, S, S)) for a train crop."""
-        s = self.size
-        if self.resize_shorter is not None or _RESIZE_OUT is None:
+        s, resize_out = self.size, _RESIZE_OUT[self.interpolation]
+        if self.resize_shorter is not None or resize_out is None:
             return self._resize(x)
         if tuple(x.shape[-2:]) == (s, s):
             return x
-        _RESIZE_OUT(x, [s, s], False, None, None, out=buffer)  # = F.interpolate(..., antialias=True)
+        resize_out(x, [s, s], False, None, None, out=buffer)  # = F.interpolate(..., antialias=True)
         return buffer
 
     def _resize(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +209,7 @@ class HostFinisher:
         else:  # the same rounding as the graph's resize_shorter + crop_mirror_normalize(crop=(S, S))
             size = (r, round(w * r / h)) if h <= w else (round(h * r / w), r)
         if (h, w) != size:
-            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+            x = F.interpolate(x, size=size, mode=self.interpolation, antialias=True, align_corners=False)
         if r is None:
             return x
         top, left = int((size[0] - s) / 2 + 0.5), int((size[1] - s) / 2 + 0.5)
@@ -222,7 +230,7 @@ class TorchvisionFinisher(HostFinisher):
         h, w = x.shape[-2:]
         size = (int(r * h / w), r) if w <= h else (r, int(r * w / h))  # torchvision's (H, W)
         if (h, w) != size:
-            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+            x = F.interpolate(x, size=size, mode=self.interpolation, antialias=True, align_corners=False)
         top, left = int(round((size[0] - s) / 2.0)), int(round((size[1] - s) / 2.0))
         return x[..., top : top + s, left : left + s]
 
@@ -251,7 +259,10 @@ def make_finisher(
         return None
     mean, std = options.get("mean", IMAGENET_MEAN), options.get("std", IMAGENET_STD)
     fp16 = dtype == torch.float16
-    finisher = EVAL_GEOMETRY[geometry](size, mean, std, fp16, resize_shorter=resize_shorter, threads=threads)
+    interpolation = options.get("interpolation", "bilinear")
+    finisher = EVAL_GEOMETRY[geometry](
+        size, mean, std, fp16, resize_shorter=resize_shorter, threads=threads, interpolation=interpolation
+    )
     finisher.streaming_threads = threads  # what it runs when no decoded cache frees the DALI threads
     finisher.dtype = dtype  # it allocates its output in this dtype (bfloat16 too)
     return finisher
