@@ -30,7 +30,9 @@ KERNEL = Path(__file__).with_name("docs_kernel.py")
 BLOCK_TIMEOUT_S = 240  # one block; the pages' examples are meant to take seconds
 TAIL_CHARS = 4000  # of a failing block's output, shown in the failure
 # A page whose blocks name one of these trains a model: it runs in the slow lane (--run-slow).
-TRAINS = re.compile(r"mmfast-train|mmfast-profile|accelerate launch|torchrun|mmfast\.train\b|tools/train\.py")
+TRAINS = re.compile(
+    r"mmfast-train|mmfast-profile|accelerate launch|torchrun|mmfast\.train\b|tools/train\.py|open_clip_data|optimizer\.step"
+)
 
 
 def fill_workdir(workdir: Path, data: Path) -> None:
