@@ -30,6 +30,7 @@ from test_remote import (  # noqa: E402, F401 - fixtures are used by name
     late_store,
     odd_server,
     proxy,
+    s3_forward_proxy,
     s3_proxy,
     s3_store,
 )
@@ -116,6 +117,13 @@ def test_503_twice_on_s3_is_retried_and_503_for_ever_stops_at_max_retries(s3_pro
     with pytest.raises(GenericError, match="after 3 retries"):
         _fetch(_s3(s3_proxy.url), key, tmp_path / "t")
     assert len(seen) == 3 + 4
+
+
+def test_with_a_proxy_in_the_environment_s3_is_read_through_it(s3_forward_proxy, s3_store, tmp_path):
+    """HTTP_PROXY names the FaultProxy; the endpoint is an address nothing listens on."""
+    key = "data/shard-00001.tar"
+    assert _fetch(_s3("http://127.0.0.3:9"), key, tmp_path / "p") == _sha(s3_store[1][key])
+    assert s3_forward_proxy.count(f"/{BUCKET}/{key}") == 1
 
 
 @pytest.mark.parametrize("status,error", [(403, PermissionDeniedError), (404, FileNotFoundError)])
