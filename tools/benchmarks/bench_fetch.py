@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     import boto3
 
     try:
-        import obstore  # noqa: F401
+        import obstore
     except ImportError:
         obstore = None
         print("obstore is not installed: its row is left out (pip install obstore)")
