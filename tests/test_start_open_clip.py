@@ -78,6 +78,9 @@ def test_open_clip_text_tower_embeds_as_open_clip_at_any_padded_width(custom_tex
         short = tok(CAPTIONS[:3], max_length=77, padding=True, return_tensors="pt")  # 12 tokens at most
         assert short["input_ids"].shape[1] < 16
         torch.testing.assert_close(ours(**short), want[:3], rtol=1e-5, atol=1e-5)
+        wide = TokenCache.build(tmp_path / "wide", "val", CAPTIONS, tok, max_length=100).gather(range(4), "max")
+        assert wide["input_ids"].shape[1] == 100  # --max-length beyond the context: rows still end at 77
+        torch.testing.assert_close(ours(**wide), want, rtol=1e-5, atol=1e-5)
     assert ours.record["kind"] == "open_clip" and float(ours.start["logit_scale"]) == pytest.approx(LOGIT_SCALE)
 
 

@@ -44,7 +44,8 @@ class OpenClipText(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = self.tower
-        width = input_ids.shape[1]  # L <= the context length: the token cache cuts rows there
+        input_ids = input_ids[:, : t.num_pos]  # rows end within the context: wider padding holds no token
+        width = input_ids.shape[1]
         x = t.token_embedding(input_ids).to(t.transformer.get_cast_dtype())  # (B, L, C)
         x = x + t.positional_embedding[:width].to(x.dtype)
         x = t.ln_final(t.transformer(x, attn_mask=t.attn_mask[:width, :width]))  # (B, L, C)
