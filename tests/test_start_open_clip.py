@@ -25,8 +25,8 @@ CAPTIONS = ["a red circle", "Two SMALL  blue squares &amp; a triangle", "a cat, 
 
 
 def native_open_clip_dir(root: Path, custom_text: bool = False) -> Path:
-    """A tiny open_clip CLIP (ViT image tower, open_clip's text transformer, random weights), saved with open_clip's
-    own config writer and weight file name."""
+    """A tiny open_clip CLIP (ViT image tower, open_clip's text transformer, random weights), saved with
+    open_clip's own config writer and weight file name."""
     import open_clip
     from open_clip.push_to_hf_hub import save_config_for_hf
     from safetensors.torch import save_file
@@ -34,8 +34,10 @@ def native_open_clip_dir(root: Path, custom_text: bool = False) -> Path:
     model_cfg = {
         "embed_dim": 16,
         "init_logit_scale": LOGIT_SCALE,
-        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2, "mlp_ratio": 2},
+        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16,
+                       "mlp_ratio": 2},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2,
+                     "mlp_ratio": 2},
         **({"custom_text": True} if custom_text else {}),
     }  # fmt: skip
     torch.manual_seed(0)
@@ -98,6 +100,20 @@ def test_open_clip_tokenizer_cuts_at_max_length_and_rebuilds_from_its_directory(
     assert tokenizer_fingerprint(again) == tokenizer_fingerprint(tok)
     assert again(CAPTIONS)["input_ids"] == tok(CAPTIONS)["input_ids"]
     assert tokenizer_fingerprint(OpenClipTokenizer(77, "whitespace")) != tokenizer_fingerprint(tok)
+
+
+def test_without_open_clip_the_start_says_which_extra_to_install(tmp_path, monkeypatch):
+    import sys
+
+    from mmfast.models.start_towers import text_tower_from
+
+    start = native_open_clip_dir(tmp_path)
+    for name in [m for m in sys.modules if m == "open_clip" or m.startswith("open_clip.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it now fails, as when it is not installed
+    monkeypatch.setitem(sys.modules, "open_clip", None)
+    for build in (load_tokenizer, text_tower_from):
+        with pytest.raises(ValueError, match=r"^\S+tiny-open_clip-native: .*pip install 'mmfast\[peers\]'"):
+            build(start)
 
 
 def test_a_text_tower_that_reads_the_full_context_is_refused(tmp_path):

@@ -49,7 +49,7 @@ class OpenClipTokenizer:
         except ImportError as e:
             raise ValueError("open_clip's tokenizer needs open_clip: pip install 'mmfast[peers]'") from e
         if clean not in CLEANINGS:
-            raise ValueError(f"open_clip tokenizer: unknown cleaning {clean!r}; choose from {', '.join(CLEANINGS)}")
+            raise ValueError(f"open_clip tokenizer: no cleaning {clean!r}; choose from {', '.join(CLEANINGS)}")
         self.vocab = str(vocab or default_bpe())
         self.context_length, self.clean = int(context_length), clean
         self._tok = SimpleTokenizer(bpe_path=self.vocab, context_length=self.context_length, clean=clean)
@@ -62,6 +62,7 @@ class OpenClipTokenizer:
         Raises:
             ValueError: the config asks for what this tokenizer does not do (a reduction mask, other tokens).
         """
+        _need_open_clip(where)
         kwargs = dict(text_cfg.get("tokenizer_kwargs") or {})
         other = sorted(set(kwargs) - {"clean"})
         if other:
@@ -72,6 +73,7 @@ class OpenClipTokenizer:
     def load(cls, path: str | os.PathLike) -> OpenClipTokenizer:
         """The tokenizer ``save_pretrained`` wrote into ``path``."""
         path = Path(path)
+        _need_open_clip(str(path))
         spec = json.loads((path / SPEC_FILE).read_text(encoding="utf-8"))
         if spec.get("format") != FORMAT:
             raise ValueError(f"{path / SPEC_FILE}: format {spec.get('format')!r}, expected {FORMAT!r}")
@@ -130,3 +132,15 @@ class OpenClipTokenizer:
         if return_tensors == "pt":
             return {"input_ids": ids, "attention_mask": mask}
         return {"input_ids": ids.tolist(), "attention_mask": mask.tolist()}
+
+
+def _need_open_clip(where: str) -> None:
+    """Raise a one-line error naming ``where`` and the extra to install when open_clip cannot be imported."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("open_clip.tokenizer") is not None
+    except (ImportError, ValueError):  # a parent package that cannot be imported
+        found = False
+    if not found:
+        raise ValueError(f"{where}: open_clip's tokenizer needs open_clip (pip install 'mmfast[peers]')")
