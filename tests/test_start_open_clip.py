@@ -24,7 +24,11 @@ MEAN, STD = (0.4, 0.45, 0.5), (0.3, 0.25, 0.2)
 CAPTIONS = ["a red circle", "Two SMALL  blue squares &amp; a triangle", "a cat, Chelsea", "x " * 60]
 
 
-def native_open_clip_dir(root: Path, custom_text: bool = False) -> Path:
+VIT = {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2}
+RESNET = {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8}  # open_clip's ModifiedResNet (RN50's kind)
+
+
+def native_open_clip_dir(root: Path, custom_text: bool = False, vision: dict = VIT) -> Path:
     """A tiny open_clip CLIP (ViT image tower, open_clip's text transformer, random weights), saved with
     open_clip's own config writer and weight file name."""
     import open_clip
@@ -34,8 +38,7 @@ def native_open_clip_dir(root: Path, custom_text: bool = False) -> Path:
     model_cfg = {
         "embed_dim": 16,
         "init_logit_scale": LOGIT_SCALE,
-        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16,
-                       "mlp_ratio": 2},
+        "vision_cfg": vision,
         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2,
                      "mlp_ratio": 2},
         **({"custom_text": True} if custom_text else {}),
@@ -46,6 +49,7 @@ def native_open_clip_dir(root: Path, custom_text: bool = False) -> Path:
     preprocess = {"size": 32, "mean": MEAN, "std": STD, "interpolation": "bicubic", "resize_mode": "shortest"}
     open_clip.model.set_model_preprocess_cfg(model, preprocess)
     out = root / ("tiny-open_clip-custom" if custom_text else "tiny-open_clip-native")
+    out = out.with_name(out.name + ("-resnet" if vision is RESNET else ""))
     out.mkdir(parents=True)
     save_config_for_hf(model, out / "open_clip_config.json", model_config=model_cfg)
     save_file(model.state_dict(), str(out / "open_clip_model.safetensors"))
@@ -84,6 +88,23 @@ def test_open_clip_text_tower_embeds_as_open_clip_at_any_padded_width(custom_tex
         assert wide["input_ids"].shape[1] == 100  # --max-length beyond the context: rows still end at 77
         torch.testing.assert_close(ours(**wide), want, rtol=1e-5, atol=1e-5)
     assert ours.record["kind"] == "open_clip" and float(ours.start["logit_scale"]) == pytest.approx(LOGIT_SCALE)
+
+
+@pytest.mark.parametrize("vision", [VIT, RESNET], ids=["vit", "modified-resnet"])
+def test_open_clip_image_tower_embeds_as_open_clip_with_its_preprocessing(vision, tmp_path):
+    from mmfast.models.start_dirs import start_preprocess
+    from mmfast.models.start_towers import image_tower_from
+
+    start = native_open_clip_dir(tmp_path, vision=vision)
+    theirs, _ = _open_clip(start)
+    ours = image_tower_from(start, freeze=True)
+    ours.train()  # a locked tower stays in eval mode (ModifiedResNet's batch norms keep their statistics)
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, _ = ours(pixels)
+        torch.testing.assert_close(got, theirs.encode_image(pixels), rtol=1e-5, atol=1e-5)
+    assert not ours.module.training and (ours.mean, ours.std) == (MEAN, STD)
+    assert start_preprocess(start) == {"image_size": 32, "mean": MEAN, "std": STD}
 
 
 def test_open_clip_tokenizer_cuts_at_max_length_and_rebuilds_from_its_directory(tmp_path):

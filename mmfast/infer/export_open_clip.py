@@ -12,6 +12,10 @@ absolute path, so a moved copy needs that field changed to its new place. Its ev
 shorter side to the image size and crops the centre; mmfast's evaluation resizes it to size / crop_ratio first
 (a tighter centre). open_clip cannot express that ratio: ``preprocess_cfg`` records the rest (size, mean, std,
 bilinear resize), and the pixels of mmfast's own preprocessing give the same embeddings in both.
+
+A model started from an open_clip directory goes back under that directory's config. With open_clip's own text
+transformer there are no tokenizer files: open_clip builds its SimpleTokenizer, and the context length is
+mmfast's max_length (the positional embeddings cut to it), so both cut a long caption at the same token.
 """
 
 from __future__ import annotations
