@@ -185,3 +185,14 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     capsys.readouterr()
     assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "hf"]) == 2
     assert "started from a open_clip model, which hf cannot build" in capsys.readouterr().err
+    assert export_tool.main(["--model", str(run / "model"), "--out", str(out / "both")]) == 2  # onnx and torch
+    err = capsys.readouterr().err
+    assert err.startswith("error: --format onnx: the text tower is open_clip's") and err.count("\n") == 1
+    assert not (out / "both").exists()
+    if locked:  # once: a torch.export program of each tower, at a caption length other than the example's
+        argv = ["--model", str(run / "model"), "--out", str(out / "pt2"), "--format", "torch"]
+        assert export_tool.main(argv) == 0
+        rows = torch.tensor(theirs["ids"][:3])  # open_clip's rows (3, 32), cut to the longest caption's width
+        ids = rows[:, : int((rows > 0).sum(1).max())]
+        text = torch.export.load(str(out / "pt2" / "text.pt2")).module()(ids, (ids > 0).long())
+        np.testing.assert_allclose(text.detach().numpy(), ours["text"][:3], atol=1e-5)

@@ -38,17 +38,24 @@ class OpenClipText(nn.Module):
         tower: open_clip's ``TextTransformer`` (``open_clip.model._build_text_tower``), causal, no class token.
     """
 
+    # torch.onnx's TorchScript exporter traces nn.MultiheadAttention with the example's caption length fixed
+    onnx_fixed_length = True
+
     def __init__(self, tower: nn.Module):
         super().__init__()
         self.tower = tower
+        self.max_positions = tower.num_pos  # the context length: a longer row is cut there
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = self.tower
-        input_ids = input_ids[:, : t.num_pos]  # rows end within the context: wider padding holds no token
-        width = input_ids.shape[1]
+        if input_ids.shape[1] > t.num_pos:  # rows end within the context: wider padding holds no token
+            input_ids = input_ids[:, : t.num_pos]
+        # the first L positions and causal mask rows, by index: an exported program keeps L dynamic
+        at = torch.arange(input_ids.shape[1], device=input_ids.device)  # (L,)
         x = t.token_embedding(input_ids).to(t.transformer.get_cast_dtype())  # (B, L, C)
-        x = x + t.positional_embedding[:width].to(x.dtype)
-        x = t.ln_final(t.transformer(x, attn_mask=t.attn_mask[:width, :width]))  # (B, L, C)
+        x = x + t.positional_embedding[at].to(x.dtype)
+        causal = t.attn_mask[at][:, at]  # (L, L): -inf above the diagonal
+        x = t.ln_final(t.transformer(x, attn_mask=causal))  # (B, L, C)
         if t.pool_type == "first":
             pooled = x[:, 0]
         else:  # the end-of-text token: the highest id (argmax), or the first id equal to eos_id

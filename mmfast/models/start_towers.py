@@ -74,6 +74,17 @@ class ImageStart(StartTower):
 class TextStart(StartTower):
     """``forward(input_ids, attention_mask)`` -> the caption's embedding (B, D)."""
 
+    @property
+    def max_positions(self) -> int | None:
+        """The positions the tower has (a caption's longest row), when it says."""
+        config = getattr(self.module, "config", None)
+        return getattr(self.module, "max_positions", None) or getattr(config, "max_position_embeddings", None)
+
+    @property
+    def onnx_fixed_length(self) -> bool:
+        """Whether an ONNX graph of the tower would take only the example's caption length."""
+        return bool(getattr(self.module, "onnx_fixed_length", False))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.record["kind"] == "open_clip":
             # open_clip's HFTextEncoder masks the tokenizer's pad id itself; its own transformer is causal
