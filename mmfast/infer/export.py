@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,6 @@ import torch
 from torch import nn
 
 from mmfast.infer.model_dir import MmfastModel
-from mmfast.infer.peer_towers import FormatRefusal
 
 INPUT_NAMES = ["image", "input_ids", "attention_mask"]
 
@@ -63,19 +63,6 @@ def traceable_attention():
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
-
-
-def check_onnx(model: MmfastModel) -> None:
-    """Refuse an ONNX export that would not keep a dynamic caption length.
-
-    Raises:
-        FormatRefusal: the text tower is open_clip's own transformer.
-    """
-    if getattr(getattr(model.model, "text", None), "onnx_fixed_length", False):
-        raise FormatRefusal(
-            "--format onnx: the text tower is open_clip's own transformer, whose attention ONNX would fix at one "
-            "caption length; export it with --format torch or --format open_clip"
-        )
 
 
 def _longest(model: MmfastModel) -> int:
@@ -192,10 +179,14 @@ def export_towers_onnx(model: MmfastModel, out_dir: str | os.PathLike, opset: in
     paths = {}
     for name, (cls, which, names, axes) in _TOWERS.items():
         paths[name] = out_dir / f"{name}.onnx"
+        args = tuple(example[i] for i in which)
+        if name == "text" and getattr(model.model.text, "onnx_dynamo", False):
+            _onnx_by_torch_export(cls(model).eval(), args, paths[name], names, _dims(model), opset)
+            continue
         with torch.no_grad(), traceable_attention():
             torch.onnx.export(
                 cls(model).eval(),
-                tuple(example[i] for i in which),
+                args,
                 str(paths[name]),
                 input_names=names,
                 output_names=["embedding"],
@@ -215,18 +206,44 @@ def export_towers_program(model: MmfastModel, out_dir: str | os.PathLike) -> dic
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=_longest(model))
-    dims = {"image": {0: batch}, "input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}
     example = example_inputs(model)
     paths = {}
     for name, (cls, which, names, _) in _TOWERS.items():
         with traceable_attention():
             program = torch.export.export(
-                cls(model).eval(), tuple(example[i] for i in which), dynamic_shapes={n: dims[n] for n in names}
+                cls(model).eval(), tuple(example[i] for i in which), dynamic_shapes=_dims(model, names)
             )
         paths[name] = out_dir / f"{name}.pt2"
         torch.export.save(program, str(paths[name]))
     return paths
+
+
+def _dims(model: MmfastModel, names: list[str] | tuple[str, ...] = ("input_ids", "attention_mask")) -> dict:
+    """``torch.export``'s dynamic shapes of the towers' inputs: a batch of at least 2, a caption length."""
+    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=_longest(model))
+    dims = {"image": {0: batch}, "input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}
+    return {n: dims[n] for n in names}
+
+
+def _onnx_by_torch_export(
+    tower: nn.Module, args: tuple, path: Path, names: list[str], dims: dict, opset: int
+) -> None:
+    """Write a tower's ONNX graph through ``torch.export`` (the dynamo exporter, opset 18 at least).
+    open_clip's text transformer goes this way: torch.onnx's TorchScript exporter fixes its attention at the
+    example's caption length."""
+    with torch.no_grad(), traceable_attention(), warnings.catch_warnings():
+        # its note that two inputs' axes share one name ("batch", "length") is what the names ask for
+        warnings.filterwarnings("ignore", message=".*axis name", category=UserWarning)
+        program = torch.onnx.export(
+            tower, args, input_names=names, output_names=["embedding"], dynamic_shapes=dims,
+            opset_version=max(opset, 18), dynamo=True, verbose=False,
+        )  # fmt: skip
+    out = program.model.graph.outputs[0]
+    for node in program.model.graph:
+        for value in node.outputs:
+            if value.name == "embedding" and value is not out:  # the token embedding's output takes the name too
+                value.name = "token_embedding"
+    program.save(str(path))
 
 
 @torch.no_grad()

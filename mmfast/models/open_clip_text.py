@@ -38,8 +38,9 @@ class OpenClipText(nn.Module):
         tower: open_clip's ``TextTransformer`` (``open_clip.model._build_text_tower``), causal, no class token.
     """
 
-    # torch.onnx's TorchScript exporter traces nn.MultiheadAttention with the example's caption length fixed
-    onnx_fixed_length = True
+    # torch.onnx's TorchScript exporter fixes nn.MultiheadAttention at the example's caption length: the ONNX
+    # graph goes through torch.export instead (mmfast.infer.export)
+    onnx_dynamo = True
 
     def __init__(self, tower: nn.Module):
         super().__init__()

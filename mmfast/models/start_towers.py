@@ -81,9 +81,9 @@ class TextStart(StartTower):
         return getattr(self.module, "max_positions", None) or getattr(config, "max_position_embeddings", None)
 
     @property
-    def onnx_fixed_length(self) -> bool:
-        """Whether an ONNX graph of the tower would take only the example's caption length."""
-        return bool(getattr(self.module, "onnx_fixed_length", False))
+    def onnx_dynamo(self) -> bool:
+        """Whether the tower's ONNX graph must go through ``torch.export`` to keep its caption length dynamic."""
+        return bool(getattr(self.module, "onnx_dynamo", False))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.record["kind"] == "open_clip":
