@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+OPEN_CLIP_CONFIG = "open_clip_config.json"  # an open_clip model directory (mmfast.models.start_dirs)
+
 
 def train_wordpiece(texts: list[str], vocab_size: int = 4000):
     """Train a lower-casing BERT-style WordPiece tokenizer on ``texts`` (no network), the same one on every run.
@@ -77,11 +79,20 @@ def minilm_path() -> str:
 
 def load_tokenizer(name_or_path: str | Path):
     """Load a fast tokenizer from a local directory, a text model's short name ("minilm", as --text-model
-    takes it) or a hub name (the hub only when the user names one).
+    takes it) or a hub name (the hub only when the user names one). An open_clip model directory whose text
+    tower is open_clip's own, or a tokenizer directory mmfast wrote for one, gives open_clip's tokenizer
+    (``OpenClipTokenizer``).
 
     Raises:
         ValueError: the tokenizer cannot be loaded or is not a fast tokenizer.
     """
+    from mmfast.data.open_clip_tokenizer import OpenClipTokenizer, is_open_clip_tokenizer
+
+    if is_open_clip_tokenizer(name_or_path):
+        return OpenClipTokenizer.load(name_or_path)
+    text_cfg = _open_clip_text_cfg(name_or_path)
+    if text_cfg is not None and not text_cfg.get("hf_tokenizer_name"):
+        return OpenClipTokenizer.from_text_cfg(text_cfg, str(name_or_path))
     from transformers import AutoTokenizer
 
     if str(name_or_path) == "minilm":
@@ -100,12 +111,27 @@ def load_tokenizer(name_or_path: str | Path):
     return tok
 
 
+def _open_clip_text_cfg(path: str | Path) -> dict | None:
+    """The ``text_cfg`` of an open_clip model directory's config; None for any other name or directory."""
+    config = Path(path) / OPEN_CLIP_CONFIG
+    if not config.is_file():
+        return None
+    try:
+        text_cfg = json.loads(config.read_text(encoding="utf-8"))["model_cfg"].get("text_cfg", {})
+    except (ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"{config}: not an open_clip config ({e})") from e
+    return text_cfg if isinstance(text_cfg, dict) else {}
+
+
 def tokenizer_fingerprint(tok) -> str:
-    """A hash of everything that changes token ids: the serialized backend (vocab, normalizer, ...).
+    """A hash of everything that changes token ids: the serialized backend (vocab, normalizer, ...), or the
+    tokenizer's own ``fingerprint()`` when it has one (open_clip's).
 
     The backend's "truncation" / "padding" entries are left out: they are per-call state that any
     ``tok(..., truncation=True)`` call rewrites (max_length is part of the cache key separately).
     """
+    if hasattr(tok, "fingerprint"):
+        return tok.fingerprint()
     spec = json.loads(tok.backend_tokenizer.to_str())
     spec.pop("truncation", None)
     spec.pop("padding", None)

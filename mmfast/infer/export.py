@@ -13,7 +13,9 @@ A dual encoder ("clip") is exported as its two towers, each a file of its own: `
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +53,32 @@ def example_inputs(
     return image, ids, mask
 
 
+@contextlib.contextmanager
+def traceable_attention():
+    """``nn.MultiheadAttention`` (open_clip's towers) without its fused inference kernel, which neither ONNX nor
+    ``torch.export`` can express; the unfused path computes the same attention."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+def _longest(model: MmfastModel) -> int:
+    """The longest caption an exported program takes: 512 tokens, or fewer when the text tower has fewer positions
+    (an open_clip text transformer's context)."""
+    text = getattr(model.model, "text", None)
+    return min(512, getattr(text, "max_positions", None) or 512)
+
+
 def export_onnx(model: MmfastModel, path: str | os.PathLike, opset: int = 17) -> Path:
     """Write an ONNX file with dynamic batch and caption length (TorchScript-based exporter: no onnxscript
     needed at export time)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     net = LogitsModule(model).eval()
-    with torch.no_grad():
+    with torch.no_grad(), traceable_attention():
         torch.onnx.export(
             net,
             example_inputs(model),
@@ -81,16 +102,17 @@ def export_program(model: MmfastModel, path: str | os.PathLike) -> Path:
     dynamic batch (at least 2) and caption length."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=512)
-    program = torch.export.export(
-        LogitsModule(model).eval(),
-        example_inputs(model),
-        dynamic_shapes={
-            "image": {0: batch},
-            "input_ids": {0: batch, 1: length},
-            "attention_mask": {0: batch, 1: length},
-        },
-    )
+    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=_longest(model))
+    with traceable_attention():
+        program = torch.export.export(
+            LogitsModule(model).eval(),
+            example_inputs(model),
+            dynamic_shapes={
+                "image": {0: batch},
+                "input_ids": {0: batch, 1: length},
+                "attention_mask": {0: batch, 1: length},
+            },
+        )
     torch.export.save(program, str(path))
     return path
 
@@ -157,10 +179,14 @@ def export_towers_onnx(model: MmfastModel, out_dir: str | os.PathLike, opset: in
     paths = {}
     for name, (cls, which, names, axes) in _TOWERS.items():
         paths[name] = out_dir / f"{name}.onnx"
-        with torch.no_grad():
+        args = tuple(example[i] for i in which)
+        if name == "text" and getattr(model.model.text, "onnx_dynamo", False):
+            _onnx_by_torch_export(cls(model).eval(), args, paths[name], names, _dims(model), opset)
+            continue
+        with torch.no_grad(), traceable_attention():
             torch.onnx.export(
                 cls(model).eval(),
-                tuple(example[i] for i in which),
+                args,
                 str(paths[name]),
                 input_names=names,
                 output_names=["embedding"],
@@ -180,17 +206,44 @@ def export_towers_program(model: MmfastModel, out_dir: str | os.PathLike) -> dic
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=512)
-    dims = {"image": {0: batch}, "input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}
     example = example_inputs(model)
     paths = {}
     for name, (cls, which, names, _) in _TOWERS.items():
-        program = torch.export.export(
-            cls(model).eval(), tuple(example[i] for i in which), dynamic_shapes={n: dims[n] for n in names}
-        )
+        with traceable_attention():
+            program = torch.export.export(
+                cls(model).eval(), tuple(example[i] for i in which), dynamic_shapes=_dims(model, names)
+            )
         paths[name] = out_dir / f"{name}.pt2"
         torch.export.save(program, str(paths[name]))
     return paths
+
+
+def _dims(model: MmfastModel, names: list[str] | tuple[str, ...] = ("input_ids", "attention_mask")) -> dict:
+    """``torch.export``'s dynamic shapes of the towers' inputs: a batch of at least 2, a caption length."""
+    batch, length = torch.export.Dim("batch", min=2), torch.export.Dim("length", min=3, max=_longest(model))
+    dims = {"image": {0: batch}, "input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}
+    return {n: dims[n] for n in names}
+
+
+def _onnx_by_torch_export(
+    tower: nn.Module, args: tuple, path: Path, names: list[str], dims: dict, opset: int
+) -> None:
+    """Write a tower's ONNX graph through ``torch.export`` (the dynamo exporter, opset 18 at least).
+    open_clip's text transformer goes this way: torch.onnx's TorchScript exporter fixes its attention at the
+    example's caption length."""
+    with torch.no_grad(), traceable_attention(), warnings.catch_warnings():
+        # its note that two inputs' axes share one name ("batch", "length") is what the names ask for
+        warnings.filterwarnings("ignore", message=".*axis name", category=UserWarning)
+        program = torch.onnx.export(
+            tower, args, input_names=names, output_names=["embedding"], dynamic_shapes=dims,
+            opset_version=max(opset, 18), dynamo=True, verbose=False,
+        )  # fmt: skip
+    out = program.model.graph.outputs[0]
+    for node in program.model.graph:
+        for value in node.outputs:
+            if value.name == "embedding" and value is not out:  # the token embedding's output takes the name too
+                value.name = "token_embedding"
+    program.save(str(path))
 
 
 @torch.no_grad()
@@ -206,6 +259,8 @@ def towers_parity(
         args = tuple(inputs[i] for i in which)
         ref = cls(model).eval()(*args).float().numpy()
         session = ort.InferenceSession(str(paths[name]), providers=["CPUExecutionProvider"])
-        (got,) = session.run(["embedding"], {n: t.numpy() for n, t in zip(names, args, strict=True)})
+        feed = {n: t.numpy() for n, t in zip(names, args, strict=True)}
+        # a causal text tower reads no attention mask: its graph has no such input
+        (got,) = session.run(["embedding"], {i.name: feed[i.name] for i in session.get_inputs()})
         diffs[name] = float(np.abs(got - ref).max())
     return diffs

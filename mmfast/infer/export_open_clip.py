@@ -12,6 +12,10 @@ absolute path, so a moved copy needs that field changed to its new place. Its ev
 shorter side to the image size and crops the centre; mmfast's evaluation resizes it to size / crop_ratio first
 (a tighter centre). open_clip cannot express that ratio: ``preprocess_cfg`` records the rest (size, mean, std,
 bilinear resize), and the pixels of mmfast's own preprocessing give the same embeddings in both.
+
+A model started from an open_clip directory goes back under that directory's config. With open_clip's own text
+transformer there are no tokenizer files: open_clip builds its SimpleTokenizer, and the context length is
+mmfast's max_length (the positional embeddings cut to it), so both cut a long caption at the same token.
 """
 
 from __future__ import annotations
@@ -110,9 +114,32 @@ def _started_config(model, out: Path) -> dict:
     model_cfg["init_logit_scale"] = scale
     model_cfg.pop("init_logit_bias", None)
     model_cfg |= {"init_logit_bias": bias} if bias is not None else {}
-    text_cfg = dict(model_cfg["text_cfg"], hf_model_name=str(out.resolve()), hf_tokenizer_name=str(out.resolve()))
+    text_cfg = model_cfg.setdefault("text_cfg", {})
+    if _own_text(model):  # open_clip's own tokenizer: it cuts captions where mmfast's token cache does
+        text_cfg["context_length"] = _context_length(model)
+        return {"model_cfg": model_cfg, "preprocess_cfg": _preprocess(model.config)}
+    text_cfg = dict(text_cfg, hf_model_name=str(out.resolve()), hf_tokenizer_name=str(out.resolve()))
     model_cfg["text_cfg"] = dict(text_cfg, context_length=int(model.config["max_length"]))
     return {"model_cfg": model_cfg, "preprocess_cfg": _preprocess(model.config)}
+
+
+def _own_text(model) -> bool:
+    """Whether the text tower is open_clip's own transformer (``OpenClipText``), not a Hugging Face encoder."""
+    return hasattr(model.model.text.module, "tower")
+
+
+def _context_length(model) -> int:
+    """The rows open_clip's tokenizer makes for the export: mmfast's max_length, at most the start's context."""
+    return min(int(model.config["max_length"]), int(model.model.text.module.tower.context_length))
+
+
+def _own_text_state(model) -> dict:
+    """open_clip's text transformer's tensors under its names: ``text.`` in a ``CustomTextCLIP``, at the top in a
+    ``CLIP``; the positional embeddings cut to the export's context length."""
+    state = dict(model.model.text.module.tower.state_dict())
+    state["positional_embedding"] = state["positional_embedding"][: _context_length(model)]
+    prefix = "text." if model.model.image.record["model_cfg"].get("custom_text") else ""
+    return {f"{prefix}{k}": v for k, v in state.items()}
 
 
 def open_clip_state(model) -> dict:
@@ -120,6 +147,8 @@ def open_clip_state(model) -> dict:
     if start_kinds(model) == ("open_clip", "open_clip"):
         net = model.model
         state = {f"visual.{k}": v for k, v in net.image.module.state_dict().items()}
+        if _own_text(model):
+            return _with_temperature(model, state | _own_text_state(model))
         state |= {f"text.{k}": v for k, v in net.text.module.state_dict().items()}
         return _with_temperature(model, state)
     image_proj, text_proj = projections(model, FORMAT)
@@ -158,10 +187,17 @@ def write_open_clip(model, out: str | os.PathLike) -> Path:
     out = Path(out)
     config = open_clip_config(model, out)  # refusals before anything is written
     state = open_clip_state(model)
-    text = model.model.text.module.config if start_kinds(model)[1] else mean_pooled_text(model, FORMAT).config
+    own = start_kinds(model)[1] is not None and _own_text(model)  # open_clip's tokenizer: nothing more to write
+    text = None if own else _hf_text_config(model)
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast open_clip export") as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        text_config(text, model.tokenizer).save_pretrained(str(tmp))  # config.json: what hf_model_name reads
-        model.tokenizer.save_pretrained(str(tmp))
+        if text is not None:
+            text_config(text, model.tokenizer).save_pretrained(str(tmp))  # config.json: what hf_model_name reads
+            model.tokenizer.save_pretrained(str(tmp))
     return out
+
+
+def _hf_text_config(model):
+    """The Hugging Face text encoder's config (a started open_clip model's, or mmfast's own encoder's)."""
+    return model.model.text.module.config if start_kinds(model)[1] else mean_pooled_text(model, FORMAT).config

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-OPEN_CLIP_CONFIG = "open_clip_config.json"
+from mmfast.data.tokenizer import OPEN_CLIP_CONFIG
 WHOLE = ("open_clip", "hf-clip", "hf-siglip")  # the kinds that hold both towers and their temperature
 
 

@@ -1,6 +1,7 @@
 """Towers that start from a model the user has on disk, offline: a Hugging Face CLIP directory (its vision and
 text towers, each with its projection), a SigLIP directory's vision tower, another Hugging Face vision model,
-and an open_clip model directory (its visual tower and its Hugging Face text tower, each with its projection).
+and an open_clip model directory (its visual tower and its text tower, open_clip's own transformer or a Hugging
+Face encoder, each with its projection).
 
 A tower whose output already lies in its pair's embedding space is ``projected``: the dual encoder adds no
 projection after it. Each tower keeps a ``record`` (its architecture, no weights): ``tower_from_record``
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmfast.models.open_clip_text import OpenClipText, check_text_cfg
 from mmfast.models.start_dirs import OPEN_CLIP_CONFIG, start_kind, start_preprocess
 from mmfast.util.voice import setting
 
@@ -72,9 +74,21 @@ class ImageStart(StartTower):
 class TextStart(StartTower):
     """``forward(input_ids, attention_mask)`` -> the caption's embedding (B, D)."""
 
+    @property
+    def max_positions(self) -> int | None:
+        """The positions the tower has (a caption's longest row), when it says."""
+        config = getattr(self.module, "config", None)
+        return getattr(self.module, "max_positions", None) or getattr(config, "max_position_embeddings", None)
+
+    @property
+    def onnx_dynamo(self) -> bool:
+        """Whether the tower's ONNX graph must go through ``torch.export`` to keep its caption length dynamic."""
+        return bool(getattr(self.module, "onnx_dynamo", False))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.record["kind"] == "open_clip":
-            return self.module(input_ids)  # open_clip's HFTextEncoder masks the tokenizer's pad id itself
+            # open_clip's HFTextEncoder masks the tokenizer's pad id itself; its own transformer is causal
+            return self.module(input_ids)
         return self.module(input_ids=input_ids, attention_mask=attention_mask).text_embeds
 
 
@@ -113,24 +127,23 @@ def image_tower_from(path: str | os.PathLike, freeze: bool = False) -> ImageStar
 
 
 def text_tower_from(path: str | os.PathLike, freeze: bool = False) -> TextStart:
-    """The text tower of an open_clip directory (its Hugging Face text tower) or of a CLIP directory.
+    """The text tower of an open_clip directory (open_clip's own text transformer, or its Hugging Face text
+    tower) or of a CLIP directory.
 
     Raises:
-        ValueError: the directory's text tower is one mmfast cannot take (open_clip's own text transformer, which
-            tokenizes with its SimpleTokenizer; SigLIP's, which reads a caption padded to its full length).
+        ValueError: the directory's text tower is one mmfast cannot take (one that reads a caption padded to its
+            full length: SigLIP's, a bidirectional open_clip text transformer).
     """
     kind, path = start_kind(path), Path(path)
     given = setting("text_model", value=str(path))
     if kind == "open_clip":
         cfg = _open_clip_cfg(path)
-        if not cfg["model_cfg"].get("text_cfg", {}).get("hf_model_name"):
-            raise ValueError(
-                f"{given}: its text tower is open_clip's own transformer, whose SimpleTokenizer is not a Hugging "
-                "Face tokenizer (mmfast's token cache needs one); start the image tower only (--image-backbone) "
-                "with a Hugging Face text model"
-            )
+        record = {"kind": kind, "part": "text", "model_cfg": cfg["model_cfg"]}
+        if not _hf_text(cfg["model_cfg"]):
+            check_text_cfg(cfg["model_cfg"].get("text_cfg", {}), given)
         text = _open_clip_part(path, cfg, "text")
-        record = {"kind": kind, "part": "text", "model_cfg": cfg["model_cfg"], "hf_config": text.config.to_dict()}
+        if _hf_text(cfg["model_cfg"]):
+            record["hf_config"] = text.config.to_dict()
         return TextStart(text, cfg["model_cfg"]["embed_dim"], record, freeze, _start(path))
     if kind == "hf-siglip":
         raise ValueError(
@@ -242,6 +255,8 @@ def _open_clip_part(path: Path, cfg: dict, part: str, record: dict | None = None
     if part == "visual":
         vision = dict(model_cfg["vision_cfg"], timm_model_pretrained=False)
         module = _build_vision_tower(model_cfg["embed_dim"], vision, quick_gelu)
+    elif not _hf_text(model_cfg):
+        module = OpenClipText(_build_text_tower(model_cfg["embed_dim"], model_cfg.get("text_cfg", {}), quick_gelu))
     else:
         text_cfg = dict(model_cfg["text_cfg"], hf_model_pretrained=False)
         if record is not None:  # the text encoder's architecture, as recorded
@@ -254,6 +269,11 @@ def _open_clip_part(path: Path, cfg: dict, part: str, record: dict | None = None
     if record is None:
         _load_part(module, path, part)
     return module
+
+
+def _hf_text(model_cfg: dict) -> bool:
+    """Whether an open_clip model's text tower is a Hugging Face encoder (else open_clip's own transformer)."""
+    return bool(model_cfg.get("text_cfg", {}).get("hf_model_name"))
 
 
 def _hf_config_dir(path: Path, name: str) -> str:
@@ -270,6 +290,11 @@ def _load_part(module: nn.Module, path: Path, part: str) -> None:
         raise ValueError(f"{path}: no open_clip weights ({', '.join(OPEN_CLIP_WEIGHTS)})")
     state = load_state_dict(str(weights))
     prefix = f"{part}."
+    if isinstance(module, OpenClipText):  # CLIP keeps its text tower's tensors at the top (CustomTextCLIP: text.)
+        module = module.tower
+        custom = any(k.startswith(prefix) for k in state)
+        prefix = prefix if custom else ""
+        state = {k: v for k, v in state.items() if custom or not k.startswith(("visual.", "logit_"))}
     own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     own.pop("transformer.embeddings.position_ids", None)  # older transformers kept it in the weights
     try:
