@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
+from mmfast.data.dataset import WDS_DIR, WDS_ID_DIGITS, WDS_IMAGE_EXT
 from mmfast.data.validate import DEFAULT_MAX_PIXELS, check_image_bytes, dali_rejects
 from mmfast.inputs.base import ImagesInPlace, InputOptions, Member, Reader
 from mmfast.inputs.manifest import NO_LABEL, Candidate, ManifestError, Reject, parse_label
@@ -439,7 +439,7 @@ READER = Reader(
         read_checked=read_shards,
         files=expand_shards,
         member=_member,
-        index_dir="wds",
+        index_dir=WDS_DIR,
         write_index=write_split_index,
     ),
 )

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from mmfast.data.batch import IGNORE_LABEL
-from mmfast.data.dataset import PreparedDataset
+from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.data.token_cache import TokenCache, padded_width
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
@@ -87,7 +87,7 @@ class MultimodalLoader:
             raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         # the samples of a WebDataset are named by the index: one shared string stands for every file
         images = (
-            table.images if table.images is not None else [str(dataset.root / "wds" / f"{split}.rows.npy")] * n
+            table.images if table.images is not None else [str(dataset.root / WDS_DIR / f"{split}.rows.npy")] * n
         )
         is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmfast.data.dataset import COMPLETE, REJECTED_FILE, SPLITS, TOKENIZER_DIR, prepared_state, split_file
 from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from mmfast.inputs import claimed
 from mmfast.inputs.base import InputOptions
@@ -206,7 +207,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             if cfg.data is not None:
                 c = summary["counts"]
                 rows = f"{c['train']} train, {c['val']} val rows"
-                dropped = f", {c['rejected']} rejected (see {out / 'rejected.jsonl'})" if c["rejected"] else ""
+                dropped = f", {c['rejected']} rejected (see {out / REJECTED_FILE})" if c["rejected"] else ""
                 accelerator.print(f"prepared {redact(source)} into {out}: {rows}{dropped}")
         except ManifestError as e:
             if cfg.data is None:
@@ -278,11 +279,12 @@ def _mix(cfg: TrainConfig, accelerator) -> Path:
 
 def _is_prepared_split(path: Path) -> bool:
     """``train.jsonl`` / ``val.jsonl`` of a prepared directory (which it lies in)."""
-    return path.name in ("train.jsonl", "val.jsonl") and (path.parent / "prepare.json").is_file()
+    return path.name in map(split_file, SPLITS) and prepared_state(path.parent) == COMPLETE
 
 
 def _looks_prepared(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in ("prepare.json", "train.jsonl", "tokens"))
+    """A prepared directory, complete or not (``PreparedDataset`` explains an incomplete one)."""
+    return prepared_state(path) is not None
 
 
 def all_processes_ok(accelerator, ok: bool) -> bool:
@@ -312,7 +314,7 @@ def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
         model_tok = load_tokenizer(own)
     except ValueError:
         return  # the model ships no tokenizer: nothing to compare with
-    data_tok = load_tokenizer(data_dir / "tokenizer")
+    data_tok = load_tokenizer(data_dir / TOKENIZER_DIR)
     if tokenizer_fingerprint(model_tok) != tokenizer_fingerprint(data_tok):
         raise ValueError(
             f"{data_dir} was tokenized with another vocabulary than text model '{text_model}' "
