@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.tasks.registry import LOSSES
 
 # torchvision's ResNets as timm builds them: its name and the keyword arguments that give the same network
 TORCHVISION_IN_TIMM = {
@@ -130,9 +131,10 @@ def projections(model, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def logit_scale_and_bias(model) -> tuple[float, float | None]:
-    """A dual encoder's learned log-temperature, and its bias (None for the CLIP loss, which has none)."""
+    """A dual encoder's learned log-temperature, and its bias (None for a loss that learns none: CLIP)."""
     net = model.model
-    bias = float(net.logit_bias.detach()) if model.config.get("loss") == "siglip" else None
+    learns_bias = LOSSES.pick(model.config.get("loss", "clip")).init_logit_bias is not None
+    bias = float(net.logit_bias.detach()) if learns_bias else None
     return float(net.logit_scale.detach()), bias
 
 

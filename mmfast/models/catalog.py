@@ -10,7 +10,6 @@ from dataclasses import dataclass
 BUILTIN_MODELS = ("early", "concat", "late", "image", "text", "clip")
 IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
 COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
-LOSSES = ("clip", "siglip")  # the dual encoder's contrastive losses (its temperature's init; tasks/contrastive)
 INIT_PROJ = ("ridge", "random")  # how the dual encoder's projections start (mmfast/train/warm_start.py)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mmfast.util.registry import Registry
+
 if TYPE_CHECKING:
     import torch
 
@@ -17,6 +19,11 @@ if TYPE_CHECKING:
 
 BUILTIN_TASKS = ("classification", "contrastive")  # what the built-in task modules register, in this order
 TASKS: dict[str, Callable[[PreparedDataset], Task]] = {}
+
+# The contrastive losses (``--loss``), each a class in ``losses``: ``losses.create_loss`` makes one by name.
+LOSSES = Registry("loss")
+LOSSES.declare("clip", "mmfast.tasks.losses:ClipLoss")
+LOSSES.declare("siglip", "mmfast.tasks.losses:SigLipLoss")
 
 
 class Task(Protocol):

@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
-from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, LOSSES, PRESETS, get_preset
+from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, PRESETS, get_preset
 from mmfast.models.start_dirs import start_embed_dim, start_fields
+from mmfast.tasks.registry import LOSSES
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
@@ -345,7 +346,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
         "task": tuple(TASKS),
-        "loss": LOSSES,
+        "loss": tuple(LOSSES),
         "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
@@ -369,7 +370,7 @@ def help_choices() -> dict[str, tuple[str, ...]]:
         "model": BUILTIN_MODELS,
         "preset": tuple(PRESETS),
         "task": BUILTIN_TASKS,
-        "loss": LOSSES,
+        "loss": tuple(LOSSES),
         "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
