@@ -1,7 +1,7 @@
 """The dual encoder (CLIP / SigLIP): an image tower and a text tower, each projected into one shared embedding
 space and L2-normalized, with the learnable temperature (and SigLIP's bias) that the contrastive task's loss
-scales their dot products by; they start from that loss's own values (``tasks/losses.py``). Registered as "clip";
-its objective is the "contrastive" task.
+scales their dot products by; they start from that loss's own values (``tasks/losses.py``). Named "clip" in
+``registry``; its objective is the "contrastive" task.
 
 Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is (the encoder keeps its batch-norm
 statistics in eval mode), its projection and the text tower learn.
@@ -19,14 +19,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from mmfast.models.encoders import ImageEncoder, TextEncoder
-from mmfast.models.registry import register_model
 from mmfast.tasks.registry import LOSSES
 from mmfast.util.voice import setting
 
 MAX_LOGIT_SCALE = 100.0  # exp(logit_scale) is clamped to this (CLIP: "to prevent scaling the logits by more")
 
 
-@register_model("clip")
 class DualEncoder(nn.Module):
     """Image and text towers (pooled encoder features) with a bias-free linear projection each into
     ``embed_dim``; the outputs are L2-normalized float32 whatever the autocast dtype.

@@ -1,13 +1,9 @@
-"""Build a registered model by name, with the encoders it declares (``modalities``). Importing this module
-registers the built-in models (``fusion``, then ``dual``)."""
+"""Build a registered model by name (``registry.MODELS``), with the encoders it declares (``modalities``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-# The built-in models register themselves when their modules are imported: in catalog.BUILTIN_MODELS' order.
-from mmfast.models import fusion  # noqa: F401  isort: skip
-from mmfast.models import dual  # noqa: F401  isort: skip
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import MODELS
 from mmfast.models.start_dirs import WHOLE, start_kind
@@ -19,9 +15,7 @@ def model_class(name: str) -> type:
     Raises:
         ValueError: no model of that name ("unknown model 'x'; choose from ...").
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model '{name}'; choose from {', '.join(MODELS)}")
-    return MODELS[name]
+    return MODELS.pick(name)
 
 
 def build_model(

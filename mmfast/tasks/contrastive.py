@@ -14,7 +14,6 @@ from mmfast.data.batch import PAD_ID
 from mmfast.data.dataset import PreparedDataset
 from mmfast.tasks.global_batch import all_gather_rows, cached_window_backward, gather_sizes
 from mmfast.tasks.losses import contrastive_loss, create_loss
-from mmfast.tasks.registry import register_task
 from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
@@ -82,7 +81,6 @@ def check_variety(variety: dict[str, tuple[int, int, int]], root) -> None:
         )
 
 
-@register_task("contrastive")
 class ContrastiveTask:
     """Image-caption pairs (``batch["id"]`` says which samples share an image or a caption), the model's output
     {"image", "text", "logit_scale", "logit_bias"} (the dual encoder "clip"); trains on a dataset with labels

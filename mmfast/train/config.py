@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
-from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, PRESETS, get_preset
+from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCES
+from mmfast.models.catalog import COMBINE, INIT_PROJ, PRESETS, get_preset
+from mmfast.models.registry import MODELS
 from mmfast.models.start_dirs import start_embed_dim, start_fields
-from mmfast.tasks.registry import LOSSES
+from mmfast.tasks.registry import LOSSES, TASKS
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
@@ -334,14 +335,9 @@ def _one_of(allowed: tuple[str, ...]) -> str:
 
 
 def choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each field that takes a name, read from where each choice is made: the live model
-    and task registries (a model or task registered at run time is accepted), the presets, the sources
-    registry, the loader's and the late fusion's options. Imports torch and DALI: ``help_choices`` is what
-    --help shows."""
-    from mmfast.loading.sources import SOURCES  # DALI: only when a config is checked
-    from mmfast.models import MODELS  # the live registry: torch, once a config is checked
-    from mmfast.tasks import TASKS
-
+    """The allowed values of each field that takes a name, read from where each choice is made: the model, task,
+    loss and source registries (a model or task registered at run time is accepted), the presets, the loader's
+    and the late fusion's options. Imports neither torch nor DALI (the registries name their classes)."""
     return {
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
@@ -361,27 +357,8 @@ def choices() -> dict[str, tuple[str, ...]]:
 
 
 def help_choices() -> dict[str, tuple[str, ...]]:
-    """The choices --help lists, from modules that import neither torch nor DALI: the built-in models and
-    tasks (the catalogs of ``mmfast.models`` and ``mmfast.tasks``), the presets, and the same tuples as
-    ``choices``."""
-    from mmfast.tasks import BUILTIN_TASKS
-
-    return {
-        "model": BUILTIN_MODELS,
-        "preset": tuple(PRESETS),
-        "task": BUILTIN_TASKS,
-        "loss": tuple(LOSSES),
-        "init_proj": INIT_PROJ,
-        "combine": COMBINE,
-        "scheduler": SCHEDULERS,
-        "optimizer_impl": OPTIMIZER_IMPLS,
-        "mixed_precision": ("auto", "fp16", "bf16", "no"),
-        "compile_mode": COMPILE_MODES,
-        "text_padding": TEXT_PADDINGS,
-        "cpu_resize": CPU_RESIZE,
-        "on_bad_image": ON_BAD_IMAGE,
-        "source": SOURCE_NAMES,
-    }
+    """The choices --help lists: ``choices()`` itself, which imports neither torch nor DALI."""
+    return choices()
 
 
 def data_sources(cfg: TrainConfig) -> list[str]:
@@ -441,8 +418,7 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     """The configuration with every "from the preset" field (None) filled in: what config.json records. A
     preset whose recipe has no encoder learning rate (its encoders train from scratch) gives a pretrained
     encoder named by flag that encoder's own (``pretrained_encoder_lr``), not the new layers' ``--lr``."""
-    from mmfast.models import MODELS  # the live registry: torch, once a config is resolved
-    from mmfast.models.encoders import pretrained_encoder_lr
+    from mmfast.models.encoders import pretrained_encoder_lr  # torch: only once a config is resolved
 
     cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
     if cfg.init_from is not None:  # --init-from's towers and image size (models/start_dirs.py)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 
 class Registry(Mapping):
-    """A read-only mapping of names to classes, in the order they were declared or registered.
+    """A mapping of names to classes, in the order they were declared or registered.
 
     Args:
         kind: what the entries are ("model", "task", ...), for the messages.
@@ -61,6 +61,10 @@ class Registry(Mapping):
                 self._check(name, cls)
             self._entries[name] = entry = cls
         return entry
+
+    def __delitem__(self, name: str) -> None:
+        """Remove an entry (what a test registered for itself)."""
+        del self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._entries))
