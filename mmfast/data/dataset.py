@@ -40,10 +40,10 @@ import numpy as np
 
 from mmfast.data.tokenizer import load_tokenizer
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.remote.objects import is_remote
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER as PREPARED_MARKER
 from mmfast.util.fsutil import file_sha256, restore_interrupted_swap
-from mmfast.util.remote import is_remote
 
 # The prepared directory's file names (the contract above): every stage that writes or reads one names them here.
 SUMMARY_FILE = "prepare.json"  # written last: its presence means the directory is complete

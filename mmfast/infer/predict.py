@@ -27,9 +27,9 @@ from mmfast.infer.model_dir import MmfastModel
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import fetch_to, is_remote
 from mmfast.util.fsutil import atomic_write_bytes, atomic_write_jsonl
-from mmfast.util.remote import fetch_to, is_remote
-from mmfast.util.remote_errors import redact
 
 
 def rows_loader(

@@ -32,8 +32,8 @@ from pathlib import Path
 from mmfast.data.dataset import COMPLETE, prepared_state
 from mmfast.inputs import ImagesInPlace, InputOptions, detect_kind, read_source, reader_named
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
-from mmfast.util.remote import fetch_to, is_remote
-from mmfast.util.remote_errors import redact
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import fetch_to, is_remote
 
 _Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
 

@@ -30,12 +30,12 @@ from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_checks, wds_sp
 from mmfast.loading.graphs import READER_NAME
 from mmfast.loading.options import SOURCES
 from mmfast.loading.stream_source import StreamSource
+from mmfast.remote.objects import is_remote
 from mmfast.util.commands import PREPARE
-from mmfast.util.remote import is_remote
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 
 def read_files(files: list[str], ids: list[int]):

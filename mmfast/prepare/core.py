@@ -37,6 +37,9 @@ from mmfast.prepare.parts import merge_parts, prepare_part
 from mmfast.prepare.reuse import files_map, reuse
 from mmfast.prepare.split import split_rows
 from mmfast.prepare.wds_export import export_wds
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import is_remote
+from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import (
     MARKER,
     OutputDirError,
@@ -49,9 +52,6 @@ from mmfast.util.fsutil import (
     recover_dir,
     write_errors,
 )
-from mmfast.util.commands import PREPARE
-from mmfast.util.remote import is_remote
-from mmfast.util.remote_errors import redact
 
 __all__ = ["PREPARED_KIND", "PREPARE_VERSION", "PrepareConfig", "failure_report_path", "prepare_dataset"]
 

@@ -1,8 +1,9 @@
 """The contrastive task (CLIP, SigLIP): each image and its caption pulled together and every other pair of the
 global batch pushed apart: all processes' samples (``global_batch.gather_features``) and a whole accumulation
 window (``backward_window``: cached features). Two captions of one image, or two byte-identical captions, are
-not each other's negatives; the losses themselves are ``losses``. Evaluation: retrieval recall both ways and, with class labels, zero-shot accuracy
-(``retrieval``); the best checkpoint is the one of the highest mean recall.
+not each other's negatives; the losses themselves are ``losses``. Evaluation: retrieval recall both ways and,
+with class labels, zero-shot accuracy (``retrieval``); the best checkpoint is the one of the highest mean
+recall.
 """
 
 from __future__ import annotations

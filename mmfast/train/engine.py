@@ -30,7 +30,7 @@ from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_
 from mmfast.train.source_tally import SourceTally
 
 if TYPE_CHECKING:
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 
 class NonFiniteLossError(RuntimeError):

@@ -25,7 +25,7 @@ from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, p
 from mmfast.util.fsutil import atomic_write_json
 
 if TYPE_CHECKING:
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 

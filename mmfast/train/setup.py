@@ -23,6 +23,8 @@ from mmfast.prepare.config import PrepareConfig, failure_report_path
 from mmfast.prepare.core import prepare_dataset
 from mmfast.prepare.demo import default_cache_dir, demo_dataset
 from mmfast.prepare.mix import prepare_mix
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import is_remote
 from mmfast.tasks import TASKS
 from mmfast.train.config import TRACKERS, TrainConfig, data_sources, trackers
 from mmfast.train.hardware import launcher_precision_note, resolve_mixed_precision
@@ -30,8 +32,6 @@ from mmfast.train.rendezvous import meet
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
-from mmfast.util.remote import is_remote
-from mmfast.util.remote_errors import redact
 
 if TYPE_CHECKING:
     from accelerate.utils import InitProcessGroupKwargs
