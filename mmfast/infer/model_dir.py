@@ -28,6 +28,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from mmfast.data.tokenizer import load_tokenizer
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.encode_inputs import (  # noqa: F401  (pil_transform, BadImageError: this module's names too)
     BadImageError,
@@ -50,6 +51,7 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
 )
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
+from mmfast.models.start_towers import tower_from_record
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
 from mmfast.util.voice import setting
 
@@ -257,8 +259,6 @@ class MmfastModel(
 def _recorded_towers(config: dict) -> dict:
     """The towers config.json records as started from a directory (``image_tower`` / ``text_tower``), rebuilt
     with random weights without it, as ``build_model``'s ``image_encoder`` / ``text_encoder``."""
-    from mmfast.models.start_towers import tower_from_record
-
     return {
         f"{name}_encoder": tower_from_record(config[f"{name}_tower"], name)
         for name in ("image", "text")
@@ -275,6 +275,7 @@ def _text_model_source(config: dict):
     if config["model"] == "image" or text_config is None or "text_tower" in config:
         yield config["text_model"]
         return
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import AutoConfig, AutoModel
 
     spec = dict(text_config)
@@ -370,7 +371,7 @@ def verify_model_dir(model_dir: str | os.PathLike) -> None:
 
 def _load_weights(model: MmfastModel, path: Path) -> None:
     """The weights of ``path`` into ``model``: all of them, each of the network's shape, all finite."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError  # safetensors: only when weights are read or written
     from safetensors.torch import load_file
 
     try:
@@ -393,8 +394,6 @@ def _load_weights(model: MmfastModel, path: Path) -> None:
 
 
 def _load_tokenizer(path: Path):
-    from mmfast.data.tokenizer import load_tokenizer
-
     try:
         return load_tokenizer(path)
     except (ValueError, OSError) as e:
@@ -429,7 +428,7 @@ def save_model_dir(
         config: ``model_config(...)``.
         tokenizer_dir: the tokenizer to copy in.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: only when weights are read or written
 
     out = Path(out)
     # What MmfastModel.save_pretrained writes, without building the network again (MiniLM, Lite0: seconds).
@@ -468,7 +467,7 @@ def write_run_models(
     last weights and config.json says so ("weights"). ``tokenizer_dir``: the tokenizer the run trained with
     (the training engine's copy, taken when it opened the data: the dataset's own may have been prepared
     again since); default the dataset's."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # safetensors: only when weights are read or written
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its names carry a prefix
     last = {k: v.detach().cpu() for k, v in model.state_dict().items()}

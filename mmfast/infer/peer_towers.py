@@ -9,6 +9,7 @@ A text tower is a Hugging Face encoder read by the mean of its token states, as 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -146,8 +147,6 @@ def eval_geometry(config: dict) -> tuple[int, int]:
 
 def text_config(config, tokenizer) -> object:
     """A copy of a text encoder's config that names the tokenizer's pad id (a peer masks padding by it)."""
-    import copy
-
     config = copy.deepcopy(config)
     config.pad_token_id = tokenizer.pad_token_id
     return config

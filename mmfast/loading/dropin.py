@@ -377,6 +377,7 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int):
+        # torchvision: only for a torchvision dataset, transform or backbone
         from torchvision.datasets.folder import default_loader
 
         path, target = self.samples[index]
@@ -389,7 +390,7 @@ def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: 
     ``options`` (PIPELINE_OPTIONS; mean and std in 0..255 units): train: RandomResizedCrop + flip (+ jitter);
     eval: Resize(round(size / crop_ratio)) + CenterCrop(size), with the ``interpolation``; then normalize, as
     ``dtype``."""
-    from torchvision.transforms import v2
+    from torchvision.transforms import v2  # torchvision: only for a torchvision dataset, transform or backbone
 
     mode = v2.InterpolationMode(options.get("interpolation", "bilinear"))
     mean = [m / 255 for m in options.get("mean", IMAGENET_MEAN)]

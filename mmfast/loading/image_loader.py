@@ -358,7 +358,7 @@ class ImageLoader:
             is_valid_file, allow_empty: as ImageFolder takes them.
             **kwargs: ``ImageLoader``'s arguments.
         """
-        from torchvision.datasets import ImageFolder
+        from torchvision.datasets import ImageFolder  # torchvision: only to read a folder tree
 
         folder = ImageFolder(str(root), is_valid_file=is_valid_file, allow_empty=allow_empty)
         if not folder.samples:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import MODELS
 from mmfast.models.start_dirs import WHOLE, start_kind
+from mmfast.models.start_towers import image_tower_from, text_tower_from
 
 
 def model_class(name: str) -> type:
@@ -71,8 +73,6 @@ def build_model(
         text = text_encoder or _text_encoder(text_model, vocab_size, freeze_text, dropout)
     model = cls(image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
     if channels_last and image is not None:
-        import torch
-
         model.image.to(memory_format=torch.channels_last)
     return model
 
@@ -83,15 +83,11 @@ def _image_encoder(backbone: str, weights: str | None, freeze: bool) -> nn.Modul
         return ImageEncoder(backbone, weights=weights, freeze=freeze)
     if weights is not None:
         raise ValueError(f"--image-weights {weights}: image backbone {backbone} is a directory with its weights")
-    from mmfast.models.start_towers import image_tower_from
-
     return image_tower_from(backbone, freeze)
 
 
 def _text_encoder(name: str, vocab_size: int | None, freeze: bool, dropout: float) -> nn.Module:
     """A Hugging Face encoder (``TextEncoder``), or the text tower of a CLIP / SigLIP / open_clip directory."""
     if start_kind(name) in WHOLE:
-        from mmfast.models.start_towers import text_tower_from
-
         return text_tower_from(name, freeze)
     return TextEncoder(name, vocab_size=vocab_size, freeze=freeze, dropout=dropout)

@@ -47,6 +47,7 @@ from mmfast.train.setup import (
     resolve_data,
 )
 from mmfast.train.stop import StopFlag
+from mmfast.train.warm_start import ridge_start
 from mmfast.util.fsutil import atomic_write_json
 
 DEFAULT_OUT = "runs/latest"
@@ -80,6 +81,7 @@ def as_run(cfg: TrainConfig, body: RunBody) -> dict:
     Returns:
         what ``body`` returns.
     """
+    # accelerate: a slow import, only once a run starts
     from accelerate.state import AcceleratorState, GradientState
 
     try:
@@ -177,7 +179,7 @@ def _claim(cfg: TrainConfig, accelerator, default_out: bool):
 def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float) -> dict:
     """Set the run up, train, and write what it leaves; returns the summary."""
     run_dir = Path(cfg.out)
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed  # accelerate: a slow import, only once a run starts
 
     set_seed(cfg.seed)
     dataset = PreparedDataset(resolve_data(cfg, accelerator))
@@ -275,8 +277,6 @@ def _warm_start(cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, 
     (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's."""
     if cfg.init_proj != "ridge":
         return None
-    from mmfast.train.warm_start import ridge_start
-
     model.to(accelerator.device)
     loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
     figures = ridge_start(model, loader, accelerator)

@@ -3,6 +3,7 @@ prepared dataset (demo, raw input prepared on the fly, or a prepared directory).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import replace
@@ -118,7 +119,7 @@ def dist_timeout_handler(seconds: float) -> InitProcessGroupKwargs:
 
 def make_accelerator(cfg: TrainConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # accelerate: a slow import, only once a run starts
     from accelerate.utils import ProjectConfiguration
 
     cuda = torch.cuda.is_available()
@@ -158,8 +159,6 @@ def installed_trackers(names: tuple[str, ...]) -> list[str]:
     Raises:
         ValueError: a named tracker's package is not installed (the message gives the pip command).
     """
-    import importlib.util
-
     have = {t for t, module in _TRACKER_PACKAGES.items() if importlib.util.find_spec(module) is not None}
     if names == ("all",):
         return [t for t in TRACKERS if t in have]
