@@ -438,6 +438,45 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     # a tower that brings its projection sets the width (models/start_dirs.py); else 256
     starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
     filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)
-    resolved = replace(cfg, **filled)
-    return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
+    return replace(cfg, **filled)
 
+
+def resolve_batches(cfg: TrainConfig, num_processes: int) -> TrainConfig:
+    """``cfg`` with the batch sizes the run trains and evaluates with, decided here and nowhere else: the eval
+    batch (--eval-batch-size, else the micro-batch that --batch-size or the preset gives), then
+    --global-batch-size's per-process batch and accumulation (``apply_global_batch``).
+
+    Raises:
+        ValueError: as ``apply_global_batch``.
+    """
+    cfg = replace(cfg, eval_batch_size=cfg.eval_batch_size or cfg.batch_size)
+    return apply_global_batch(cfg, num_processes)
+
+
+def apply_global_batch(cfg: TrainConfig, num_processes: int) -> TrainConfig:
+    """``cfg`` with ``--global-batch-size G`` turned into a per-process batch and accumulation: each of the N
+    processes takes G / N samples per optimizer step, in micro-batches of the largest divisor of G / N that is
+    at most ``--batch-size`` (so the run's global batch does not depend on N: 64 on 1 process is 32 x 2, on 2
+    processes 32 each). Unchanged without ``--global-batch-size``.
+
+    Raises:
+        ValueError: N does not divide G (naming the nearest multiples), or --grad-accum given as well.
+    """
+    g = cfg.global_batch_size
+    if g is None:
+        return cfg
+    if g < 1:
+        raise ValueError(f"--global-batch-size must be >= 1, got {g}")
+    if cfg.grad_accum != 1:
+        raise ValueError("--global-batch-size decides --grad-accum: give one of them")
+    if g % num_processes:
+        lo, hi = g - g % num_processes, g + num_processes - g % num_processes
+        near = f"{lo} or {hi}" if lo else str(hi)
+        raise ValueError(
+            f"--global-batch-size {g} is not divisible by the {num_processes} processes of this run; use a "
+            f"multiple of {num_processes} (e.g. {near})"
+        )
+    per = g // num_processes
+    cap = min(cfg.batch_size or per, per)
+    batch = max(d for d in range(1, cap + 1) if per % d == 0)
+    return replace(cfg, batch_size=batch, grad_accum=per // batch)

@@ -18,7 +18,7 @@ from mmfast.models import build_model, model_class
 from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
-from mmfast.train.config import TrainConfig, resolve_preset
+from mmfast.train.config import TrainConfig, resolve_batches, resolve_preset
 from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
@@ -40,7 +40,6 @@ from mmfast.train.resume_rules import resume_differences
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
 from mmfast.train.setup import (
     all_processes_ok,
-    apply_global_batch,
     check_data_exists,
     check_tokenizer_matches,
     make_accelerator,
@@ -106,7 +105,7 @@ def _train(cfg: TrainConfig, body: RunBody) -> dict:
     default_out = cfg.out is None
     given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
-    cfg = apply_global_batch(cfg, accelerator.num_processes)  # --global-batch-size: batch and accumulation
+    cfg = resolve_batches(cfg, accelerator.num_processes)  # the micro-batch, the accumulation, the eval batch
     memory_format = resolve_channels_last(
         cfg.channels_last, accelerator.device.type, cfg.image_backbone, cfg.model
     )

@@ -73,35 +73,6 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def apply_global_batch(cfg: TrainConfig, num_processes: int) -> TrainConfig:
-    """``cfg`` with ``--global-batch-size G`` turned into a per-process batch and accumulation: each of the N
-    processes takes G / N samples per optimizer step, in micro-batches of the largest divisor of G / N that is
-    at most ``--batch-size`` (so the run's global batch does not depend on N: 64 on 1 process is 32 x 2, on 2
-    processes 32 each). Unchanged without ``--global-batch-size``.
-
-    Raises:
-        ValueError: N does not divide G (naming the nearest multiples), or --grad-accum given as well.
-    """
-    g = cfg.global_batch_size
-    if g is None:
-        return cfg
-    if g < 1:
-        raise ValueError(f"--global-batch-size must be >= 1, got {g}")
-    if cfg.grad_accum != 1:
-        raise ValueError("--global-batch-size decides --grad-accum: give one of them")
-    if g % num_processes:
-        lo, hi = g - g % num_processes, g + num_processes - g % num_processes
-        near = f"{lo} or {hi}" if lo else str(hi)
-        raise ValueError(
-            f"--global-batch-size {g} is not divisible by the {num_processes} processes of this run; use a "
-            f"multiple of {num_processes} (e.g. {near})"
-        )
-    per = g // num_processes
-    cap = min(cfg.batch_size or per, per)
-    batch = max(d for d in range(1, cap + 1) if per % d == 0)
-    return replace(cfg, batch_size=batch, grad_accum=per // batch, eval_batch_size=cfg.eval_batch_size or batch)
-
-
 def dist_timeout_handler(seconds: float) -> InitProcessGroupKwargs:
     """Accelerate's process-group options with ``seconds`` as the collectives' timeout.
 
