@@ -132,6 +132,24 @@ def test_tables_are_read_as_open_clip_reads_them(pictures, tmp_path):
         read_captioned(other)
 
 
+
+def test_paths_relative_to_the_table_read_from_another_folder_are_refused_naming_both(
+    pictures, tmp_path, monkeypatch
+):
+    """Relative paths start from the current directory, as open_clip reads them. A table whose paths name
+    files beside it, read from elsewhere, is refused at once with both folders, not 'every image is missing'
+    after the first batches; from the table's folder, or with root=, it reads."""
+    folder = Path(pictures[0]["path"]).parent
+    table = folder / "beside.jsonl"
+    rows = [{"image": Path(r["path"]).name, "text": r["text"]} for r in pictures]
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"run from {folder}, or pass root='{folder}'"):
+        read_captioned(table)
+    assert read_captioned(table, root=folder).files == [r["path"] for r in pictures]
+    monkeypatch.chdir(folder)
+    assert read_captioned(table).files == [Path(r["path"]).name for r in pictures]
+
 # -- the trainer's preprocess -------------------------------------------------------------------------------
 def test_open_clips_preprocess_becomes_the_pipelines_with_bicubic_resizing():
     train = open_clip.image_transform(SIZE, is_train=True)

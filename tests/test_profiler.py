@@ -99,6 +99,11 @@ def test_verdict_rules():
     assert not any("--cache-decoded" in s for s in cached["next_steps"] + busy_cpu["next_steps"])
     fp32 = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": {"mixed_precision": "no"}})
     assert fp32["bound"] == "compute" and any("mixed precision" in s for s in fp32["next_steps"])
+    # on a CPU, a compute-bound loop shares its cores with the loader's decoding: the advice says so first
+    cpu_decoding = verdict({"data_wait_frac": 0.17, "utilization": {}, "settings": {"decode_device": "cpu"}})
+    assert cpu_decoding["bound"] == "compute"
+    assert cpu_decoding["next_steps"][0].startswith("the loader's decoding threads share the CPU cores")
+    assert not any("share the CPU cores" in s for s in fp32["next_steps"] + host["next_steps"])
     assert not any("other processes" in s for s in fp32["next_steps"])
     busy_machine = {"cpu_util_mean": 37.0, "machine_cpu_util_mean": 100.0}  # this run's share, everyone's
     shared = verdict({"data_wait_frac": 0.01, "utilization": busy_machine})

@@ -11,7 +11,8 @@ timed with honest GPU syncs, GPU (NVML) and CPU utilization sampled in the backg
 does: no evaluation, checkpoint or model directory, and a dual encoder's projections start at random
 (--init-proj ridge's pass is skipped: a step takes as long). Writes only ``profile.json`` and ``profile.png``
 in --out (plus ``trace.json``, a Chrome trace from torch.profiler, with --trace) and prints the verdict:
-input-bound / host-bound / compute-bound, with the next step to try.
+input-bound / host-bound / compute-bound, with the next step to try. A raw --data (a manifest, a folder) is
+prepared first, into --out's prepared/, as mmfast-train does: give a prepared directory to time only the steps.
 """
 
 from __future__ import annotations

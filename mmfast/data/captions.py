@@ -77,7 +77,23 @@ def read_captioned(
             raise ValueError(f"{source}: row {k + 1} has no image path")
         files.append(str(Path(root) / path) if root is not None else path)
         texts.append("" if text is None else str(text))
+    if root is None and isinstance(images, str | os.PathLike):
+        _check_relative_to_here(Path(images), files)
     return Captioned(files, texts, source)
+
+
+def _check_relative_to_here(table: Path, files: list[str], probe: int = 8) -> None:
+    """Refuse a table whose relative paths name files beside the table but not from the current directory:
+    every picture would be missing, found only once the first batches are read."""
+    relative = [f for f in files[:probe] if not os.path.isabs(f)]
+    if not relative or any(os.path.exists(f) for f in relative):
+        return
+    folder = table.resolve().parent
+    if all((folder / f).exists() for f in relative):
+        raise ValueError(
+            f"{table}: its image paths are relative to the table's folder, and they start from the current "
+            f"directory ({Path.cwd()}), as open_clip reads them: run from {folder}, or pass root='{folder}'"
+        )
 
 
 def _read_table(path: Path, image_key: str | None, caption_key: str | None, sep: str | None) -> list[tuple]:

@@ -33,7 +33,7 @@ from mmfast.train.profiler import (
     plot_report,
     report_text,
 )
-from mmfast.train.verdict import OWN_LOOP
+from mmfast.train.verdict import OWN_LOOP, TORCH_LOADER
 from mmfast.util.fsutil import atomic_write_json
 
 _END = object()
@@ -106,7 +106,8 @@ class LoopProfiler:
             ``data_wait_frac``, ``images_per_s``, ``utilization``, ``warmup``, ``settings`` and ``verdict``
             ({"bound": "input" | "host" | "compute", "summary", "next_steps"}).
         """
-        return build_report(self.timer, self.sampler, extra={"settings": self.settings}, words=OWN_LOOP)
+        words = OWN_LOOP if self.settings.get("mmfast_loader") else TORCH_LOADER
+        return build_report(self.timer, self.sampler, extra={"settings": self.settings}, words=words)
 
     def print_report(self) -> dict:
         """Print the report as ``mmfast-profile`` does; returns it."""
@@ -136,10 +137,12 @@ def loader_settings(loader) -> dict:
         "cpu_fast_bf16": cpu_has_fast_bf16(),
         "cuda_bf16": torch.cuda.is_available() and cuda_has_bf16(),
     }
+    settings["mmfast_loader"] = type(loader).__module__.startswith("mmfast.")
     device = getattr(loader, "device", None)
     if isinstance(device, torch.device | str):
         settings["decode_device"] = "mixed" if torch.device(device).type == "cuda" else "cpu"
-    for key, attr in (("dali_threads", "num_threads"), ("prefetch", "prefetch"), ("image_size", "size")):
+    threads = "num_threads" if settings["mmfast_loader"] else "num_workers"  # DALI threads, or torch's workers
+    for key, attr in (("dali_threads", threads), ("prefetch", "prefetch"), ("image_size", "size")):
         if isinstance(getattr(loader, attr, None), int):
             settings[key] = getattr(loader, attr)
     if isinstance(getattr(loader, "holds_decoded", None), bool):

@@ -346,7 +346,8 @@ def report_text(report: dict) -> str:
     if util and not util.get("samples"):
         gpu_line = "no utilization samples in the steady state: profile more steps"
     warm = report.get("warmup") or {}
-    after = f" (steady state, after {warm['steps']} warm-up steps)" if warm.get("steps") else ""
+    n = warm.get("steps")
+    after = f" (steady state, after {n} warm-up step{'s' if n != 1 else ''})" if n else ""
     lines.append(
         f"\n{report['steps']} steps, {report['images_per_s']:.1f} images/s, "
         + f"data wait {report['data_wait_frac']:.0%}, "

@@ -8,7 +8,7 @@ for ``mmfast-train`` and ``mmfast-profile``, ``OWN_LOOP`` for a user's own loop 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 INPUT_BOUND = 0.20  # the loop waits for data in more than 20% of its time
 GPU_BUSY = 70.0  # mean GPU utilization below this with little data wait: the host is the bottleneck
@@ -32,7 +32,7 @@ class Knobs:
 
 TRAIN_FLAGS = Knobs(
     image_size="--image-size",
-    threads="DALI threads (--num-threads; now {})",
+    threads="DALI threads (--num-threads)",
     prefetch="the prefetch depth",
     batch_size="--batch-size",
     cache_decoded=(
@@ -49,7 +49,7 @@ TRAIN_FLAGS = Knobs(
 
 OWN_LOOP = Knobs(
     image_size="the loader's size=",
-    threads="the loader's DALI threads (num_workers=; now {})",
+    threads="the loader's DALI threads (num_workers=)",
     prefetch="its prefetch= depth",
     batch_size="batch_size=",
     cache_decoded=(
@@ -64,13 +64,20 @@ OWN_LOOP = Knobs(
     all_gpus="torchrun --nproc_per_node {} ..., each loader given its shard_id= and num_shards=",
 )
 
+TORCH_LOADER = replace(  # a user's own loop over torch's DataLoader (or another iterable that is not mmfast's)
+    OWN_LOOP,
+    image_size="the transform's crop size",
+    threads="the DataLoader's worker processes (num_workers=)",
+    prefetch="its prefetch_factor= (or mmfast.ImageLoader, which decodes with DALI threads)",
+)
+
 
 def verdict(report: dict, words: Knobs = TRAIN_FLAGS) -> dict:
     """Classify a run and say what to change.
 
     Args:
         report: phase shares, utilization and settings (``profiler.build_report``).
-        words: how the advice names each knob (``TRAIN_FLAGS`` or ``OWN_LOOP``).
+        words: how the advice names each knob (``TRAIN_FLAGS``, ``OWN_LOOP`` or ``TORCH_LOADER``).
 
     Returns:
         {"bound": "input" | "host" | "compute", "summary": one line, "next_steps": [...]}
@@ -122,8 +129,9 @@ def _input_advice(settings: dict, cpu: float | None, on_gpu: bool, words: Knobs)
         if not on_gpu and settings.get("cache_decoded") is False:
             steps.append(words.cache_decoded)
     else:
-        threads = words.threads.format(settings.get("dali_threads", "?"))
-        steps.append(f"raise {threads} and {words.prefetch}; the CPU is not saturated")
+        now = settings.get("dali_threads")
+        threads = words.threads + (f", now {now}" if now is not None else "")
+        steps.append(f"raise {threads}, and {words.prefetch}; the CPU is not saturated")
     steps.append("a larger batch amortizes per-batch costs")
     return steps
 
@@ -131,6 +139,11 @@ def _input_advice(settings: dict, cpu: float | None, on_gpu: bool, words: Knobs)
 def _compute_advice(settings: dict, on_gpu: bool, words: Knobs) -> list[str]:
     """What speeds up a compute-bound run on this machine: nothing that needs a GPU it does not have."""
     steps = []
+    if not on_gpu and settings.get("decode_device") == "cpu":
+        steps.append(
+            "the loader's decoding threads share the CPU cores with the model, so part of the compute time is "
+            f"decoding: fewer pixels (a smaller {words.image_size}, images shrunk offline) free cores for the model"
+        )
     gpus, procs = settings.get("cuda_devices", 1 if on_gpu else 0), settings.get("num_processes", 1)
     bf16 = words.mixed_precision.format("bf16")
     if settings.get("mixed_precision") in (None, "no"):
