@@ -132,7 +132,10 @@ class TrainConfig:
     global_batch_size: int | None = _opt(None, "optimization", "samples per optimizer step over all processes: "
         "--batch-size (at most) and --grad-accum derived from it and the process count")  # fmt: skip
     eval_batch_size: int | None = _opt(
-        None, "optimization", "samples per process per eval batch; none: --batch-size"
+        None,
+        "optimization",
+        "samples per process per eval batch; none: --batch-size or the preset's, before --global-batch-size "
+        "divides it",
     )
     grad_accum: int = _opt(
         1,
