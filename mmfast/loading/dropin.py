@@ -1,7 +1,8 @@
 """DataLoader compatibility: what code written for a ``torch.utils.data.DataLoader`` over a torchvision
 ``ImageFolder`` passes and expects of ``ImageLoader``, translated once: its arguments (taken, refused with
-advice, or accepted as no-ops), ImageFolder datasets and their transforms (``options_from_transform``), the
-torchvision equivalent of the pipeline, tuple batches (``Batch``) and ``loader.dataset`` (``ImageFiles``).
+advice, or accepted as no-ops), ImageFolder datasets and their transforms (``options_from_transform``), a
+folder tree (``loader_from_folder``), the torchvision equivalent of the pipeline, tuple batches (``Batch``) and
+``loader.dataset`` (``ImageFiles``).
 """
 
 from __future__ import annotations
@@ -441,3 +442,18 @@ def from_dataset(
     return DatasetArgs(
         files, labels, folder_classes if classes is None else classes, batch_size, size, train, dtype
     )
+
+
+def loader_from_folder(cls, root, is_valid_file, allow_empty: bool, kwargs: dict):
+    """``cls.from_folder``: a loader over torchvision's own ``ImageFolder`` of ``root`` (its class discovery,
+    extensions, order and errors), which becomes ``loader.dataset`` with the loader's transform."""
+    from torchvision.datasets import ImageFolder  # torchvision: only to read a folder tree
+
+    folder = ImageFolder(str(root), is_valid_file=is_valid_file, allow_empty=allow_empty)
+    if not folder.samples:
+        raise ValueError(f"{root}: no image files in its class folders")
+    files, labels = zip(*folder.samples, strict=True)
+    loader = cls(list(files), list(labels), classes=folder.classes, **kwargs)
+    folder.transform = loader.torchvision_transform()
+    loader.dataset = folder
+    return loader

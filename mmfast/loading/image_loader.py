@@ -19,16 +19,18 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.loading.arguments import (
-    check_batch,
-    check_sizes,
-    integer_labels,
-    process_layout,
-)
+from mmfast.loading.arguments import check_batch, check_sizes, checked_samples, process_layout
 from mmfast.loading.cache_plan import CachePlan, decoded_images_for
 from mmfast.loading.decoded import DecodedImages
 from mmfast.loading.device import resolve_device, resolve_dtype
-from mmfast.loading.dropin import Batch, ImageFiles, from_dataset, split_options, torchvision_equivalent
+from mmfast.loading.dropin import (
+    Batch,
+    ImageFiles,
+    from_dataset,
+    loader_from_folder,
+    split_options,
+    torchvision_equivalent,
+)
 from mmfast.loading.epoch_reader import EpochReader, ReadSettings
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.host_finish import default_threads, make_finisher
@@ -187,7 +189,7 @@ class ImageLoader:
         shard_id, num_shards, device = process_layout(accelerator, shard_id, num_shards, device)
         size = 224 if size is None else size
         prefetch = check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
-        self._set_samples(files, labels, ids)
+        self.files, self.labels, self.ids = checked_samples(files, labels, ids)
         check_batch(batch_size, len(self.files), num_shards, size, max_pixels, drop_last)
         self._set_settings(batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed)
         self.sampling, self.files_checked, self.pin_memory, self.as_dict = (
@@ -284,24 +286,6 @@ class ImageLoader:
         every operator's argument names without touching CUDA: tests define the GPU graph on any machine)."""
         return self._reader.define_pipeline(positions, seed_epoch, checkpoint, dali_batch)
 
-    def _set_samples(self, files, labels, ids) -> None:
-        """``files``, ``labels`` and ``ids`` as the loader keeps them (lists of str, int64 arrays), checked."""
-        if isinstance(files, str | bytes | os.PathLike):
-            raise TypeError(
-                f"files must be a list of image paths (or a dataset), got the path {str(files)!r}; for a folder "
-                f"of class folders use ImageLoader.from_folder({str(files)!r})"
-            )
-        self.files = [os.fsdecode(f) for f in files]
-        n = len(self.files)
-        if n == 0:
-            raise ValueError("no image files given")
-        self.labels = integer_labels(labels, n)
-        self.ids = np.asarray(ids if ids is not None else np.arange(n), dtype=np.int64)
-        if len(self.labels) != n or len(self.ids) != n:
-            raise ValueError(f"{n} files but {len(self.labels)} labels and {len(self.ids)} ids")
-        if len(np.unique(self.ids)) != n or self.ids.min() < 0 or self.ids.max() > np.iinfo(np.int32).max:
-            raise ValueError("ids must be unique, non-negative int32 values")
-
     def _set_source(self, source: Source, on_bad_image, max_pixels, verify_files, file_stats) -> None:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
         self.health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads, file_stats)
@@ -358,16 +342,7 @@ class ImageLoader:
             is_valid_file, allow_empty: as ImageFolder takes them.
             **kwargs: ``ImageLoader``'s arguments.
         """
-        from torchvision.datasets import ImageFolder  # torchvision: only to read a folder tree
-
-        folder = ImageFolder(str(root), is_valid_file=is_valid_file, allow_empty=allow_empty)
-        if not folder.samples:
-            raise ValueError(f"{root}: no image files in its class folders")
-        files, labels = zip(*folder.samples, strict=True)
-        loader = cls(list(files), list(labels), classes=folder.classes, **kwargs)
-        folder.transform = loader.torchvision_transform()
-        loader.dataset = folder
-        return loader
+        return loader_from_folder(cls, root, is_valid_file, allow_empty, kwargs)
 
     def torchvision_transform(self):
         """The torchvision transform that does what this loader's pipeline does to one image (PIL image in,
