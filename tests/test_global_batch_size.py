@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 from conftest import SMALL_RUN
 
-from mmfast.train.config import TrainConfig, apply_global_batch, resolve_batches
+from mmfast.train.config import TrainConfig
+from mmfast.train.resolve import apply_global_batch, resolve_batches
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ class DualEncoder(nn.Module):
     """
 
     modalities = ("image", "text")
-    task = "contrastive"  # the objective --task defaults to (mmfast.train.config.resolve_preset)
+    task = "contrastive"  # the objective --task defaults to (mmfast.train.resolve.resolve_preset)
     default_preset = "clip-lite0-minilm"  # what --preset defaults to: pretrained towers that run offline
     config_options = ("loss", "embed_dim")  # TrainConfig fields build_model passes as keyword arguments
     classifies = False  # no classifier head: build_model does not ask for two or more classes

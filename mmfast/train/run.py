@@ -18,7 +18,7 @@ from mmfast.models import build_model, model_class
 from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
-from mmfast.train.config import TrainConfig, resolve_batches, resolve_preset
+from mmfast.train.config import TrainConfig
 from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
@@ -36,6 +36,7 @@ from mmfast.train.report import (
     write_profile,
     write_weights_digest,
 )
+from mmfast.train.resolve import resolve_batches, resolve_preset
 from mmfast.train.resume_rules import resume_differences
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
 from mmfast.train.setup import (
