@@ -39,6 +39,7 @@ from mmfast.infer.encode_inputs import (  # noqa: F401  (pil_transform, BadImage
     preprocessed_batch,
     text_inputs,
 )
+from mmfast.infer.model_card import MODEL_CARD_FILE, model_card
 from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirError: this module's public names too)
     CONFIG_FILE,
     FORMAT,
@@ -59,42 +60,6 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
 CHECKSUMS_FILE = "checksums.json"
-MODEL_CARD_FILE = "README.md"
-_CARD_HEAD = """---
-library_name: mmfast
-tags: [mmfast, multimodal, {tag}, pytorch_model_hub_mixin]
----
-
-"""
-_CARD_USE = """
-```python
-import mmfast
-model = mmfast.load_model("THIS_DIRECTORY")  # or mmfast.MmfastModel.from_pretrained(...)
-{use}```
-"""
-MODEL_CARDS = {  # by the model's task: what config.json's fields say it is, and how to use it
-    "classification": (
-        "image-text-classification",
-        "An mmfast {model}-fusion classifier ({image_backbone} + {text_model}), {num_classes} classes, "
-        "{image_size} px.\n",
-        "",
-    ),
-    "contrastive": (
-        "zero-shot-image-classification",
-        "An mmfast dual encoder ({loss} loss; {image_backbone} + {text_model}), {embed_dim}-d embeddings, "
-        "{image_size} px.\n",
-        'images = model.encode_image(["cat.jpg"])  # (N, {embed_dim}) normalized\n'
-        'texts = model.encode_text(["a photo of a cat."])\n'
-        "similarity = images @ texts.T\n",
-    ),
-}
-
-
-def model_card(config: dict) -> str:
-    """README.md of a model directory: what the model is and the lines that load it."""
-    tag, what, use = MODEL_CARDS.get(config.get("task", "classification"), MODEL_CARDS["classification"])
-    text = _CARD_HEAD.format(tag=tag) + what.format(**config) + _CARD_USE.format(use=use.format(**config))
-    return text
 
 
 class MmfastModel(
@@ -200,9 +165,13 @@ class MmfastModel(
         else:
             budget = max_pixels or self.config.get("max_pixels") or DEFAULT_MAX_PIXELS
             chunks, kept, skipped = encode_images(
-                encode, image_inputs(images), self.config, batch_size=batch_size, max_pixels=budget,
+                encode,
+                image_inputs(images),
+                self.config,
+                batch_size=batch_size,
+                max_pixels=budget,
                 on_error=on_error,
-            )  # fmt: skip
+            )
         out = self._rows(chunks)
         out.kept, out.skipped = kept, skipped
         return out
@@ -228,9 +197,13 @@ class MmfastModel(
         out = []
         for s in range(0, len(texts), batch_size):
             enc = self.tokenizer(
-                texts[s : s + batch_size], truncation=True, max_length=self.config["max_length"], padding=True,
-                return_tensors="pt", return_token_type_ids=False,
-            )  # fmt: skip
+                texts[s : s + batch_size],
+                truncation=True,
+                max_length=self.config["max_length"],
+                padding=True,
+                return_tensors="pt",
+                return_token_type_ids=False,
+            )
             out.append(encode(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float())
         return self._rows(out)
 
