@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mmfast.remote.errors import PermanentRemoteError
 from mmfast.train.agree import AgreedLoader, BatchAgreement
 from mmfast.train.heartbeat import PeerFailure
-from mmfast.util.remote_errors import PermanentRemoteError
 from tests.conftest import spawn_two
 
 URL = "s3://bucket/shards/00003.tar"

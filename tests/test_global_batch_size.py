@@ -10,7 +10,7 @@ import pytest
 from conftest import SMALL_RUN
 
 from mmfast.train.config import TrainConfig
-from mmfast.train.setup import apply_global_batch
+from mmfast.train.resolve import apply_global_batch, resolve_batches
 
 
 @pytest.mark.parametrize(
@@ -39,6 +39,15 @@ def test_without_it_nothing_changes_and_wrong_ones_are_refused():
         apply_global_batch(replace(cfg, global_batch_size=64), 2)
     with pytest.raises(ValueError, match=">= 1"):
         apply_global_batch(TrainConfig(global_batch_size=0), 1)
+
+
+def test_the_eval_batch_is_the_micro_batch_the_flag_or_the_preset_gives():
+    """resolve_batches decides every batch size of a run: the eval batch is --eval-batch-size, else the
+    micro-batch before --global-batch-size divides it (the preset's 64 here, not the derived 32)."""
+    cfg = resolve_batches(TrainConfig(global_batch_size=32, batch_size=64), 1)
+    assert (cfg.batch_size, cfg.grad_accum, cfg.eval_batch_size) == (32, 1, 64)
+    cfg = resolve_batches(TrainConfig(batch_size=16, eval_batch_size=40, grad_accum=2), 2)
+    assert (cfg.batch_size, cfg.grad_accum, cfg.eval_batch_size) == (16, 2, 40)
 
 
 def test_a_run_records_the_derived_batch_and_accumulation(tmp_path):

@@ -4,6 +4,7 @@ modules' old names, and the public names the README imports."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import warnings
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import mmfast
-from mmfast.util.moved import MOVED
+from mmfast.util.moved import MOVED, REMOVED_IN
 
 PACKAGE = Path(mmfast.__file__).parent
 MAX_MODULE_LINES = 500
@@ -63,6 +64,16 @@ def test_a_moved_module_imports_by_its_old_name_as_the_new_module_and_warns_once
     same, warned, message = out.stdout.split(" ", 2)
     assert same == "True" and warned == "1", out.stdout
     assert MOVED[old] in message and old in message
+
+
+def test_the_old_names_are_gone_by_the_release_their_warning_names():
+    """The moved names' warning promises their removal in ``REMOVED_IN``: a version that reaches it must come
+    without them (delete mmfast/util/moved.py and its install in mmfast/__init__.py)."""
+    def release(v: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in v.split(".")[:3])
+
+    version = re.search(r'^version = "([^"]+)"', (PACKAGE.parent / "pyproject.toml").read_text(), re.M)[1]
+    assert release(version) < release(REMOVED_IN), f"mmfast {version}: remove the moved names ({sorted(MOVED)})"
 
 
 def test_an_unknown_old_name_is_still_an_import_error():

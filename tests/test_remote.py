@@ -1,4 +1,4 @@
-"""mmfast.util.remote and mmfast.util.shard_cache against real servers on loopback: Python's http.server over
+"""mmfast.remote.objects and mmfast.remote.shard_cache against real servers on loopback: Python's http.server over
 a temp folder and moto's S3 server, each behind the FaultProxy of tools/benchmarks/benchlib, which drops
 connections, answers 503 / 403 / 404 and counts the requests that reach the store."""
 
@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from mmfast.util import remote, remote_errors
+from mmfast.remote import errors as remote_errors
+from mmfast.remote import objects as remote
+from mmfast.remote.errors import PermanentRemoteError, TransientRemoteError
+from mmfast.remote.http_get import HTTPStatusError
+from mmfast.remote.shard_cache import CacheFullError, ShardCache
 from mmfast.util.fsutil import OutputDirError
-from mmfast.util.http_get import HTTPStatusError
-from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError
-from mmfast.util.shard_cache import CacheFullError, ShardCache
 from tools.benchmarks.benchlib.fault_proxy import FaultProxy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -531,7 +532,7 @@ def test_a_killed_download_leaves_no_file_and_the_cache_removes_its_leftovers(pr
         dest = cache.path_for(url, _sha(data))
     proxy.bandwidth_bytes_per_s = 300_000  # ten seconds for the whole object: time to kill it part-way
     code = (
-        "import sys; from mmfast.util.shard_cache import ShardCache; "
+        "import sys; from mmfast.remote.shard_cache import ShardCache; "
         "ShardCache(sys.argv[1], 10**9).get(sys.argv[2], int(sys.argv[3]), sys.argv[4])"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -848,7 +849,7 @@ def test_the_train_flag_bounds_the_retries_of_the_runs_shard_cache(late_store, h
 _CACHE_ON = r"""
 import subprocess, sys
 from pathlib import Path
-from mmfast.util.shard_cache import ShardCache
+from mmfast.remote.shard_cache import ShardCache
 
 how, folder, url, size, sha = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
 if how != "file-size limit":

@@ -19,8 +19,8 @@ import pytest
 from conftest import ROOT, free_port, save_image, write_jsonl
 
 from mmfast.cli import prepare as prepare_cli
-from mmfast.util import shard_cache
-from mmfast.util.shard_cache import ShardCache
+from mmfast.remote import shard_cache
+from mmfast.remote.shard_cache import ShardCache
 
 _PIECE = 4096
 

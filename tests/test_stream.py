@@ -231,7 +231,7 @@ def test_prediction_reads_the_images_of_shards_prepared_from_s3_or_given_as_urls
 def test_streamed_from_s3_equals_local_disk_within_a_cache_limit(prepared_s3, prepared_local, tmp_path, caplog):
     """Through a cache of about two shards: the same ids and augmented pixels as the local shards for two
     epochs, the cache never past its limit plus one shard, and every shard fetched again only after eviction."""
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
     sizes = [p.stat().st_size for p in sorted((prepared_local.parent.parent).rglob("*.tar"))] or [0]
     limit = 2 * max(json.loads((prepared_s3 / "wds" / "train.json").read_text())["checks"], key=lambda c: c[0])[0]
@@ -295,8 +295,8 @@ def test_the_cache_limit_takes_bytes_or_a_unit_and_may_change_on_resume():
     """--cache-limit: bytes or a size with a decimal or binary unit, refused naming the flag otherwise; where
     the cache lies and how much it holds are this machine's, not the training's: a resume may change them (a
     run recorded before --cache-limit too)."""
-    from mmfast.train.resume_rules import resume_differences
     from mmfast.train.flags import parse_config
+    from mmfast.train.resume_rules import resume_differences
     from mmfast.util.args import parse_size
 
     assert [parse_size(t) for t in ("1234", "500MB", "20GiB", "20 gib", "3KiB", "1.5g")] == [

@@ -1,5 +1,5 @@
 """Training that streams its shards from an object store (``mmfast.train`` over ``mmfast.loading.stream_source``
-and ``mmfast.util.shard_cache``): moto's S3 server on loopback holds the shards of ``test_stream``, and the
+and ``mmfast.remote.shard_cache``): moto's S3 server on loopback holds the shards of ``test_stream``, and the
 FaultProxy of tools/benchmarks/benchlib stands between s3fs and it where a test injects faults. Each test
 compares a run with the fault-free reference run of the same seed, batch for batch, and fails on a wrong
 implementation: a transient fault that skips or repeats a batch, or goes uncounted; a permanent one that
@@ -26,9 +26,9 @@ import pytest
 import test_stream
 from test_stream import BUCKET, FAKE_SECRET, SHARDS, _loader, prepare
 
+from mmfast.remote.shard_cache import ShardCache
 from mmfast.train import engine
 from mmfast.util.commands import PREPARE
-from mmfast.util.shard_cache import ShardCache
 from tools import train as train_tool
 from tools.benchmarks.benchlib.fault_proxy import FaultProxy
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
 from mmfast.cli.predict import add_max_pixels_flag, load_rows, none_usable, report_errors
+from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 from mmfast.util.quiet import filter_native_stderr
 from mmfast.util.voice import command_line
 
@@ -79,9 +80,9 @@ def print_retrieval(figures: dict) -> None:
 
 def evaluate_retrieval(args: argparse.Namespace, model, rows: list[dict], device, source: str) -> int:
     """A dual encoder's evaluation: retrieval (and zero-shot) figures printed and written to OUT/metrics.json."""
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.embed import evaluate_retrieval as figures_of
     from mmfast.tasks.retrieval import read_templates
-    from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 
     try:
         templates = read_templates(args.templates) if args.templates else None
@@ -122,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.model_dir import load_for_inference
     from mmfast.infer.predict import plot_confusion, predict_rows, score, write_predictions
     from mmfast.inputs.manifest import ManifestError
-    from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 
     args = parse_args(argv)
     source = args.input or args.data

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @command_line
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mmfast.infer.model_dir import load_model
+    from mmfast.infer.model_dir import load_model  # torch: imported when the command runs, so --help stays light
 
     try:
         model = load_model(args.model)
@@ -94,11 +94,13 @@ def peer_writers(model, names: tuple[str, ...], out: Path) -> dict:
     """
     writers = {}
     if "open_clip" in names:
+        # torch: imported when the command runs, so --help stays light
         from mmfast.infer.export_open_clip import open_clip_config, write_open_clip
 
         open_clip_config(model, out / "open_clip")
         writers["open_clip"] = write_open_clip
     if "hf" in names:
+        # torch: imported when the command runs, so --help stays light
         from mmfast.infer.export_hf import hf_towers, write_hf
 
         hf_towers(model)
@@ -108,6 +110,7 @@ def peer_writers(model, names: tuple[str, ...], out: Path) -> dict:
 
 def export(model, args: argparse.Namespace, peers: dict | None = None) -> int:
     """Write the formats asked for and export.json; 1 when the ONNX file's logits are off by more than --atol."""
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.export import export_onnx, export_program, onnx_parity
 
     out = Path(args.out)
@@ -135,6 +138,7 @@ def export(model, args: argparse.Namespace, peers: dict | None = None) -> int:
 def export_towers(model, args: argparse.Namespace, report: dict) -> int:
     """A dual encoder's towers in the formats asked for, and export.json; 1 when an ONNX tower's embeddings are
     off by more than --atol."""
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.export import export_towers_onnx, export_towers_program, towers_parity
 
     out = Path(args.out)

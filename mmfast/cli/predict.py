@@ -31,6 +31,7 @@ from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags, input_options
+from mmfast.util.fsutil import check_output_file
 from mmfast.util.quiet import filter_native_stderr
 from mmfast.util.voice import command_line
 
@@ -97,7 +98,7 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
     Raises:
         ManifestError, ValueError: --input cannot be read, or its flags exclude each other.
     """
-    from mmfast.infer.predict import prepared_rows
+    from mmfast.infer.predict import prepared_rows  # torch: imported when the command runs, so --help stays light
     from mmfast.infer.predict_inputs import input_rows
 
     if getattr(args, "data", None):
@@ -153,6 +154,7 @@ def none_usable(rows: list[dict], source: str, table: bool = True) -> bool:
 def compare_pil(model, rows: list[dict], args: argparse.Namespace, device) -> dict:
     """Median images/s of predict_rows and of the plain PIL loop on the same rows (after one warm-up each,
     runs alternating)."""
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.predict import image_file, predict_pil, predict_rows
 
     good = [r for r in rows if not r.get("error") and Path(image_file(r)).is_file()]
@@ -195,13 +197,13 @@ def check_outputs(args: argparse.Namespace, inputs: list[str]) -> None:
     Raises:
         OutputError: naming the file.
     """
-    from mmfast.util.fsutil import check_output_file
-
     if not args.embed:
+        # torch: imported when the command runs, so --help stays light
         from mmfast.infer.predict import is_predictions_file
 
         check_output_file(args.out, inputs, is_predictions_file)
         return
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.embed import embedding_paths, is_embeddings_file
 
     for path in embedding_paths(args.out, args.embed).values():
@@ -210,6 +212,7 @@ def check_outputs(args: argparse.Namespace, inputs: list[str]) -> None:
 
 def embed(args: argparse.Namespace, model, rows: list[dict], device, source: str) -> int:
     """--embed: the rows' embeddings written to the --out files; 2 when none can be embedded or written."""
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.embed import embed_rows, row_ids, write_embeddings
 
     try:
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    # torch: imported when the command runs, so --help stays light
     from mmfast.infer.model_dir import load_for_inference
     from mmfast.infer.predict import image_file, predict_rows, write_predictions
     from mmfast.inputs.manifest import ManifestError

@@ -71,7 +71,7 @@ def _main(argv: list[str] | None) -> int:
         report = json.loads(path.read_text())
         print_report(report)
         return 0
-    from mmfast.cli.train import user_errors
+    from mmfast.cli.train import user_errors  # torch: imported when the command runs, so --help stays light
 
     try:
         report = _profile(args, train_flags)
@@ -87,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _profile(args, train_flags: list[str]) -> dict:
     """The profile's steps (``mmfast.train.short_profile``); returns its report."""
-    from mmfast.train.flags import parse_config
+    from mmfast.train.flags import parse_config  # torch: imported when the command runs, so --help stays light
     from mmfast.train.short_profile import profile_steps
 
     default_out = args.out is None
@@ -97,7 +97,7 @@ def _profile(args, train_flags: list[str]) -> dict:
         flags.append("--overwrite")  # profiling again is the normal use: the earlier profile is moved aside
     cfg = parse_config(flags)
     if args.trace:
-        import torch
+        import torch  # torch: only when asked for (--trace); --help imports none
 
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():

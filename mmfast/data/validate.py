@@ -46,7 +46,7 @@ def pixel_budget_reason(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_P
         reason such as "image is 9400x9400 = 88.4 MP, over the 64 MP budget (--max-pixels); downscale it"
         (the budget named as the caller set it: ``voice.setting``).
     """
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     size = _png_size(path)
     if size is not None:
@@ -77,7 +77,7 @@ def image_header(path: str | os.PathLike) -> tuple[int, int, str] | None:
     """(width, height, PIL's format name) read from an image's header (nothing is decoded); None when the
     header cannot be read. Raises PIL's ``DecompressionBombError`` past its hard limit; its warning below that
     is silenced (the callers apply their own budget)."""
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open until a writer came
@@ -161,7 +161,7 @@ def check_image_bytes(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Imag
 def _check_decode(src, max_pixels: int, keep: bool = False) -> tuple[ImageCheck, object]:
     """Open and fully decode ``src`` (a path or a binary file object) with PIL: (its check, the image as an RGB
     PIL image when ``keep`` and it is usable, else None)."""
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     rgb = None
     try:
@@ -253,7 +253,7 @@ def _read_file(path: str) -> np.ndarray:
 
 
 def _decode_pipeline(batch: int, threads: int):
-    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali import fn, pipeline_def, types  # DALI: only when a DALI graph runs here
 
     @pipeline_def(batch_size=batch, num_threads=max(1, threads), device_id=None, prefetch_queue_depth=1)
     def _decode():

@@ -192,7 +192,7 @@ def is_embeddings_file(path: str | os.PathLike) -> bool:
     path = Path(path)
     try:
         if path.suffix.lower() == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # pyarrow: optional (mmfast[formats]), only for Parquet / Arrow
 
             return b"mmfast" in (pq.read_schema(path).metadata or {})
         return np.load(path, mmap_mode="r", allow_pickle=False).ndim in (1, 2)

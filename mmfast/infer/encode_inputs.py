@@ -141,7 +141,7 @@ def _arrays(a: np.ndarray | torch.Tensor, where: str, several: bool) -> list[np.
 
 def _rgb(item, max_pixels: int):
     """(the item as an RGB PIL image, "") or (None, why it cannot be used)."""
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     if isinstance(item, str | os.PathLike):
         image, check = open_image(item, max_pixels)

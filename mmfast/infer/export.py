@@ -122,7 +122,7 @@ def onnx_parity(
     model: MmfastModel, onnx_path: str | os.PathLike, inputs: tuple[torch.Tensor, ...] | None = None
 ) -> float:
     """Largest absolute difference between onnxruntime's and PyTorch's fp32 logits on the same inputs."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime: optional (mmfast[export]), only for the parity check
 
     inputs = inputs if inputs is not None else example_inputs(model, batch=3, length=9, seed=1)
     ref = LogitsModule(model).eval()(*inputs).float().numpy()
@@ -251,7 +251,7 @@ def towers_parity(
     model: MmfastModel, paths: dict[str, Path], inputs: tuple[torch.Tensor, ...] | None = None
 ) -> dict[str, float]:
     """Per tower, the largest absolute difference between onnxruntime's and PyTorch's fp32 embeddings."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime: optional (mmfast[export]), only for the parity check
 
     inputs = inputs if inputs is not None else example_inputs(model, batch=3, length=9, seed=1)
     diffs = {}

@@ -148,7 +148,7 @@ def _write_image(image: TimmImage, proj: torch.Tensor | None, config: dict, out:
 
 def _write_text(text, proj: torch.Tensor | None, model, out: Path) -> None:
     """The encoder and tokenizer, and sentence-transformers' modules (mean pooling, the projection, L2 norm)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: only when weights are read or written
 
     out.mkdir()
     text_config(text.config, model.tokenizer).save_pretrained(str(out))
@@ -181,6 +181,7 @@ def _write_text(text, proj: torch.Tensor | None, model, out: Path) -> None:
 def _write_clip(model, out: Path) -> None:
     """A dual encoder whose towers both started from a CLIP directory, as a ``CLIPModel`` with its processor:
     the image processor of mmfast's eval preprocessing and the tokenizer it trained with."""
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     net = model.model

@@ -182,7 +182,7 @@ def write_open_clip(model, out: str | os.PathLike) -> Path:
     Raises:
         FormatRefusal: the model, or a tower of it, is not one open_clip builds.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: only when weights are read or written
 
     out = Path(out)
     config = open_clip_config(model, out)  # refusals before anything is written

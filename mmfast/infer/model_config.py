@@ -11,7 +11,10 @@ from pathlib import Path
 from torch import nn
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.data.tokenizer import load_tokenizer
 from mmfast.models import model_class
+from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
+from mmfast.tasks.retrieval import read_templates
 
 FORMAT = "mmfast-model/1"
 CONFIG_FILE = "config.json"
@@ -46,10 +49,6 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
         weights: "best" or "last".
         tokenizer_dir: the tokenizer it trained with (default: the dataset's).
     """
-    from mmfast.data.tokenizer import load_tokenizer
-    from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
-    from mmfast.tasks.retrieval import read_templates
-
     image, text = getattr(model, "image", None), getattr(model, "text", None)
     prep = dataset.summary.get("config", {})
     # a pretrained text model's architecture, so load_model needs neither its package nor the hub

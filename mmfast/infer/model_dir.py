@@ -28,6 +28,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from mmfast.data.tokenizer import load_tokenizer
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.encode_inputs import (  # noqa: F401  (pil_transform, BadImageError: this module's names too)
     BadImageError,
@@ -38,6 +39,7 @@ from mmfast.infer.encode_inputs import (  # noqa: F401  (pil_transform, BadImage
     preprocessed_batch,
     text_inputs,
 )
+from mmfast.infer.model_card import MODEL_CARD_FILE, model_card
 from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirError: this module's public names too)
     CONFIG_FILE,
     FORMAT,
@@ -50,6 +52,7 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
 )
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
+from mmfast.models.start_towers import tower_from_record
 from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
 from mmfast.util.voice import setting
 
@@ -57,42 +60,6 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
 CHECKSUMS_FILE = "checksums.json"
-MODEL_CARD_FILE = "README.md"
-_CARD_HEAD = """---
-library_name: mmfast
-tags: [mmfast, multimodal, {tag}, pytorch_model_hub_mixin]
----
-
-"""
-_CARD_USE = """
-```python
-import mmfast
-model = mmfast.load_model("THIS_DIRECTORY")  # or mmfast.MmfastModel.from_pretrained(...)
-{use}```
-"""
-MODEL_CARDS = {  # by the model's task: what config.json's fields say it is, and how to use it
-    "classification": (
-        "image-text-classification",
-        "An mmfast {model}-fusion classifier ({image_backbone} + {text_model}), {num_classes} classes, "
-        "{image_size} px.\n",
-        "",
-    ),
-    "contrastive": (
-        "zero-shot-image-classification",
-        "An mmfast dual encoder ({loss} loss; {image_backbone} + {text_model}), {embed_dim}-d embeddings, "
-        "{image_size} px.\n",
-        'images = model.encode_image(["cat.jpg"])  # (N, {embed_dim}) normalized\n'
-        'texts = model.encode_text(["a photo of a cat."])\n'
-        "similarity = images @ texts.T\n",
-    ),
-}
-
-
-def model_card(config: dict) -> str:
-    """README.md of a model directory: what the model is and the lines that load it."""
-    tag, what, use = MODEL_CARDS.get(config.get("task", "classification"), MODEL_CARDS["classification"])
-    text = _CARD_HEAD.format(tag=tag) + what.format(**config) + _CARD_USE.format(use=use.format(**config))
-    return text
 
 
 class MmfastModel(
@@ -198,9 +165,13 @@ class MmfastModel(
         else:
             budget = max_pixels or self.config.get("max_pixels") or DEFAULT_MAX_PIXELS
             chunks, kept, skipped = encode_images(
-                encode, image_inputs(images), self.config, batch_size=batch_size, max_pixels=budget,
+                encode,
+                image_inputs(images),
+                self.config,
+                batch_size=batch_size,
+                max_pixels=budget,
                 on_error=on_error,
-            )  # fmt: skip
+            )
         out = self._rows(chunks)
         out.kept, out.skipped = kept, skipped
         return out
@@ -226,9 +197,13 @@ class MmfastModel(
         out = []
         for s in range(0, len(texts), batch_size):
             enc = self.tokenizer(
-                texts[s : s + batch_size], truncation=True, max_length=self.config["max_length"], padding=True,
-                return_tensors="pt", return_token_type_ids=False,
-            )  # fmt: skip
+                texts[s : s + batch_size],
+                truncation=True,
+                max_length=self.config["max_length"],
+                padding=True,
+                return_tensors="pt",
+                return_token_type_ids=False,
+            )
             out.append(encode(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float())
         return self._rows(out)
 
@@ -257,8 +232,6 @@ class MmfastModel(
 def _recorded_towers(config: dict) -> dict:
     """The towers config.json records as started from a directory (``image_tower`` / ``text_tower``), rebuilt
     with random weights without it, as ``build_model``'s ``image_encoder`` / ``text_encoder``."""
-    from mmfast.models.start_towers import tower_from_record
-
     return {
         f"{name}_encoder": tower_from_record(config[f"{name}_tower"], name)
         for name in ("image", "text")
@@ -275,6 +248,7 @@ def _text_model_source(config: dict):
     if config["model"] == "image" or text_config is None or "text_tower" in config:
         yield config["text_model"]
         return
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import AutoConfig, AutoModel
 
     spec = dict(text_config)
@@ -370,7 +344,7 @@ def verify_model_dir(model_dir: str | os.PathLike) -> None:
 
 def _load_weights(model: MmfastModel, path: Path) -> None:
     """The weights of ``path`` into ``model``: all of them, each of the network's shape, all finite."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError  # safetensors: only when weights are read or written
     from safetensors.torch import load_file
 
     try:
@@ -393,8 +367,6 @@ def _load_weights(model: MmfastModel, path: Path) -> None:
 
 
 def _load_tokenizer(path: Path):
-    from mmfast.data.tokenizer import load_tokenizer
-
     try:
         return load_tokenizer(path)
     except (ValueError, OSError) as e:
@@ -429,7 +401,7 @@ def save_model_dir(
         config: ``model_config(...)``.
         tokenizer_dir: the tokenizer to copy in.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: only when weights are read or written
 
     out = Path(out)
     # What MmfastModel.save_pretrained writes, without building the network again (MiniLM, Lite0: seconds).
@@ -468,7 +440,7 @@ def write_run_models(
     last weights and config.json says so ("weights"). ``tokenizer_dir``: the tokenizer the run trained with
     (the training engine's copy, taken when it opened the data: the dataset's own may have been prepared
     again since); default the dataset's."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # safetensors: only when weights are read or written
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its names carry a prefix
     last = {k: v.detach().cpu() for k, v in model.state_dict().items()}

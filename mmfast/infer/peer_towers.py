@@ -9,12 +9,14 @@ A text tower is a Hugging Face encoder read by the mean of its token states, as 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.tasks.registry import LOSSES
 
 # torchvision's ResNets as timm builds them: its name and the keyword arguments that give the same network
 TORCHVISION_IN_TIMM = {
@@ -130,9 +132,10 @@ def projections(model, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def logit_scale_and_bias(model) -> tuple[float, float | None]:
-    """A dual encoder's learned log-temperature, and its bias (None for the CLIP loss, which has none)."""
+    """A dual encoder's learned log-temperature, and its bias (None for a loss that learns none: CLIP)."""
     net = model.model
-    bias = float(net.logit_bias.detach()) if model.config.get("loss") == "siglip" else None
+    learns_bias = LOSSES.pick(model.config.get("loss", "clip")).init_logit_bias is not None
+    bias = float(net.logit_bias.detach()) if learns_bias else None
     return float(net.logit_scale.detach()), bias
 
 
@@ -144,8 +147,6 @@ def eval_geometry(config: dict) -> tuple[int, int]:
 
 def text_config(config, tokenizer) -> object:
     """A copy of a text encoder's config that names the tokenizer's pad id (a peer masks padding by it)."""
-    import copy
-
     config = copy.deepcopy(config)
     config.pad_token_id = tokenizer.pad_token_id
     return config

@@ -19,17 +19,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmfast.data.dataset import PreparedDataset
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.token_cache import TokenCache
-from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, image_header, pixel_budget_reason
+from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, check_images, image_header, pixel_budget_reason
 from mmfast.infer.encode_inputs import BadImageError, check_on_error, pil_transform
 from mmfast.infer.model_dir import MmfastModel
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import fetch_to, is_remote
+from mmfast.tasks.classification import confusion_figures
 from mmfast.util.fsutil import atomic_write_bytes, atomic_write_jsonl
-from mmfast.util.remote import fetch_to, is_remote
-from mmfast.util.remote_errors import redact
 
 
 def rows_loader(
@@ -161,8 +163,6 @@ def flag_unreadable(
     (``validate.check_images``). A file with a good header and a cut-off body (a truncated PNG) crashed
     DALI's parser (SIGSEGV) instead of raising, so a header check alone does not do.
     """
-    from mmfast.data.validate import check_images
-
     for r in rows:  # said in words, from the file's header; DALI would only skip it
         problem = "" if r.get("error") else image_problem(r, max_pixels)
         if problem:
@@ -188,7 +188,7 @@ def bad_image(row: dict, reason: str, on_error: str, prefixed: bool = False) -> 
 def image_problem(row: dict, max_pixels: int) -> str:
     """Why a row's image cannot be predicted, read from its header only (nothing is decoded); "" when it may
     be. A file DALI cannot parse is kept from it: DALI can crash on one instead of raising."""
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     path = image_file(row)
     if os.path.isdir(path):
@@ -259,7 +259,7 @@ def write_predictions(path: str | os.PathLike, results: list[dict]) -> Path:
 def predict_pil(model: MmfastModel, rows: list[dict], batch_size: int = 64) -> list[int]:
     """The plain loop a user would write (PIL decode, torchvision Resize + CenterCrop + Normalize, the tokenizer
     per batch, the model): the baseline predict's throughput is measured against. Returns class ids."""
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     cfg = model.config
     tf = pil_transform(cfg)
@@ -290,8 +290,6 @@ def prepared_rows(
         ValueError: the split has rows inside shards and no ``work_dir`` was given.
         remote_errors.RemoteError: a remote shard cannot be fetched (the message names its URL).
     """
-    from mmfast.data.dataset import PreparedDataset
-
     dataset = PreparedDataset(data_dir)
     names = {i: name for name, i in dataset.labels.items()}
     rows, in_shards = [], {}
@@ -334,8 +332,6 @@ def score(results: list[dict], class_names: list[str]) -> dict:
         ``confusion_figures``' dict plus "confusion" (C x C list, rows = true class), "samples" (scored rows)
         and "errors" (rows not predicted, left out of the figures).
     """
-    from mmfast.tasks.classification import confusion_figures
-
     index = {name: i for i, name in enumerate(class_names)}
     c = len(class_names)
     cm = np.zeros((c, c), dtype=np.int64)
@@ -354,10 +350,10 @@ def score(results: list[dict], class_names: list[str]) -> dict:
 
 def plot_confusion(confusion: list[list[int]], class_names: list[str], path: str | os.PathLike) -> Path:
     """A confusion-matrix PNG (rows: true class, columns: predicted), counts written in the cells."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional, only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional, only for the figure
 
     cm = np.asarray(confusion)
     n = len(class_names)

@@ -29,10 +29,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from mmfast.data.dataset import COMPLETE, prepared_state
 from mmfast.inputs import ImagesInPlace, InputOptions, detect_kind, read_source, reader_named
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
-from mmfast.util.remote import fetch_to, is_remote
-from mmfast.util.remote_errors import redact
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import fetch_to, is_remote
 
 _Read = dict[tuple[str, int], Candidate | Reject]  # one read of the input, by (file, line)
 
@@ -72,7 +73,7 @@ def read_rows(
     """
     opts = opts or InputOptions()
     path = Path(source)
-    if (path / "prepare.json").is_file():
+    if prepared_state(path) == COMPLETE:
         raise ManifestError(f"{source} is a prepared dataset: pass it as --data {source} (with --split)")
     if _is_flat_image_folder(path, opts):
         return _flat_folder_rows(path)

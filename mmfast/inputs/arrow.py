@@ -14,6 +14,7 @@ Needs pyarrow (``pip install mmfast[formats]``).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,8 +84,6 @@ def read_arrow(
 
 def _pyarrow_module(name: str):
     try:
-        import importlib
-
         return importlib.import_module(name)
     except ImportError as e:
         raise ManifestError(
@@ -121,7 +120,7 @@ def _arrow_files(folder: Path) -> list[Path]:
 
 def _open_arrow(f: Path):
     """(schema, iterator of record batches) of an Arrow IPC stream (what datasets writes) or file."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow: optional (mmfast[formats]), only for Parquet / Arrow
 
     try:
         source = pa.memory_map(str(f))
@@ -161,7 +160,7 @@ def _hf_features(schema) -> dict:
 
 
 def _columns(f: Path, schema, features: dict, opts: InputOptions) -> Columns:
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow: optional (mmfast[formats]), only for Parquet / Arrow
 
     present = list(schema.names)
     images = [n for n in present if _ftype(features, n) == "Image"]
@@ -178,7 +177,7 @@ def _columns(f: Path, schema, features: dict, opts: InputOptions) -> Columns:
 
 
 def _is_image_struct(kind) -> bool:
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow: optional (mmfast[formats]), only for Parquet / Arrow
 
     return pa.types.is_struct(kind) and {"bytes", "path"} <= {kind.field(i).name for i in range(kind.num_fields)}
 
@@ -199,7 +198,7 @@ def _read_table(
     image_dir: Path | None,
 ) -> tuple[list[Candidate], list[Reject]]:
     """Check one file's rows; image bytes are written to ``image_dir`` as they are read."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow: optional (mmfast[formats]), only for Parquet / Arrow
 
     columns = _columns(f, schema, features, opts)
     try:
@@ -214,7 +213,7 @@ def _read_or_refuse(f: Path, batches: Iterator) -> Iterator:
     """``batches``, a failure to read the next one (a damaged page or record batch, a file cut short: pyarrow
     raises ArrowInvalid, or OSError for a bad compressed page) raised as a ManifestError naming ``f``. Only
     reading is wrapped: a failure to write the images of a batch (a full disk) stays an OSError."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow: optional (mmfast[formats]), only for Parquet / Arrow
 
     rows = 0
     while True:

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmfast.data.dataset import COMPLETE, INCOMPLETE, incomplete_message, prepared_state
 from mmfast.util.commands import PREPARE, TRAIN
 
 MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
@@ -206,16 +207,14 @@ def finish_rows(
 def _refuse_prepared_dir(path: Path) -> None:
     """A prepared dataset directory is not an image folder: say what it is instead of reading its files as
     classes of images."""
-    if (path / "prepare.json").is_file():
+    state = prepared_state(path)
+    if state == COMPLETE:
         raise ManifestError(
             f"{path} is a prepared dataset, not an image folder; pass it to {TRAIN} --data, or prepare "
             "the original manifest again"
         )
-    if (path / "train.jsonl").exists() or (path / "tokens").is_dir():
-        raise ManifestError(
-            f"{path} looks like an incomplete prepared dataset (no prepare.json); re-run "
-            f"{PREPARE} on the original manifest"
-        )
+    if state == INCOMPLETE:
+        raise ManifestError(incomplete_message(path))
 
 
 def _read_bytes(path: Path) -> bytes:

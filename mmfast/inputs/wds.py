@@ -39,14 +39,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT
+from mmfast.data.dataset import WDS_DIR, WDS_ID_DIGITS, WDS_IMAGE_EXT
 from mmfast.data.validate import DEFAULT_MAX_PIXELS, check_image_bytes, dali_rejects
 from mmfast.inputs.base import ImagesInPlace, InputOptions, Member, Reader
 from mmfast.inputs.manifest import NO_LABEL, Candidate, ManifestError, Reject, parse_label
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import expand, fetch_to, is_remote, remote_version
 from mmfast.util.fsutil import atomic_write_json, file_sha256
 from mmfast.util.pool import process_map
-from mmfast.util.remote import expand, fetch_to, is_remote, remote_version
-from mmfast.util.remote_errors import redact
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
@@ -439,7 +439,7 @@ READER = Reader(
         read_checked=read_shards,
         files=expand_shards,
         member=_member,
-        index_dir="wds",
+        index_dir=WDS_DIR,
         write_index=write_split_index,
     ),
 )

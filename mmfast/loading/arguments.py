@@ -1,9 +1,10 @@
-"""The loaders' arguments checked before anything is built: sizes, counts, labels, the process layout, and
-the DALI batch a CPU loader runs (a divisor of the loader's that DALI parses safely)."""
+"""The loaders' arguments checked before anything is built: the samples, sizes, counts, labels, the process
+layout, and the DALI batch a CPU loader runs (a divisor of the loader's that DALI parses safely)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -37,6 +38,27 @@ def integer_labels(labels, n: int) -> np.ndarray:
         k = int(bad[0])
         raise ValueError(f"labels must be integer class ids; label {k} is {float(given.reshape(-1)[k])}")
     raise ValueError(f"labels must be integer class ids (map class names to ids first), got {given.dtype} values")
+
+
+def checked_samples(files, labels, ids) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """``files``, ``labels`` and ``ids`` as a loader keeps them (a list of str, two int64 arrays), checked: a
+    path where a list belongs, no file, mismatched lengths, or ids that are not unique int32 values are errors."""
+    if isinstance(files, str | bytes | os.PathLike):
+        raise TypeError(
+            f"files must be a list of image paths (or a dataset), got the path {str(files)!r}; for a folder "
+            f"of class folders use ImageLoader.from_folder({str(files)!r})"
+        )
+    files = [os.fsdecode(f) for f in files]
+    n = len(files)
+    if n == 0:
+        raise ValueError("no image files given")
+    labels = integer_labels(labels, n)
+    ids = np.asarray(ids if ids is not None else np.arange(n), dtype=np.int64)
+    if len(labels) != n or len(ids) != n:
+        raise ValueError(f"{n} files but {len(labels)} labels and {len(ids)} ids")
+    if len(np.unique(ids)) != n or ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+        raise ValueError("ids must be unique, non-negative int32 values")
+    return files, labels, ids
 
 
 def process_layout(accelerator, shard_id: int | None, num_shards: int | None, device) -> tuple:

@@ -151,27 +151,17 @@ def _auto(split: SplitImages, left: int, processes: int) -> tuple[CachePlan, int
     return CachePlan(True, f"decoded once, held in memory ({need / 2**20:.0f} MiB)", budget=left), left - need
 
 
-def decoded_images_for(
-    setting: bool | int | str | CachePlan,
-    files: Sequence[str],
-    train: bool,
-    size: int,
-    color_jitter: float,
-    device,
-    host_finish: bool,
-    source,
-    num_shards: int,
-    health,
-    num_threads: int,
-) -> DecodedImages | None:
+def decoded_images_for(setting: bool | int | str | CachePlan, loader) -> DecodedImages | None:
     """A loader's decoded cache (``ImageLoader(cache_decoded=...)``): the plan given, or
-    ``plan_decoded_cache``'s for its files, carried out."""
+    ``plan_decoded_cache``'s for its files, carried out. ``loader``: an ``ImageLoader`` whose settings, source,
+    file health and host finishing are set."""
     plan = setting
     if not isinstance(plan, CachePlan):
-        split = SplitImages("images", train, color_jitter, files=files, size=size)
+        jitter = loader.pipeline_kwargs.get("color_jitter", 0.0)
+        split = SplitImages("images", loader.train, jitter, files=loader.files, size=loader.size)
         plan = plan_decoded_cache(
-            [split], setting, device_type=device.type, host_finish=host_finish, source=source,
-            processes=processes_on_machine(num_shards, device.type),
+            [split], setting, device_type=loader.device.type, host_finish=loader.finisher is not None,
+            source=loader.source, processes=processes_on_machine(loader.num_shards, loader.device.type),
         )["images"]  # fmt: skip
         if isinstance(setting, str):
             log.info(
@@ -181,4 +171,4 @@ def decoded_images_for(
             )
     if not plan.cache:
         return None
-    return DecodedImages(health, num_threads, plan.budget, share=plan.share)
+    return DecodedImages(loader.health, loader.num_threads, plan.budget, share=plan.share)

@@ -116,7 +116,7 @@ def auto_plan(files: list[str], size: int, train: bool, budget: int) -> tuple[bo
     """Whether ``cache_decoded="auto"`` holds ``files`` decoded, and why: from the headers of up to
     ``AUTO_SAMPLE`` of them (spread over the list), it does when their estimated decoded size fits in
     ``budget`` with a quarter to spare, except for the train crops of large JPEGs (``AUTO_JPEG_PIXELS``)."""
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     picks = np.unique(np.linspace(0, len(files) - 1, min(AUTO_SAMPLE, len(files))).round().astype(int))
     pixels, jpeg = [], 0

@@ -1,7 +1,8 @@
 """DataLoader compatibility: what code written for a ``torch.utils.data.DataLoader`` over a torchvision
 ``ImageFolder`` passes and expects of ``ImageLoader``, translated once: its arguments (taken, refused with
-advice, or accepted as no-ops), ImageFolder datasets and their transforms (``options_from_transform``), the
-torchvision equivalent of the pipeline, tuple batches (``Batch``) and ``loader.dataset`` (``ImageFiles``).
+advice, or accepted as no-ops), ImageFolder datasets and their transforms (``options_from_transform``), a
+folder tree (``loader_from_folder``), the torchvision equivalent of the pipeline, tuple batches (``Batch``) and
+``loader.dataset`` (``ImageFiles``).
 """
 
 from __future__ import annotations
@@ -377,6 +378,7 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int):
+        # torchvision: only for a torchvision dataset, transform or backbone
         from torchvision.datasets.folder import default_loader
 
         path, target = self.samples[index]
@@ -389,7 +391,7 @@ def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: 
     ``options`` (PIPELINE_OPTIONS; mean and std in 0..255 units): train: RandomResizedCrop + flip (+ jitter);
     eval: Resize(round(size / crop_ratio)) + CenterCrop(size), with the ``interpolation``; then normalize, as
     ``dtype``."""
-    from torchvision.transforms import v2
+    from torchvision.transforms import v2  # torchvision: only for a torchvision dataset, transform or backbone
 
     mode = v2.InterpolationMode(options.get("interpolation", "bilinear"))
     mean = [m / 255 for m in options.get("mean", IMAGENET_MEAN)]
@@ -440,3 +442,18 @@ def from_dataset(
     return DatasetArgs(
         files, labels, folder_classes if classes is None else classes, batch_size, size, train, dtype
     )
+
+
+def loader_from_folder(cls, root, is_valid_file, allow_empty: bool, kwargs: dict):
+    """``cls.from_folder``: a loader over torchvision's own ``ImageFolder`` of ``root`` (its class discovery,
+    extensions, order and errors), which becomes ``loader.dataset`` with the loader's transform."""
+    from torchvision.datasets import ImageFolder  # torchvision: only to read a folder tree
+
+    folder = ImageFolder(str(root), is_valid_file=is_valid_file, allow_empty=allow_empty)
+    if not folder.samples:
+        raise ValueError(f"{root}: no image files in its class folders")
+    files, labels = zip(*folder.samples, strict=True)
+    loader = cls(list(files), list(labels), classes=folder.classes, **kwargs)
+    folder.transform = loader.torchvision_transform()
+    loader.dataset = folder
+    return loader

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -59,6 +59,12 @@ class ReadSettings:
     pipeline_kwargs: dict
     files_checked: bool  # every file was decoded before: DALI runs whole batches from the start
     cache_auto: bool  # the decoded cache was the "auto" choice (its fallback to streaming is only logged)
+
+    @classmethod
+    def of(cls, loader, cache_auto: bool) -> ReadSettings:
+        """The settings of ``loader`` (an ``ImageLoader``: its attributes of these names)."""
+        given = {f.name: getattr(loader, f.name) for f in fields(cls) if f.name != "cache_auto"}
+        return cls(**given, cache_auto=cache_auto)
 
 
 class EpochReader:

@@ -41,7 +41,7 @@ _RESIZE_OUT = {
 def ragged_iterator(pipe, **kwargs):
     """DALI's iterator for a ``finish_on_host`` graph: the crops as a list of tensors (they differ in
     size), flips and ids as dense tensors. ``kwargs`` go to ``DALIRaggedIterator``."""
-    from nvidia.dali.plugin.pytorch import DALIRaggedIterator
+    from nvidia.dali.plugin.pytorch import DALIRaggedIterator  # DALI: only when a DALI graph runs here
 
     types = [DALIRaggedIterator.SPARSE_LIST_TAG, DALIRaggedIterator.DENSE_TAG, DALIRaggedIterator.DENSE_TAG]
     return DALIRaggedIterator(pipe, OUTPUTS, output_types=types, **kwargs)

@@ -19,16 +19,18 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.loading.arguments import (
-    check_batch,
-    check_sizes,
-    integer_labels,
-    process_layout,
-)
+from mmfast.loading.arguments import check_batch, check_sizes, checked_samples, process_layout
 from mmfast.loading.cache_plan import CachePlan, decoded_images_for
 from mmfast.loading.decoded import DecodedImages
 from mmfast.loading.device import resolve_device, resolve_dtype
-from mmfast.loading.dropin import Batch, ImageFiles, from_dataset, split_options, torchvision_equivalent
+from mmfast.loading.dropin import (
+    Batch,
+    ImageFiles,
+    from_dataset,
+    loader_from_folder,
+    split_options,
+    torchvision_equivalent,
+)
 from mmfast.loading.epoch_reader import EpochReader, ReadSettings
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.host_finish import default_threads, make_finisher
@@ -181,38 +183,33 @@ class ImageLoader:
         folder = files if isinstance(files, torch.utils.data.Dataset) else None
         if folder is not None:  # DataLoader(dataset, ...) -> ImageLoader(dataset, ...)
             files, labels, classes, batch_size, size, train, dtype = from_dataset(
-                folder, labels, batch_size=batch_size, size=size, train=train, dtype=dtype, fp16=fp16,
-                classes=classes, pipeline_kwargs=pipeline_kwargs,
-            )  # fmt: skip
+                folder,
+                labels,
+                batch_size=batch_size,
+                size=size,
+                train=train,
+                dtype=dtype,
+                fp16=fp16,
+                classes=classes,
+                pipeline_kwargs=pipeline_kwargs,
+            )
         shard_id, num_shards, device = process_layout(accelerator, shard_id, num_shards, device)
         size = 224 if size is None else size
         prefetch = check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
-        self._set_samples(files, labels, ids)
+        self.files, self.labels, self.ids = checked_samples(files, labels, ids)
         check_batch(batch_size, len(self.files), num_shards, size, max_pixels, drop_last)
         self._set_settings(batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed)
-        self.sampling, self.files_checked, self.pin_memory, self.as_dict = (
-            sampling,
-            files_checked,
-            pin_memory,
-            as_dict,
-        )
+        self.sampling, self.files_checked, self.as_dict = sampling, files_checked, as_dict
         # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
+        self.pin_memory = pin_memory
         self.pins_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.shard_id, self.num_shards = shard_id, num_shards
         self.prefetch = self.prefetch_factor = prefetch
         self.pipeline_kwargs = pipeline_kwargs
-        shorter = None if self.train else self._eval_resize()
-        threads = default_threads(self.num_threads) if finish_threads is None else finish_threads
-        self.finisher = make_finisher(
-            cpu_resize, eval_geometry, self.device, self.size, pipeline_kwargs, self.dtype, shorter, threads
-        )
         source = image_source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
         self._set_source(source, on_bad_image, max_pixels, verify_files, file_stats)
-        self._set_reader(cache_decoded, finish_threads is None)
-        # its transform is made when first used: importing torchvision's transforms takes seconds
-        make_transform = functools.partial(torchvision_equivalent, self.train, size, self.dtype, pipeline_kwargs)
-        self.dataset = ImageFiles(self.files, self.labels, classes, make_transform) if folder is None else folder
-        self.classes = list(classes) if classes is not None else self.dataset.classes
+        self._set_reading(cache_decoded, cpu_resize, eval_geometry, finish_threads)
+        self._set_dataset(folder, classes)
         self._sampler: ShardSampler | None = None
         self._keep_position = False  # a restored position the next iter() continues from
         self._generation = 0  # bumped by each iter(): an older iterator raises if it is advanced again
@@ -227,24 +224,32 @@ class ImageLoader:
         self.num_threads = num_workers or os.cpu_count() or 1
         self.num_workers = num_workers or 0  # DataLoader's attribute, as given
 
-    def _set_reader(self, cache_decoded, default_finish_threads: bool) -> None:
-        """The decoded cache (as planned) and the reader of the DALI stream."""
-        color_jitter = self.pipeline_kwargs.get("color_jitter", 0.0)
-        decoded = decoded_images_for(
-            cache_decoded, self.files, self.train, self.size, color_jitter, self.device, self.finisher is not None,
-            self.source, self.num_shards, self.health, self.num_threads,
-        )  # fmt: skip
-        if decoded is not None and default_finish_threads:
+    def _set_reading(self, cache_decoded, cpu_resize: str, eval_geometry: str, finish_threads: int | None) -> None:
+        """How the batches are made: the decoded cache (as planned), the host finishing of CPU-decoded crops and
+        its threads, and the reader of the DALI stream."""
+        shorter = None if self.train else self._eval_resize()
+        threads = default_threads(self.num_threads) if finish_threads is None else finish_threads
+        self.finisher = make_finisher(
+            cpu_resize, eval_geometry, self.device, self.size, self.pipeline_kwargs, self.dtype, shorter, threads
+        )
+        decoded = decoded_images_for(cache_decoded, self)
+        if decoded is not None and finish_threads is None:
             self.finisher.threads = self.num_threads  # the DALI threads will not be decoding
-        settings = ReadSettings(
-            self.batch_size, self.shard_id, self.num_shards, self.shuffle, self.drop_last, self.seed, self.train,
-            self.size, self.fp16, self.device, self.num_threads, self.prefetch, self.pipeline_kwargs,
-            self.files_checked, isinstance(cache_decoded, str) and cache_decoded == "auto",
-        )  # fmt: skip
+        settings = ReadSettings.of(self, cache_auto=isinstance(cache_decoded, str) and cache_decoded == "auto")
         positions = functools.partial(self.sampling.positions, self.layout, self.source)  # no reference to self
         self._reader = EpochReader(
             settings, self.source, self.health, self.finisher, decoded, self.ids, positions, len(self)
         )
+
+    def _set_dataset(self, folder, classes) -> None:
+        """``.dataset`` and ``.classes`` as DataLoader code reads them: the torchvision dataset given, else a
+        dataset view of the files."""
+        # its transform is made when first used: importing torchvision's transforms takes seconds
+        make_transform = functools.partial(
+            torchvision_equivalent, self.train, self.size, self.dtype, self.pipeline_kwargs
+        )
+        self.dataset = ImageFiles(self.files, self.labels, classes, make_transform) if folder is None else folder
+        self.classes = list(classes) if classes is not None else self.dataset.classes
 
     def __reduce__(self):
         raise TypeError(
@@ -283,24 +288,6 @@ class ImageLoader:
         """The DALI graph the loader would read ``positions`` with, defined but not built (defining checks
         every operator's argument names without touching CUDA: tests define the GPU graph on any machine)."""
         return self._reader.define_pipeline(positions, seed_epoch, checkpoint, dali_batch)
-
-    def _set_samples(self, files, labels, ids) -> None:
-        """``files``, ``labels`` and ``ids`` as the loader keeps them (lists of str, int64 arrays), checked."""
-        if isinstance(files, str | bytes | os.PathLike):
-            raise TypeError(
-                f"files must be a list of image paths (or a dataset), got the path {str(files)!r}; for a folder "
-                f"of class folders use ImageLoader.from_folder({str(files)!r})"
-            )
-        self.files = [os.fsdecode(f) for f in files]
-        n = len(self.files)
-        if n == 0:
-            raise ValueError("no image files given")
-        self.labels = integer_labels(labels, n)
-        self.ids = np.asarray(ids if ids is not None else np.arange(n), dtype=np.int64)
-        if len(self.labels) != n or len(self.ids) != n:
-            raise ValueError(f"{n} files but {len(self.labels)} labels and {len(self.ids)} ids")
-        if len(np.unique(self.ids)) != n or self.ids.min() < 0 or self.ids.max() > np.iinfo(np.int32).max:
-            raise ValueError("ids must be unique, non-negative int32 values")
 
     def _set_source(self, source: Source, on_bad_image, max_pixels, verify_files, file_stats) -> None:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
@@ -358,16 +345,7 @@ class ImageLoader:
             is_valid_file, allow_empty: as ImageFolder takes them.
             **kwargs: ``ImageLoader``'s arguments.
         """
-        from torchvision.datasets import ImageFolder
-
-        folder = ImageFolder(str(root), is_valid_file=is_valid_file, allow_empty=allow_empty)
-        if not folder.samples:
-            raise ValueError(f"{root}: no image files in its class folders")
-        files, labels = zip(*folder.samples, strict=True)
-        loader = cls(list(files), list(labels), classes=folder.classes, **kwargs)
-        folder.transform = loader.torchvision_transform()
-        loader.dataset = folder
-        return loader
+        return loader_from_folder(cls, root, is_valid_file, allow_empty, kwargs)
 
     def torchvision_transform(self):
         """The torchvision transform that does what this loader's pipeline does to one image (PIL image in,

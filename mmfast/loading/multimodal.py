@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from mmfast.data.batch import IGNORE_LABEL
-from mmfast.data.dataset import PreparedDataset
+from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.data.token_cache import TokenCache, padded_width
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
@@ -20,7 +20,7 @@ from mmfast.loading.sources import prepared_source
 from mmfast.util.commands import PREPARE
 
 if TYPE_CHECKING:
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 
 class MultimodalLoader:
@@ -40,7 +40,7 @@ class MultimodalLoader:
             ``prepare.wds_export``) or "stream" (the shards member by member in the loader's order:
             ``loading.stream_source``); a dataset prepared from WebDataset shards is always read from them,
             and streamed when they are remote.
-        shard_cache: the ``util.shard_cache.ShardCache`` remote shards are held in while streamed.
+        shard_cache: the ``remote.shard_cache.ShardCache`` remote shards are held in while streamed.
         sampling: ``WHOLE_BATCHES``, or another whole-batch order (``sampling.MixedOrder``: a mix's
             sources by weight; a mix's batches then carry "source", each sample's source, -1 when masked).
         text_padding: the width L of a batch's tokens: "longest" (its longest caption), "buckets" (the next
@@ -87,7 +87,7 @@ class MultimodalLoader:
             raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
         # the samples of a WebDataset are named by the index: one shared string stands for every file
         images = (
-            table.images if table.images is not None else [str(dataset.root / "wds" / f"{split}.rows.npy")] * n
+            table.images if table.images is not None else [str(dataset.root / WDS_DIR / f"{split}.rows.npy")] * n
         )
         is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)

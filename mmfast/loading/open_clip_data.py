@@ -118,7 +118,7 @@ def _loader(args, table: str, preprocess, tokenizer, train: bool, epochs: int, o
 
 def main(argv: list[str] | None = None) -> int:
     """Run open_clip_train's ``main`` with ``get_data`` in the place of its own; ``argv`` are its flags."""
-    from open_clip_train import main as trainer
+    from open_clip_train import main as trainer  # open_clip_train: optional (mmfast[peers]), only for its trainer
 
     own = trainer.get_data
     trainer.get_data = get_data  # the name the trainer's main module calls

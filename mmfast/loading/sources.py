@@ -1,6 +1,6 @@
 """Image sources: where a loader's DALI reader takes the encoded images from, one class per kind with its own
-reader, registered by name in ``SOURCES``. Adding a source is a class and its reader here: the processing
-after the reader (``mmfast/loading/graphs.py``) is shared by all of them.
+reader, named in ``options.SOURCES``. Adding a source is a class and its reader here and its line there: the
+processing after the reader (``mmfast/loading/graphs.py``) is shared by all of them.
 
 A source says what differs between readers, so the loader never branches on the kind:
 - the reader that ``image_pipeline`` starts from (``reader``: a callable building the DALI reader's nodes);
@@ -28,13 +28,14 @@ from nvidia.dali import fn, types
 
 from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_checks, wds_split
 from mmfast.loading.graphs import READER_NAME
+from mmfast.loading.options import SOURCES
 from mmfast.loading.stream_source import StreamSource
+from mmfast.remote.objects import is_remote
 from mmfast.util.commands import PREPARE
-from mmfast.util.remote import is_remote
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 
 def read_files(files: list[str], ids: list[int]):
@@ -141,7 +142,6 @@ class WdsSource:
         )
 
 
-SOURCES = {"files": FilesSource, "wds": WdsSource, "stream": StreamSource}
 Source = FilesSource | WdsSource | StreamSource  # what a loader reads through
 
 

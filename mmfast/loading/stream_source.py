@@ -1,5 +1,5 @@
 """The streaming image source: WebDataset shards read member by member in the loader's order, from local tars
-or from an object store / HTTP through a bounded local cache (``mmfast.util.shard_cache``).
+or from an object store / HTTP through a bounded local cache (``mmfast.remote.shard_cache``).
 
 Why not DALI's WebDataset reader: it needs every tar on local disk when the pipeline is built and shuffles
 with a buffer it cannot resume. Here the loader decides the order (so resume is exact, as for image files),
@@ -29,15 +29,15 @@ import numpy as np
 
 from mmfast.data.batch import PAD_ID
 from mmfast.data.dataset import WDS_ID_DIGITS
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import is_remote
 from mmfast.util.args import format_size
 from mmfast.util.commands import PREPARE
-from mmfast.util.remote import is_remote
-from mmfast.util.remote_errors import redact
 from mmfast.util.voice import setting
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
-"""Layer 2, models: what turns a batch into a model's output. ``catalog`` (the names users pick from: the
-built-in models, image backbones, presets), ``registry`` (``register_model``: a new model is a decorated
-class), ``factory`` (``build_model``), ``encoders`` and ``fusion`` (the built-in models).
+"""Layer 2, models: what turns a batch into a model's output. ``catalog`` (the names users pick parts from:
+image backbones, presets), ``registry`` (``MODELS``: a new model is its module and one line there, or a class
+decorated with ``register_model`` from outside), ``factory`` (``build_model``), ``encoders``, ``fusion`` and
+``dual`` (the built-in models).
 
-The torch-backed names (the registry once filled, the factory, the classes) are imported on first use
-(PEP 562, as ``mmfast`` itself does): ``mmfast-train --help`` reads the catalog without importing torch.
+The torch-backed names (the factory, the classes) are imported on first use (PEP 562, as ``mmfast`` itself
+does): ``mmfast-train --help`` reads the catalog and the registry's names without importing torch.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, IMAGE_BACKBONES, PRESETS, Preset, get_preset
-from mmfast.models.registry import register_model
+from mmfast.models.catalog import COMBINE, IMAGE_BACKBONES, PRESETS, Preset, get_preset
+from mmfast.models.registry import BUILTIN_MODELS, MODELS, register_model
 
 _LAZY = {
-    "MODELS": "mmfast.models.factory",  # the registry, with the built-in models in it
     "build_model": "mmfast.models.factory",
     "model_class": "mmfast.models.factory",
     "ConcatFusion": "mmfast.models.fusion",
@@ -29,7 +29,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from mmfast.models.encoders import ImageEncoder, TextEncoder
-    from mmfast.models.factory import MODELS, build_model, model_class
+    from mmfast.models.factory import build_model, model_class
     from mmfast.models.fusion import ConcatFusion, EarlyFusion, ImageOnly, LateFusion, TextOnly
 
 

@@ -1,16 +1,13 @@
-"""The names a user picks a model by, without building one: the built-in model names, the image backbones,
-late fusion's ways of combining, and the presets (encoders + a training recipe). Imports nothing heavy, so
-``mmfast-train --help`` lists them without torch; tests check the names against the live registry."""
+"""The names a user picks a model's parts by, without building one: the image backbones, late fusion's ways of
+combining, and the presets (encoders + a training recipe). Imports nothing heavy, so ``mmfast-train --help``
+lists them without torch (the model names are ``registry.MODELS``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# what ``fusion`` registers, in this order, then ``dual``
-BUILTIN_MODELS = ("early", "concat", "late", "image", "text", "clip")
 IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
 COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
-LOSSES = ("clip", "siglip")  # the dual encoder's contrastive losses (its temperature's init; tasks/contrastive)
 INIT_PROJ = ("ridge", "random")  # how the dual encoder's projections start (mmfast/train/warm_start.py)
 
 

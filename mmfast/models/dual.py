@@ -1,6 +1,7 @@
 """The dual encoder (CLIP / SigLIP): an image tower and a text tower, each projected into one shared embedding
 space and L2-normalized, with the learnable temperature (and SigLIP's bias) that the contrastive task's loss
-scales their dot products by. Registered as "clip"; its objective is the "contrastive" task.
+scales their dot products by; they start from that loss's own values (``tasks/losses.py``). Named "clip" in
+``registry``; its objective is the "contrastive" task.
 
 Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is (the encoder keeps its batch-norm
 statistics in eval mode), its projection and the text tower learn.
@@ -17,19 +18,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmfast.models.catalog import LOSSES
 from mmfast.models.encoders import ImageEncoder, TextEncoder
-from mmfast.models.registry import register_model
+from mmfast.tasks.registry import LOSSES
 from mmfast.util.voice import setting
 
 MAX_LOGIT_SCALE = 100.0  # exp(logit_scale) is clamped to this (CLIP: "to prevent scaling the logits by more")
-# Initial log-temperatures and biases. CLIP (Radford et al. 2021): temperature 0.07, no bias; SigLIP (Zhai et
-# al. 2023): t' = log 10 and b = -10, so the many negative pairs of a batch start with a small loss.
-INIT_LOGIT_SCALE = {"clip": math.log(1 / 0.07), "siglip": math.log(10.0)}
-INIT_LOGIT_BIAS = {"clip": 0.0, "siglip": -10.0}
 
 
-@register_model("clip")
 class DualEncoder(nn.Module):
     """Image and text towers (pooled encoder features) with a bias-free linear projection each into
     ``embed_dim``; the outputs are L2-normalized float32 whatever the autocast dtype.
@@ -42,7 +37,7 @@ class DualEncoder(nn.Module):
     """
 
     modalities = ("image", "text")
-    task = "contrastive"  # the objective --task defaults to (mmfast.train.config.resolve_preset)
+    task = "contrastive"  # the objective --task defaults to (mmfast.train.resolve.resolve_preset)
     default_preset = "clip-lite0-minilm"  # what --preset defaults to: pretrained towers that run offline
     config_options = ("loss", "embed_dim")  # TrainConfig fields build_model passes as keyword arguments
     classifies = False  # no classifier head: build_model does not ask for two or more classes
@@ -59,8 +54,7 @@ class DualEncoder(nn.Module):
         embed_dim: int | None = 256,
     ):
         super().__init__()
-        if loss not in LOSSES:
-            raise ValueError(f"unknown loss '{loss}'; choose from {', '.join(LOSSES)}")
+        init = LOSSES.pick(loss)  # its initial temperature and bias (tasks/losses.py); ValueError if unknown
         embed_dim = _embed_dim(image, text, embed_dim)
         self.image, self.text = image, text
         self.loss, self.embed_dim = loss, embed_dim
@@ -68,12 +62,12 @@ class DualEncoder(nn.Module):
         self.text_proj = _projection(text, embed_dim)
         start = _shared_start(image, text)
         scale = start.get("logit_scale")
-        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE[loss] if scale is None else float(scale)))
-        if loss == "siglip":
+        self.logit_scale = nn.Parameter(torch.tensor(init.init_logit_scale if scale is None else float(scale)))
+        if init.init_logit_bias is not None:  # a loss that learns a bias (SigLIP)
             bias = start.get("logit_bias")
-            self.logit_bias = nn.Parameter(torch.tensor(INIT_LOGIT_BIAS[loss] if bias is None else float(bias)))
-        else:  # CLIP's softmax is shift-invariant: a bias would never learn; kept as a constant 0
-            self.register_buffer("logit_bias", torch.tensor(INIT_LOGIT_BIAS[loss]))
+            self.logit_bias = nn.Parameter(torch.tensor(init.init_logit_bias if bias is None else float(bias)))
+        else:  # no bias would learn (CLIP's softmax is shift-invariant): kept as a constant 0
+            self.register_buffer("logit_bias", torch.tensor(0.0))
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """Normalized image embeddings (B, D) float32 of a normalized image batch (B, 3, S, S)."""

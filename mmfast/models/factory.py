@@ -1,16 +1,14 @@
-"""Build a registered model by name, with the encoders it declares (``modalities``). Importing this module
-registers the built-in models (``fusion``, then ``dual``)."""
+"""Build a registered model by name (``registry.MODELS``), with the encoders it declares (``modalities``)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-# The built-in models register themselves when their modules are imported: in catalog.BUILTIN_MODELS' order.
-from mmfast.models import fusion  # noqa: F401  isort: skip
-from mmfast.models import dual  # noqa: F401  isort: skip
 from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import MODELS
 from mmfast.models.start_dirs import WHOLE, start_kind
+from mmfast.models.start_towers import image_tower_from, text_tower_from
 
 
 def model_class(name: str) -> type:
@@ -19,9 +17,7 @@ def model_class(name: str) -> type:
     Raises:
         ValueError: no model of that name ("unknown model 'x'; choose from ...").
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model '{name}'; choose from {', '.join(MODELS)}")
-    return MODELS[name]
+    return MODELS.pick(name)
 
 
 def build_model(
@@ -77,8 +73,6 @@ def build_model(
         text = text_encoder or _text_encoder(text_model, vocab_size, freeze_text, dropout)
     model = cls(image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
     if channels_last and image is not None:
-        import torch
-
         model.image.to(memory_format=torch.channels_last)
     return model
 
@@ -89,15 +83,11 @@ def _image_encoder(backbone: str, weights: str | None, freeze: bool) -> nn.Modul
         return ImageEncoder(backbone, weights=weights, freeze=freeze)
     if weights is not None:
         raise ValueError(f"--image-weights {weights}: image backbone {backbone} is a directory with its weights")
-    from mmfast.models.start_towers import image_tower_from
-
     return image_tower_from(backbone, freeze)
 
 
 def _text_encoder(name: str, vocab_size: int | None, freeze: bool, dropout: float) -> nn.Module:
     """A Hugging Face encoder (``TextEncoder``), or the text tower of a CLIP / SigLIP / open_clip directory."""
     if start_kind(name) in WHOLE:
-        from mmfast.models.start_towers import text_tower_from
-
         return text_tower_from(name, freeze)
     return TextEncoder(name, vocab_size=vocab_size, freeze=freeze, dropout=dropout)

@@ -1,5 +1,5 @@
-"""The built-in models: three fusion families and the two single-modality baselines, each registered by
-name (``register_model``), taking the loader's batch dict and returning logits (B, num_classes).
+"""The built-in models: three fusion families and the two single-modality baselines, each named in
+``registry.MODELS``, taking the loader's batch dict and returning logits (B, num_classes).
 
 - EarlyFusion (token level, MMBT-style): image feature-map cells projected to the text width and fed
   with the text tokens through the transformer as one sequence; classify from the joint [CLS].
@@ -16,7 +16,6 @@ from torch import nn
 
 from mmfast.models.catalog import COMBINE
 from mmfast.models.encoders import ImageEncoder, TextEncoder
-from mmfast.models.registry import register_model
 from mmfast.util.voice import setting
 
 
@@ -24,7 +23,6 @@ def _mlp(d_in: int, hidden: int, num_classes: int, dropout: float) -> nn.Sequent
     return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, num_classes))
 
 
-@register_model("early")
 class EarlyFusion(nn.Module):
     """Token-level fusion (MMBT-style).
 
@@ -82,7 +80,6 @@ class EarlyFusion(nn.Module):
         return self.head(hidden[:, 0])
 
 
-@register_model("concat")
 class ConcatFusion(nn.Module):
     """Feature-level fusion: MLP over [LayerNorm(pooled image) (C_img) ; LayerNorm(pooled text) (D_txt)].
 
@@ -111,7 +108,6 @@ class ConcatFusion(nn.Module):
         return self.head(torch.cat([img, txt], dim=1))
 
 
-@register_model("late")
 class LateFusion(nn.Module):
     """Decision-level fusion: per-modality classifiers whose logits are combined.
 
@@ -165,7 +161,6 @@ class LateFusion(nn.Module):
         return logits
 
 
-@register_model("image")
 class ImageOnly(nn.Module):
     """The image alone: MLP over the pooled image features (the caption is ignored)."""
 
@@ -180,7 +175,6 @@ class ImageOnly(nn.Module):
         return self.head(self.image(batch["image"])[0])
 
 
-@register_model("text")
 class TextOnly(nn.Module):
     """The caption alone: MLP over the pooled text features (the image is ignored)."""
 

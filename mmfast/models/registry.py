@@ -1,15 +1,31 @@
-"""The registry of models by name (what ``--model`` picks): ``register_model`` adds one. Imports nothing heavy.
-
-``MODELS`` here holds the built-in models once ``mmfast.models.factory`` has been imported (their module,
-``fusion``, registers them); read the registry as ``mmfast.models.MODELS``, which imports them first.
+"""The registry of models by name (what ``--model`` picks). Imports nothing heavy: a built-in model is one line
+here naming its class, imported on first use, so ``mmfast-train --help`` lists the names without torch. A model
+from outside adds itself with ``register_model``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-MODELS: dict[str, type] = {}
+from mmfast.util.registry import Registry
+
 MODALITIES = ("image", "text")
+
+
+def _check_model(name: str, cls: type) -> None:
+    modalities = getattr(cls, "modalities", None)
+    if not modalities or not set(modalities) <= set(MODALITIES):
+        raise ValueError(f"model '{name}' ({cls.__qualname__}): declare modalities, a tuple of {MODALITIES}")
+
+
+MODELS = Registry("model", check=_check_model)
+MODELS.declare("early", "mmfast.models.fusion:EarlyFusion")
+MODELS.declare("concat", "mmfast.models.fusion:ConcatFusion")
+MODELS.declare("late", "mmfast.models.fusion:LateFusion")
+MODELS.declare("image", "mmfast.models.fusion:ImageOnly")
+MODELS.declare("text", "mmfast.models.fusion:TextOnly")
+MODELS.declare("clip", "mmfast.models.dual:DualEncoder")
+BUILTIN_MODELS = tuple(MODELS)  # the names above, before any model from outside
 
 
 def register_model(name: str) -> Callable[[type], type]:
@@ -30,14 +46,4 @@ def register_model(name: str) -> Callable[[type], type]:
     Raises:
         ValueError: the name is taken by another class, or the class declares no valid ``modalities``.
     """
-
-    def add(cls: type) -> type:
-        modalities = getattr(cls, "modalities", None)
-        if not modalities or not set(modalities) <= set(MODALITIES):
-            raise ValueError(f"model '{name}' ({cls.__qualname__}): declare modalities, a tuple of {MODALITIES}")
-        if name in MODELS and MODELS[name] is not cls:
-            raise ValueError(f"model '{name}' is already registered ({MODELS[name].__qualname__})")
-        MODELS[name] = cls
-        return cls
-
-    return add
+    return MODELS.register(name)

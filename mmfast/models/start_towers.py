@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmfast.models.encoders import ImageEncoder, quiet_transformers
 from mmfast.models.open_clip_text import OpenClipText, check_text_cfg
 from mmfast.models.start_dirs import OPEN_CLIP_CONFIG, start_kind, start_preprocess
 from mmfast.util.voice import setting
@@ -107,6 +108,7 @@ def image_tower_from(path: str | os.PathLike, freeze: bool = False) -> ImageStar
         visual = _open_clip_part(path, cfg, "visual")
         record = {"kind": kind, "part": "visual", "model_cfg": cfg["model_cfg"], "size": pre.get("image_size")}
         return ImageStart(visual, cfg["model_cfg"]["embed_dim"], record, freeze, _start(path), mean, std)
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import AutoConfig, AutoModel, CLIPVisionModelWithProjection, SiglipVisionModel
 
     config = AutoConfig.from_pretrained(path)
@@ -152,9 +154,8 @@ def text_tower_from(path: str | os.PathLike, freeze: bool = False) -> TextStart:
         )
     if kind != "hf-clip":
         raise ValueError(f"{given}: not a CLIP or open_clip directory")
-    from transformers import CLIPTextModelWithProjection
-
-    from transformers import AutoConfig
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
+    from transformers import AutoConfig, CLIPTextModelWithProjection
 
     config = _projected(AutoConfig.from_pretrained(path), "text_config")
     module = _quiet_load(CLIPTextModelWithProjection, path, config)
@@ -165,8 +166,6 @@ def text_tower_from(path: str | os.PathLike, freeze: bool = False) -> TextStart:
 def tower_from_record(record: dict, modality: str) -> nn.Module:
     """A tower rebuilt from its ``record`` with random weights (a model directory's replace them), offline."""
     if record["kind"] == "timm":
-        from mmfast.models.encoders import ImageEncoder
-
         return ImageEncoder(f"timm:{record['architecture']}", model_args=record.get("model_args"))
     if record["kind"] == "open_clip":
         with tempfile.TemporaryDirectory(prefix="mmfast-open_clip-") as tmp:
@@ -175,8 +174,14 @@ def tower_from_record(record: dict, modality: str) -> nn.Module:
         if modality == "image":
             return ImageStart(module, width, record, False, None, CLIP_MEAN, CLIP_STD)
         return TextStart(module, width, record, False, None)
-    from transformers import AutoConfig, AutoModel, CLIPTextModelWithProjection, CLIPVisionModelWithProjection
-    from transformers import SiglipVisionModel
+    # transformers: a slow import, only for a Hugging Face model or tokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        CLIPTextModelWithProjection,
+        CLIPVisionModelWithProjection,
+        SiglipVisionModel,
+    )
 
     spec = dict(record["config"])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -207,7 +212,7 @@ def _start(path: Path, kind: str | None = None) -> dict:
 
 def _checkpoint_scalar(path: Path, key: str) -> float | None:
     """A 0-dim (or 1-element) tensor of the directory's weights, by name; None when absent."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors: only when weights are read or written
 
     for name in (*OPEN_CLIP_WEIGHTS[:2], "model.safetensors"):
         if (path / name).is_file():
@@ -230,8 +235,6 @@ def _projected(config, part: str):
 
 
 def _quiet_load(cls, path: Path, config=None):
-    from mmfast.models.encoders import quiet_transformers
-
     with quiet_transformers():  # its load report lists the other tower's weights, left out on purpose
         return cls.from_pretrained(str(path), **({"config": config} if config is not None else {}))
 
@@ -247,6 +250,7 @@ def _open_clip_part(path: Path, cfg: dict, part: str, record: dict | None = None
     """open_clip's ``visual`` or ``text`` tower of the model ``cfg`` describes, with the directory's weights
     (random weights when rebuilt from a ``record``: ``path`` is then an empty temp directory)."""
     try:
+        # open_clip: optional (mmfast[peers]), only for an open_clip directory
         from open_clip.model import _build_text_tower, _build_vision_tower
     except ImportError as e:
         raise ValueError(f"{path}: an open_clip model needs open_clip (pip install 'mmfast[peers]')") from e
@@ -262,8 +266,6 @@ def _open_clip_part(path: Path, cfg: dict, part: str, record: dict | None = None
         if record is not None:  # the text encoder's architecture, as recorded
             (path / "config.json").write_text(json.dumps(record["hf_config"]))
         text_cfg["hf_model_name"] = _hf_config_dir(path, text_cfg["hf_model_name"])
-        from mmfast.models.encoders import quiet_transformers
-
         with quiet_transformers():
             module = _build_text_tower(model_cfg["embed_dim"], text_cfg, quick_gelu)
     if record is None:
@@ -283,6 +285,7 @@ def _hf_config_dir(path: Path, name: str) -> str:
 
 
 def _load_part(module: nn.Module, path: Path, part: str) -> None:
+    # open_clip: optional (mmfast[peers]), only for an open_clip directory
     from open_clip.factory import load_state_dict
 
     weights = next((path / n for n in OPEN_CLIP_WEIGHTS if (path / n).is_file()), None)

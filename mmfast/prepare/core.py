@@ -17,6 +17,15 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from mmfast.data.dataset import (
+    LABELS_FILE,
+    REJECTED_FILE,
+    SUMMARY_FILE,
+    TOKENIZER_DIR,
+    TOKENS_DIR,
+    WDS_DIR,
+    split_file,
+)
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
 from mmfast.inputs import ImagesInPlace, reader_named
@@ -28,6 +37,9 @@ from mmfast.prepare.parts import merge_parts, prepare_part
 from mmfast.prepare.reuse import files_map, reuse
 from mmfast.prepare.split import split_rows
 from mmfast.prepare.wds_export import export_wds
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import is_remote
+from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import (
     MARKER,
     OutputDirError,
@@ -40,9 +52,6 @@ from mmfast.util.fsutil import (
     recover_dir,
     write_errors,
 )
-from mmfast.util.commands import PREPARE
-from mmfast.util.remote import is_remote
-from mmfast.util.remote_errors import redact
 
 __all__ = ["PREPARED_KIND", "PREPARE_VERSION", "PrepareConfig", "failure_report_path", "prepare_dataset"]
 
@@ -95,7 +104,7 @@ def replaceable(directory: Path) -> bool:
 
 def _is_legacy(directory: Path) -> bool:
     try:
-        summary = json.loads((directory / "prepare.json").read_text(encoding="utf-8"))
+        summary = json.loads((directory / SUMMARY_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(summary, dict) and "input_fingerprint" in summary and "counts" in summary
@@ -187,19 +196,19 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
         if cfg.tokenizer
         else train_wordpiece([r["text"] for r in train_rows], cfg.vocab_size)
     )
-    _save_tokenizer(tok, tmp / "tokenizer")
+    _save_tokenizer(tok, tmp / TOKENIZER_DIR)
     t_tok = time.perf_counter()
     caches = {}
     for split, rows in (("train", train_rows), ("val", val_rows)):
         first = rows[0]["id"] if rows else len(train_rows)
         caches[split] = TokenCache.build(
-            tmp / "tokens", split, [r["text"] for r in rows], tok, cfg.max_length, first_id=first
+            tmp / TOKENS_DIR, split, [r["text"] for r in rows], tok, cfg.max_length, first_id=first
         )
     t_cache = time.perf_counter()
-    atomic_write_jsonl(tmp / "train.jsonl", train_rows)
-    atomic_write_jsonl(tmp / "val.jsonl", val_rows)
-    atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in rejects])
-    atomic_write_json(tmp / "labels.json", label_map)
+    atomic_write_jsonl(tmp / split_file("train"), train_rows)
+    atomic_write_jsonl(tmp / split_file("val"), val_rows)
+    atomic_write_jsonl(tmp / REJECTED_FILE, [r.to_json() for r in rejects])
+    atomic_write_json(tmp / LABELS_FILE, label_map)
     _write_index(cfg, tmp, in_place, {"train": train_rows, "val": val_rows}, label_map)
     summary = {
         "version": PREPARE_VERSION,
@@ -232,7 +241,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     summary["timings_s"]["total"] = sum(summary["timings_s"].values())
     assert checked.n_input == len(good) + len(rejects), "every input row is either kept or rejected"
     summary["files"] = files_map(tmp)
-    atomic_write_json(tmp / "prepare.json", summary)  # last: its presence means the directory is complete
+    atomic_write_json(tmp / SUMMARY_FILE, summary)  # last: its presence means the directory is complete
     return summary
 
 
@@ -251,7 +260,7 @@ def _write_index(
             export_wds(
                 rows,
                 {v: k for k, v in label_map.items()},
-                tmp / "wds",
+                tmp / WDS_DIR,
                 cfg.wds_shard_size,
                 image_path=lambda p: p if os.path.isabs(p) else str(tmp / p),
             )

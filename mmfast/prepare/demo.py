@@ -49,7 +49,7 @@ def single_modality_ceilings() -> dict[str, float]:
 
 def render_shape(shape: str, seed: int, size: int = 64) -> np.ndarray:
     """Draw ``shape`` on a random background: (size, size, 3) uint8. Depends only on (shape, seed)."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # PIL: only when an image is opened here
 
     rng = np.random.default_rng(seed)
     bg = rng.integers(0, 256, 3)
@@ -101,7 +101,7 @@ def demo_dataset(n: int = 2000, seed: int = 0, root: str | os.PathLike | None = 
     Returns:
         path of ``manifest.jsonl`` inside the dataset folder.
     """
-    from PIL import Image
+    from PIL import Image  # PIL: only when an image is opened here
 
     root = Path(root) if root is not None else default_cache_dir()
     final = root / f"demo-v{DEMO_VERSION}-n{n}-s{seed}-{size}px"

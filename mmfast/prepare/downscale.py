@@ -35,7 +35,7 @@ def downscale_image(job: tuple[str, str], max_side: int, quality: int) -> str:
     Called only for images whose longer side is over ``max_side``; 16-bit and float images are kept as
     they are (PIL cannot convert them to 8 bits the way the decoder does), reported as "kept".
     """
-    from PIL import Image, ImageOps
+    from PIL import Image, ImageOps  # PIL: only when an image is opened here
 
     src, dst = job
     try:

@@ -20,7 +20,17 @@ import logging
 import shutil
 from pathlib import Path
 
-from mmfast.data.dataset import DatasetError, PreparedDataset
+from mmfast.data.dataset import (
+    LABELS_FILE,
+    REJECTED_FILE,
+    SUMMARY_FILE,
+    TOKENIZER_DIR,
+    TOKENS_DIR,
+    WDS_DIR,
+    DatasetError,
+    PreparedDataset,
+    split_file,
+)
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from mmfast.inputs.manifest import NO_LABEL
@@ -99,7 +109,7 @@ def _check_mixable(datasets: list[PreparedDataset]):
     tok = load_tokenizer(first.tokenizer_dir)
     want = tokenizer_fingerprint(tok)
     for d in datasets:
-        if (d.root / "wds").is_dir():
+        if (d.root / WDS_DIR).is_dir():
             raise MixError(
                 f"{d.root}: its images are read from WebDataset shards, and a mix reads image files; prepare "
                 f"its input again without --format wds (an image folder, manifest, COCO or Parquet input)"
@@ -141,18 +151,18 @@ def _write_mix(datasets: list[PreparedDataset], tok, fp: str, tmp: Path) -> dict
                     {**r, "id": next_id, "label": label_map[names[r["label"]]], "source": i, "source_id": r["id"]}
                 )
                 next_id += 1
-    shutil.copytree(datasets[0].tokenizer_dir, tmp / "tokenizer")
+    shutil.copytree(datasets[0].tokenizer_dir, tmp / TOKENIZER_DIR)
     max_length = int(datasets[0].summary["max_length"])
     caches = {}
     for split, these in rows.items():
         first = these[0]["id"] if these else len(rows["train"])
         caches[split] = TokenCache.build(
-            tmp / "tokens", split, [r["text"] for r in these], tok, max_length, first_id=first
+            tmp / TOKENS_DIR, split, [r["text"] for r in these], tok, max_length, first_id=first
         )
-    atomic_write_jsonl(tmp / "train.jsonl", rows["train"])
-    atomic_write_jsonl(tmp / "val.jsonl", rows["val"])
-    atomic_write_jsonl(tmp / "rejected.jsonl", [])
-    atomic_write_json(tmp / "labels.json", label_map)
+    atomic_write_jsonl(tmp / split_file("train"), rows["train"])
+    atomic_write_jsonl(tmp / split_file("val"), rows["val"])
+    atomic_write_jsonl(tmp / REJECTED_FILE, [])
+    atomic_write_json(tmp / LABELS_FILE, label_map)
     roots = [d.root.resolve() for d in datasets]
     configs = [d.summary.get("config") or {} for d in datasets]
     summary = {
@@ -194,5 +204,5 @@ def _write_mix(datasets: list[PreparedDataset], tok, fp: str, tmp: Path) -> dict
         },
     }
     summary["files"] = files_map(tmp)
-    atomic_write_json(tmp / "prepare.json", summary)  # last: its presence means the directory is complete
+    atomic_write_json(tmp / SUMMARY_FILE, summary)  # last: its presence means the directory is complete
     return summary

@@ -57,10 +57,10 @@ from mmfast.inputs.manifest import ManifestError
 from mmfast.prepare.config import PrepareConfig, part_dir, parts_root
 from mmfast.prepare.core import prepare_dataset
 from mmfast.prepare.fingerprint import input_fingerprint
+from mmfast.remote.objects import is_remote
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import atomic_write_text
 from mmfast.util.listener import UnknownHost, wait_for_listener
-from mmfast.util.remote import is_remote
 
 log = logging.getLogger(__name__)
 RAY_HINT = "pip install 'mmfast[ray]'"

@@ -7,19 +7,29 @@ import json
 import logging
 from pathlib import Path
 
-from mmfast.data.dataset import PreparedDataset
+from mmfast.data.dataset import (
+    LABELS_FILE,
+    REJECTED_FILE,
+    SPLITS,
+    SUMMARY_FILE,
+    TOKENIZER_DIR,
+    TOKENS_DIR,
+    WDS_DIR,
+    PreparedDataset,
+    split_file,
+)
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer
 from mmfast.util.fsutil import atomic_write_json, file_sha256
 
 log = logging.getLogger(__name__)
-SPLIT_FILES = ("train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl")
+SPLIT_FILES = (*map(split_file, SPLITS), LABELS_FILE, REJECTED_FILE)
 
 
 def files_map(root: Path) -> dict[str, dict]:
     """{relative posix path: {"size", "sha256"}} of every file the training side verifies."""
     paths = [root / name for name in SPLIT_FILES]
-    for sub in ("tokens", "tokenizer", "wds"):
+    for sub in (TOKENS_DIR, TOKENIZER_DIR, WDS_DIR):
         # wds/: index files and listings (of the WebDataset export, or of an input read in place); the export's
         # shards are left out (hashing them at every start would read the whole dataset)
         paths += sorted(p for p in (root / sub).rglob("*") if p.is_file() and p.suffix not in (".lock", ".tar"))
@@ -31,7 +41,7 @@ def reuse(out: Path, fp: str) -> dict | None:
     its files are as recorded; a changed token cache is rebuilt (it follows from the verified rows and
     tokenizer). None when ``out`` must be prepared again."""
     try:
-        summary = json.loads((out / "prepare.json").read_text(encoding="utf-8"))
+        summary = json.loads((out / SUMMARY_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(summary, dict) or summary.get("input_fingerprint") != fp:
@@ -47,7 +57,7 @@ def reuse(out: Path, fp: str) -> dict | None:
     log.info("%s: token cache changed since preparation (%s); rebuilding it", out, changed[0])
     _rebuild_token_cache(out, summary, {rel.split("/")[1].split(".")[0] for rel in changed})
     summary["files"] = files_map(out)
-    atomic_write_json(out / "prepare.json", summary)
+    atomic_write_json(out / SUMMARY_FILE, summary)
     return summary
 
 
@@ -61,12 +71,12 @@ def _changed_files(root: Path, files: dict) -> list[str]:
 
 
 def _rebuild_token_cache(out: Path, summary: dict, splits: set[str]) -> None:
-    tok = load_tokenizer(out / "tokenizer")
+    tok = load_tokenizer(out / TOKENIZER_DIR)
     prepared = PreparedDataset(out, verify=False)
-    for split in sorted(splits & {"train", "val"}):
+    for split in sorted(splits & set(SPLITS)):
         rows = prepared.rows(split)
         first = rows[0]["id"] if rows else summary["counts"]["train"]
-        (out / "tokens" / f"{split}.meta.json").unlink(missing_ok=True)  # forces the rebuild
+        (out / TOKENS_DIR / f"{split}.meta.json").unlink(missing_ok=True)  # forces the rebuild
         TokenCache.build(
-            out / "tokens", split, [r["text"] for r in rows], tok, summary["max_length"], first_id=first
+            out / TOKENS_DIR, split, [r["text"] for r in rows], tok, summary["max_length"], first_id=first
         )

@@ -25,7 +25,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-from mmfast.data.dataset import PreparedDataset
+from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
@@ -62,7 +62,7 @@ def write_wds(prepared_dir: str | os.PathLike, shard_size: int = 1000) -> dict:
     # Everything below a prepared directory is mmfast's, so an existing wds/ may be replaced.
     with (
         file_lock(prepared_dir / ".wds.lock"),
-        atomic_dir(prepared_dir / "wds", "mmfast WebDataset export", replaceable=_real_dir) as out,
+        atomic_dir(prepared_dir / WDS_DIR, "mmfast WebDataset export", replaceable=_real_dir) as out,
     ):
         return export_wds(splits, {v: k for k, v in labels.items()}, out, shard_size)
 

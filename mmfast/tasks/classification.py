@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import PreparedDataset
-from mmfast.tasks.registry import register_task
 
 # The label of a masked sample in a loader batch (a bad image, eval padding; docs/architecture.md, "Batch"):
 # cross-entropy's default ignore_index. A test checks it against the loaders' own constant.
@@ -90,7 +89,6 @@ def evaluate(accelerator, model, loader, class_names: list[str] | None = None) -
     }
 
 
-@register_task("classification")
 class ClassificationTask:
     """One class per sample (``batch["label"]``), the model's output its logits (B, C); the best evaluation is
     the one of the highest ``val_acc`` (the first one when none is higher; a run without a val split keeps

@@ -1,22 +1,20 @@
 """The contrastive task (CLIP, SigLIP): each image and its caption pulled together and every other pair of the
 global batch pushed apart: all processes' samples (``global_batch.gather_features``) and a whole accumulation
 window (``backward_window``: cached features). Two captions of one image, or two byte-identical captions, are
-not each other's negatives. Evaluation: retrieval recall both ways and, with class labels, zero-shot accuracy
-(``retrieval``); the best checkpoint is the one of the highest mean recall.
+not each other's negatives; the losses themselves are ``losses``. Evaluation: retrieval recall both ways and,
+with class labels, zero-shot accuracy (``retrieval``); the best checkpoint is the one of the highest mean
+recall.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mmfast.data.batch import PAD_ID
 from mmfast.data.dataset import PreparedDataset
-from mmfast.tasks.global_batch import all_gather_rows, cached_window_backward, gather_features, gather_sizes, world
-from mmfast.tasks.registry import register_task
+from mmfast.tasks.global_batch import all_gather_rows, cached_window_backward, gather_sizes
+from mmfast.tasks.losses import contrastive_loss, create_loss
 from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
@@ -26,7 +24,6 @@ from mmfast.tasks.retrieval import (
     zero_shot_figures,
 )
 
-LOSSES = ("clip", "siglip")
 PROMPT_BATCH = 256  # zero-shot prompts embedded per forward
 
 
@@ -85,66 +82,6 @@ def check_variety(variety: dict[str, tuple[int, int, int]], root) -> None:
         )
 
 
-def contrastive_loss(
-    kind: str,
-    out: dict,
-    ids: torch.Tensor,
-    groups: torch.Tensor,
-    gather: Callable[[torch.Tensor, list[int]], torch.Tensor] = gather_features,
-    tally: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """This process's share of the global batch's loss: its rows against every process's columns.
-
-    CLIP: the mean of image->text and text->image cross-entropy over logits ``scale * img @ txt.T``. SigLIP:
-    ``-1/|B| sum_i sum_j log sigmoid(z_ij (scale * img_i . txt_j + bias))``, z = 1 on the diagonal, -1 off
-    it. A pair (i, j != i) of one image group or one caption group is no negative: out of the softmax (CLIP)
-    and of the sum (SigLIP); padding (id -1) is neither a row nor a column. Each process returns
-    ``processes * its rows' sum / the global batch's samples``: the mean over processes (DDP's mean of the
-    gradients) is the loss of one process on the whole batch.
-
-    Args:
-        kind: "clip" or "siglip".
-        out: the model's output: {"image", "text": (B, D) normalized, "logit_scale", "logit_bias": 0-dim}.
-        ids: (B,) sample ids, ``PAD_ID`` for padding.
-        groups: (2, B) each sample's image group and caption group (``sample_groups``).
-        gather: how features reach every process (``gather_features``; a test passes one without gradient).
-        tally: (2,) on the device, or None: gets this process's samples that had a negative, and its samples.
-
-    Returns:
-        The 0-dim loss.
-    """
-    processes, rank = world()
-    sizes = gather_sizes(ids.shape[0], ids.device)
-    img, txt = out["image"].float(), out["text"].float()
-    all_img, all_txt = gather(img, sizes), gather(txt, sizes)  # (M, D)
-    all_ids, all_image_g, all_text_g = all_gather_rows(torch.cat([ids[None], groups]).T.contiguous(), sizes).T
-    scale, bias = out["logit_scale"].float(), out["logit_bias"].float()
-    m = all_ids.shape[0]
-    rows = torch.arange(ids.shape[0], device=ids.device) + sum(sizes[:rank])  # each row's own column
-    positive = rows[:, None] == torch.arange(m, device=ids.device)[None]  # (B, M)
-    same = (groups[0][:, None] == all_image_g[None]) | (groups[1][:, None] == all_text_g[None])
-    excluded = (same & ~positive) | (all_ids == PAD_ID)[None]  # (B, M): not a negative
-    valid = ids != PAD_ID
-    samples = (all_ids != PAD_ID).sum().clamp(min=1)
-    if tally is not None:  # added up on the device, read at the epoch's end
-        with torch.no_grad():
-            has_negative = (valid[:, None] & ~excluded & ~positive).any(1)
-            tally += torch.stack([has_negative.sum(), valid.sum()]).to(tally.dtype)
-    if kind == "clip":
-        keep, target = excluded[valid], rows[valid]
-        i2t = (scale * img[valid] @ all_txt.T).masked_fill(keep, float("-inf"))
-        t2i = (scale * txt[valid] @ all_img.T).masked_fill(keep, float("-inf"))
-        total = (F.cross_entropy(i2t, target, reduction="sum") + F.cross_entropy(t2i, target, reduction="sum")) / 2
-        total = total + 0.0 * bias  # every output takes part in the graph (DDP checks each parameter)
-    else:
-        logits = scale * img @ all_txt.T + bias  # (B, M)
-        sign = positive.float() * 2 - 1
-        counted = valid[:, None] & ~excluded
-        total = -torch.where(counted, F.logsigmoid(sign * logits), 0.0).sum()
-    return processes * total / samples
-
-
-@register_task("contrastive")
 class ContrastiveTask:
     """Image-caption pairs (``batch["id"]`` says which samples share an image or a caption), the model's output
     {"image", "text", "logit_scale", "logit_bias"} (the dual encoder "clip"); trains on a dataset with labels
@@ -156,7 +93,7 @@ class ContrastiveTask:
 
     Args:
         dataset: the prepared dataset (its rows give the image and caption groups).
-        loss: "clip" or "siglip" (``--loss``).
+        loss: "clip" or "siglip" (``--loss``: ``losses.create_loss``).
         zero_shot_templates: prompts for zero-shot evaluation (``retrieval.read_templates``; None: the default).
     """
 
@@ -166,8 +103,7 @@ class ContrastiveTask:
     config_options = ("loss", "zero_shot_templates")  # TrainConfig fields build_task passes as keywords
 
     def __init__(self, dataset: PreparedDataset, loss: str = "clip", zero_shot_templates: str | None = None):
-        if loss not in LOSSES:
-            raise ValueError(f"unknown loss '{loss}'; choose from {', '.join(LOSSES)}")
+        self._loss = create_loss(loss)  # ValueError for an unknown name
         self.kind = loss
         self.num_outputs = dataset.num_classes  # not read by the dual encoder (no classifier head)
         names = sorted(dataset.labels, key=dataset.labels.get)
@@ -203,7 +139,7 @@ class ContrastiveTask:
     def loss(self, output: dict, targets: torch.Tensor) -> torch.Tensor:
         if self._tally is None or self._tally.device != targets.device:
             self._tally = torch.zeros(2, dtype=torch.int64, device=targets.device)
-        return contrastive_loss(self.kind, output, targets, self.groups(targets), tally=self._tally)
+        return contrastive_loss(self._loss, output, targets, self.groups(targets), tally=self._tally)
 
     def check_step_samples(self, samples: int) -> str | None:
         """Refuse an optimizer step of fewer than two samples over all processes: its only pair is the positive,

@@ -1,9 +1,8 @@
-"""Build a registered task by name for a prepared dataset. Importing this module registers the built-in tasks."""
+"""Build a registered task (``registry.TASKS``) by name for a prepared dataset."""
 
 from __future__ import annotations
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.tasks import classification, contrastive  # noqa: F401  (the built-in tasks register themselves)
 from mmfast.tasks.registry import TASKS, Task
 
 
@@ -19,8 +18,6 @@ def build_task(name: str, dataset: PreparedDataset, cfg: object | None = None) -
     Raises:
         ValueError: no task of that name ("unknown task 'x'; choose from ..."), or one the dataset does not fit.
     """
-    if name not in TASKS:
-        raise ValueError(f"unknown task '{name}'; choose from {', '.join(TASKS)}")
-    cls = TASKS[name]
+    cls = TASKS.pick(name)
     options = {n: getattr(cfg, n) for n in getattr(cls, "config_options", ())} if cfg is not None else {}
     return cls(dataset, **options)

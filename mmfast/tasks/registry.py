@@ -1,8 +1,7 @@
-"""What a training objective is (``Task``, the calls the training loop makes) and the registry of them by name
-(what ``--task`` picks): ``register_task`` adds one. Imports nothing heavy.
-
-``TASKS`` here holds the built-in tasks once ``mmfast.tasks.factory`` has been imported (their modules register
-them); read the registry as ``mmfast.tasks.TASKS``, which imports them first.
+"""What a training objective is (``Task``, the calls the training loop makes), the registry of them by name
+(what ``--task`` picks) and that of the contrastive losses (``--loss``). Imports nothing heavy: a built-in task
+or loss is one line here naming its class, imported on first use, so ``mmfast-train --help`` lists the names
+without torch. A task from outside adds itself with ``register_task``.
 """
 
 from __future__ import annotations
@@ -10,13 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mmfast.util.registry import Registry
+
 if TYPE_CHECKING:
     import torch
 
-    from mmfast.data.dataset import PreparedDataset
+TASKS = Registry("task")
+TASKS.declare("classification", "mmfast.tasks.classification:ClassificationTask")
+TASKS.declare("contrastive", "mmfast.tasks.contrastive:ContrastiveTask")
+BUILTIN_TASKS = tuple(TASKS)  # the names above, before any task from outside
 
-BUILTIN_TASKS = ("classification", "contrastive")  # what the built-in task modules register, in this order
-TASKS: dict[str, Callable[[PreparedDataset], Task]] = {}
+# The contrastive losses (``--loss``), each a class in ``losses``: ``losses.create_loss`` makes one by name.
+LOSSES = Registry("loss")
+LOSSES.declare("clip", "mmfast.tasks.losses:ClipLoss")
+LOSSES.declare("siglip", "mmfast.tasks.losses:SigLipLoss")
 
 
 class Task(Protocol):
@@ -83,10 +89,4 @@ def register_task(name: str) -> Callable[[type], type]:
         ValueError: the name is taken by another class.
     """
 
-    def add(cls: type) -> type:
-        if name in TASKS and TASKS[name] is not cls:
-            raise ValueError(f"task '{name}' is already registered ({TASKS[name].__qualname__})")
-        TASKS[name] = cls
-        return cls
-
-    return add
+    return TASKS.register(name)

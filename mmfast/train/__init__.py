@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name == "train":
-        from mmfast.train.run import train
+        from mmfast.train.run import train  # torch: ``import mmfast.train`` stays light
 
         return train
     raise AttributeError(f"module 'mmfast.train' has no attribute '{name}'")

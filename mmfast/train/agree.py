@@ -14,9 +14,11 @@ go bad are skipped by the loader instead (``FileHealth``).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from mmfast.train.heartbeat import PeerFailure
 
@@ -28,10 +30,6 @@ class BatchAgreement:
     (created here: every process must construct this at the same point of the run)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float):
-        import datetime
-
-        import torch.distributed as dist
-
         self.rank, self.world_size = rank, world_size
         self.group = None
         if dist.get_backend() != "gloo":
@@ -39,8 +37,6 @@ class BatchAgreement:
 
     def exchange(self, state: int) -> list[int]:
         """Every process's state (``_OK``, ``_FAILED``, ``_ENDED``), by rank."""
-        import torch.distributed as dist
-
         states = torch.zeros(self.world_size, dtype=torch.int64)
         states[self.rank] = state
         dist.all_reduce(states, group=self.group)
@@ -48,16 +44,12 @@ class BatchAgreement:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any process (a CPU all-reduce: it never waits for the GPU's queue)."""
-        import torch.distributed as dist
-
         flags = torch.tensor([int(flag)], dtype=torch.int64)
         dist.all_reduce(flags, group=self.group)
         return bool(flags[0])
 
     def messages(self, message: str) -> list[str]:
         """Every process's message, by rank (only called when one failed: every process calls it then)."""
-        import torch.distributed as dist
-
         out: list[str | None] = [None] * self.world_size
         dist.all_gather_object(out, message, group=self.group)
         return [m or "" for m in out]

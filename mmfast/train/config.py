@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCE_NAMES
-from mmfast.models.catalog import BUILTIN_MODELS, COMBINE, INIT_PROJ, LOSSES, PRESETS, get_preset
-from mmfast.models.start_dirs import start_embed_dim, start_fields
+from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCES
+from mmfast.models.catalog import COMBINE, INIT_PROJ, PRESETS
+from mmfast.models.registry import MODELS
+from mmfast.tasks.registry import LOSSES, TASKS
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
@@ -127,10 +128,17 @@ class TrainConfig:
     epochs: int | None = _opt(None, "optimization", "passes over the train split; none: the preset's")
     max_steps: int | None = _opt(None, "optimization", "optimizer steps; the run stops early when reached")
     batch_size: int | None = _opt(None, "optimization", "samples per process per micro-batch; none: the preset's")
-    global_batch_size: int | None = _opt(None, "optimization", "samples per optimizer step over all processes: "
-        "--batch-size (at most) and --grad-accum derived from it and the process count")  # fmt: skip
+    global_batch_size: int | None = _opt(
+        None,
+        "optimization",
+        "samples per optimizer step over all processes: "
+        "--batch-size (at most) and --grad-accum derived from it and the process count",
+    )
     eval_batch_size: int | None = _opt(
-        None, "optimization", "samples per process per eval batch; none: --batch-size"
+        None,
+        "optimization",
+        "samples per process per eval batch; none: --batch-size or the preset's, before --global-batch-size "
+        "divides it",
     )
     grad_accum: int = _opt(
         1,
@@ -259,8 +267,14 @@ class TrainConfig:
 
     def __post_init__(self):
         floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout")
-        floats += ("crop_scale_min", "color_jitter", "profile_interval", "dist_timeout", "store_timeout",
-                   "rendezvous_timeout")
+        floats += (
+            "crop_scale_min",
+            "color_jitter",
+            "profile_interval",
+            "dist_timeout",
+            "store_timeout",
+            "rendezvous_timeout",
+        )
         for name in floats:
             value = getattr(self, name)
             if value is None:  # filled from the preset by resolve_preset
@@ -333,19 +347,14 @@ def _one_of(allowed: tuple[str, ...]) -> str:
 
 
 def choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each field that takes a name, read from where each choice is made: the live model
-    and task registries (a model or task registered at run time is accepted), the presets, the sources
-    registry, the loader's and the late fusion's options. Imports torch and DALI: ``help_choices`` is what
-    --help shows."""
-    from mmfast.loading.sources import SOURCES  # DALI: only when a config is checked
-    from mmfast.models import MODELS  # the live registry: torch, once a config is checked
-    from mmfast.tasks import TASKS
-
+    """The allowed values of each field that takes a name, read from where each choice is made: the model, task,
+    loss and source registries (a model or task registered at run time is accepted), the presets, the loader's
+    and the late fusion's options. Imports neither torch nor DALI (the registries name their classes)."""
     return {
         "model": tuple(MODELS),
         "preset": tuple(PRESETS),
         "task": tuple(TASKS),
-        "loss": LOSSES,
+        "loss": tuple(LOSSES),
         "init_proj": INIT_PROJ,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
@@ -360,27 +369,8 @@ def choices() -> dict[str, tuple[str, ...]]:
 
 
 def help_choices() -> dict[str, tuple[str, ...]]:
-    """The choices --help lists, from modules that import neither torch nor DALI: the built-in models and
-    tasks (the catalogs of ``mmfast.models`` and ``mmfast.tasks``), the presets, and the same tuples as
-    ``choices``."""
-    from mmfast.tasks import BUILTIN_TASKS
-
-    return {
-        "model": BUILTIN_MODELS,
-        "preset": tuple(PRESETS),
-        "task": BUILTIN_TASKS,
-        "loss": LOSSES,
-        "init_proj": INIT_PROJ,
-        "combine": COMBINE,
-        "scheduler": SCHEDULERS,
-        "optimizer_impl": OPTIMIZER_IMPLS,
-        "mixed_precision": ("auto", "fp16", "bf16", "no"),
-        "compile_mode": COMPILE_MODES,
-        "text_padding": TEXT_PADDINGS,
-        "cpu_resize": CPU_RESIZE,
-        "on_bad_image": ON_BAD_IMAGE,
-        "source": SOURCE_NAMES,
-    }
+    """The choices --help lists: ``choices()`` itself, which imports neither torch nor DALI."""
+    return choices()
 
 
 def data_sources(cfg: TrainConfig) -> list[str]:
@@ -434,33 +424,3 @@ def trackers(cfg: TrainConfig) -> tuple[str, ...]:
 
 PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
 PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj")
-
-
-def resolve_preset(cfg: TrainConfig) -> TrainConfig:
-    """The configuration with every "from the preset" field (None) filled in: what config.json records. A
-    preset whose recipe has no encoder learning rate (its encoders train from scratch) gives a pretrained
-    encoder named by flag that encoder's own (``pretrained_encoder_lr``), not the new layers' ``--lr``."""
-    from mmfast.models import MODELS  # the live registry: torch, once a config is resolved
-    from mmfast.models.encoders import pretrained_encoder_lr
-
-    cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
-    if cfg.init_from is not None:  # --init-from's towers and image size (models/start_dirs.py)
-        cfg = replace(cfg, **start_fields(cfg))
-    preset = get_preset(cfg.preset)
-    filled = {
-        name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS
-    }
-    if filled["encoder_lr"] is None:  # a recipe for encoders from scratch: a pretrained one named by flag
-        own = pretrained_encoder_lr(filled["image_backbone"], cfg.image_weights, filled["text_model"])
-        filled["encoder_lr"] = filled["lr"] if own is None else own
-    filled["task"] = cfg.task or getattr(MODELS[cfg.model], "task", "classification")
-    if cfg.init_proj is None and not hasattr(MODELS[cfg.model], "image_proj_start"):
-        filled["init_proj"] = (
-            "random"  # a preset's start is for the dual encoder; another model has no projections
-        )
-    # a tower that brings its projection sets the width (models/start_dirs.py); else 256
-    starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
-    filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)
-    resolved = replace(cfg, **filled)
-    return replace(resolved, eval_batch_size=cfg.eval_batch_size or resolved.batch_size)
-

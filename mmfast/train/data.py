@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,13 +15,12 @@ from mmfast.loading.cache_plan import CachePlan, SplitImages, plan_decoded_cache
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
+from mmfast.remote.objects import fetch_to
+from mmfast.remote.shard_cache import ShardCache
 from mmfast.train.config import TrainConfig, data_weights
 from mmfast.train.hardware import resolve_text_padding
 from mmfast.train.setup import processes_per_machine, usable_cores
 from mmfast.util.args import parse_size
-
-if TYPE_CHECKING:
-    from mmfast.util.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +155,8 @@ def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None
     dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
     if not dataset.remote_shards():
         return None
-    from mmfast.util import remote  # only a run that streams pays for the network imports
-    from mmfast.util.shard_cache import ShardCache
-
     root = cfg.shard_cache or os.path.join(os.path.expanduser("~"), ".cache", "mmfast", "shards")
-    fetch = functools.partial(remote.fetch_to, retry_s=cfg.store_timeout)  # --store-timeout bounds the retries
+    fetch = functools.partial(fetch_to, retry_s=cfg.store_timeout)  # --store-timeout bounds the retries
     return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"), fetch=fetch)
 
 

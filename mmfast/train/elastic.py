@@ -4,7 +4,7 @@ Why it works: every process draws the same epoch order (``loading.sampling.epoch
 N-th batch of it (``shard_positions``), so after t optimizer steps of a global batch G the run has trained the
 first t x G positions of the epoch's order whatever N is. A run whose global batch is fixed
 (``--global-batch-size``) may therefore change its process count between a stop and a restart: the per-process
-batch and accumulation are derived again (``setup.apply_global_batch``), and each process's loader starts at
+batch and accumulation are derived again (``resolve.apply_global_batch``), and each process's loader starts at
 micro-batch t x G / (its batch x M). Optimizer, scheduler, scaler and step counters are the checkpoint's (the
 model replicas are identical). What cannot carry over: a process's DALI checkpoint (its augmentation stream is
 seeded per process), so the pixels of the rest of the epoch are other draws of the same augmentation.

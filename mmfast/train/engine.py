@@ -30,7 +30,7 @@ from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_
 from mmfast.train.source_tally import SourceTally
 
 if TYPE_CHECKING:
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 
 class NonFiniteLossError(RuntimeError):
@@ -415,7 +415,7 @@ class EpochRunner:
 
     def loader_states(self) -> list[dict]:
         """Every process's loader position (a collective call): the main process saves them all."""
-        from accelerate.utils import gather_object
+        from accelerate.utils import gather_object  # accelerate: a slow import, only once a run starts
 
         return gather_object([self.loader.state_dict()])
 

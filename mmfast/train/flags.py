@@ -60,7 +60,7 @@ def load_config_file(path: str | Path) -> dict:
         raise ValueError(f"--config {path}: no such file")
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
-        import yaml
+        import yaml  # PyYAML: only for a --config file
 
         data = yaml.safe_load(text) or {}
     else:

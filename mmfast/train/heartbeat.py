@@ -106,7 +106,7 @@ class Heartbeat:
 
 def _default_store():
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch: only once a run starts (the commands' --help imports none)
         from torch.distributed import distributed_c10d
 
         if not dist.is_initialized():

@@ -43,7 +43,7 @@ def make_scheduler(optimizer, name: str, warmup: int, total: int, probe: int = 0
     """A transformers schedule (``get_scheduler``: linear warmup, then cosine/linear/... decay) per optimizer
     step; parameter groups marked ``"pretrained"`` stay at lr 0 for the first ``probe`` steps (a linear-probe
     warm start: the new layers learn on fixed features before the encoders move)."""
-    from transformers import get_scheduler
+    from transformers import get_scheduler  # transformers: a slow import, only when a run starts
 
     try:
         scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)

@@ -150,7 +150,7 @@ class UtilizationSampler:
 
     def _open_nvml(self) -> None:
         try:
-            import pynvml
+            import pynvml  # nvidia-ml-py: optional (mmfast[profile]), only on a GPU
 
             pynvml.nvmlInit()
             index = self._device_index
@@ -184,7 +184,7 @@ class UtilizationSampler:
         return out
 
     def _run(self) -> None:
-        import psutil
+        import psutil  # psutil: optional (mmfast[profile])
 
         psutil.cpu_percent(percpu=True)  # the first call only starts the measurement window
         own = _OwnCpu(psutil)
@@ -362,10 +362,10 @@ def report_text(report: dict) -> str:
 
 def plot_report(report: dict, samples: list[dict], path: str) -> None:
     """PNG: utilization timeline (GPU and CPU) and the per-phase breakdown of the step time."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional, only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional, only for the figure
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2, 1]})
     t = [s["t"] for s in samples]

@@ -25,7 +25,7 @@ from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, p
 from mmfast.util.fsutil import atomic_write_json
 
 if TYPE_CHECKING:
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class StepLog:
         (``log`` then prints a line every --log-every steps)."""
         if not (self.cfg.progress and self.acc.is_main_process and sys.stderr.isatty()):
             return None
-        from tqdm import tqdm
+        from tqdm import tqdm  # tqdm: only when a progress bar is drawn
 
         return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
 
@@ -212,7 +212,7 @@ def start_trackers(accelerator, config: dict, task: Task) -> None:
         if tracker.name != "tensorboard":
             tracker.store_init_configuration(config)
             continue
-        from torch.utils.tensorboard.summary import hparams
+        from torch.utils.tensorboard.summary import hparams  # tensorboard: optional (mmfast[track])
 
         writer = tracker.writer
         for summary in hparams(config, dict.fromkeys(metrics, 0.0)):  # experiment, session start/end

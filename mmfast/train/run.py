@@ -18,7 +18,7 @@ from mmfast.models import build_model, model_class
 from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
-from mmfast.train.config import TrainConfig, resolve_preset
+from mmfast.train.config import TrainConfig
 from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
@@ -36,17 +36,18 @@ from mmfast.train.report import (
     write_profile,
     write_weights_digest,
 )
+from mmfast.train.resolve import resolve_batches, resolve_preset
 from mmfast.train.resume_rules import resume_differences
 from mmfast.train.rundir import RunDirError, RunDirPlan, claim_run_dir, plan_run_dir, read_tree, snapshot_tokenizer
 from mmfast.train.setup import (
     all_processes_ok,
-    apply_global_batch,
     check_data_exists,
     check_tokenizer_matches,
     make_accelerator,
     resolve_data,
 )
 from mmfast.train.stop import StopFlag
+from mmfast.train.warm_start import ridge_start
 from mmfast.util.fsutil import atomic_write_json
 
 DEFAULT_OUT = "runs/latest"
@@ -80,6 +81,7 @@ def as_run(cfg: TrainConfig, body: RunBody) -> dict:
     Returns:
         what ``body`` returns.
     """
+    # accelerate: a slow import, only once a run starts
     from accelerate.state import AcceleratorState, GradientState
 
     try:
@@ -104,7 +106,7 @@ def _train(cfg: TrainConfig, body: RunBody) -> dict:
     default_out = cfg.out is None
     given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
     accelerator = make_accelerator(cfg)
-    cfg = apply_global_batch(cfg, accelerator.num_processes)  # --global-batch-size: batch and accumulation
+    cfg = resolve_batches(cfg, accelerator.num_processes)  # the micro-batch, the accumulation, the eval batch
     memory_format = resolve_channels_last(
         cfg.channels_last, accelerator.device.type, cfg.image_backbone, cfg.model
     )
@@ -177,7 +179,7 @@ def _claim(cfg: TrainConfig, accelerator, default_out: bool):
 def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float) -> dict:
     """Set the run up, train, and write what it leaves; returns the summary."""
     run_dir = Path(cfg.out)
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed  # accelerate: a slow import, only once a run starts
 
     set_seed(cfg.seed)
     dataset = PreparedDataset(resolve_data(cfg, accelerator))
@@ -275,8 +277,6 @@ def _warm_start(cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, 
     (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's."""
     if cfg.init_proj != "ridge":
         return None
-    from mmfast.train.warm_start import ridge_start
-
     model.to(accelerator.device)
     loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
     figures = ridge_start(model, loader, accelerator)

@@ -172,8 +172,6 @@ class RunDirLock:
 def _remove_raw_preparation(run_dir: Path) -> None:
     """Remove the preparation of a raw --data that a failed start wrote into the run directory it made (only a
     directory carrying mmfast's prepared-dataset marker; anything else stays, and the run directory with it)."""
-    import shutil
-
     (run_dir / f"{RAW_DATA_DIR}.rejected.jsonl").unlink(missing_ok=True)
     prepared = run_dir / RAW_DATA_DIR
     if prepared.is_dir() and not prepared.is_symlink() and marker_kind(prepared) == PREPARED_KIND:

@@ -3,6 +3,7 @@ prepared dataset (demo, raw input prepared on the fly, or a prepared directory).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import replace
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmfast.data.dataset import COMPLETE, REJECTED_FILE, SPLITS, TOKENIZER_DIR, prepared_state, split_file
 from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from mmfast.inputs import claimed
 from mmfast.inputs.base import InputOptions
@@ -22,6 +24,8 @@ from mmfast.prepare.config import PrepareConfig, failure_report_path
 from mmfast.prepare.core import prepare_dataset
 from mmfast.prepare.demo import default_cache_dir, demo_dataset
 from mmfast.prepare.mix import prepare_mix
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import is_remote
 from mmfast.tasks import TASKS
 from mmfast.train.config import TRACKERS, TrainConfig, data_sources, trackers
 from mmfast.train.hardware import launcher_precision_note, resolve_mixed_precision
@@ -29,8 +33,6 @@ from mmfast.train.rendezvous import meet
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
-from mmfast.util.remote import is_remote
-from mmfast.util.remote_errors import redact
 
 if TYPE_CHECKING:
     from accelerate.utils import InitProcessGroupKwargs
@@ -71,35 +73,6 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def apply_global_batch(cfg: TrainConfig, num_processes: int) -> TrainConfig:
-    """``cfg`` with ``--global-batch-size G`` turned into a per-process batch and accumulation: each of the N
-    processes takes G / N samples per optimizer step, in micro-batches of the largest divisor of G / N that is
-    at most ``--batch-size`` (so the run's global batch does not depend on N: 64 on 1 process is 32 x 2, on 2
-    processes 32 each). Unchanged without ``--global-batch-size``.
-
-    Raises:
-        ValueError: N does not divide G (naming the nearest multiples), or --grad-accum given as well.
-    """
-    g = cfg.global_batch_size
-    if g is None:
-        return cfg
-    if g < 1:
-        raise ValueError(f"--global-batch-size must be >= 1, got {g}")
-    if cfg.grad_accum != 1:
-        raise ValueError("--global-batch-size decides --grad-accum: give one of them")
-    if g % num_processes:
-        lo, hi = g - g % num_processes, g + num_processes - g % num_processes
-        near = f"{lo} or {hi}" if lo else str(hi)
-        raise ValueError(
-            f"--global-batch-size {g} is not divisible by the {num_processes} processes of this run; use a "
-            f"multiple of {num_processes} (e.g. {near})"
-        )
-    per = g // num_processes
-    cap = min(cfg.batch_size or per, per)
-    batch = max(d for d in range(1, cap + 1) if per % d == 0)
-    return replace(cfg, batch_size=batch, grad_accum=per // batch, eval_batch_size=cfg.eval_batch_size or batch)
-
-
 def dist_timeout_handler(seconds: float) -> InitProcessGroupKwargs:
     """Accelerate's process-group options with ``seconds`` as the collectives' timeout.
 
@@ -117,7 +90,7 @@ def dist_timeout_handler(seconds: float) -> InitProcessGroupKwargs:
 
 def make_accelerator(cfg: TrainConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # accelerate: a slow import, only once a run starts
     from accelerate.utils import ProjectConfiguration
 
     cuda = torch.cuda.is_available()
@@ -157,8 +130,6 @@ def installed_trackers(names: tuple[str, ...]) -> list[str]:
     Raises:
         ValueError: a named tracker's package is not installed (the message gives the pip command).
     """
-    import importlib.util
-
     have = {t for t, module in _TRACKER_PACKAGES.items() if importlib.util.find_spec(module) is not None}
     if names == ("all",):
         return [t for t in TRACKERS if t in have]
@@ -206,7 +177,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
             if cfg.data is not None:
                 c = summary["counts"]
                 rows = f"{c['train']} train, {c['val']} val rows"
-                dropped = f", {c['rejected']} rejected (see {out / 'rejected.jsonl'})" if c["rejected"] else ""
+                dropped = f", {c['rejected']} rejected (see {out / REJECTED_FILE})" if c["rejected"] else ""
                 accelerator.print(f"prepared {redact(source)} into {out}: {rows}{dropped}")
         except ManifestError as e:
             if cfg.data is None:
@@ -278,11 +249,12 @@ def _mix(cfg: TrainConfig, accelerator) -> Path:
 
 def _is_prepared_split(path: Path) -> bool:
     """``train.jsonl`` / ``val.jsonl`` of a prepared directory (which it lies in)."""
-    return path.name in ("train.jsonl", "val.jsonl") and (path.parent / "prepare.json").is_file()
+    return path.name in map(split_file, SPLITS) and prepared_state(path.parent) == COMPLETE
 
 
 def _looks_prepared(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in ("prepare.json", "train.jsonl", "tokens"))
+    """A prepared directory, complete or not (``PreparedDataset`` explains an incomplete one)."""
+    return prepared_state(path) is not None
 
 
 def all_processes_ok(accelerator, ok: bool) -> bool:
@@ -312,7 +284,7 @@ def check_tokenizer_matches(text_model: str, data_dir: Path) -> None:
         model_tok = load_tokenizer(own)
     except ValueError:
         return  # the model ships no tokenizer: nothing to compare with
-    data_tok = load_tokenizer(data_dir / "tokenizer")
+    data_tok = load_tokenizer(data_dir / TOKENIZER_DIR)
     if tokenizer_fingerprint(model_tok) != tokenizer_fingerprint(data_tok):
         raise ValueError(
             f"{data_dir} was tokenized with another vocabulary than text model '{text_model}' "

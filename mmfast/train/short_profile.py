@@ -68,7 +68,7 @@ def profile_steps(cfg: TrainConfig, steps: int, warmup: int = PROFILE_WARMUP_STE
 
 def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
     """The run's set-up, its timed steps, and profile.json / profile.png on the main process."""
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed  # accelerate: a slow import, only once a run starts
 
     set_seed(cfg.seed)
     dataset = PreparedDataset(resolve_data(cfg, accelerator))

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 # Every directory mmfast builds with atomic_dir carries this file; only such a directory (or an empty one)
 # is ever replaced or deleted. Its content: {"kind": what the directory is, "version": MARKER_VERSION}.
 MARKER = ".mmfast-prepared"
@@ -352,8 +354,6 @@ def file_lock(path: str | os.PathLike, timeout: float = -1) -> Iterator[None]:
     release; unlinking it would let a waiter and a newcomer lock two different inodes), so it lives in
     ``lock_dir()``, named by a hash of ``path``'s real location, never beside the user's files.
     """
-    from filelock import FileLock
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock_file_for(path), timeout=timeout):
         yield

@@ -1,7 +1,8 @@
 """The modules mmfast has moved, still importable by their old names: ``import mmfast.loader`` gives
 ``mmfast.loading.image_loader`` itself (the same module object, so patches and ``isinstance`` agree) and
-warns once, naming the new place. Installed on ``sys.meta_path`` by ``mmfast/__init__.py``; it only answers
-names the package no longer has."""
+warns once, naming the new place and the release that drops the old name (``REMOVED_IN``; tests/test_layout.py
+fails once pyproject.toml's version reaches it). Installed on ``sys.meta_path`` by ``mmfast/__init__.py``; it
+only answers names the package no longer has."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import importlib.machinery
 import sys
 import warnings
 
+REMOVED_IN = "0.2.0"  # the release without these names (and without this module)
 MOVED = {  # old name -> where it lives now (docs/architecture.md, "Layers")
     "mmfast.dataset": "mmfast.data.dataset",
     "mmfast.decoded": "mmfast.loading.decoded",
@@ -54,7 +56,7 @@ class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         new = MOVED[spec.name]
         warnings.warn(
-            f"{spec.name} has moved to {new}: import it from there (the old name will be removed)",
+            f"{spec.name} has moved to {new}: import it from there (mmfast {REMOVED_IN} removes the old name)",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -13,6 +13,8 @@ import types
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
+from tqdm import tqdm
+
 from mmfast.util.voice import carried
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -22,8 +24,6 @@ def map_files(fn, items: list, workers: int, desc: str, progress: bool = False) 
     """``[fn(x) for x in items]`` over ``workers`` processes (threads inside a daemonic process, which may
     not start children), in order, with a progress bar. ``fn`` must be picklable (a module-level function
     or a ``functools.partial`` of one)."""
-    from tqdm import tqdm
-
     bar = dict(total=len(items), desc=desc, unit="img", disable=None if progress else True, leave=False)
     if workers <= 1 or len(items) <= 64:
         return [fn(x) for x in tqdm(items, **bar)]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchlib.store_process import StoreProcess
 
-from mmfast.util import remote
+from mmfast.remote import objects as remote
 
 BUCKET = "mmfast-bench"
 KEY = "one.tar"

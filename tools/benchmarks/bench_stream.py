@@ -98,7 +98,7 @@ def prepare(source: str, out: Path) -> Path:
 
 def run_variant(data: Path, args, cache_root: Path | None) -> dict:
     """One fresh build: first batch, cold epoch and warm epoch, and the cache's counters."""
-    from mmfast.util.shard_cache import ShardCache
+    from mmfast.remote.shard_cache import ShardCache
 
     cache = ShardCache(cache_root, int(args.cache_mb * 2**20)) if cache_root else None
     t0 = time.perf_counter()
@@ -135,7 +135,7 @@ def run_variant(data: Path, args, cache_root: Path | None) -> dict:
 
 def one_shard_fetch_s(url: str, dest: Path) -> float:
     """Seconds to fetch one whole shard through the current endpoint (what the first batch should wait)."""
-    from mmfast.util import remote
+    from mmfast.remote import objects as remote
 
     started = time.perf_counter()
     remote.fetch_to(url, dest)

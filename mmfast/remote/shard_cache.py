@@ -4,7 +4,7 @@ least-recently-used first; shared by the processes of one machine.
 Layout of a cache root (every file in it is the cache's own; the root carries mmfast's ownership marker):
 
     shards/<20 hex>-<basename>     complete, verified shards; their modification time is their last use
-    shards/.<name>.partial-...     a download in progress (``remote.partial_path``)
+    shards/.<name>.partial-...     a download in progress (``objects.partial_path``)
     locks/<name>.lock              one per shard: shared while a reader holds it, exclusive while one
                                    process fetches or evicts it (``fcntl.flock``, so threads conflict too)
     reserved/<size>-<name>         the bytes an in-progress download will add, counted against the limit
@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from mmfast.util import remote
+from mmfast.remote.errors import redact
+from mmfast.remote.objects import FetchStats, fetch_to, partial_of
 from mmfast.util.args import format_size
 from mmfast.util.fsutil import MARKER, OutputDirError, is_replaceable, write_advice, write_marker
-from mmfast.util.remote_errors import redact
 from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class ShardCache:
         root: the cache's folder (new, empty, or an earlier shard cache).
         limit_bytes: the most the complete and in-progress shards may hold, plus one shard.
         workers: the threads that ``prefetch`` downloads with.
-        fetch: downloads one object (``remote.fetch_to``'s signature); a test hands in another.
+        fetch: downloads one object (``objects.fetch_to``'s signature); a test hands in another.
         wait_s: the longest a call waits for a lock, an in-flight fetch or room.
     """
 
@@ -78,7 +78,7 @@ class ShardCache:
         limit_bytes: int,
         *,
         workers: int = 2,
-        fetch: Callable[..., Path] = remote.fetch_to,
+        fetch: Callable[..., Path] = fetch_to,
         wait_s: float = 600.0,
     ):
         if limit_bytes <= 0:
@@ -96,7 +96,7 @@ class ShardCache:
         self._said: set[str] = set()  # the warnings given (warn_once)
         self._closing = threading.Event()  # set by close(): the downloads in flight stop at their next piece
         self._waiting: dict[object, tuple[str, int, str, float]] = {}  # readers waiting: url, size, name, since
-        self._progress: dict[str, remote.FetchStats] = {}  # this process's downloads in flight, by shard name
+        self._progress: dict[str, FetchStats] = {}  # this process's downloads in flight, by shard name
         self._reporter: threading.Thread | None = None
         with (
             _write_errors(self.root, "cannot be written"),
@@ -208,7 +208,7 @@ class ShardCache:
         path.unlink(missing_ok=True)  # a copy of the wrong size
         with _write_errors(self.root, f"cannot hold {redact(url)} ({size} bytes)"):
             reservation = self._make_room(path.name, size, deadline)
-        stats = remote.FetchStats()
+        stats = FetchStats()
         with self._mutex:
             self._progress[path.name] = stats
         try:
@@ -263,7 +263,7 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):  # a copy of the wrong size, just removed
                     st = entry.stat(follow_symlinks=False)
                     shards.append((st.st_mtime_ns, st.st_size, entry.name))
-            elif remote.partial_of(entry.name) is not None:
+            elif partial_of(entry.name) is not None:
                 partials.append(entry.name)
         present = {name for _, _, name in shards}
         used = sum(nbytes for _, nbytes, _ in shards)
@@ -276,7 +276,7 @@ class ShardCache:
             elif name not in present:  # once the shard is in place, it is counted instead
                 used += int(nbytes)
         for partial in partials:
-            if self._is_abandoned(remote.partial_of(partial)):
+            if self._is_abandoned(partial_of(partial)):
                 (self._shards / partial).unlink(missing_ok=True)
         return shards, used
 

@@ -26,10 +26,10 @@ from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmfast.util import http_get
-from mmfast.util.commands import PREPARE, TRAIN
+from mmfast.remote import http_get
+from mmfast.remote.errors import PermanentRemoteError, TransientRemoteError, reading, redact, wrong_answer
+from mmfast.util.commands import TRAIN
 from mmfast.util.fsutil import fsync_dir
-from mmfast.util.remote_errors import PermanentRemoteError, TransientRemoteError, reading, redact, wrong_answer
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class _FsspecBody:
 
 def _filesystem(url: str, timeout_s: float):
     """The fsspec filesystem for ``url`` (fsspec keeps one per set of options) and the path within it."""
-    import fsspec  # a quarter-second import: only the commands that read remote data pay for it
+    import fsspec  # a slow import: only the commands that read remote data pay for it
 
     protocol = fsspec.utils.get_protocol(url)
     fs, path = fsspec.core.url_to_fs(url, **_storage_options(protocol, timeout_s))

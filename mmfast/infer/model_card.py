@@ -1,0 +1,41 @@
+"""The model card of a model directory (its README.md): what the model is, by its task, and the lines that
+load it. Meant to be edited before ``push_to_hub``, so the directory's checksums leave it out."""
+
+from __future__ import annotations
+
+MODEL_CARD_FILE = "README.md"
+_CARD_HEAD = """---
+library_name: mmfast
+tags: [mmfast, multimodal, {tag}, pytorch_model_hub_mixin]
+---
+
+"""
+_CARD_USE = """
+```python
+import mmfast
+model = mmfast.load_model("THIS_DIRECTORY")  # or mmfast.MmfastModel.from_pretrained(...)
+{use}```
+"""
+MODEL_CARDS = {  # by the model's task: what config.json's fields say it is, and how to use it
+    "classification": (
+        "image-text-classification",
+        "An mmfast {model}-fusion classifier ({image_backbone} + {text_model}), {num_classes} classes, "
+        "{image_size} px.\n",
+        "",
+    ),
+    "contrastive": (
+        "zero-shot-image-classification",
+        "An mmfast dual encoder ({loss} loss; {image_backbone} + {text_model}), {embed_dim}-d embeddings, "
+        "{image_size} px.\n",
+        'images = model.encode_image(["cat.jpg"])  # (N, {embed_dim}) normalized\n'
+        'texts = model.encode_text(["a photo of a cat."])\n'
+        "similarity = images @ texts.T\n",
+    ),
+}
+
+
+def model_card(config: dict) -> str:
+    """README.md of a model directory: what the model is and the lines that load it."""
+    tag, what, use = MODEL_CARDS.get(config.get("task", "classification"), MODEL_CARDS["classification"])
+    text = _CARD_HEAD.format(tag=tag) + what.format(**config) + _CARD_USE.format(use=use.format(**config))
+    return text
