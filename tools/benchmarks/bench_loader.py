@@ -52,7 +52,7 @@ def parse_args(argv):
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per turn (after one warm-up epoch)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads and DataLoader workers")
     p.add_argument("--only", nargs="*", help="run only the variants containing one of these (NAME$: exactly NAME)")
-    p.add_argument("--spdl-threads", nargs="+", type=int, default=[4], help="SPDL decode concurrencies to run")
+    p.add_argument("--spdl-threads", nargs="+", type=int, default=[8], help="SPDL decode concurrencies to run")
     p.add_argument("--set", default="photos", choices=["photos", "small-png"], help="built-in images (no --data)")
     p.add_argument("--n", type=int, default=512, help="images in the built-in set")
     p.add_argument("--max-side", type=int, default=512, help="the --max-side rows' prepare_data --max-side")

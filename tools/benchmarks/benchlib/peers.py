@@ -24,7 +24,7 @@ def spdl_missing() -> str | None:
         import spdl.io  # noqa: F401
         import spdl.pipeline  # noqa: F401
     except (ImportError, OSError) as e:  # OSError: the FFmpeg libraries are absent
-        return f"spdl is not importable ({e}); pip install spdl and the FFmpeg libraries bench_loader.py --help names"
+        return f"spdl is not importable ({e}); pip install spdl and the FFmpeg libraries of bench_loader.py --help"
     return None
 
 
