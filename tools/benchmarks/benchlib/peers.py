@@ -38,7 +38,7 @@ class _Shuffled:
         return iter(random.sample(self.files, len(self.files)))
 
 
-def _crop_filter(path: str, size: int):
+def crop_filter(path: str, size: int):
     """(packets, FFmpeg filter) of one sample: torchvision's random resized crop box, the crop scaled to
     ``size`` square (bilinear, as the other rows resize), flipped half the time, RGB out."""
     import spdl.io
@@ -55,21 +55,23 @@ def _crop_filter(path: str, size: int):
 def spdl_loader(data, batch_size: int, size: int, threads: int, dtype: torch.dtype):
     """SPDL's image classification pipeline: the file source, each image demuxed, decoded, cropped,
     resized and flipped by FFmpeg in ``threads`` concurrent tasks, the frames batched into one uint8
-    buffer, then normalized to ``dtype`` NCHW with torch. Returns a callable giving one epoch's batches."""
+    buffer, then normalized to ``dtype`` NCHW with torch, ``threads`` batches at once (as
+    ``spdl.dataloader.DataLoader`` runs its aggregator). Returns a callable giving one epoch's batches."""
     import spdl.io
     from spdl.pipeline import PipelineBuilder
 
     files = _Shuffled([r["image"] for r in PreparedDataset(data, verify=False).rows("train")])
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    scale = 1 / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    shift = -torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * scale
 
     def decode(path: str):
-        packets, filter_desc = _crop_filter(path, size)
+        packets, filter_desc = crop_filter(path, size)
         return spdl.io.decode_packets(packets, filter_desc=filter_desc)
 
     def to_batch(frames):
-        images = spdl.io.to_torch(spdl.io.convert_frames(frames)).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
-        return ((images.float() - mean) / std).to(dtype)
+        images = spdl.io.to_torch(spdl.io.convert_frames(frames)).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8 view
+        out = torch.empty(images.shape, dtype=torch.float32)  # NCHW contiguous, as a DataLoader's batch
+        return out.copy_(images).mul_(scale).add_(shift).to(dtype)
 
     def epoch():
         pipeline = (
@@ -77,7 +79,7 @@ def spdl_loader(data, batch_size: int, size: int, threads: int, dtype: torch.dty
             .add_source(files)
             .pipe(decode, concurrency=threads)
             .aggregate(batch_size, drop_last=True)
-            .pipe(to_batch)
+            .pipe(to_batch, concurrency=threads)
             .add_sink(3)
             .build(num_threads=threads)
         )
