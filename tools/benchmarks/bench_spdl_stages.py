@@ -3,9 +3,10 @@
     python tools/benchmarks/bench_spdl_stages.py [--set photos|small-png] [--n 128] [--repeats 3] [--json OUT]
 
 It times, per image and single-threaded, what the SPDL rows of bench_loader.py do: demux (read + parse),
-decode alone, decode with the RGB conversion, and decode with the whole per-sample filter (crop, resize,
-flip, RGB); then per batch the copy into one buffer and torch's normalize. PIL's open + decode + RGB and
-torchvision's crop + resize of the decoded image, the DataLoader rows' per-sample work, run beside them.
+decode alone, decode with the RGB conversion, decode with one filter string shared by all images (resize,
+RGB), and decode with the whole per-sample filter (crop, resize, flip, RGB). Then, per batch, the copy into
+one buffer and torch's normalize. PIL's open + decode + RGB and torchvision's crop + resize of the decoded
+image, the DataLoader rows' per-sample work, run beside them.
 Each figure is the median of ``--repeats`` passes over the same ``--n`` images. Needs spdl (see
 bench_loader.py).
 """
@@ -42,6 +43,7 @@ def stages(files: list[str], size: int, repeats: int) -> dict[str, float]:
     from torchvision.transforms import v2
 
     one = spdl.io.decode_config(decoder_options={"threads": "1"})
+    fixed = spdl.io.get_video_filter_desc(filter_desc=f"scale={size}:{size}:flags=bilinear", pix_fmt="rgb24")
     crop = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()])
     mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
 
@@ -68,6 +70,9 @@ def stages(files: list[str], size: int, repeats: int) -> dict[str, float]:
         ),
         "spdl demux + decode + rgb24": per_item_ms(
             lambda f: spdl.io.decode_packets(spdl.io.demux_image(f), "format=pix_fmts=rgb24"), files, repeats
+        ),
+        "spdl demux + decode + one filter for all (resize + rgb24)": per_item_ms(
+            lambda f: spdl.io.decode_packets(spdl.io.demux_image(f), fixed), files, repeats
         ),
         "spdl demux + decode + crop/resize/flip/rgb24 (the row's)": per_item_ms(
             lambda f: spdl.io.decode_packets(*crop_filter(f, size)), files, repeats
