@@ -12,12 +12,20 @@ warm-up epoch (it absorbs what a variant prefetched while it waited) and ``--epo
 drift of the machine's speed during the run hits every variant alike; the figure is the median of all
 timed epochs. ``--fresh`` times instead what the warm-up hides: each round builds every variant anew and
 times its first batch and its first epoch from construction (the median of the rounds).
+
+The SPDL rows (``--spdl-threads``, one row per concurrency and dtype) need ``pip install spdl`` and FFmpeg's
+libraries; on Debian 12:
+
+    apt-get install -y libavutil57 libavcodec59 libavformat59 libavfilter8 libswscale6 libswresample4 libavdevice59
+
+Without them the run says so and leaves the SPDL rows out. "vs SPDL" divides by the fastest float32 SPDL row.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import os
 import statistics
@@ -28,6 +36,7 @@ from pathlib import Path
 
 import torch
 from benchlib.data import prepared_photos
+from benchlib.peers import spdl_missing
 
 from mmfast.data.dataset import PreparedDataset
 from mmfast.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
@@ -42,7 +51,8 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="turns every variant takes")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per turn (after one warm-up epoch)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads and DataLoader workers")
-    p.add_argument("--only", nargs="*", help="run only these variants")
+    p.add_argument("--only", nargs="*", help="run only the variants containing one of these (NAME$: exactly NAME)")
+    p.add_argument("--spdl-threads", nargs="+", type=int, default=[8], help="SPDL decode concurrencies to run")
     p.add_argument("--set", default="photos", choices=["photos", "small-png"], help="built-in images (no --data)")
     p.add_argument("--n", type=int, default=512, help="images in the built-in set")
     p.add_argument("--max-side", type=int, default=512, help="the --max-side rows' prepare_data --max-side")
@@ -403,6 +413,15 @@ def dataloader_images_variant(data, args, device):
     return dataloader_variant(data, args, device, text=False)
 
 
+def spdl_variant(data, args, device, threads: int, dtype: torch.dtype):
+    """SPDL's pipeline: FFmpeg decodes, crops, resizes and flips each image in ``threads`` concurrent tasks,
+    torch normalizes each batch (see benchlib/peers.py)."""
+    from benchlib.peers import spdl_loader
+
+    epoch = spdl_loader(data, args.batch_size, args.size, threads, dtype)
+    return lambda: (images.to(device, non_blocking=True) for images in epoch())
+
+
 def gpu_decode_variant(data, args, device):
     """torchvision.io.decode_jpeg on the GPU + v2 transforms on the GPU (CUDA only)."""
     from torchvision.io import decode_jpeg, read_file
@@ -422,6 +441,31 @@ def gpu_decode_variant(data, args, device):
             yield ((batch - mean) / std).half()
 
     return epoch
+
+
+def add_ratios(results: dict) -> None:
+    """Each row's ratio to the reference rows present in this run, printed as a table and kept in ``results``."""
+    references = {  # ratio key in the JSON: (column title, the variant it divides by)
+        "ratio_vs_baseline": ("vs baseline", "DataLoader + PIL + v2 + tokenize (baseline)"),
+        "ratio_vs_images_only_baseline": ("vs images-only", "DataLoader + PIL + v2, images only"),
+        "ratio_vs_imagefolder_dataloader": ("vs DL(ImageFolder)", "DataLoader(ImageFolder) + PIL + v2, fp32"),
+        "ratio_vs_bare_dali": ("vs bare DALI", "bare DALI iterator"),
+        "ratio_vs_roi_decode_only": ("vs ROI decode", "decode-only: DALI ROI decode of the crops"),
+        "ratio_vs_pil_decode_only": ("vs PIL decode", "decode-only: PIL full decode, DataLoader"),
+    }
+    spdl_rows = [k for k in results if k.startswith("SPDL") and k.endswith("float32")]
+    if spdl_rows:  # the tuned SPDL: its fastest concurrency in this run
+        best = max(spdl_rows, key=lambda k: results[k]["images_per_s_median"])
+        references["ratio_vs_spdl"] = ("vs SPDL", best)
+    print(f"\n{'variant':<50}{'img/s':>9}" + "".join(f"{title:>20}" for title, _ in references.values()))
+    for name, r in results.items():
+        m = r["images_per_s_median"]
+        line = f"{name:<50}{m:>9.1f}"
+        for key, (_, ref) in references.items():
+            den = results.get(ref, {}).get("images_per_s_median")
+            r[key] = m / den if den else None
+            line += f"{r[key]:>19.2f}x" if den else f"{'-':>20}"
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ffcv_python:
         variants["FFCV 1.0.2, stored as given"] = ffcv_variant
         variants[f"FFCV 1.0.2, stored at max side {args.max_side}"] = ffcv_max_side_variant
+    if missing := spdl_missing():
+        print(f"SPDL rows left out: {missing}", file=sys.stderr)
+    for t in [] if missing else args.spdl_threads:
+        for dtype in (torch.float32, torch.float16):
+            name = f"SPDL pipeline, {t} threads, {str(dtype).removeprefix('torch.')}"
+            variants[name] = functools.partial(spdl_variant, threads=t, dtype=dtype)
     variants["decode-only: DALI ROI decode of the crops"] = dali_decode_only_variant
     variants["decode-only: PIL full decode, DataLoader"] = pil_decode_only_variant
     if device.type == "cuda":
@@ -457,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     else:  # the CPU alternatives: resize + normalize inside the DALI graph
         variants["mmfast, cpu_resize='dali'"] = mmfast_dali_resize_variant
         variants["bare DALIGenericIterator, all in graph"] = bare_dali_graph_variant
-    variants = {k: v for k, v in variants.items() if not args.only or any(o in k for o in args.only)}
+    def picked(name: str) -> bool:
+        return not args.only or any(name == o[:-1] if o.endswith("$") else o in name for o in args.only)
+
+    variants = {k: v for k, v in variants.items() if picked(k)}
     folder_tmp = tempfile.TemporaryDirectory(prefix="bench_imagefolder_")
     args.folder_root = Path(folder_tmp.name)  # the ImageFolder tree of links the drop-in rows read
     report = {  # what every report says of the run
@@ -471,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "set": None if args.data else args.set,
         "images": PreparedDataset(data, verify=False).split_size("train"),
         "torch": torch.__version__,
+        "spdl": None if spdl_missing() else importlib.metadata.version("spdl"),
     }
     if args.fresh:
         variants = {k: v for k, v in variants.items() if "FFCV" not in k}
@@ -490,23 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             last = statistics.median(rates[name][-args.epochs :])
             print(f"  round {r + 1}: {name}: {last:.1f} img/s", file=sys.stderr)
     results = {name: {"images_per_s_median": statistics.median(v), "epochs": v} for name, v in rates.items()}
-    references = {  # ratio key in the JSON: (column title, the variant it divides by)
-        "ratio_vs_baseline": ("vs baseline", "DataLoader + PIL + v2 + tokenize (baseline)"),
-        "ratio_vs_images_only_baseline": ("vs images-only", "DataLoader + PIL + v2, images only"),
-        "ratio_vs_imagefolder_dataloader": ("vs DL(ImageFolder)", "DataLoader(ImageFolder) + PIL + v2, fp32"),
-        "ratio_vs_bare_dali": ("vs bare DALI", "bare DALI iterator"),
-        "ratio_vs_roi_decode_only": ("vs ROI decode", "decode-only: DALI ROI decode of the crops"),
-        "ratio_vs_pil_decode_only": ("vs PIL decode", "decode-only: PIL full decode, DataLoader"),
-    }
-    print(f"\n{'variant':<50}{'img/s':>9}" + "".join(f"{title:>20}" for title, _ in references.values()))
-    for name, r in results.items():
-        m = r["images_per_s_median"]
-        line = f"{name:<50}{m:>9.1f}"
-        for key, (_, ref) in references.items():
-            den = results.get(ref, {}).get("images_per_s_median")
-            r[key] = m / den if den else None
-            line += f"{r[key]:>19.2f}x" if den else f"{'-':>20}"
-        print(line)
+    add_ratios(results)
     folder_tmp.cleanup()
     report |= {"epochs_per_round": args.epochs, "results": results}
     atomic_write_json(args.json, report)
