@@ -293,3 +293,65 @@ def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_view
     tower[1].running_var += 1.0
     changed.append(parts())
     assert first not in changed and len(set(changed)) == len(changed)
+
+
+@pytest.mark.timeout(400)
+def test_a_run_on_cached_features_resumes_mid_epoch_exactly(prepared, tmp_path):
+    """A run of three epochs over two views resumed from its step-3 checkpoint (mid-epoch 0) trains the same
+    remaining batches, the third epoch on view 0 again, and ends with the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from mmfast.train import parse_config, train
+
+    args = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--feature-cache", "on"]
+    args += ["--epochs", "3", "--batch-size", "32", "--checkpoint-every", "3", "--keep-checkpoints", "20"]
+    args += ["--record-ids"]
+    full = tmp_path / "full"
+    train(parse_config([*args, "--out", str(full)]))
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / ".mmfast-run", part / ".mmfast-run")
+    shutil.copytree(full / "checkpoints" / "step-00000003", part / "checkpoints" / "step-00000003")
+    state = json.loads((part / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert state["epoch"] == 0 and state["loader"][0]["step"] == 3
+    summary = train(parse_config([*args, "--out", str(part), "--resume", "latest"]))
+    assert summary["feature_cache"]["built"] is None  # the first run's cache, read
+
+    def seen(run):
+        return [json.loads(x)["ids"] for x in (run / "seen_ids.rank0.jsonl").read_text().splitlines()]
+
+    assert seen(part) == seen(full)[3:]
+
+    def last(run):
+        return load_file(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors")
+
+    a, b = last(full), last(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_the_ridge_start_from_the_cached_centre_view_equals_the_one_from_pixels(prepared, tmp_path, cpu_accelerator):
+    """--init-proj ridge with a feature cache reads its centre view: the same projections as the pass that
+    decodes the train split as evaluation sees it."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.data import train_view_loader
+    from mmfast.train.features import build_train_features
+    from mmfast.train.warm_start import ridge_start
+
+    cfg, dataset, _, model, norm, _ = _setup(prepared, tmp_path, cpu_accelerator, "--feature-cache", "on")
+    features, _ = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    view = train_view_loader(cfg, cpu_accelerator, dataset, norm, None)
+    ridge_start(model, view, cpu_accelerator)
+    from_pixels = model.image_proj.weight.detach().clone(), model.text_proj.weight.detach().clone()
+    with torch.no_grad():
+        model.image_proj.weight.zero_()
+        model.text_proj.weight.zero_()
+    figures = ridge_start(model, FeatureLoader(view, features, centre=True), cpu_accelerator)
+    assert figures["samples"] == len(features)
+    assert torch.allclose(model.image_proj.weight, from_pixels[0], rtol=1e-3, atol=1e-5)
+    assert torch.allclose(model.text_proj.weight, from_pixels[1], rtol=1e-3, atol=1e-5)
+    stored_view_0 = FeatureLoader(view, features)  # a wrong view would fit other features
+    ridge_start(model, stored_view_0, cpu_accelerator)
+    assert not torch.allclose(model.image_proj.weight, from_pixels[0], rtol=1e-3, atol=1e-5)

@@ -25,16 +25,17 @@ class FeatureLoader:
     Args:
         loader: the train split's loader, as the run built it (order, batch, shards, tokens, device).
         features: the split's cache; it must hold every sample id of ``loader``.
+        centre: serve the centre view every epoch (what evaluation's crop sees: the ridge start's pass).
     """
 
-    def __init__(self, loader: MultimodalLoader, features: FeatureCache):
+    def __init__(self, loader: MultimodalLoader, features: FeatureCache, centre: bool = False):
         missing = np.setdiff1d(np.asarray(loader.ids), features.ids)
         if len(missing):
             raise ValueError(
                 f"the feature cache {features.dir} lacks {len(missing)} sample ids of the split "
                 f"(first: {int(missing[0])})"
             )
-        self.loader, self.features = loader, features
+        self.loader, self.features, self.centre = loader, features, centre
         self.dataset = loader.dataset
         self.epoch, self.step = 0, 0
 
@@ -52,9 +53,9 @@ class FeatureLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def view(self, epoch: int) -> int:
-        """The stored view epoch ``epoch`` reads."""
-        return epoch % self.features.views
+    def view(self, epoch: int) -> int | None:
+        """The stored view epoch ``epoch`` reads (None: the centre view)."""
+        return None if self.centre else epoch % self.features.views
 
     def set_epoch(self, epoch: int) -> None:
         """As the engine's whole-batch loaders do: another epoch starts at its first batch, the current one

@@ -14,6 +14,7 @@ import torch
 
 from mmfast.data.dataset import PreparedDataset
 from mmfast.infer.model_dir import write_run_models
+from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.models import build_model, model_class
 from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
@@ -199,7 +200,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     with cache or contextlib.nullcontext():
         # --feature-cache: the locked image tower's features of every stored view, computed once (or read)
         train_loader, features = feature_train_loader(cfg, accelerator, dataset, model, norm, cache, train_loader)
-        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache) if resume_from is None else None
+        fresh = resume_from is None
+        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None
         if (compiling := compile_options(cfg)) is not None:
             check_compile_fits(cfg, task)
             model = torch.compile(model, **compiling)
@@ -277,15 +279,20 @@ def _start_state(
     return state
 
 
-def _warm_start(cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache) -> dict | None:
+def _warm_start(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache, train_loader
+) -> dict | None:
     """--init-proj ridge on a fresh run: the dual encoder's projections from one pass over the train split
-    (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's."""
+    (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's. With a
+    feature cache (``train_loader`` a ``FeatureLoader``) the pass reads its centre view instead of decoding."""
     if cfg.init_proj != "ridge":
         return None
     from mmfast.train.warm_start import ridge_start
 
     model.to(accelerator.device)
     loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
+    if (features := getattr(train_loader, "features", None)) is not None:
+        loader = FeatureLoader(loader, features, centre=True)
     figures = ridge_start(model, loader, accelerator)
     accelerator.print(
         f"projections started from the ridge map of {figures['samples']} samples ({figures['seconds']} s)"
