@@ -230,14 +230,14 @@ def test_cached_features_give_the_loss_of_the_pixels_they_were_computed_from(pre
 
 @pytest.mark.timeout(300)
 def test_a_run_trains_on_cached_features_and_its_model_takes_images(prepared, tmp_path):
-    """Through mmfast-train: a run with --feature-cache on computes the cache, trains with the decoded run's
-    losses while the views are new (epochs 0 and 1 of two views), and a second run reads the cache; the model
-    directory takes images."""
+    """Through mmfast-train, accumulating windows of two micro-batches: a run with --feature-cache on computes
+    the cache, trains with the decoded run's losses while the views are new (epochs 0 and 1 of two views), and a
+    second run reads the cache; the model directory takes images."""
     from mmfast.infer.model_dir import load_model
     from mmfast.train import parse_config, train
 
     common = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "2"]
-    common += ["--max-steps", "6", "--no-checkpoints"]
+    common += ["--batch-size", "32", "--grad-accum", "2", "--no-checkpoints"]  # whole windows of two
     off = train(parse_config([*common, "--out", str(tmp_path / "off")]))
     on = train(parse_config([*common, "--out", str(tmp_path / "on"), "--feature-cache", "on"]))
     again = train(parse_config([*common, "--out", str(tmp_path / "again"), "--feature-cache", "on"]))
@@ -248,6 +248,7 @@ def test_a_run_trains_on_cached_features_and_its_model_takes_images(prepared, tm
     def losses(run):
         return [json.loads(x)["train_loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
 
+    assert len(losses("on")) == 2 and on["global_step"] == off["global_step"] == 8
     assert np.allclose(losses("on"), losses("off"), rtol=1e-5) and losses("again") == losses("on")
     model = load_model(tmp_path / "on" / "model-last")
     emb = model.encode_image(torch.zeros(2, 3, 32, 32))
