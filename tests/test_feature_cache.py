@@ -160,7 +160,7 @@ def test_the_weights_digest_sees_parameters_and_batch_norm_statistics():
     assert len({first, second, weights_digest(net)}) == 3
 
 
-# --- the cache in a run -------------------------------------------------------------------------------------------
+# --- the cache in a run ----------------------------------------------------------------------------------------
 
 FLAGS = [
     "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
@@ -333,7 +333,9 @@ def test_a_run_on_cached_features_resumes_mid_epoch_exactly(prepared, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_ridge_start_from_the_cached_centre_view_equals_the_one_from_pixels(prepared, tmp_path, cpu_accelerator):
+def test_the_ridge_start_from_the_cached_centre_view_equals_the_one_from_pixels(
+    prepared, tmp_path, cpu_accelerator
+):
     """--init-proj ridge with a feature cache reads its centre view: the same projections as the pass that
     decodes the train split as evaluation sees it."""
     from mmfast.loading.feature_loader import FeatureLoader

@@ -33,7 +33,7 @@ _NO_CACHE = "no cache yet"
 
 
 def weights_digest(module: torch.nn.Module) -> str:
-    """SHA-256 of a module's state dict (parameters and buffers: names, dtypes, shapes and bytes), in name order."""
+    """SHA-256 of a module's state dict (parameters and buffers: names, dtypes, shapes, bytes) in name order."""
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
@@ -60,7 +60,7 @@ class FeatureCache:
         meta, problem = _read_meta(self.dir)
         problem = problem or _check_files(self.dir, meta)
         if problem:
-            raise ValueError(f"feature cache {self.dir} is damaged or incomplete ({problem}); it is rebuilt")
+            raise ValueError(f"feature cache {self.dir} is damaged or incomplete ({problem})")
         self.meta = meta
         self.views, self.width = int(meta["views"]), int(meta["width"])
         n, dtype = int(meta["rows"]), np.dtype(meta["dtype"])
