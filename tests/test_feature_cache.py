@@ -240,10 +240,12 @@ def test_a_run_trains_on_cached_features_and_its_model_takes_images(prepared, tm
     common += ["--batch-size", "32", "--grad-accum", "2", "--no-checkpoints"]  # whole windows of two
     off = train(parse_config([*common, "--out", str(tmp_path / "off")]))
     on = train(parse_config([*common, "--out", str(tmp_path / "on"), "--feature-cache", "on"]))
-    again = train(parse_config([*common, "--out", str(tmp_path / "again"), "--feature-cache", "on"]))
+    again = train(parse_config([*common, "--out", str(tmp_path / "again"), "--feature-cache", "on", "--profile"]))
     assert "feature_cache" not in off
     assert on["feature_cache"]["built"] == "no cache yet" and again["feature_cache"]["built"] is None
     assert on["images"].startswith("train read as cached features (2 views")
+    profile = json.loads((tmp_path / "again" / "profile.json").read_text())
+    assert profile["settings"]["feature_views"] == 2
 
     def losses(run):
         return [json.loads(x)["train_loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

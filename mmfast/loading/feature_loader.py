@@ -45,6 +45,9 @@ class FeatureLoader:
     shard_id = property(lambda self: self.loader.shard_id)
     device = property(lambda self: self.loader.device)
     ids = property(lambda self: self.loader.ids)
+    num_threads = property(lambda self: self.loader.num_threads)  # the image loader's, for a profile's settings
+    prefetch = property(lambda self: self.loader.prefetch)
+    text_padding = property(lambda self: self.loader.text_padding)
     bad = property(lambda self: [])  # no image is read: none can be bad
     skipped = property(lambda self: [])
     holds_decoded = False

@@ -231,9 +231,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
             shard_cache=cache,
         )
         last_metrics = _fit(cfg, runner, val_loader)
-    if cfg.profile and accelerator.is_main_process:  # the image loader's settings (features: the one it orders)
-        images_loader = getattr(train_loader, "loader", train_loader)
-        write_profile(run_dir, runner.timer, runner.sampler, images_loader, cfg, accelerator)
+    if cfg.profile and accelerator.is_main_process:
+        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["hardware_choices"] = choices_made(cfg, accelerator, optimizer)
     if warm is not None:

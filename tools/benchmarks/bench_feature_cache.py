@@ -38,6 +38,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated: " + ", ".join(RECIPES))
     p.add_argument("--extra", default="", help="more mmfast-train flags for every run, in one string")
+    p.add_argument("--machine", default="", help="the machine's name on docs/benchmarks/index.md, for the JSON")
     p.add_argument("--json", default="bench_out/bench_feature_cache.json")
     return p.parse_args(argv)
 
@@ -110,6 +111,7 @@ def _write(args, rows: list[dict]) -> None:
         "command": "python tools/benchmarks/bench_feature_cache.py " + " ".join(sys.argv[1:]),
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
+        "machine": args.machine,
         "columns": COLUMNS,
         "rows": [{k: r.get(k) for k in COLUMNS} for r in rows],
     }
