@@ -42,6 +42,7 @@ class DualEncoder(nn.Module):
     config_options = ("loss", "embed_dim")  # TrainConfig fields build_model passes as keyword arguments
     classifies = False  # no classifier head: build_model does not ask for two or more classes
     image_proj_start = True  # its projections can start from the ridge fit (--init-proj ridge: train/warm_start)
+    takes_image_features = True  # a batch may carry the locked image tower's output (--feature-cache)
 
     def __init__(
         self,
@@ -72,6 +73,11 @@ class DualEncoder(nn.Module):
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """Normalized image embeddings (B, D) float32 of a normalized image batch (B, 3, S, S)."""
         pooled, _ = self.image(images)  # (B, C_img)
+        return self.encode_image_features(pooled)
+
+    def encode_image_features(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Normalized image embeddings (B, D) float32 of the image tower's output (B, C_img): what
+        ``encode_image`` computes after the tower, for features a feature cache stored."""
         return F.normalize(self.image_proj(pooled).float(), dim=-1)
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -85,9 +91,16 @@ class DualEncoder(nn.Module):
         return scale, self.logit_bias.float()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The embeddings of a batch: its ``image`` (B, 3, S, S), or the locked tower's output of it stored in a
+        feature cache, ``image_features`` (B, C_img); and its ``input_ids`` / ``attention_mask``."""
         scale, bias = self.scale_and_bias()
+        image = batch.get("image")
+        if image is not None:
+            img = self.encode_image(image)  # (B, D)
+        else:
+            img = self.encode_image_features(batch["image_features"])
         return {
-            "image": self.encode_image(batch["image"]),  # (B, D)
+            "image": img,
             "text": self.encode_text(batch["input_ids"], batch["attention_mask"]),  # (B, D)
             "logit_scale": scale,
             "logit_bias": bias,

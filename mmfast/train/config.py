@@ -28,6 +28,7 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 TEXT_PADDINGS = ("auto", "longest", "buckets", "max")  # --text-padding (auto: hardware.resolve_text_padding)
 PROFILE_WARMUP_STEPS = 5  # optimizer steps a profile leaves out of its figures by default: start-up lands there
+FEATURE_CACHE = ("off", "on", "auto")  # --feature-cache (mmfast/train/features.py)
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup", "cosine_with_restarts", "polynomial", "constant")
 
 
@@ -195,6 +196,18 @@ class TrainConfig:
         "without a GPU: decode each image once and crop later epochs from memory, when the decoded images "
         "fit in half the available memory (else they are streamed; a one-epoch run streams its train split)",
     )
+    feature_cache: str = _opt(
+        "off",
+        "data",
+        "a locked image tower's features computed once per stored view, then read instead of decoding and "
+        "running the tower; auto: on where the image tower is locked and --epochs exceeds --feature-views",
+    )
+    feature_views: int = _opt(
+        4, "data", "--feature-cache: augmented views stored per train image; epoch e trains on view e mod K"
+    )
+    feature_cache_dir: str | None = _opt(
+        None, "data", "--feature-cache: the cache's folder; none: one per dataset in ~/.cache/mmfast/features"
+    )
     augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")
     color_jitter: float = _opt(0.0, "data", "brightness/contrast/saturation jitter strength (0: off)")
@@ -282,6 +295,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{flag(name)} must be a finite number, got {value!r}")
         positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length", "log_every")
+        positive_ints += ("feature_views",)
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -301,6 +315,7 @@ class TrainConfig:
         parse_size(self.cache_limit, "--cache-limit")  # raises on one that is not a size
         checks = [
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
+            (self.feature_views >= 1, f"--feature-views must be >= 1, got {self.feature_views}"),
             (self.lr is None or 0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
             (
                 self.encoder_lr is None or 0 <= self.encoder_lr <= 10,
@@ -356,6 +371,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "task": tuple(TASKS),
         "loss": tuple(LOSSES),
         "init_proj": INIT_PROJ,
+        "feature_cache": FEATURE_CACHE,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
         "optimizer_impl": OPTIMIZER_IMPLS,

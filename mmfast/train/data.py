@@ -129,6 +129,20 @@ def train_view_loader(
     )
 
 
+def feature_view_loader(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cache, train: bool, cache_decoded=False
+) -> MultimodalLoader:
+    """Every sample of the train split on this process, in id order, augmented as training augments it
+    (``train``; its epoch is the view) or as evaluation sees it: what a feature cache stores
+    (``mmfast.train.features``)."""
+    options = {**_loader_options(cfg, accelerator, norm, cache), "shard_id": 0, "num_shards": 1}
+    return MultimodalLoader(
+        dataset, "train", cfg.eval_batch_size or cfg.batch_size, shuffle=False, drop_last=False,
+        train=train and cfg.augment, scale=(cfg.crop_scale_min, 1.0), color_jitter=cfg.color_jitter,
+        cpu_resize=cfg.cpu_resize, cache_decoded=cache_decoded, **options,
+    )  # fmt: skip
+
+
 def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | None, cache) -> dict:
     """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
     shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
@@ -197,7 +211,10 @@ def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str,
     for split, loader in loaders.items():
         if loader is None:
             continue
-        if loader.holds_decoded:
+        if (features := getattr(loader, "features", None)) is not None:  # --feature-cache
+            size = f"{features.views} views, {features.nbytes / 2**20:.0f} MiB"
+            parts.append(f"{split} read as cached features ({size})")
+        elif loader.holds_decoded:
             parts.append(f"{split} decoded once, {loader.cached_bytes / 2**20:.0f} MiB in memory")
         else:
             parts.append(f"{split} streamed ({streamed.get(split, 'did not fit in its memory budget')})")

@@ -236,6 +236,8 @@ def write_profile(
         "dali_threads": loader.num_threads,
         "prefetch": loader.prefetch,  # the image loader's DALI queue depth
         "cache_decoded": loader.holds_decoded,
+        # --feature-cache: the stored views the train batches' image features come from (None: decoded pixels)
+        "feature_views": features.views if (features := getattr(loader, "features", None)) is not None else None,
         "batch_size": cfg.batch_size,
         "image_size": cfg.image_size,
         "mixed_precision": accelerator.mixed_precision,

@@ -38,6 +38,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "dist_timeout",
         "rendezvous_timeout",
         "stop_grace",
+        "feature_cache_dir",  # where the features are kept: the same features read
         "shard_cache",  # where this machine holds the remote shards, and how much: the same bytes read
         "cache_limit",
         "store_timeout",  # how long a fetch rides out a store outage: the same bytes read
@@ -51,5 +52,6 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     """The must-match settings in which ``now`` differs from the checkpoint's ``saved`` run, as
     "name: saved -> now" lines (empty when the run may resume)."""
     saved = {"task": "classification", **saved}  # a run that recorded no task trained a classifier
+    saved = {"feature_cache": "off", "feature_views": 4, **saved}  # nor a feature cache: it decoded every epoch
     keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]

@@ -14,6 +14,7 @@ import torch
 
 from mmfast.data.dataset import PreparedDataset
 from mmfast.infer.model_dir import write_run_models
+from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.models import build_model, model_class
 from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
@@ -22,6 +23,7 @@ from mmfast.train.config import TrainConfig
 from mmfast.train.data import build_loaders, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
+from mmfast.train.features import feature_train_loader
 from mmfast.train.hardware import check_compile_fits, choices_made, compile_options, resolve_channels_last
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
@@ -198,7 +200,10 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     train_loader, val_loader, streamed, cache = build_loaders(cfg, accelerator, dataset, norm)
     # its fetches end with the loop, also when a fault stops the run (the warm start reads shards too)
     with cache or contextlib.nullcontext():
-        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache) if resume_from is None else None
+        # --feature-cache: the locked image tower's features of every stored view, computed once (or read)
+        train_loader, features = feature_train_loader(cfg, accelerator, dataset, model, norm, cache, train_loader)
+        fresh = resume_from is None
+        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None
         if (compiling := compile_options(cfg)) is not None:
             check_compile_fits(cfg, task)
             model = torch.compile(model, **compiling)
@@ -235,6 +240,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if warm is not None:
         summary["init_proj"] = warm
     summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
+    if features is not None:
+        summary["feature_cache"] = features
     summary.update(shard_figures(accelerator, cache))  # the counters at the end, the last evaluation's included
     if cfg.record_ids:  # debugging/test aid: a digest of this process's final weights
         write_weights_digest(accelerator, model, run_dir)
@@ -257,11 +264,12 @@ def _start_state(
         return {**initial_state(task), "run": identity}
     state = {**load_checkpoint(accelerator, resume_from), "run": identity}
     check_finite_weights(model, f"the weights loaded from {resume_from}")
-    images, saved = train_loader.images, state["loader"]
-    train_loader.load_state_dict(loader_state(saved, images.batch_size, images.num_shards, images.shard_id))
-    if len(saved) != images.num_shards:  # an elastic resume (--global-batch-size): the same global position
+    saved = state["loader"]
+    layout = train_loader.batch_size, train_loader.num_shards, train_loader.shard_id
+    train_loader.load_state_dict(loader_state(saved, *layout))
+    if len(saved) != train_loader.num_shards:  # an elastic resume (--global-batch-size): the same global position
         accelerator.print(
-            f"the checkpoint was written by {len(saved)} processes; this run has {images.num_shards}"
+            f"the checkpoint was written by {len(saved)} processes; this run has {train_loader.num_shards}"
         )
     accelerator.print(f"resumed from {resume_from} (epoch {state['epoch']}, step {state['global_step']})")
     if state["global_step"] >= steps:  # the model directories are written again, nothing is trained
@@ -272,13 +280,18 @@ def _start_state(
     return state
 
 
-def _warm_start(cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache) -> dict | None:
+def _warm_start(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache, train_loader
+) -> dict | None:
     """--init-proj ridge on a fresh run: the dual encoder's projections from one pass over the train split
-    (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's."""
+    (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's. With a
+    feature cache (``train_loader`` a ``FeatureLoader``) the pass reads its centre view instead of decoding."""
     if cfg.init_proj != "ridge":
         return None
     model.to(accelerator.device)
     loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
+    if (features := getattr(train_loader, "features", None)) is not None:
+        loader = FeatureLoader(loader, features, centre=True)
     figures = ridge_start(model, loader, accelerator)
     accelerator.print(
         f"projections started from the ridge map of {figures['samples']} samples ({figures['seconds']} s)"

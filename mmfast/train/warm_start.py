@@ -50,7 +50,8 @@ def tower_grams(model, loader, accelerator, max_samples: int = RIDGE_SAMPLES) ->
                 break
             keep = batch["id"] != PAD_ID
             with accelerator.autocast():
-                x = model.image(batch["image"])[0]
+                # a feature cache's centre view is the tower's output of these pixels (--feature-cache)
+                x = batch["image_features"] if "image" not in batch else model.image(batch["image"])[0]
                 t = model.text(batch["input_ids"], batch["attention_mask"])
             x, t = x[keep].double(), F.normalize(t[keep].float(), dim=-1).double()
             for key, value in (("xx", x.T @ x), ("xt", x.T @ t), ("tt", t.T @ t)):

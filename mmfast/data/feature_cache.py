@@ -1,0 +1,244 @@
+"""The feature cache: a locked tower's features, computed once per stored view and served by sample id.
+
+Layout of a cache directory (one per split), swapped in whole by ``fsutil.atomic_dir``:
+    views.bin    (K, N, C) the tower's pooled features of K augmented views of each sample; view v of sample i
+                 is the train augmentation drawn from (seed, v, i), the pixels training epoch v would see
+    centre.bin   (N, C) the features of the centre view (resized and center-cropped, as evaluation sees it)
+    ids.npy      (N,) int64 sample ids, ascending: row r of both arrays is sample ids[r]
+    meta.json    the fingerprint, its parts, the dtype and the shapes; written last
+The fingerprint covers the data (the prepared directory's fingerprint), the tower's weights (``weights_digest``),
+the preprocessing and the views. ``open_or_build`` reads a cache whose fingerprint and files match; otherwise it
+builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmfast.util.fsutil import atomic_dir, atomic_write_json, dir_lock_path, file_lock
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+KIND = "mmfast feature cache"  # the marker's kind: only a directory of this kind is replaced
+DTYPES = ("float16", "float32")
+_NO_CACHE = "no cache yet"
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of a module's state dict (parameters and buffers: names, dtypes, shapes, bytes) in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def feature_fingerprint(parts: dict) -> str:
+    """Hash of what the features depend on (``parts``: JSON-serializable) and this format's version."""
+    text = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class FeatureCache:
+    """A complete cache directory, memory-mapped read-only.
+
+    Raises:
+        ValueError: the directory is not a complete cache (no meta, files missing or of the wrong size).
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        meta, problem = _read_meta(self.dir)
+        problem = problem or _check_files(self.dir, meta)
+        if problem:
+            raise ValueError(f"feature cache {self.dir} is damaged or incomplete ({problem})")
+        self.meta = meta
+        self.views, self.width = int(meta["views"]), int(meta["width"])
+        n, dtype = int(meta["rows"]), np.dtype(meta["dtype"])
+        self.ids = np.load(self.dir / "ids.npy")
+        self._views = np.memmap(self.dir / "views.bin", dtype=dtype, mode="r", shape=(self.views, n, self.width))
+        self._centre = np.memmap(self.dir / "centre.bin", dtype=dtype, mode="r", shape=(n, self.width))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    @property
+    def nbytes(self) -> int:
+        return self._views.nbytes + self._centre.nbytes
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each sample id (-1 for padding, id < 0).
+
+        Raises:
+            IndexError: an id the cache does not hold.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        rows = np.searchsorted(self.ids, ids).clip(0, max(0, len(self.ids) - 1))
+        found = (ids >= 0) & (self.ids[rows] == ids) if len(self.ids) else np.zeros(len(ids), bool)
+        if np.any((ids >= 0) & ~found):
+            bad = ids[(ids >= 0) & ~found][:5].tolist()
+            raise IndexError(f"sample ids {bad} are not in the feature cache {self.dir}")
+        return np.where(ids >= 0, rows, -1)
+
+    def gather(self, ids: np.ndarray | torch.Tensor, view: int | None) -> torch.Tensor:
+        """(B, C) float32 features of sample ``ids`` in stored ``view`` (None: the centre view); zeros for
+        padding (id < 0)."""
+        ids = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
+        rows = self.rows(ids)
+        table = self._centre if view is None else self._views[view]
+        out = np.asarray(table[np.maximum(rows, 0)], dtype=np.float32)
+        out[rows < 0] = 0.0
+        return torch.from_numpy(out)
+
+
+class FeatureWriter:
+    """Fills a cache directory under construction: ``put`` each batch of each view, then ``finish``."""
+
+    def __init__(self, directory: Path, ids: np.ndarray, views: int, width: int, dtype: str):
+        if dtype not in DTYPES:
+            raise ValueError(f"feature cache dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.dir, self.views, self.width, self.dtype = Path(directory), views, width, dtype
+        self.ids = np.asarray(ids, dtype=np.int64)
+        if len(self.ids) and np.any(np.diff(self.ids) <= 0):
+            raise ValueError("a feature cache's sample ids must be ascending and distinct")
+        n = len(self.ids)
+        self._views = np.memmap(self.dir / "views.bin", dtype=dtype, mode="w+", shape=(views, max(n, 1), width))
+        self._centre = np.memmap(self.dir / "centre.bin", dtype=dtype, mode="w+", shape=(max(n, 1), width))
+        self._filled = np.zeros((views + 1, n), dtype=bool)  # the centre view last
+
+    def put(self, view: int | None, ids: np.ndarray | torch.Tensor, features: torch.Tensor) -> None:
+        """Store ``features`` (B, C) of sample ``ids`` (B,) for ``view`` (None: the centre view); rows of
+        padding (id < 0) are left out."""
+        ids = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)
+        feats = features.detach().float().cpu().numpy()
+        if feats.shape != (len(ids), self.width):
+            raise ValueError(f"features of shape {feats.shape} for {len(ids)} samples of width {self.width}")
+        keep = ids >= 0
+        rows = np.searchsorted(self.ids, ids[keep])
+        if np.any(rows >= len(self.ids)) or np.any(self.ids[np.minimum(rows, len(self.ids) - 1)] != ids[keep]):
+            raise IndexError(f"features of sample ids outside the cache's {len(self.ids)} ids")
+        table = self._centre if view is None else self._views[view]
+        table[rows] = feats[keep].astype(self.dtype)
+        self._filled[self.views if view is None else view, rows] = True
+
+    def finish(self, fingerprint: str, parts: dict) -> None:
+        """Flush the arrays and write ``ids.npy`` and ``meta.json`` (last).
+
+        Raises:
+            ValueError: a view of some sample was never ``put``.
+        """
+        if not self._filled.all():
+            view, row = np.argwhere(~self._filled)[0]
+            which = "the centre view" if view == self.views else f"view {view}"
+            raise ValueError(f"feature cache incomplete: {which} of sample {int(self.ids[row])} was not computed")
+        self._views.flush()
+        self._centre.flush()
+        np.save(self.dir / "ids.npy", self.ids)
+        meta = {
+            "format": FORMAT_VERSION, "fingerprint": fingerprint, "parts": parts, "dtype": self.dtype,
+            "views": self.views, "rows": len(self.ids), "width": self.width,
+        }  # fmt: skip
+        atomic_write_json(self.dir / "meta.json", meta)
+
+
+def stale_reason(directory: str | os.PathLike, parts: dict) -> str:
+    """Why the cache in ``directory`` cannot be read for ``parts`` ("" when it can): missing, incomplete,
+    damaged, or built for other data, weights, preprocessing or views (the parts that differ are named)."""
+    directory, parts = Path(directory), _plain(parts)
+    if not directory.exists():
+        return _NO_CACHE
+    meta, problem = _read_meta(directory)
+    if problem:
+        return problem
+    if meta.get("fingerprint") != feature_fingerprint(parts):
+        old = meta.get("parts") or {}
+        differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
+        return f"built for another {', '.join(differ)}"
+    return _check_files(directory, meta)
+
+
+def open_or_build(
+    directory: str | os.PathLike,
+    parts: dict,
+    ids: np.ndarray,
+    views: int,
+    width: int,
+    dtype: str,
+    fill: Callable[[FeatureWriter], None],
+    timeout: float = -1,
+) -> tuple[FeatureCache, str]:
+    """The cache of ``parts`` in ``directory``: read when whole and current, else built by ``fill`` (which
+    ``put``s every view of every id) into a temp directory that replaces ``directory`` only once finished.
+
+    One process builds under a lock; another that asks for the same cache waits (``timeout`` seconds at most,
+    -1: as long as it takes) and reads it.
+
+    Returns:
+        (the cache, why it was built: "" when an existing one was read).
+
+    Raises:
+        OutputDirError: ``directory`` exists and is not a feature cache mmfast wrote.
+    """
+    directory, parts = Path(directory), _plain(parts)
+    fp = feature_fingerprint(parts)
+    with file_lock(dir_lock_path(directory), timeout=timeout):
+        reason = stale_reason(directory, parts)
+        if reason:
+            log.info("feature cache %s: building (%s)", directory, reason)
+            with atomic_dir(directory, kind=KIND) as tmp:
+                writer = FeatureWriter(tmp, ids, views, width, dtype)
+                fill(writer)
+                writer.finish(fp, parts)
+                del writer  # its memory maps are closed before the directory moves
+        return FeatureCache(directory), reason
+
+
+def _plain(parts: dict) -> dict:
+    """``parts`` as JSON gives it back (tuples as lists), so a stored copy compares equal."""
+    return json.loads(json.dumps(parts, sort_keys=True, default=str))
+
+
+def _read_meta(directory: Path) -> tuple[dict, str]:
+    path = directory / "meta.json"
+    if not path.is_file():
+        return {}, "no meta.json: the build did not finish"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, "meta.json unreadable"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("dtype") not in DTYPES:
+        return {}, "meta.json of another format"
+    return meta, ""
+
+
+def _check_files(directory: Path, meta: dict) -> str:
+    """What is wrong with the arrays next to ``meta`` ("" when their sizes are the meta's)."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    n, width, views = int(meta["rows"]), int(meta["width"]), int(meta["views"])
+    expected = {"views.bin": views * max(n, 1) * width * itemsize, "centre.bin": max(n, 1) * width * itemsize}
+    for name, size in expected.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, expected {size}"
+    try:
+        ids = np.load(directory / "ids.npy")
+    except (OSError, ValueError, EOFError) as e:
+        return f"ids.npy unreadable: {e}"
+    if ids.shape != (n,):
+        return "ids.npy does not match the meta"
+    return ""

@@ -1,0 +1,115 @@
+"""``FeatureLoader``: a train split served from a feature cache (``mmfast.data.feature_cache``) instead of pixels.
+
+It has the batches of the ``MultimodalLoader`` it is built on (the same whole-batch order of each epoch, the same
+sample ids on every process, the same tokens), with ``image_features`` (B, C) float32 in place of ``image``:
+epoch e reads stored view e mod K, the pixels that loader's epoch e mod K would decode. Nothing is decoded and
+no DALI pipeline runs. Its position (epoch, step) is the image loader's, so a checkpoint of either resumes in
+the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from mmfast.data.batch import IGNORE_LABEL
+from mmfast.data.feature_cache import FeatureCache
+from mmfast.loading.multimodal import MultimodalLoader
+
+
+class FeatureLoader:
+    """The epochs of ``loader`` (never iterated itself) with each sample's cached features.
+
+    Args:
+        loader: the train split's loader, as the run built it (order, batch, shards, tokens, device).
+        features: the split's cache; it must hold every sample id of ``loader``.
+        centre: serve the centre view every epoch (what evaluation's crop sees: the ridge start's pass).
+    """
+
+    def __init__(self, loader: MultimodalLoader, features: FeatureCache, centre: bool = False):
+        missing = np.setdiff1d(np.asarray(loader.ids), features.ids)
+        if len(missing):
+            raise ValueError(
+                f"the feature cache {features.dir} lacks {len(missing)} sample ids of the split "
+                f"(first: {int(missing[0])})"
+            )
+        self.loader, self.features, self.centre = loader, features, centre
+        self.dataset = loader.dataset
+        self.epoch, self.step = 0, 0
+
+    # what the engine and the run read of a loader: the image loader's layout, this loader's position
+    batch_size = property(lambda self: self.loader.batch_size)
+    num_shards = property(lambda self: self.loader.num_shards)
+    shard_id = property(lambda self: self.loader.shard_id)
+    device = property(lambda self: self.loader.device)
+    ids = property(lambda self: self.loader.ids)
+    num_threads = property(lambda self: self.loader.num_threads)  # the image loader's, for a profile's settings
+    prefetch = property(lambda self: self.loader.prefetch)
+    text_padding = property(lambda self: self.loader.text_padding)
+    bad = property(lambda self: [])  # no image is read: none can be bad
+    skipped = property(lambda self: [])
+    holds_decoded = False
+    cached_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def view(self, epoch: int) -> int | None:
+        """The stored view epoch ``epoch`` reads (None: the centre view)."""
+        return None if self.centre else epoch % self.features.views
+
+    def set_epoch(self, epoch: int) -> None:
+        """As the engine's whole-batch loaders do: another epoch starts at its first batch, the current one
+        keeps its position (a resumed one)."""
+        if epoch != self.epoch:
+            self.epoch, self.step = epoch, 0
+
+    def state_dict(self) -> dict:
+        """The position for an exact resume, in the keys the image loader's state uses."""
+        images = self.loader.images
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": images.seed,
+            "num_samples": len(images.files),
+            "num_shards": self.num_shards,
+            "batch_size": self.batch_size,
+            "shard_id": self.shard_id,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_samples", "num_shards", "batch_size"):
+            if key in state and state[key] != self.state_dict()[key]:
+                raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {self.state_dict()[key]}")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.step >= len(self):  # the last batch was taken, but the loop never asked for more
+            self.epoch, self.step = self.epoch + 1, 0
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[dict[str, torch.Tensor]]:
+        mm, b = self.loader, self.batch_size
+        positions = mm.images.positions(self.epoch)  # (batches x B,) whole batches, -1 for padding
+        all_ids, labels_of = np.asarray(mm.ids), np.asarray(mm.labels)
+        view = self.view(self.epoch)
+        while self.step < len(self):
+            pos = positions[self.step * b : (self.step + 1) * b]
+            ids = np.where(pos >= 0, all_ids[np.maximum(pos, 0)], -1)
+            labels = np.where(pos >= 0, labels_of[np.maximum(pos, 0)], IGNORE_LABEL)
+            text = mm.tokens.gather(ids, mm.text_padding)
+            batch = {
+                "image_features": self.features.gather(ids, view).to(self.device),
+                "input_ids": text["input_ids"].to(self.device),
+                "attention_mask": text["attention_mask"].to(self.device),
+                "label": torch.from_numpy(labels).to(self.device),
+                "id": torch.from_numpy(ids).to(self.device),
+            }
+            if mm.sources is not None:  # a mix: each sample's source (-1 for a masked one)
+                source = np.where(pos >= 0, mm.sources[np.maximum(pos, 0)], -1)
+                batch["source"] = torch.from_numpy(source).to(self.device)
+            self.step += 1
+            yield batch
+        self.epoch, self.step = self.epoch + 1, 0

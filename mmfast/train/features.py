@@ -1,0 +1,158 @@
+"""--feature-cache: whether a run trains on its locked image tower's cached features (``feature_cache_plan``), the
+pass that computes them once per stored view (``build_train_features``), and the train loader that serves them
+(``mmfast.loading.feature_loader``). The cache's layout and its fingerprint: ``mmfast.data.feature_cache``.
+
+View v of a sample is the train augmentation of epoch v (its draws from (seed, v, sample id):
+``mmfast.loading.draws``), so epoch e < K trains on exactly the pixels the decoded path would, and epoch e reads
+view e mod K. Evaluation and the model directories are unchanged: they take images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from mmfast.data.dataset import PreparedDataset
+from mmfast.data.feature_cache import FeatureCache, FeatureWriter, open_or_build, weights_digest
+from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.loading.feature_loader import FeatureLoader
+from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.train.config import TrainConfig
+from mmfast.train.data import cache_plans, feature_view_loader
+
+CACHE_HOME = Path("~/.cache/mmfast/features")  # --feature-cache-dir's default: one folder per dataset under it
+
+
+def feature_cache_plan(cfg: TrainConfig, model, loader: MultimodalLoader, processes: int) -> tuple[bool, str]:
+    """Whether this run reads cached image features, and why not when it does not.
+
+    ``on`` needs a model that takes image features (``takes_image_features``: the dual encoder), a locked image
+    tower, one process and a train order the loader makes (not a WebDataset reader's own); ``auto`` also needs
+    more --epochs than --feature-views, or the cache would cost as much as it saves.
+
+    Raises:
+        ValueError: --feature-cache on where one of those does not hold.
+    """
+    if cfg.feature_cache == "off":
+        return False, "--feature-cache off"
+    problem = ""
+    if not getattr(model, "takes_image_features", False):
+        problem = f"--model {cfg.model} takes no image features (the dual encoder, --model clip, does)"
+    elif not getattr(model.image, "frozen", False):
+        problem = "the image tower trains; lock it with --freeze-image"
+    elif processes > 1:
+        problem = f"the cache is built and read by one process, and this run has {processes}"
+    elif not loader.images.source.ordered_by_loader:
+        problem = f"--source {cfg.source} shuffles inside DALI, so its augmentation cannot be stored by view"
+    if problem and cfg.feature_cache == "on":
+        raise ValueError(f"--feature-cache on: {problem}; or pass --feature-cache off")
+    if problem:
+        return False, problem
+    if cfg.feature_cache == "auto" and cfg.epochs <= cfg.feature_views:
+        return False, f"--epochs {cfg.epochs} does not exceed --feature-views {cfg.feature_views}"
+    return True, ""
+
+
+def feature_parts(cfg: TrainConfig, dataset: PreparedDataset, model, norm, dtype: str, precision: str) -> dict:
+    """What the stored features depend on: the data, the tower's weights, the preprocessing and the views."""
+    mean, std = norm if norm is not None else (None, None)
+    return {
+        "data": dataset.fingerprint,
+        "split": "train",
+        "tower": {"class": type(model.image).__name__, "weights": weights_digest(model.image)},
+        "preprocessing": {
+            "image_size": cfg.image_size, "mean": mean, "std": std, "augment": cfg.augment,
+            "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,
+            "cpu_resize": cfg.cpu_resize, "source": cfg.source, "eval_crop_ratio": EVAL_CROP_RATIO,
+        },
+        "views": {"count": cfg.feature_views, "seed": cfg.seed},
+        "dtype": dtype,
+        "precision": precision,  # the autocast the tower ran under
+    }  # fmt: skip
+
+
+def cache_dir(cfg: TrainConfig, dataset: PreparedDataset) -> Path:
+    """The train split's cache folder: --feature-cache-dir's, else one per dataset under ``CACHE_HOME``."""
+    if cfg.feature_cache_dir:
+        return Path(cfg.feature_cache_dir).expanduser() / "train"
+    key = hashlib.sha256(os.fsencode(os.path.realpath(dataset.root))).hexdigest()[:16]
+    return CACHE_HOME.expanduser() / f"{Path(dataset.root).name}-{key}" / "train"
+
+
+def build_train_features(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache=None
+) -> tuple[FeatureCache, dict]:
+    """The train split's feature cache, read when current, else computed: each stored view and the centre view of
+    every train sample through ``model``'s locked image tower, without gradient.
+
+    Returns:
+        (the cache, the summary's figures: views, dtype, size, whether it was built and how long that took).
+    """
+    t0 = time.perf_counter()
+    dtype = "float32" if accelerator.mixed_precision == "no" else "float16"
+    parts = feature_parts(cfg, dataset, model, norm, dtype, accelerator.mixed_precision)
+    ids = dataset.table("train", images=False).ids
+
+    def fill(writer: FeatureWriter) -> None:
+        _compute_views(cfg, accelerator, dataset, model, norm, shard_cache, writer)
+
+    model.to(accelerator.device)
+    features, reason = open_or_build(cache_dir(cfg, dataset), parts, ids, cfg.feature_views, model.image.width,
+                                     dtype, fill)  # fmt: skip
+    figures = {
+        "dir": str(features.dir),
+        "views": features.views,
+        "dtype": dtype,
+        "mib": round(features.nbytes / 2**20, 1),
+        "built": reason or None,  # why it was computed; None: an earlier run's was read
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    return features, figures
+
+
+@torch.no_grad()
+def _compute_views(cfg, accelerator, dataset, model, norm, shard_cache, writer: FeatureWriter) -> None:
+    """Put every view of every train sample: view v from the train loader's epoch v, then the centre view."""
+    tower = model.image
+    was_training = tower.training
+    tower.eval()
+    try:
+        plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
+        views = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, train=True, cache_decoded=plan)
+        for v in range(writer.views):
+            views.set_epoch(v)
+            _put_all(accelerator, tower, views, writer, v)
+        centre = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, train=False)
+        _put_all(accelerator, tower, centre, writer, None)
+    finally:
+        tower.train(was_training)
+
+
+def _put_all(accelerator, tower, loader, writer: FeatureWriter, view: int | None) -> None:
+    for batch in loader:
+        with accelerator.autocast():
+            pooled = tower(batch["image"])[0]  # (B, C)
+        writer.put(view, batch["id"], pooled)
+
+
+def feature_train_loader(
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache, loader: MultimodalLoader
+) -> tuple[MultimodalLoader | FeatureLoader, dict | None]:
+    """The run's train loader: ``loader`` itself, or one that serves its order from the feature cache
+    (``feature_cache_plan``); with the cache's figures for the summary (None without one)."""
+    use, why = feature_cache_plan(cfg, model, loader, accelerator.num_processes)
+    if not use:
+        if cfg.feature_cache == "auto":
+            accelerator.print(f"--feature-cache auto: decoding every epoch ({why})")
+        return loader, None
+    features, figures = build_train_features(cfg, accelerator, dataset, model, norm, shard_cache)
+    verb = f"computed ({figures['built']})" if figures["built"] else "read"
+    accelerator.print(
+        f"train image features {verb}: {figures['views']} views, {figures['mib']} MiB in {features.dir} "
+        f"({figures['seconds']} s)"
+    )
+    return FeatureLoader(loader, features), figures

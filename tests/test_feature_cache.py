@@ -1,0 +1,363 @@
+"""--feature-cache (mmfast/data/feature_cache.py, mmfast/loading/feature_loader.py, mmfast/train/features.py): a
+cache built for other data, weights, preprocessing or views is rebuilt, never read; a build that stops part-way
+leaves nothing that looks whole; cached features give the loss of the pixels they were computed from; a run
+trains on them and its model still takes images."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmfast.data.feature_cache import FeatureCache, open_or_build, stale_reason, weights_digest
+
+IDS = np.array([3, 4, 7, 9], dtype=np.int64)  # ascending, with gaps: rows are found by id
+WIDTH = 5
+PARTS = {
+    "data": "d1",
+    "tower": {"weights": "w1"},
+    "preprocessing": {"image_size": 32, "mean": [0.5, 0.5, 0.5]},
+    "views": {"count": 2, "seed": 0},
+}
+
+
+def _value(view, ids) -> torch.Tensor:
+    """A feature that names its view and sample: view * 100 + id in every column (the centre view: -1)."""
+    v = -1 if view is None else view
+    return torch.tensor(np.asarray(ids, dtype=np.float32) + 100 * v)[:, None].repeat(1, WIDTH)
+
+
+def _filler(calls: list, offset: float = 0.0, stop_after: int | None = None, skip_last: bool = False):
+    """A ``fill`` that puts every view of IDS in batches of two (``offset`` added), counted in ``calls``;
+    ``stop_after``: it raises after that many batches; ``skip_last``: the centre view's last batch is left out."""
+
+    def fill(writer):
+        calls.append(1)
+        done = 0
+        for view in [*range(writer.views), None]:
+            for s in range(0, len(IDS), 2):
+                if skip_last and view is None and s + 2 >= len(IDS):
+                    continue
+                if stop_after is not None and done == stop_after:
+                    raise KeyboardInterrupt("killed mid-build")
+                ids = IDS[s : s + 2]
+                writer.put(view, ids, _value(view, ids) + offset)
+                done += 1
+
+    return fill
+
+
+def _build(directory, parts=PARTS, calls=None, **kw):
+    calls = [] if calls is None else calls
+    views = parts["views"]["count"]
+    return open_or_build(directory, parts, IDS, views, WIDTH, "float32", _filler(calls, **kw))
+
+
+def test_a_cache_serves_each_view_of_each_sample_by_id(tmp_path):
+    cache, reason = _build(tmp_path / "fc")
+    assert reason == "no cache yet" and cache.views == 2 and len(cache) == 4
+    ids = np.array([9, -1, 3])
+    for view in (0, 1, None):
+        got = cache.gather(ids, view)
+        want = _value(view, ids)
+        want[1] = 0.0  # padding
+        assert torch.equal(got, want), view
+    with pytest.raises(IndexError, match=r"\[5\]"):
+        cache.gather(np.array([5]), 0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"data": "d2"},
+        {"tower": {"weights": "w2"}},
+        {"preprocessing": {"image_size": 48, "mean": [0.5, 0.5, 0.5]}},
+        {"views": {"count": 3, "seed": 0}},
+        {"views": {"count": 2, "seed": 1}},
+    ],
+    ids=["data", "weights", "preprocessing", "view-count", "view-seed"],
+)
+def test_a_cache_built_for_other_data_weights_preprocessing_or_views_is_rebuilt(tmp_path, change):
+    calls = []
+    _build(tmp_path / "fc", calls=calls)
+    again, reason = _build(tmp_path / "fc", calls=calls)
+    assert len(calls) == 1 and reason == ""  # the same parts: read, not computed
+    other = {**PARTS, **change}
+    cache, reason = _build(tmp_path / "fc", other, calls=calls, offset=0.5)
+    assert len(calls) == 2 and reason == f"built for another {next(iter(change))}"
+    assert torch.equal(cache.gather(IDS, 0), _value(0, IDS) + 0.5)  # the new features, not the old ones
+    assert cache.views == other["views"]["count"]
+    assert stale_reason(tmp_path / "fc", PARTS).startswith("built for another")
+
+
+def test_a_build_stopped_part_way_leaves_no_cache_that_looks_whole(tmp_path):
+    fc = tmp_path / "fc"
+    with pytest.raises(KeyboardInterrupt):
+        _build(fc, stop_after=3)
+    assert not fc.exists() and list(tmp_path.iterdir()) == []  # the temp directory went too
+    with pytest.raises(ValueError, match="damaged or incomplete"):
+        FeatureCache(fc)
+    _build(fc)  # a whole one; then a rebuild for other weights is stopped: the old one stays, and is not read
+    other = {**PARTS, "tower": {"weights": "w2"}}
+    with pytest.raises(KeyboardInterrupt):
+        _build(fc, other, stop_after=2, offset=0.5)
+    assert stale_reason(fc, PARTS) == "" and stale_reason(fc, other) == "built for another tower"
+    assert torch.equal(FeatureCache(fc).gather(IDS, 0), _value(0, IDS))  # untouched by the stopped build
+    calls = []
+    cache, _ = _build(fc, other, calls=calls, offset=0.5)
+    assert calls == [1] and torch.equal(cache.gather(IDS, 1), _value(1, IDS) + 0.5)
+
+
+def test_a_build_that_missed_a_sample_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="the centre view of sample 7 was not computed"):
+        _build(tmp_path / "fc", skip_last=True)
+    assert not (tmp_path / "fc").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate-views", "truncate-centre", "no-meta", "meta-garbage", "no-ids"])
+def test_a_damaged_cache_is_refused_and_rebuilt(tmp_path, damage):
+    fc = tmp_path / "fc"
+    _build(fc)
+    if damage.startswith("truncate"):
+        path = fc / f"{damage.split('-')[1]}.bin"
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - 4)
+    elif damage == "no-meta":
+        (fc / "meta.json").unlink()
+    elif damage == "meta-garbage":
+        (fc / "meta.json").write_text("{not json")
+    else:
+        (fc / "ids.npy").unlink()
+    assert stale_reason(fc, PARTS) != ""
+    with pytest.raises(ValueError, match="damaged or incomplete"):
+        FeatureCache(fc)
+    calls = []
+    cache, reason = _build(fc, calls=calls)
+    assert calls == [1] and reason and torch.equal(cache.gather(IDS, None), _value(None, IDS))
+
+
+def test_a_folder_that_is_not_a_feature_cache_is_left_alone(tmp_path):
+    mine = tmp_path / "fc"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    with pytest.raises(Exception, match="not written by mmfast|not mmfast's"):
+        _build(mine)
+    assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_the_weights_digest_sees_parameters_and_batch_norm_statistics():
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    first = weights_digest(net)
+    assert weights_digest(net) == first
+    net[1].running_mean += 1e-3
+    second = weights_digest(net)
+    with torch.no_grad():
+        net[0].weight[0, 0, 0, 0] += 1e-3
+    assert len({first, second, weights_digest(net)}) == 3
+
+
+# --- the cache in a run ----------------------------------------------------------------------------------------
+
+FLAGS = [
+    "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
+    "--image-size", "32", "--freeze-image", "--batch-size", "8", "--init-proj", "random", "--no-progress",
+    "--mixed-precision", "no", "--feature-views", "2",
+]  # fmt: skip
+
+
+def _setup(prepared: Path, tmp_path: Path, accelerator, *flags: str):
+    from mmfast.data.dataset import PreparedDataset
+    from mmfast.tasks import build_task
+    from mmfast.train import parse_config
+    from mmfast.train.config import resolve_preset
+    from mmfast.train.data import build_loaders
+    from mmfast.train.run import build_run_model
+
+    cfg = parse_config(["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, *flags])
+    cfg = resolve_preset(cfg)
+    cfg = replace(cfg, eval_batch_size=cfg.eval_batch_size or cfg.batch_size)
+    dataset = PreparedDataset(prepared)
+    task = build_task(cfg.task, dataset, cfg)
+    torch.manual_seed(0)
+    model = build_run_model(cfg, dataset, task)
+    norm = (model.image.mean, model.image.std)
+    train_loader, _, _, _ = build_loaders(cfg, accelerator, dataset, norm, val=False)
+    return cfg, dataset, task, model, norm, train_loader
+
+
+@pytest.mark.timeout(300)
+def test_cached_features_give_the_loss_of_the_pixels_they_were_computed_from(prepared, tmp_path, cpu_accelerator):
+    """Epochs 0 and 1 read views 0 and 1: the first batch's loss from the cached features equals the loss from
+    the pixels the train loader decodes in that epoch, through the frozen tower. Epoch 2 reads view 0 again."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.features import build_train_features
+
+    cfg, dataset, task, model, norm, pixels = _setup(prepared, tmp_path, cpu_accelerator, "--feature-cache", "on")
+    features, figures = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    assert figures["built"] == "no cache yet" and figures["dtype"] == "float32"
+    cached = FeatureLoader(pixels, features)
+    assert len(cached) == len(pixels)
+    model.train()
+    losses = {}
+    for epoch in (0, 1):
+        pixels.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        a, b = next(iter(pixels)), next(iter(cached))
+        assert "image" not in b and torch.equal(a["id"], b["id"])
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["label"], b["label"])
+        with torch.no_grad():
+            from_pixels = model.image(a["image"])[0]
+            assert torch.allclose(b["image_features"], from_pixels, rtol=1e-4, atol=1e-5)
+            torch.manual_seed(epoch)  # the text tower's dropout: the same draws for both
+            out_a = model(a)
+            torch.manual_seed(epoch)
+            out_b = model(b)
+            loss_a = task.loss(out_a, task.targets(a))
+            loss_b = task.loss(out_b, task.targets(b))
+        assert torch.allclose(loss_a, loss_b, rtol=1e-5, atol=1e-6), (epoch, loss_a, loss_b)
+        losses[epoch] = float(loss_b)
+        pixels.set_epoch(epoch + 10)  # leave the pixel epoch unfinished: the next set_epoch starts afresh
+    ids = next(iter(pixels))["id"]  # any ids: their two views differ, or a wrong view index would pass
+    assert not torch.allclose(features.gather(ids, 0), features.gather(ids, 1))
+    cached.set_epoch(2)
+    third = next(iter(cached))
+    assert torch.equal(third["image_features"], features.gather(third["id"], 0))
+
+
+@pytest.mark.timeout(300)
+def test_a_run_trains_on_cached_features_and_its_model_takes_images(prepared, tmp_path):
+    """Through mmfast-train, accumulating windows of two micro-batches: a run with --feature-cache on computes
+    the cache, trains with the decoded run's losses while the views are new (epochs 0 and 1 of two views), and a
+    second run reads the cache; the model directory takes images."""
+    from mmfast.infer.model_dir import load_model
+    from mmfast.train import parse_config, train
+
+    common = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "2"]
+    common += ["--batch-size", "32", "--grad-accum", "2", "--no-checkpoints"]  # whole windows of two
+    common += ["--init-proj", "ridge"]  # the cached runs fit it on the centre view, the decoded one on pixels
+    off = train(parse_config([*common, "--out", str(tmp_path / "off")]))
+    on = train(parse_config([*common, "--out", str(tmp_path / "on"), "--feature-cache", "on"]))
+    again = train(parse_config([*common, "--out", str(tmp_path / "again"), "--feature-cache", "on", "--profile"]))
+    assert "feature_cache" not in off
+    assert on["feature_cache"]["built"] == "no cache yet" and again["feature_cache"]["built"] is None
+    assert on["images"].startswith("train read as cached features (2 views")
+    profile = json.loads((tmp_path / "again" / "profile.json").read_text())
+    assert profile["settings"]["feature_views"] == 2
+
+    def losses(run):
+        return [json.loads(x)["train_loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("on")) == 2 and on["global_step"] == off["global_step"] == 8
+    assert np.allclose(losses("on"), losses("off"), rtol=1e-5) and losses("again") == losses("on")
+    model = load_model(tmp_path / "on" / "model-last")
+    emb = model.encode_image(torch.zeros(2, 3, 32, 32))
+    assert emb.shape == (2, 16)
+
+
+def test_feature_cache_on_refuses_a_tower_that_trains(prepared, tmp_path, capsys):
+    from mmfast.cli.train import main
+
+    flags = ["--data", str(prepared), "--out", str(tmp_path / "run"), *FLAGS, "--no-freeze-image"]
+    assert main([*flags, "--feature-cache", "on", "--max-steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "--feature-cache on: the image tower trains; lock it with --freeze-image" in err
+    assert "Traceback" not in err
+
+
+def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_views():
+    """What ``open_or_build`` compares (``feature_parts``) changes with each thing the features depend on."""
+    from types import SimpleNamespace
+
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.features import feature_parts
+
+    tower = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    model, data = SimpleNamespace(image=tower), SimpleNamespace(fingerprint="d1")
+    norm = ((0.5,) * 3, (0.5,) * 3)
+
+    def parts(cfg=TrainConfig(), dataset=data, norm=norm, dtype="float32"):
+        return json.dumps(feature_parts(cfg, dataset, model, norm, dtype, "no"), sort_keys=True)
+
+    first = parts()
+    assert parts() == first
+    changed = [
+        parts(dataset=SimpleNamespace(fingerprint="d2")),
+        parts(cfg=TrainConfig(feature_views=5)),
+        parts(cfg=TrainConfig(seed=1)),
+        parts(cfg=TrainConfig(crop_scale_min=0.5)),
+        parts(cfg=TrainConfig(color_jitter=0.2)),
+        parts(cfg=TrainConfig(image_size=48)),
+        parts(norm=((0.4,) * 3, (0.5,) * 3)),
+        parts(dtype="float16"),
+    ]
+    tower[1].running_var += 1.0
+    changed.append(parts())
+    assert first not in changed and len(set(changed)) == len(changed)
+
+
+@pytest.mark.timeout(400)
+def test_a_run_on_cached_features_resumes_mid_epoch_exactly(prepared, tmp_path):
+    """A run of three epochs over two views resumed from its step-3 checkpoint (mid-epoch 0) trains the same
+    remaining batches, the third epoch on view 0 again, and ends with the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from mmfast.train import parse_config, train
+
+    args = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--feature-cache", "on"]
+    args += ["--epochs", "3", "--batch-size", "32", "--checkpoint-every", "3", "--keep-checkpoints", "20"]
+    args += ["--record-ids"]
+    full = tmp_path / "full"
+    train(parse_config([*args, "--out", str(full)]))
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / ".mmfast-run", part / ".mmfast-run")
+    shutil.copytree(full / "checkpoints" / "step-00000003", part / "checkpoints" / "step-00000003")
+    state = json.loads((part / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert state["epoch"] == 0 and state["loader"][0]["step"] == 3
+    summary = train(parse_config([*args, "--out", str(part), "--resume", "latest"]))
+    assert summary["feature_cache"]["built"] is None  # the first run's cache, read
+
+    def seen(run):
+        return [json.loads(x)["ids"] for x in (run / "seen_ids.rank0.jsonl").read_text().splitlines()]
+
+    assert seen(part) == seen(full)[3:]
+
+    def last(run):
+        return load_file(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors")
+
+    a, b = last(full), last(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_the_ridge_start_from_the_cached_centre_view_equals_the_one_from_pixels(
+    prepared, tmp_path, cpu_accelerator
+):
+    """--init-proj ridge with a feature cache reads its centre view: the same projections as the pass that
+    decodes the train split as evaluation sees it."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.data import train_view_loader
+    from mmfast.train.features import build_train_features
+    from mmfast.train.warm_start import ridge_start
+
+    cfg, dataset, _, model, norm, _ = _setup(prepared, tmp_path, cpu_accelerator, "--feature-cache", "on")
+    features, _ = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    view = train_view_loader(cfg, cpu_accelerator, dataset, norm, None)
+    ridge_start(model, view, cpu_accelerator)
+    from_pixels = model.image_proj.weight.detach().clone(), model.text_proj.weight.detach().clone()
+    with torch.no_grad():
+        model.image_proj.weight.zero_()
+        model.text_proj.weight.zero_()
+    figures = ridge_start(model, FeatureLoader(view, features, centre=True), cpu_accelerator)
+    assert figures["samples"] == len(features)
+    assert torch.allclose(model.image_proj.weight, from_pixels[0], rtol=1e-3, atol=1e-5)
+    assert torch.allclose(model.text_proj.weight, from_pixels[1], rtol=1e-3, atol=1e-5)
+    stored_view_0 = FeatureLoader(view, features)  # a wrong view would fit other features
+    ridge_start(model, stored_view_0, cpu_accelerator)
+    assert not torch.allclose(model.image_proj.weight, from_pixels[0], rtol=1e-3, atol=1e-5)
