@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCES
 from mmfast.models.catalog import COMBINE, INIT_PROJ, PRESETS
@@ -11,6 +12,9 @@ from mmfast.models.registry import MODELS
 from mmfast.tasks.registry import LOSSES, TASKS
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
+
+if TYPE_CHECKING:  # the slices import this module
+    from mmfast.train.slices import DataConfig, LoaderConfig, ProcessConfig
 
 
 def _opt(default, group: str, help: str):
@@ -389,14 +393,14 @@ def help_choices() -> dict[str, tuple[str, ...]]:
     return choices()
 
 
-def data_sources(cfg: TrainConfig) -> list[str]:
+def data_sources(cfg: TrainConfig | DataConfig | LoaderConfig) -> list[str]:
     """The --data paths, in order ([] for the demo set)."""
     if cfg.data is None:
         return []
     return [cfg.data] if isinstance(cfg.data, str) else list(cfg.data)
 
 
-def data_weights(cfg: TrainConfig) -> list[float] | None:
+def data_weights(cfg: TrainConfig | LoaderConfig) -> list[float] | None:
     """--data-weights as numbers (None when not given).
 
     Raises:
@@ -418,7 +422,7 @@ def data_weights(cfg: TrainConfig) -> list[float] | None:
     return weights
 
 
-def trackers(cfg: TrainConfig) -> tuple[str, ...]:
+def trackers(cfg: TrainConfig | ProcessConfig) -> tuple[str, ...]:
     """The trackers named by --report-to (and --tensorboard), in TRACKERS order; "all" stands for every one
     of TRACKERS (``setup.make_accelerator`` keeps those installed).
 

@@ -1,6 +1,7 @@
 """A run's loaders: this process's train and val ``MultimodalLoader`` over the prepared dataset, the cache they
 stream remote shards through (``shard_cache``), which splits hold their images decoded in memory
-(``cache_plans``) and the summary's line on how images were served."""
+(``cache_plans``) and the summary's line on how images were served. Each builder takes the run's
+``LoaderConfig`` (``train/slices.py``); a whole ``TrainConfig`` stands for it too."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
 from mmfast.remote.objects import fetch_to
 from mmfast.remote.shard_cache import ShardCache
-from mmfast.train.config import TrainConfig, data_weights
+from mmfast.train.config import data_weights
 from mmfast.train.hardware import resolve_text_padding
 from mmfast.train.setup import processes_per_machine, usable_cores
+from mmfast.train.slices import LoaderConfig
 from mmfast.util.args import parse_size
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ MAX_EPOCH_SAMPLES = 2**26
 
 
 def build_loaders(
-    cfg: TrainConfig,
+    cfg: LoaderConfig,
     accelerator,
     dataset: PreparedDataset,
     norm: tuple[tuple, tuple] | None = None,
@@ -51,7 +53,7 @@ def build_loaders(
         raise
 
 
-def _loaders(cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cache: ShardCache | None, val: bool):
+def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cache: ShardCache | None, val: bool):
     """build_loaders' train loader, val loader (or None) and {split: why it is streamed}."""
     common = _loader_options(cfg, accelerator, norm, cache)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
@@ -83,7 +85,7 @@ def _loaders(cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cach
     return train_loader, val_loader, streamed
 
 
-def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrder:
+def train_sampling(cfg: LoaderConfig, dataset: PreparedDataset) -> WholeBatchOrder:
     """The train split's order: ``WHOLE_BATCHES``, or for a mix (and for ``--samples-per-epoch``) its sources
     drawn by ``--data-weights`` (by their sizes without it: every row once an epoch, as one dataset).
 
@@ -118,7 +120,7 @@ def train_sampling(cfg: TrainConfig, dataset: PreparedDataset) -> WholeBatchOrde
 
 
 def train_view_loader(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None, cache
+    cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm: tuple[tuple, tuple] | None, cache
 ) -> MultimodalLoader:
     """This process's share of the train split as evaluation sees it (resized, center-cropped, streamed), in the
     seeded order of epoch 0 (a split sorted by class gives the first batches of every class): what
@@ -130,7 +132,7 @@ def train_view_loader(
 
 
 def feature_view_loader(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, norm, cache, train: bool, cache_decoded=False
+    cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cache, train: bool, cache_decoded=False
 ) -> MultimodalLoader:
     """Every sample of the train split on this process, in id order, augmented as training augments it
     (``train``; its epoch is the view) or as evaluation sees it: what a feature cache stores
@@ -143,7 +145,7 @@ def feature_view_loader(
     )  # fmt: skip
 
 
-def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | None, cache) -> dict:
+def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple[tuple, tuple] | None, cache) -> dict:
     """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
     shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
     DALI threads."""
@@ -164,7 +166,7 @@ def _loader_options(cfg: TrainConfig, accelerator, norm: tuple[tuple, tuple] | N
     )
 
 
-def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None:
+def shard_cache(cfg: LoaderConfig, dataset: PreparedDataset) -> ShardCache | None:
     """The cache remote shards are streamed through (``--shard-cache``, ``--cache-limit``), or None when the
     dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
     if not dataset.remote_shards():
@@ -175,7 +177,7 @@ def shard_cache(cfg: TrainConfig, dataset: PreparedDataset) -> ShardCache | None
 
 
 def cache_plans(
-    cfg: TrainConfig,
+    cfg: LoaderConfig,
     accelerator,
     dataset: PreparedDataset,
     has_val: bool,

@@ -4,7 +4,9 @@ pass that computes them once per stored view (``build_train_features``), and the
 
 View v of a sample is the train augmentation of epoch v (its draws from (seed, v, sample id):
 ``mmfast.loading.draws``), so epoch e < K trains on exactly the pixels the decoded path would, and epoch e reads
-view e mod K. Evaluation and the model directories are unchanged: they take images.
+view e mod K. Evaluation and the model directories are unchanged: they take images. Each function takes the
+run's ``FeatureConfig`` (``train/slices.py``), a ``LoaderConfig`` with the cache's fields; a whole
+``TrainConfig`` stands for it too.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from mmfast.data.feature_cache import FeatureCache, FeatureWriter, open_or_build
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.loading.multimodal import MultimodalLoader
-from mmfast.train.config import TrainConfig
 from mmfast.train.data import cache_plans, feature_view_loader
+from mmfast.train.slices import FeatureConfig
 
 CACHE_HOME = Path("~/.cache/mmfast/features")  # --feature-cache-dir's default: one folder per dataset under it
 
 
-def feature_cache_plan(cfg: TrainConfig, model, loader: MultimodalLoader, processes: int) -> tuple[bool, str]:
+def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader, processes: int) -> tuple[bool, str]:
     """Whether this run reads cached image features, and why not when it does not.
 
     ``on`` needs a model that takes image features (``takes_image_features``: the dual encoder), a locked image
@@ -57,7 +59,7 @@ def feature_cache_plan(cfg: TrainConfig, model, loader: MultimodalLoader, proces
     return True, ""
 
 
-def feature_parts(cfg: TrainConfig, dataset: PreparedDataset, model, norm, dtype: str, precision: str) -> dict:
+def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dtype: str, precision: str) -> dict:
     """What the stored features depend on: the data, the tower's weights, the preprocessing and the views."""
     mean, std = norm if norm is not None else (None, None)
     return {
@@ -75,7 +77,7 @@ def feature_parts(cfg: TrainConfig, dataset: PreparedDataset, model, norm, dtype
     }  # fmt: skip
 
 
-def cache_dir(cfg: TrainConfig, dataset: PreparedDataset) -> Path:
+def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset) -> Path:
     """The train split's cache folder: --feature-cache-dir's, else one per dataset under ``CACHE_HOME``."""
     if cfg.feature_cache_dir:
         return Path(cfg.feature_cache_dir).expanduser() / "train"
@@ -84,7 +86,7 @@ def cache_dir(cfg: TrainConfig, dataset: PreparedDataset) -> Path:
 
 
 def build_train_features(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache=None
+    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache=None
 ) -> tuple[FeatureCache, dict]:
     """The train split's feature cache, read when current, else computed: each stored view and the centre view of
     every train sample through ``model``'s locked image tower, without gradient.
@@ -115,7 +117,9 @@ def build_train_features(
 
 
 @torch.no_grad()
-def _compute_views(cfg, accelerator, dataset, model, norm, shard_cache, writer: FeatureWriter) -> None:
+def _compute_views(
+    cfg: FeatureConfig, accelerator, dataset, model, norm, shard_cache, writer: FeatureWriter
+) -> None:
     """Put every view of every train sample: view v from the train loader's epoch v, then the centre view."""
     tower = model.image
     was_training = tower.training
@@ -140,7 +144,7 @@ def _put_all(accelerator, tower, loader, writer: FeatureWriter, view: int | None
 
 
 def feature_train_loader(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache, loader: MultimodalLoader
+    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache, loader: MultimodalLoader
 ) -> tuple[MultimodalLoader | FeatureLoader, dict | None]:
     """The run's train loader: ``loader`` itself, or one that serves its order from the feature cache
     (``feature_cache_plan``); with the cache's figures for the summary (None without one)."""

@@ -11,17 +11,22 @@
   power of two (a few static shapes: each is compiled, and under ``--compile-mode reduce-overhead`` recorded as a
   CUDA graph, once; the image batch is static already: train batches are whole, the last eval batch is padded).
 
-``summary.json`` records what was chosen (``hardware_choices``).
+``summary.json`` records what was chosen (``hardware_choices``). The compiled step's functions take the run's
+``CompileConfig`` (``train/slices.py``); a whole ``TrainConfig`` stands for it too.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from mmfast.train.config import OPTIMIZER_IMPLS
+
+if TYPE_CHECKING:  # the slices import this module (resolve_text_padding)
+    from mmfast.train.slices import CompileConfig, LoaderConfig
 
 CONV_BACKBONES = ("resnet", "efficientnet")  # image towers that are CNNs (timm:<name>: only when asked)
 
@@ -97,12 +102,12 @@ def optimizer_kwargs(requested: str, device_type: str) -> dict:
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
 
 
-def compiles(cfg) -> bool:
+def compiles(cfg: CompileConfig) -> bool:
     """Whether the run's model is compiled: ``--compile``, or a ``--compile-mode`` other than default."""
     return cfg.compile or cfg.compile_mode != "default"
 
 
-def compile_options(cfg) -> dict | None:
+def compile_options(cfg: CompileConfig) -> dict | None:
     """``torch.compile``'s keyword arguments for this run, None when it is not compiled (``compiles``).
     Static shapes (``dynamic=False``) when the captions are padded to a few widths: one specialized graph
     per width, which CUDA graphs need."""
@@ -111,14 +116,15 @@ def compile_options(cfg) -> dict | None:
     return {"mode": cfg.compile_mode, "dynamic": False if resolve_text_padding(cfg) != "longest" else None}
 
 
-def resolve_text_padding(cfg) -> str:
-    """``--text-padding``; ``auto``: buckets for a compiled step, else each batch's longest caption."""
+def resolve_text_padding(cfg: CompileConfig | LoaderConfig) -> str:
+    """``--text-padding``; ``auto``: buckets for a compiled step, else each batch's longest caption. A
+    ``LoaderConfig`` holds it settled (``slices.cut``)."""
     if cfg.text_padding != "auto":
         return cfg.text_padding
     return "buckets" if compiles(cfg) else "longest"
 
 
-def check_compile_fits(cfg, task) -> None:
+def check_compile_fits(cfg: CompileConfig, task) -> None:
     """Refuse CUDA graphs where a step holds a graph's outputs across its next calls: a task that takes each
     window at once (the contrastive feature cache embeds every micro-batch before the first backward), whose
     features a replay would overwrite."""
@@ -130,12 +136,12 @@ def check_compile_fits(cfg, task) -> None:
         )
 
 
-def uses_cuda_graphs(cfg, device_type: str) -> bool:
+def uses_cuda_graphs(cfg: CompileConfig, device_type: str) -> bool:
     """Whether the compiled step replays CUDA graphs (``reduce-overhead`` on a CUDA device)."""
     return cfg.compile_mode == "reduce-overhead" and device_type == "cuda"  # the mode implies compiling
 
 
-def choices_made(cfg, accelerator, optimizer) -> dict:
+def choices_made(cfg: CompileConfig, accelerator, optimizer) -> dict:
     """What summary.json records of the hardware choices: precision, memory format, optimizer kernels, the
     compiled step and the caption width."""
     defaults = getattr(optimizer, "optimizer", optimizer).defaults  # Accelerate's wrapper holds the AdamW

@@ -1,6 +1,7 @@
 """The optimizer and its schedule: AdamW over parameter groups (pretrained encoders apart from new layers, no
 weight decay on 1-d parameters), and a transformers schedule counted in optimizer steps. Mixed precision's
-gradient scaler is Accelerate's (``accelerator.prepare``)."""
+gradient scaler is Accelerate's (``accelerator.prepare``). Both builders take the run's ``OptimConfig``
+(``train/slices.py``); a whole ``TrainConfig`` stands for it too."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import math
 
 import torch
 
-from mmfast.train.config import TrainConfig
 from mmfast.train.hardware import optimizer_kwargs
+from mmfast.train.slices import OptimConfig
 
 
 def param_groups(
@@ -63,14 +64,14 @@ def make_scheduler(optimizer, name: str, warmup: int, total: int, probe: int = 0
     return scheduler
 
 
-def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
+def total_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
     """The optimizer steps of the run: micro-batches / accumulation, per process (each process takes the same
     number of steps, never multiplied by the process count), capped by --max-steps."""
     steps = math.ceil(micro_batches_per_epoch / cfg.grad_accum) * cfg.epochs
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, steps: int, device_type: str = "cpu"):
+def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, steps: int, device_type: str = "cpu"):
     """AdamW over ``param_groups`` (its kernels by --optimizer-impl for ``device_type``: ``hardware``) and its
     schedule over ``steps`` optimizer steps (--warmup-frac, --probe-frac of them).
 

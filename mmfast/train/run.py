@@ -48,6 +48,7 @@ from mmfast.train.setup import (
     make_accelerator,
     resolve_data,
 )
+from mmfast.train.slices import DataConfig, ProcessConfig, cut, slices
 from mmfast.train.stop import StopFlag
 from mmfast.train.warm_start import ridge_start
 from mmfast.util.fsutil import atomic_write_json
@@ -107,7 +108,7 @@ def _train(cfg: TrainConfig, body: RunBody) -> dict:
     t_start = time.perf_counter()
     default_out = cfg.out is None
     given, cfg = cfg, replace(resolve_preset(cfg), out=cfg.out or DEFAULT_OUT)
-    accelerator = make_accelerator(cfg)
+    accelerator = make_accelerator(cut(ProcessConfig, cfg))
     cfg = resolve_batches(cfg, accelerator.num_processes)  # the micro-batch, the accumulation, the eval batch
     memory_format = resolve_channels_last(
         cfg.channels_last, accelerator.device.type, cfg.image_backbone, cfg.model
@@ -118,7 +119,7 @@ def _train(cfg: TrainConfig, body: RunBody) -> dict:
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
     lock, failed = None, True
     try:
-        check_data_exists(cfg)  # the cheaper mistake first: before --out is looked at
+        check_data_exists(cut(DataConfig, cfg))  # the cheaper mistake first: before --out is looked at
         lock, resume_from = _claim(cfg, accelerator, default_out)
         summary = body(cfg, accelerator, resume_from, t_start)
         failed = False
@@ -184,7 +185,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     from accelerate.utils import set_seed  # accelerate: a slow import, only once a run starts
 
     set_seed(cfg.seed)
-    dataset = PreparedDataset(resolve_data(cfg, accelerator))
+    parts = slices(cfg)  # what each builder takes of the resolved configuration
+    dataset = PreparedDataset(resolve_data(parts.data, accelerator))
     tokenizer_files = read_tree(dataset.tokenizer_dir)  # the one opened, whatever becomes of the dataset
     identity = run_identity(cfg, accelerator, dataset)
     _check_resumable(resume_from, identity)
@@ -197,18 +199,20 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
-    train_loader, val_loader, streamed, cache = build_loaders(cfg, accelerator, dataset, norm)
+    train_loader, val_loader, streamed, cache = build_loaders(parts.loader, accelerator, dataset, norm)
     # its fetches end with the loop, also when a fault stops the run (the warm start reads shards too)
     with cache or contextlib.nullcontext():
         # --feature-cache: the locked image tower's features of every stored view, computed once (or read)
-        train_loader, features = feature_train_loader(cfg, accelerator, dataset, model, norm, cache, train_loader)
+        train_loader, features = feature_train_loader(
+            parts.features, accelerator, dataset, model, norm, cache, train_loader
+        )
         fresh = resume_from is None
         warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None
-        if (compiling := compile_options(cfg)) is not None:
-            check_compile_fits(cfg, task)
+        if (compiling := compile_options(parts.compile)) is not None:
+            check_compile_fits(parts.compile, task)
             model = torch.compile(model, **compiling)
-        steps = total_steps(cfg, len(train_loader))
-        optimizer, scheduler = build_optimizer(cfg, model, steps, accelerator.device.type)
+        steps = total_steps(parts.optim, len(train_loader))
+        optimizer, scheduler = build_optimizer(parts.optim, model, steps, accelerator.device.type)
         # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
         model, optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(scheduler)
@@ -236,7 +240,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     if cfg.profile and accelerator.is_main_process:
         write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
-    summary["hardware_choices"] = choices_made(cfg, accelerator, optimizer)
+    summary["hardware_choices"] = choices_made(parts.compile, accelerator, optimizer)
     if warm is not None:
         summary["init_proj"] = warm
     summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
@@ -289,7 +293,7 @@ def _warm_start(
     if cfg.init_proj != "ridge":
         return None
     model.to(accelerator.device)
-    loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
+    loader = train_view_loader(slices(cfg).loader, accelerator, dataset, norm, cache)
     if (features := getattr(train_loader, "features", None)) is not None:
         loader = FeatureLoader(loader, features, centre=True)
     figures = ridge_start(model, loader, accelerator)

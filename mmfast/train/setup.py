@@ -1,5 +1,7 @@
 """Process and data setup for a run: the Accelerator (CPU/GPU, mixed precision, process group) and the
-prepared dataset (demo, raw input prepared on the fly, or a prepared directory)."""
+prepared dataset (demo, raw input prepared on the fly, or a prepared directory). ``make_accelerator`` takes
+the run's ``ProcessConfig``, the data functions its ``DataConfig`` (``train/slices.py``); a whole ``TrainConfig``
+stands for either."""
 
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ from mmfast.prepare.mix import prepare_mix
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import is_remote
 from mmfast.tasks import TASKS
-from mmfast.train.config import TRACKERS, TrainConfig, data_sources, trackers
+from mmfast.train.config import TRACKERS, data_sources, trackers
 from mmfast.train.hardware import launcher_precision_note, resolve_mixed_precision
 from mmfast.train.rendezvous import meet
 from mmfast.train.rundir import RAW_DATA_DIR
+from mmfast.train.slices import DataConfig, ProcessConfig
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import restore_interrupted_swap
 
@@ -88,7 +91,7 @@ def dist_timeout_handler(seconds: float) -> InitProcessGroupKwargs:
     return InitProcessGroupKwargs(timeout=timeout)
 
 
-def make_accelerator(cfg: TrainConfig):
+def make_accelerator(cfg: ProcessConfig):
     """Create the Accelerator; CPU mode when CUDA is absent; refuse unconnected multi-process launches."""
     from accelerate import Accelerator  # accelerate: a slow import, only once a run starts
     from accelerate.utils import ProjectConfiguration
@@ -142,7 +145,7 @@ def installed_trackers(names: tuple[str, ...]) -> list[str]:
     return list(names)
 
 
-def resolve_data(cfg: TrainConfig, accelerator) -> Path:
+def resolve_data(cfg: DataConfig, accelerator) -> Path:
     """The prepared dataset directory: the demo set by default, a raw input prepared on the fly into
     ``<out>/prepared``, a prepared directory as given, or the mix of several (``--data`` given twice or more)
     made into ``<out>/prepared``. The main process prepares; the others reuse."""
@@ -186,7 +189,7 @@ def resolve_data(cfg: TrainConfig, accelerator) -> Path:
     return out
 
 
-def _prepare_raw(prep, cfg: TrainConfig) -> dict:
+def _prepare_raw(prep, cfg: DataConfig) -> dict:
     """Prepare the demo set or a raw --data. For an objective that needs no labels (contrastive), an input
     without them is prepared as ``--no-labels`` would: image-caption pairs train as they are; an input with
     labels keeps them (zero-shot evaluation uses them)."""
@@ -222,7 +225,7 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
     return ManifestError(msg)
 
 
-def check_data_exists(cfg: TrainConfig) -> None:
+def check_data_exists(cfg: DataConfig) -> None:
     """A --data that names nothing is refused (by the engine, before the run directory is touched)."""
     for data in data_sources(cfg):
         restore_interrupted_swap(data)  # a preparation killed while replacing it left it aside
@@ -230,7 +233,7 @@ def check_data_exists(cfg: TrainConfig) -> None:
             raise ValueError(f"--data {data}: no such prepared directory, manifest or image folder")
 
 
-def _mix(cfg: TrainConfig, accelerator) -> Path:
+def _mix(cfg: DataConfig, accelerator) -> Path:
     """The mix of the prepared datasets --data names, made (or reused) in ``<out>/prepared``."""
     given = data_sources(cfg)
     for data in given:

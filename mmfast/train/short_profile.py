@@ -26,6 +26,7 @@ from mmfast.train.profiler import UtilizationSampler
 from mmfast.train.report import write_profile
 from mmfast.train.run import as_run, build_run_model, run_identity
 from mmfast.train.setup import check_tokenizer_matches, resolve_data
+from mmfast.train.slices import slices
 from mmfast.train.stop import StopFlag
 
 RIDGE_SKIPPED = "projections start at random: a profile skips --init-proj ridge's pass (a step takes as long)"
@@ -71,13 +72,14 @@ def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
     from accelerate.utils import set_seed  # accelerate: a slow import, only once a run starts
 
     set_seed(cfg.seed)
-    dataset = PreparedDataset(resolve_data(cfg, accelerator))
+    parts = slices(cfg)  # what each builder takes, as in a training run
+    dataset = PreparedDataset(resolve_data(parts.data, accelerator))
     check_tokenizer_matches(cfg.text_model, dataset.root)
     task = build_task(cfg.task, dataset, cfg)
     model = build_run_model(cfg, dataset, task)
     image = getattr(model, "image", None)  # the loader normalizes as the image encoder expects
     norm = (image.mean, image.std) if image is not None else None
-    loader, _, _, cache = build_loaders(cfg, accelerator, dataset, norm, val=False)
+    loader, _, _, cache = build_loaders(parts.loader, accelerator, dataset, norm, val=False)
     notes = [RIDGE_SKIPPED] if cfg.init_proj == "ridge" else []
     total = cfg.max_steps
     accelerator.print(
@@ -85,10 +87,10 @@ def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
         "checkpoint or model directory" + "".join(f"; {n}" for n in notes)
     )
     with cache or contextlib.nullcontext():
-        if (compiling := compile_options(cfg)) is not None:
-            check_compile_fits(cfg, task)
+        if (compiling := compile_options(parts.compile)) is not None:
+            check_compile_fits(parts.compile, task)
             model = torch.compile(model, **compiling)
-        optimizer, scheduler = build_optimizer(cfg, model, total, accelerator.device.type)
+        optimizer, scheduler = build_optimizer(parts.optim, model, total, accelerator.device.type)
         model, optimizer = accelerator.prepare(model, optimizer)
         state = {**initial_state(task), "run": run_identity(cfg, accelerator, dataset)}
         runner = EpochRunner(
