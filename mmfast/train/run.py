@@ -291,7 +291,7 @@ def _warm_start(
     model.to(accelerator.device)
     loader = train_view_loader(cfg, accelerator, dataset, norm, cache)
     if (features := getattr(train_loader, "features", None)) is not None:
-        loader = FeatureLoader(loader, features, centre=True)
+        loader = FeatureLoader(loader, features, centre=True, text=train_loader.text)
     figures = ridge_start(model, loader, accelerator)
     accelerator.print(
         f"projections started from the ridge map of {figures['samples']} samples ({figures['seconds']} s)"
