@@ -454,3 +454,30 @@ def test_a_run_with_both_towers_locked_trains_on_cached_features_of_both(prepare
 
     assert len(losses("on")) == 2 and on["global_step"] == off["global_step"]
     assert np.allclose(losses("on"), losses("off"), rtol=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_a_profile_says_it_read_cached_features_how_many_views_their_size_and_build_time(
+    prepared, tmp_path, capsys
+):
+    """mmfast-profile of a run with both towers locked and --feature-cache on: its steps read the cache, and its
+    text report and profile.json say so (views, captions, MiB, computed or read, seconds)."""
+    from tools import profile_run as profile_tool
+
+    out = tmp_path / "profile"
+    flags = ["--data", str(prepared), "--out", str(out), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS]
+    flags += ["--freeze-text", "--feature-cache", "on", "--steps", "2", "--warmup", "1"]
+    assert profile_tool.main(flags) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "profile.json").read_text())
+    cache = report["settings"]["feature_cache"]
+    assert report["settings"]["feature_views"] == 2 and cache["views"] == 2 and cache["built"] == "no cache yet"
+    assert cache["text"]["built"] == "no cache yet" and cache["mib"] > 0 and cache["text"]["mib"] > 0
+    mib = cache["mib"] + cache["text"]["mib"]
+    line = f"train read as cached features: 2 views and the captions, {mib:.1f} MiB, computed (no cache yet) in "
+    assert any(note.startswith(line) and note.endswith(" s") for note in report["notes"]), report["notes"]
+    assert f"note: {line}" in printed
+    assert profile_tool.main([*flags, "--out", str(tmp_path / "again")]) == 0
+    printed = capsys.readouterr().out
+    assert "note: train read as cached features: 2 views and the captions" in printed
+    assert "read from an earlier run's cache in" in printed

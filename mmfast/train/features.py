@@ -217,6 +217,18 @@ def _put_all(accelerator, tower, loader, writer: FeatureWriter, view: int | None
         writer.put(view, batch["id"], pooled)
 
 
+def feature_note(figures: dict) -> str:
+    """One line on a run's feature cache (``build_train_features``' figures, with ``text`` where the captions'
+    are cached too): what the profile's report and the run's log say."""
+    text = figures.get("text")
+    what = f"{figures['views']} views" + (" and the captions" if text else "")
+    mib = figures["mib"] + (text["mib"] if text else 0.0)
+    built = [f for f in (figures, text) if f and f["built"]]
+    how = f"computed ({built[0]['built']})" if built else "read from an earlier run's cache"
+    seconds = figures["seconds"] + (text["seconds"] if text else 0.0)
+    return f"train read as cached features: {what}, {mib:.1f} MiB, {how} in {seconds:.1f} s"
+
+
 def feature_train_loader(
     cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache, loader: MultimodalLoader
 ) -> tuple[MultimodalLoader | FeatureLoader, dict | None]:

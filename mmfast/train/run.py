@@ -234,7 +234,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
         last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
-        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
+        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator, features=features)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["hardware_choices"] = choices_made(cfg, accelerator, optimizer)
     if warm is not None:
