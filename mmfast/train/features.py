@@ -219,7 +219,7 @@ def _put_all(accelerator, tower, loader, writer: FeatureWriter, view: int | None
 
 def feature_note(figures: dict) -> str:
     """One line on a run's feature cache (``build_train_features``' figures, with ``text`` where the captions'
-    are cached too): what the profile's report and the run's log say."""
+    are cached too): the note of a profile's report."""
     text = figures.get("text")
     what = f"{figures['views']} views" + (" and the captions" if text else "")
     mib = figures["mib"] + (text["mib"] if text else 0.0)
