@@ -361,3 +361,123 @@ def test_the_ridge_start_from_the_cached_centre_view_equals_the_one_from_pixels(
     stored_view_0 = FeatureLoader(view, features)  # a wrong view would fit other features
     ridge_start(model, stored_view_0, cpu_accelerator)
     assert not torch.allclose(model.image_proj.weight, from_pixels[0], rtol=1e-3, atol=1e-5)
+
+
+# --- a locked text tower's features, one per caption ------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_weights_or_tokens(
+    prepared, tmp_path, cpu_accelerator
+):
+    """Each caption's stored feature is the locked text tower's output in eval mode (bert-tiny's dropout 0.1 is
+    off), the tower's mode is left as it was, and the batches carry them in place of tokens. A second build
+    reads them; other weights or another padding of the tokens rebuild them."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.features import build_text_features, build_train_features, text_locked
+
+    cfg, dataset, _, model, norm, loader = _setup(
+        prepared, tmp_path, cpu_accelerator, "--feature-cache", "on", "--freeze-text"
+    )
+    assert text_locked(model) and cfg.dropout > 0
+    model.train()
+    text, figures = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
+    assert figures["built"] == "no cache yet" and text.views == 0 and len(text) == len(loader.ids)
+    assert text.dir.name == "train-text" and model.text.training  # the run's mode, back
+    ids = np.asarray(loader.ids)[:8]
+    tokens = loader.tokens.gather(ids, loader.text_padding)
+    model.text.eval()
+    with torch.no_grad():
+        want = model.text(tokens["input_ids"], tokens["attention_mask"])
+    assert torch.allclose(text.gather(ids, None), want, rtol=1e-5, atol=1e-6)
+    model.text.train()
+    torch.manual_seed(0)
+    with torch.no_grad():  # the tower in training mode differs: dropout is on, so eval mode was used
+        assert not torch.allclose(model.text(tokens["input_ids"], tokens["attention_mask"]), want, atol=1e-4)
+
+    images, _ = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    batch = next(iter(FeatureLoader(loader, images, text=text)))
+    assert "input_ids" not in batch and "image" not in batch
+    assert torch.equal(batch["text_features"], text.gather(batch["id"], None))
+
+    _, again = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
+    assert again["built"] is None
+    loader.text_padding = "max"
+    _, padded = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
+    assert padded["built"] == "built for another tokens"
+    with torch.no_grad():
+        next(model.text.parameters()).add_(1e-3)
+    _, other = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
+    assert other["built"] == "built for another tower"
+
+
+def test_the_text_fingerprint_parts_follow_the_tower_and_the_tokens():
+    """What a text cache is compared by changes with the tower's weights, the token cache's fingerprint, its
+    max length and the padding."""
+    from types import SimpleNamespace
+
+    from mmfast.train.features import text_feature_parts
+
+    tower = torch.nn.Linear(3, 4)
+    model, data = SimpleNamespace(text=tower), SimpleNamespace(fingerprint="d1")
+
+    def parts(fp="t1", max_length=32, padding="longest", dataset=data):
+        tokens = SimpleNamespace(fingerprint=fp, meta={"max_length": max_length})
+        loader = SimpleNamespace(tokens=tokens, text_padding=padding)
+        return json.dumps(text_feature_parts(dataset, model, loader, "float32", "no"), sort_keys=True)
+
+    first = parts()
+    assert parts() == first
+    changed = [parts(fp="t2"), parts(max_length=16), parts(padding="buckets"),
+               parts(dataset=SimpleNamespace(fingerprint="d2"))]  # fmt: skip
+    with torch.no_grad():
+        tower.bias[0] += 1e-3
+    changed.append(parts())
+    assert first not in changed and len(set(changed)) == len(changed)
+
+
+@pytest.mark.timeout(400)
+def test_a_run_with_both_towers_locked_trains_on_cached_features_of_both(prepared, tmp_path):
+    """With both towers locked, a cached run has the per-epoch losses of a decoded run whose locked text tower
+    applies no dropout (--dropout 0: the eval mode's output); its summary says the captions are cached."""
+    from mmfast.train import parse_config, train
+
+    common = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "2"]
+    common += ["--batch-size", "32", "--no-checkpoints", "--freeze-text", "--dropout", "0"]
+    off = train(parse_config([*common, "--out", str(tmp_path / "off")]))
+    on = train(parse_config([*common, "--out", str(tmp_path / "on"), "--feature-cache", "on"]))
+    assert on["feature_cache"]["text"]["built"] == "no cache yet"
+    assert "captions too" in on["images"]
+
+    def losses(run):
+        return [json.loads(x)["train_loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("on")) == 2 and on["global_step"] == off["global_step"]
+    assert np.allclose(losses("on"), losses("off"), rtol=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_a_profile_says_it_read_cached_features_how_many_views_their_size_and_build_time(
+    prepared, tmp_path, capsys
+):
+    """mmfast-profile of a run with both towers locked and --feature-cache on: its steps read the cache, and its
+    text report and profile.json say so (views, captions, MiB, computed or read, seconds)."""
+    from tools import profile_run as profile_tool
+
+    out = tmp_path / "profile"
+    flags = ["--data", str(prepared), "--out", str(out), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS]
+    flags += ["--freeze-text", "--feature-cache", "on", "--steps", "2", "--warmup", "1"]
+    assert profile_tool.main(flags) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "profile.json").read_text())
+    cache = report["settings"]["feature_cache"]
+    assert report["settings"]["feature_views"] == 2 and cache["views"] == 2 and cache["built"] == "no cache yet"
+    assert cache["text"]["built"] == "no cache yet" and cache["mib"] > 0 and cache["text"]["mib"] > 0
+    mib = cache["mib"] + cache["text"]["mib"]
+    line = f"train read as cached features: 2 views and the captions, {mib:.1f} MiB, computed (no cache yet) in "
+    assert any(note.startswith(line) and note.endswith(" s") for note in report["notes"]), report["notes"]
+    assert f"note: {line}" in printed
+    assert profile_tool.main([*flags, "--out", str(tmp_path / "again")]) == 0
+    printed = capsys.readouterr().out
+    assert "note: train read as cached features: 2 views and the captions" in printed
+    assert "read from an earlier run's cache in" in printed

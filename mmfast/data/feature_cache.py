@@ -6,6 +6,8 @@ Layout of a cache directory (one per split), swapped in whole by ``fsutil.atomic
     centre.bin   (N, C) the features of the centre view (resized and center-cropped, as evaluation sees it)
     ids.npy      (N,) int64 sample ids, ascending: row r of both arrays is sample ids[r]
     meta.json    the fingerprint, its parts, the dtype and the shapes; written last
+A cache of one feature per sample (K = 0: a locked text tower's feature of each caption) has no views.bin; its
+centre.bin holds the one feature.
 The fingerprint covers the data (the prepared directory's fingerprint), the tower's weights (``weights_digest``),
 the preprocessing and the views. ``open_or_build`` reads a cache whose fingerprint and files match; otherwise it
 builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read.
@@ -65,7 +67,11 @@ class FeatureCache:
         self.views, self.width = int(meta["views"]), int(meta["width"])
         n, dtype = int(meta["rows"]), np.dtype(meta["dtype"])
         self.ids = np.load(self.dir / "ids.npy")
-        self._views = np.memmap(self.dir / "views.bin", dtype=dtype, mode="r", shape=(self.views, n, self.width))
+        self._views = (
+            np.memmap(self.dir / "views.bin", dtype=dtype, mode="r", shape=(self.views, n, self.width))
+            if self.views
+            else None  # one feature per sample: centre.bin only
+        )
         self._centre = np.memmap(self.dir / "centre.bin", dtype=dtype, mode="r", shape=(n, self.width))
 
     def __len__(self) -> int:
@@ -77,7 +83,7 @@ class FeatureCache:
 
     @property
     def nbytes(self) -> int:
-        return self._views.nbytes + self._centre.nbytes
+        return (self._views.nbytes if self._views is not None else 0) + self._centre.nbytes
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Row of each sample id (-1 for padding, id < 0).
@@ -115,7 +121,11 @@ class FeatureWriter:
         if len(self.ids) and np.any(np.diff(self.ids) <= 0):
             raise ValueError("a feature cache's sample ids must be ascending and distinct")
         n = len(self.ids)
-        self._views = np.memmap(self.dir / "views.bin", dtype=dtype, mode="w+", shape=(views, max(n, 1), width))
+        self._views = (
+            np.memmap(self.dir / "views.bin", dtype=dtype, mode="w+", shape=(views, max(n, 1), width))
+            if views
+            else None
+        )
         self._centre = np.memmap(self.dir / "centre.bin", dtype=dtype, mode="w+", shape=(max(n, 1), width))
         self._filled = np.zeros((views + 1, n), dtype=bool)  # the centre view last
 
@@ -144,7 +154,8 @@ class FeatureWriter:
             view, row = np.argwhere(~self._filled)[0]
             which = "the centre view" if view == self.views else f"view {view}"
             raise ValueError(f"feature cache incomplete: {which} of sample {int(self.ids[row])} was not computed")
-        self._views.flush()
+        if self._views is not None:
+            self._views.flush()
         self._centre.flush()
         np.save(self.dir / "ids.npy", self.ids)
         meta = {
@@ -228,7 +239,9 @@ def _check_files(directory: Path, meta: dict) -> str:
     """What is wrong with the arrays next to ``meta`` ("" when their sizes are the meta's)."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     n, width, views = int(meta["rows"]), int(meta["width"]), int(meta["views"])
-    expected = {"views.bin": views * max(n, 1) * width * itemsize, "centre.bin": max(n, 1) * width * itemsize}
+    expected = {"centre.bin": max(n, 1) * width * itemsize}
+    if views:
+        expected["views.bin"] = views * max(n, 1) * width * itemsize
     for name, size in expected.items():
         path = directory / name
         if not path.is_file():

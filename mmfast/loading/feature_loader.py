@@ -1,7 +1,8 @@
 """``FeatureLoader``: a train split served from a feature cache (``mmfast.data.feature_cache``) instead of pixels.
 
 It has the batches of the ``MultimodalLoader`` it is built on (the same whole-batch order of each epoch, the same
-sample ids on every process, the same tokens), with ``image_features`` (B, C) float32 in place of ``image``:
+sample ids on every process, the same tokens, or a locked text tower's cached ``text_features`` in their place),
+with ``image_features`` (B, C) float32 in place of ``image``:
 epoch e reads stored view e mod K, the pixels that loader's epoch e mod K would decode. Nothing is decoded and
 no DALI pipeline runs. Its position (epoch, step) is the image loader's, so a checkpoint of either resumes in
 the other.
@@ -26,16 +27,25 @@ class FeatureLoader:
         loader: the train split's loader, as the run built it (order, batch, shards, tokens, device).
         features: the split's cache; it must hold every sample id of ``loader``.
         centre: serve the centre view every epoch (what evaluation's crop sees: the ridge start's pass).
+        text: the split's cache of the locked text tower's features (one per caption): batches carry
+            ``text_features`` (B, D_txt) float32 in place of ``input_ids`` / ``attention_mask``.
     """
 
-    def __init__(self, loader: MultimodalLoader, features: FeatureCache, centre: bool = False):
-        missing = np.setdiff1d(np.asarray(loader.ids), features.ids)
-        if len(missing):
-            raise ValueError(
-                f"the feature cache {features.dir} lacks {len(missing)} sample ids of the split "
-                f"(first: {int(missing[0])})"
-            )
-        self.loader, self.features, self.centre = loader, features, centre
+    def __init__(
+        self,
+        loader: MultimodalLoader,
+        features: FeatureCache,
+        centre: bool = False,
+        text: FeatureCache | None = None,
+    ):
+        for cache in (features, text) if text is not None else (features,):
+            missing = np.setdiff1d(np.asarray(loader.ids), cache.ids)
+            if len(missing):
+                raise ValueError(
+                    f"the feature cache {cache.dir} lacks {len(missing)} sample ids of the split "
+                    f"(first: {int(missing[0])})"
+                )
+        self.loader, self.features, self.centre, self.text = loader, features, centre, text
         self.dataset = loader.dataset
         self.epoch, self.step = 0, 0
 
@@ -99,14 +109,15 @@ class FeatureLoader:
             pos = positions[self.step * b : (self.step + 1) * b]
             ids = np.where(pos >= 0, all_ids[np.maximum(pos, 0)], -1)
             labels = np.where(pos >= 0, labels_of[np.maximum(pos, 0)], IGNORE_LABEL)
-            text = mm.tokens.gather(ids, mm.text_padding)
-            batch = {
-                "image_features": self.features.gather(ids, view).to(self.device),
-                "input_ids": text["input_ids"].to(self.device),
-                "attention_mask": text["attention_mask"].to(self.device),
-                "label": torch.from_numpy(labels).to(self.device),
-                "id": torch.from_numpy(ids).to(self.device),
-            }
+            batch = {"image_features": self.features.gather(ids, view).to(self.device)}
+            if self.text is not None:  # the locked text tower's output: no tokens are read
+                batch["text_features"] = self.text.gather(ids, None).to(self.device)
+            else:
+                text = mm.tokens.gather(ids, mm.text_padding)
+                batch["input_ids"] = text["input_ids"].to(self.device)
+                batch["attention_mask"] = text["attention_mask"].to(self.device)
+            batch["label"] = torch.from_numpy(labels).to(self.device)
+            batch["id"] = torch.from_numpy(ids).to(self.device)
             if mm.sources is not None:  # a mix: each sample's source (-1 for a masked one)
                 source = np.where(pos >= 0, mm.sources[np.maximum(pos, 0)], -1)
                 batch["source"] = torch.from_numpy(source).to(self.device)

@@ -43,6 +43,7 @@ class DualEncoder(nn.Module):
     classifies = False  # no classifier head: build_model does not ask for two or more classes
     image_proj_start = True  # its projections can start from the ridge fit (--init-proj ridge: train/warm_start)
     takes_image_features = True  # a batch may carry the locked image tower's output (--feature-cache)
+    takes_text_features = True  # and the locked text tower's
 
     def __init__(
         self,
@@ -83,6 +84,11 @@ class DualEncoder(nn.Module):
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Normalized text embeddings (B, D) float32 of token ids and their attention mask (B, L)."""
         pooled = self.text(input_ids, attention_mask)  # (B, D_txt)
+        return self.encode_text_features(pooled)
+
+    def encode_text_features(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Normalized text embeddings (B, D) float32 of the text tower's output (B, D_txt): what ``encode_text``
+        computes after the tower, for features a feature cache stored."""
         return F.normalize(self.text_proj(pooled).float(), dim=-1)
 
     def scale_and_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,16 +98,21 @@ class DualEncoder(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The embeddings of a batch: its ``image`` (B, 3, S, S), or the locked tower's output of it stored in a
-        feature cache, ``image_features`` (B, C_img); and its ``input_ids`` / ``attention_mask``."""
+        feature cache, ``image_features`` (B, C_img); and its ``input_ids`` / ``attention_mask``, or the locked
+        text tower's output of them, ``text_features`` (B, D_txt)."""
         scale, bias = self.scale_and_bias()
         image = batch.get("image")
         if image is not None:
             img = self.encode_image(image)  # (B, D)
         else:
             img = self.encode_image_features(batch["image_features"])
+        if "text_features" in batch:
+            txt = self.encode_text_features(batch["text_features"])
+        else:
+            txt = self.encode_text(batch["input_ids"], batch["attention_mask"])  # (B, D)
         return {
             "image": img,
-            "text": self.encode_text(batch["input_ids"], batch["attention_mask"]),  # (B, D)
+            "text": txt,
             "logit_scale": scale,
             "logit_bias": bias,
         }

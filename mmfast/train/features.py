@@ -7,6 +7,9 @@ View v of a sample is the train augmentation of epoch v (its draws from (seed, v
 view e mod K. Evaluation and the model directories are unchanged: they take images. Each function takes the
 run's ``FeatureConfig`` (``train/slices.py``), a ``LoaderConfig`` with the cache's fields; a whole
 ``TrainConfig`` stands for it too.
+
+A locked text tower's features are cached too (``build_text_features``): one per caption, computed in eval mode,
+so without the dropout a locked Hugging Face encoder applies in training when it runs every step.
 """
 
 from __future__ import annotations
@@ -77,6 +80,34 @@ def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dty
     }  # fmt: skip
 
 
+def text_locked(model) -> bool:
+    """Whether ``model`` takes text features and its text tower gets no gradient (--freeze-text, or a preset's)."""
+    text = getattr(model, "text", None)
+    return bool(getattr(model, "takes_text_features", False) and text is not None) and not any(
+        p.requires_grad for p in text.parameters()
+    )
+
+
+def text_feature_parts(
+    dataset: PreparedDataset, model, loader: MultimodalLoader, dtype: str, precision: str
+) -> dict:
+    """What the cached text features depend on: the data, the text tower's weights and the tokens (the token
+    cache's fingerprint, its max length, the batches' padding)."""
+    tokens = loader.tokens
+    return {
+        "data": dataset.fingerprint,
+        "split": "train",
+        "tower": {"class": type(model.text).__name__, "weights": weights_digest(model.text)},
+        "tokens": {
+            "fingerprint": tokens.fingerprint, "max_length": int(tokens.meta["max_length"]),
+            "padding": loader.text_padding,
+        },
+        "views": {"count": 0},
+        "dtype": dtype,
+        "precision": precision,
+    }  # fmt: skip
+
+
 def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset) -> Path:
     """The train split's cache folder: --feature-cache-dir's, else one per dataset under ``CACHE_HOME``."""
     if cfg.feature_cache_dir:
@@ -136,11 +167,70 @@ def _compute_views(
         tower.train(was_training)
 
 
+def build_text_features(
+    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, loader: MultimodalLoader
+) -> tuple[FeatureCache, dict]:
+    """The train split's cache of the locked text tower's features, one per caption (``train-text`` beside the
+    image views' folder), read when current, else computed in eval mode without gradient.
+
+    Returns:
+        (the cache, the summary's figures: dtype, size, whether it was built and how long that took).
+    """
+    t0 = time.perf_counter()
+    dtype = "float32" if accelerator.mixed_precision == "no" else "float16"
+    parts = text_feature_parts(dataset, model, loader, dtype, accelerator.mixed_precision)
+    ids = dataset.table("train", images=False).ids
+
+    def fill(writer: FeatureWriter) -> None:
+        _compute_text(cfg, accelerator, model, loader, writer)
+
+    model.to(accelerator.device)
+    directory = cache_dir(cfg, dataset).with_name("train-text")
+    features, reason = open_or_build(directory, parts, ids, 0, model.text.width, dtype, fill)
+    figures = {
+        "dir": str(features.dir),
+        "dtype": dtype,
+        "mib": round(features.nbytes / 2**20, 1),
+        "built": reason or None,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    return features, figures
+
+
+@torch.no_grad()
+def _compute_text(cfg, accelerator, model, loader: MultimodalLoader, writer: FeatureWriter) -> None:
+    """Put every caption's feature, in batches of --batch-size ids padded as the train batches are."""
+    tower = model.text
+    was_training = tower.training
+    tower.eval()  # no dropout: a stored feature is computed once
+    try:
+        for s in range(0, len(writer.ids), cfg.batch_size):
+            ids = writer.ids[s : s + cfg.batch_size]
+            text = {k: v.to(accelerator.device) for k, v in loader.tokens.gather(ids, loader.text_padding).items()}
+            with accelerator.autocast():
+                pooled = tower(text["input_ids"], text["attention_mask"])
+            writer.put(None, ids, pooled)  # (B, D_txt)
+    finally:
+        tower.train(was_training)
+
+
 def _put_all(accelerator, tower, loader, writer: FeatureWriter, view: int | None) -> None:
     for batch in loader:
         with accelerator.autocast():
             pooled = tower(batch["image"])[0]  # (B, C)
         writer.put(view, batch["id"], pooled)
+
+
+def feature_note(figures: dict) -> str:
+    """One line on a run's feature cache (``build_train_features``' figures, with ``text`` where the captions'
+    are cached too): the note of a profile's report."""
+    text = figures.get("text")
+    what = f"{figures['views']} views" + (" and the captions" if text else "")
+    mib = figures["mib"] + (text["mib"] if text else 0.0)
+    built = [f for f in (figures, text) if f and f["built"]]
+    how = f"computed ({built[0]['built']})" if built else "read from an earlier run's cache"
+    seconds = figures["seconds"] + (text["seconds"] if text else 0.0)
+    return f"train read as cached features: {what}, {mib:.1f} MiB, {how} in {seconds:.1f} s"
 
 
 def feature_train_loader(
@@ -159,4 +249,10 @@ def feature_train_loader(
         f"train image features {verb}: {figures['views']} views, {figures['mib']} MiB in {features.dir} "
         f"({figures['seconds']} s)"
     )
-    return FeatureLoader(loader, features), figures
+    text = None
+    if text_locked(model):  # the captions' features too: later epochs run neither tower
+        text, figures["text"] = build_text_features(cfg, accelerator, dataset, model, loader)
+        t = figures["text"]
+        verb = f"computed ({t['built']})" if t["built"] else "read"
+        accelerator.print(f"train text features {verb}: {t['mib']} MiB in {text.dir} ({t['seconds']} s)")
+    return FeatureLoader(loader, features, text=text), figures

@@ -20,6 +20,7 @@ from mmfast.models.catalog import get_preset
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import checkpoint_dir
 from mmfast.train.config import TrainConfig
+from mmfast.train.features import feature_note
 from mmfast.train.hardware import compile_options, cpu_has_fast_bf16, cuda_has_bf16
 from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.util.fsutil import atomic_write_json
@@ -228,16 +229,23 @@ def write_profile(
     cfg: TrainConfig,
     accelerator,
     notes: list[str] | None = None,
+    features: dict | None = None,
 ) -> dict:
     """profile.json (phases, throughput, utilization, settings, verdict, ``notes`` on what the profiled run left
-    out) and profile.png of this process. Returns the report, without its timeline."""
+    out) and profile.png of this process. Returns the report, without its timeline.
+
+    Args:
+        features: the run's feature cache figures (``build_train_features``'; None: it decodes every epoch):
+            the settings carry them and a note says what the steps read.
+    """
     settings = {
         "decode_device": "mixed" if loader.device.type == "cuda" else "cpu",
         "dali_threads": loader.num_threads,
         "prefetch": loader.prefetch,  # the image loader's DALI queue depth
         "cache_decoded": loader.holds_decoded,
         # --feature-cache: the stored views the train batches' image features come from (None: decoded pixels)
-        "feature_views": features.views if (features := getattr(loader, "features", None)) is not None else None,
+        "feature_views": features["views"] if features is not None else None,
+        "feature_cache": features,  # views, captions (text), size, whether built and how long it took
         "batch_size": cfg.batch_size,
         "image_size": cfg.image_size,
         "mixed_precision": accelerator.mixed_precision,
@@ -253,6 +261,7 @@ def write_profile(
         "text_padding": getattr(loader, "text_padding", None),
         "optimizer_impl": cfg.optimizer_impl,
     }
+    notes = [*(notes or []), *([feature_note(features)] if features is not None else [])]
     report = build_report(timer, sampler, extra={"settings": settings, **({"notes": notes} if notes else {})})
     atomic_write_json(run_dir / "profile.json", {**report, "timeline": sampler.samples})
     try:

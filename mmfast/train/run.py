@@ -238,7 +238,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
         last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
-        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator)
+        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator, features=features)
     summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["hardware_choices"] = choices_made(parts.compile, accelerator, optimizer)
     if warm is not None:
@@ -295,7 +295,7 @@ def _warm_start(
     model.to(accelerator.device)
     loader = train_view_loader(slices(cfg).loader, accelerator, dataset, norm, cache)
     if (features := getattr(train_loader, "features", None)) is not None:
-        loader = FeatureLoader(loader, features, centre=True)
+        loader = FeatureLoader(loader, features, centre=True, text=train_loader.text)
     figures = ridge_start(model, loader, accelerator)
     accelerator.print(
         f"projections started from the ridge map of {figures['samples']} samples ({figures['seconds']} s)"

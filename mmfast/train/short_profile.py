@@ -20,6 +20,7 @@ from mmfast.tasks import build_task
 from mmfast.train.config import PROFILE_WARMUP_STEPS, TrainConfig
 from mmfast.train.data import build_loaders
 from mmfast.train.engine import EpochRunner, initial_state
+from mmfast.train.features import feature_train_loader
 from mmfast.train.hardware import check_compile_fits, compile_options
 from mmfast.train.optim import build_optimizer
 from mmfast.train.profiler import UtilizationSampler
@@ -87,6 +88,8 @@ def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
         "checkpoint or model directory" + "".join(f"; {n}" for n in notes)
     )
     with cache or contextlib.nullcontext():
+        # --feature-cache: the cache is built (or read) before the steps, which then read it
+        loader, features = feature_train_loader(parts.features, accelerator, dataset, model, norm, cache, loader)
         if (compiling := compile_options(parts.compile)) is not None:
             check_compile_fits(parts.compile, task)
             model = torch.compile(model, **compiling)
@@ -102,7 +105,7 @@ def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
             runner.run_steps()
     report = None
     if accelerator.is_main_process:
-        report = write_profile(Path(cfg.out), runner.timer, sampler, loader, cfg, accelerator, notes)
+        report = write_profile(Path(cfg.out), runner.timer, sampler, loader, cfg, accelerator, notes, features)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**(report or {}), "is_main_process": accelerator.is_main_process}

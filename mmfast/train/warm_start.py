@@ -52,7 +52,8 @@ def tower_grams(model, loader, accelerator, max_samples: int = RIDGE_SAMPLES) ->
             with accelerator.autocast():
                 # a feature cache's centre view is the tower's output of these pixels (--feature-cache)
                 x = batch["image_features"] if "image" not in batch else model.image(batch["image"])[0]
-                t = model.text(batch["input_ids"], batch["attention_mask"])
+                t = batch.get("text_features")
+                t = model.text(batch["input_ids"], batch["attention_mask"]) if t is None else t
             x, t = x[keep].double(), F.normalize(t[keep].float(), dim=-1).double()
             for key, value in (("xx", x.T @ x), ("xt", x.T @ t), ("tt", t.T @ t)):
                 sums[key] = sums[key] + value if key in sums else value
