@@ -18,7 +18,7 @@ flip) at ``--size``. The cache's hits, misses, fetches and retries are reported 
 
 LitData and Mosaic Streaming read the same photos from the same store in the same rounds (``--peers``;
 ``benchlib.stream_peers``): each writes its own format with its own tool, keeping the JPEG bytes, and reads
-it back with its own dataset class in a torch DataLoader of 2 workers. A peer that is not importable is
+it back with its own dataset class in a torch DataLoader with a worker per core (``--threads``). A peer that is not importable is
 skipped with one line. Install them with
 
     pip install litdata mosaicml-streaming

@@ -153,7 +153,7 @@ def _mosaic_loader(url: str, endpoint: str, cache: Path, batch_size: int, size: 
 def run_peer(peer: str, url: str, endpoint: str, cache: Path, args) -> dict:
     """One fresh build of ``peer``'s loader on an empty cache: first batch, cold epoch and warm epoch."""
     build = {"LitData": _litdata_loader, "Mosaic Streaming": _mosaic_loader}[peer]
-    workers = 2  # both libraries' docs set the DataLoader's workers to the machine's cores
+    workers = args.threads  # both libraries' docs set the DataLoader's workers to the cores at hand
     t0 = time.perf_counter()
     loader = build(url, endpoint, cache, args.batch_size, args.size, workers)
     epochs, first, after_first = [], None, None
