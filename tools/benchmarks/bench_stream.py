@@ -18,17 +18,17 @@ flip) at ``--size``. The cache's hits, misses, fetches and retries are reported 
 
 LitData and Mosaic Streaming read the same photos from the same store in the same rounds (``--peers``;
 ``benchlib.stream_peers``): each writes its own format with its own tool, keeping the JPEG bytes, and reads
-it back with its own dataset class in a torch DataLoader with a worker per core (``--threads``). A peer that is not importable is
-skipped with one line. Install them with
+it back with its own dataset class in a torch DataLoader with a worker per core (``--threads``). A peer
+that is not importable is skipped with one line. Install them with
 
     pip install litdata mosaicml-streaming
 
-Mosaic Streaming pins numpy below 2.2 and transformers below 5. To keep an environment's versions, install
-it without its dependencies into a virtual environment that sees the main one, and run this script there:
+Mosaic Streaming pins numpy below 2.2 and transformers below 5. To keep the versions of an environment
+``$VENV``, install it without its dependencies into a second one that sees the first, and run this there:
 
     python -m venv /tmp/peersvenv
     /tmp/peersvenv/bin/pip install --no-deps mosaicml-streaming xxhash zstd python-snappy
-    echo "$VENV/lib/python3.11/site-packages" > /tmp/peersvenv/lib/python3.11/site-packages/main-venv.pth
+    echo "$VENV/lib/python3.11/site-packages" > /tmp/peersvenv/lib/python3.11/site-packages/main.pth
 
 ``--store-cpus`` pins the store and its links to those cores and this process (the loader, its DALI threads
 and the cache's fetch threads) to the others: on a small machine the loopback store's own work (moto and the
