@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         endpoints = {"local disk": None, "S3 on loopback": store.direct}
         for mb in args.bandwidth_mb:
             endpoints[f"S3 through a {mb:g} MB/s, {args.latency_ms:g} ms link"] = store.links[float(mb)]
-        runs = measure(endpoints, local, remote, args, work, peers)
+        runs = measure(endpoints, local, remote, args, work, peers, manifest)
     results = report(runs, args, shards)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
@@ -222,10 +222,14 @@ def write_peers(manifest: Path, args, client, work: Path) -> dict[str, str]:
     return urls
 
 
-def measure(endpoints: dict[str, str | None], local: Path, remote: Path, args, work: Path, peers) -> dict:
+def measure(
+    endpoints: dict[str, str | None], local: Path, remote: Path, args, work: Path, peers: dict, manifest: Path
+) -> dict:
     """``args.rounds`` rounds, each variant once a round in turn; a remote variant also times one shard's fetch.
-    Each peer reads from every remote endpoint in the same rounds, right after mmfast's row for it."""
+    Each peer reads from every remote endpoint in the same rounds, right after mmfast's row for it. With any
+    peer, the peers' decoding also reads the photos from local disk, right after mmfast's local row."""
     runs: dict[str, list[dict]] = {name: [] for name in endpoints}
+    runs |= {stream_peers.LOCAL_DECODE: []} if peers else {}
     runs |= {f"{peer}, {name}": [] for name, ep in endpoints.items() if ep for peer in peers}
     first_shard = f"s3://{BUCKET}/shards/00000.tar"
     for r in range(args.rounds):
@@ -237,6 +241,10 @@ def measure(endpoints: dict[str, str | None], local: Path, remote: Path, args, w
             if endpoint:
                 runs[name][-1]["one_shard_fetch_s"] = one_shard_fetch_s(first_shard, work / "one.tar")
             print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
+            if peers and not endpoint:
+                run = stream_peers.run_peer(stream_peers.LOCAL_DECODE, manifest, None, work / "unused", args)
+                runs[stream_peers.LOCAL_DECODE].append(run)
+                print(f"  round {r + 1}: {stream_peers.LOCAL_DECODE}: {run}", file=sys.stderr)
             for peer, url in peers.items() if endpoint else ():
                 run = stream_peers.run_peer(peer, url, endpoint, work / f"peer-cache-{r}-{v}", args)
                 runs[f"{peer}, {name}"].append(run)

@@ -26,6 +26,7 @@ import torch
 from .baseline import pil_transform
 
 PEERS = ("LitData", "Mosaic Streaming")
+LOCAL_DECODE = "DataLoader (PIL), local disk"  # the peers' decoding without streaming
 
 
 def missing(peer: str) -> str | None:
@@ -150,9 +151,32 @@ def _mosaic_loader(url: str, endpoint: str, cache: Path, batch_size: int, size: 
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
 
 
-def run_peer(peer: str, url: str, endpoint: str, cache: Path, args) -> dict:
-    """One fresh build of ``peer``'s loader on an empty cache: first batch, cold epoch and warm epoch."""
-    build = {"LitData": _litdata_loader, "Mosaic Streaming": _mosaic_loader}[peer]
+class _LocalPhotos(torch.utils.data.Dataset):
+    """The manifest's photos read from local disk and decoded as the peers decode them."""
+
+    def __init__(self, manifest: Path, size: int):
+        rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+        labels = sorted({r["label"] for r in rows})
+        self.rows = [(manifest.parent / r["image"], labels.index(r["label"])) for r in rows]
+        self.decode = _Decode(size)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        path, label = self.rows[i]
+        return self.decode({"image": path.read_bytes(), "label": label})
+
+
+def _local_loader(manifest: Path, _endpoint, _cache, batch_size: int, size: int, workers: int):
+    dataset = _LocalPhotos(manifest, size)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+
+
+def run_peer(peer: str, url, endpoint: str | None, cache: Path, args) -> dict:
+    """One fresh build of ``peer``'s loader on an empty cache: first batch, cold epoch and warm epoch.
+    ``LOCAL_DECODE`` is the same decoding from local disk (``url`` is then the manifest)."""
+    build = {"LitData": _litdata_loader, "Mosaic Streaming": _mosaic_loader, LOCAL_DECODE: _local_loader}[peer]
     workers = args.threads  # both libraries' docs set the DataLoader's workers to the cores at hand
     t0 = time.perf_counter()
     loader = build(url, endpoint, cache, args.batch_size, args.size, workers)
