@@ -16,6 +16,20 @@ epoch (warm: the cache holds the set when ``--cache-mb`` allows); train augmenta
 flip) at ``--size``. The cache's hits, misses, fetches and retries are reported beside the figures. Needs
 ``moto[server]``, ``boto3`` and ``s3fs`` (the ``remote`` and ``test`` extras).
 
+LitData and Mosaic Streaming read the same photos from the same store in the same rounds (``--peers``;
+``benchlib.stream_peers``): each writes its own format with its own tool, keeping the JPEG bytes, and reads
+it back with its own dataset class in a torch DataLoader with a worker per core (``--threads``). A peer
+that is not importable is skipped with one line. Install them with
+
+    pip install litdata mosaicml-streaming
+
+Mosaic Streaming pins numpy below 2.2 and transformers below 5. To keep the versions of an environment
+``$VENV``, install it without its dependencies into a second one that sees the first, and run this there:
+
+    python -m venv /tmp/peersvenv
+    /tmp/peersvenv/bin/pip install --no-deps mosaicml-streaming xxhash zstd python-snappy
+    echo "$VENV/lib/python3.11/site-packages" > /tmp/peersvenv/lib/python3.11/site-packages/main.pth
+
 ``--store-cpus`` pins the store and its links to those cores and this process (the loader, its DALI threads
 and the cache's fetch threads) to the others: on a small machine the loopback store's own work (moto and the
 proxies serving every byte in Python) otherwise competes with the loader, which a remote store's does not.
@@ -35,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import stream_peers
 from benchlib.data import photo_manifest
 from benchlib.store_process import StoreProcess
 
@@ -59,6 +74,9 @@ def parse_args(argv):
     p.add_argument("--cache-mb", type=float, default=1024.0, help="the shard cache's limit")
     p.add_argument("--threads", type=int, default=None, help="DALI threads (default: the cores this process has)")
     p.add_argument("--store-cpus", type=int, nargs="+", default=None, help="cores for the store process alone")
+    p.add_argument(
+        "--peers", nargs="*", default=list(stream_peers.PEERS), help="other libraries read from the same store"
+    )
     p.add_argument("--json", default="bench_out/bench_stream.json")
     return p.parse_args(argv)
 
@@ -176,10 +194,11 @@ def main(argv=None) -> int:
             client.upload_file(str(tar), BUCKET, f"shards/{tar.name}")
         os.environ["AWS_ENDPOINT_URL"] = store.direct
         remote = prepare(f"s3://{BUCKET}/shards/{pattern}", work / "remote")
+        peers = write_peers(manifest, args, client, work)
         endpoints = {"local disk": None, "S3 on loopback": store.direct}
         for mb in args.bandwidth_mb:
             endpoints[f"S3 through a {mb:g} MB/s, {args.latency_ms:g} ms link"] = store.links[float(mb)]
-        runs = measure(endpoints, local, remote, args, work)
+        runs = measure(endpoints, local, remote, args, work, peers, manifest)
     results = report(runs, args, shards)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
@@ -187,9 +206,31 @@ def main(argv=None) -> int:
     return 0
 
 
-def measure(endpoints: dict[str, str | None], local: Path, remote: Path, args, work: Path) -> dict:
-    """``args.rounds`` rounds, each variant once a round in turn; a remote variant also times one shard's fetch."""
+def write_peers(manifest: Path, args, client, work: Path) -> dict[str, str]:
+    """Each importable peer's own format written by its own tool and uploaded; returns peer -> its URL."""
+    writers = {"LitData": stream_peers.write_litdata, "Mosaic Streaming": stream_peers.write_mds}
+    urls = {}
+    for peer in args.peers:
+        if why := stream_peers.missing(peer):
+            print(f"skipping {peer}: {why}")
+            continue
+        prefix = peer.split()[0].lower()
+        folder = writers[peer](manifest, work / prefix, args.per_shard)
+        files = stream_peers.upload(client, folder, BUCKET, prefix)
+        print(f"{peer}: {files} files in s3://{BUCKET}/{prefix}", file=sys.stderr)
+        urls[peer] = f"s3://{BUCKET}/{prefix}"
+    return urls
+
+
+def measure(
+    endpoints: dict[str, str | None], local: Path, remote: Path, args, work: Path, peers: dict, manifest: Path
+) -> dict:
+    """``args.rounds`` rounds, each variant once a round in turn; a remote variant also times one shard's fetch.
+    Each peer reads from every remote endpoint in the same rounds, right after mmfast's row for it. With any
+    peer, the peers' decoding also reads the photos from local disk, right after mmfast's local row."""
     runs: dict[str, list[dict]] = {name: [] for name in endpoints}
+    runs |= {stream_peers.LOCAL_DECODE: []} if peers else {}
+    runs |= {f"{peer}, {name}": [] for name, ep in endpoints.items() if ep for peer in peers}
     first_shard = f"s3://{BUCKET}/shards/00000.tar"
     for r in range(args.rounds):
         for v, (name, endpoint) in enumerate(endpoints.items()):
@@ -200,6 +241,14 @@ def measure(endpoints: dict[str, str | None], local: Path, remote: Path, args, w
             if endpoint:
                 runs[name][-1]["one_shard_fetch_s"] = one_shard_fetch_s(first_shard, work / "one.tar")
             print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
+            if peers and not endpoint:
+                run = stream_peers.run_peer(stream_peers.LOCAL_DECODE, manifest, None, work / "unused", args)
+                runs[stream_peers.LOCAL_DECODE].append(run)
+                print(f"  round {r + 1}: {stream_peers.LOCAL_DECODE}: {run}", file=sys.stderr)
+            for peer, url in peers.items() if endpoint else ():
+                run = stream_peers.run_peer(peer, url, endpoint, work / f"peer-cache-{r}-{v}", args)
+                runs[f"{peer}, {name}"].append(run)
+                print(f"  round {r + 1}: {peer}, {name}: {run}", file=sys.stderr)
     return runs
 
 
@@ -214,12 +263,16 @@ def report(runs: dict[str, list[dict]], args, shards: int) -> dict:
     print(f"\n{args.n} images in {shards} shards, batch {args.batch_size}, {args.size} px", end="")
     print(f", {args.threads} threads{cores}")
     cols = ("first batch s", "1 shard s", "cold img/s", "x local", "after 1st", "x local", "warm img/s", "x local")
-    print(f"{'source':<36}" + "".join(f"{c:>12}" for c in cols) + f"{'hits':>6}{'misses':>7}{'retries':>8}")
+    print(f"{'source':<56}" + "".join(f"{c:>12}" for c in cols) + f"{'hits':>6}{'misses':>7}{'retries':>8}")
     out = {"settings": vars(args), "shards": shards, "rows": {}}
     for name, row in rows.items():
         for k in ("cold_images_per_s", "cold_after_first_images_per_s", "warm_images_per_s"):
             row[k.replace("images_per_s", "x_local")] = row[k] / base[k]
         row["cache"] = runs[name][-1]["cache"]
+        if ", " in name and name.split(", ", 1)[1] in rows:  # a peer: mmfast's figure over its own
+            own = rows[name.split(", ", 1)[1]]
+            row["mmfast_x"] = {k: own[k] / row[k] for k in figures if k.endswith("images_per_s")}
+            row["mmfast_x"]["first_batch_s"] = row["first_batch_s"] / own["first_batch_s"]
         out["rows"][name] = row | {"runs": runs[name]}
         shard_s = "-" if row["one_shard_fetch_s"] is None else f"{row['one_shard_fetch_s']:.2f}"
         cells = [f"{row['first_batch_s']:.2f}", shard_s]
@@ -227,7 +280,7 @@ def report(runs: dict[str, list[dict]], args, shards: int) -> dict:
             cells += [f"{row[k + 'images_per_s']:.1f}", f"{row[k + 'x_local']:.2f}"]
         c = row["cache"]
         print(
-            f"{name:<36}"
+            f"{name:<56}"
             + "".join(f"{x:>12}" for x in cells)
             + "".join(f"{c.get(k, '-'):>{w}}" for k, w in (("hits", 6), ("misses", 7), ("retries", 8)))
         )
