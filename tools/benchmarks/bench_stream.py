@@ -19,12 +19,12 @@ flip) at ``--size``. The cache's hits, misses, fetches and retries are reported 
 LitData and Mosaic Streaming read the same photos from the same store in the same rounds (``--peers``;
 ``benchlib.stream_peers``): each writes its own format with its own tool, keeping the JPEG bytes, and reads
 it back with its own dataset class in a torch DataLoader with a worker per core (``--threads``). A peer
-that is not importable is skipped with one line. Install them with
+that is not importable is skipped with one line. LitData comes with the ``bench`` extra
+(``pip install -e '.[bench]'``).
 
-    pip install litdata mosaicml-streaming
-
-Mosaic Streaming pins numpy below 2.2 and transformers below 5. To keep the versions of an environment
-``$VENV``, install it without its dependencies into a second one that sees the first, and run this there:
+Mosaic Streaming pins numpy below 2.2 and transformers below 5, so no extra names it. To keep the versions of
+an environment ``$VENV``, install it without its dependencies into a second one that sees the first, and run
+this there:
 
     python -m venv /tmp/peersvenv
     /tmp/peersvenv/bin/pip install --no-deps mosaicml-streaming xxhash zstd python-snappy
