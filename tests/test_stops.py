@@ -193,6 +193,33 @@ def test_a_stop_ends_a_main_thread_stuck_in_native_code_within_the_grace():
     assert 'File "<string>", line 10 in <module>' in err, err[-2000:]  # where the main thread was: the connect
 
 
+# A stop taken while the main thread runs code from a string, as an import does when a dataclass is made: the
+# program catches it and exits with a status of its own.
+_CAUGHT_IN_EXEC = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from mmfast.util.stop_watch import StopWatch
+
+with StopWatch("cmd", 30):
+    try:
+        exec("os.kill(os.getpid(), signal.SIGTERM)\\nfor _ in range(10**8): pass")
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_stop_the_program_caught_ends_with_the_programs_exit_status(tmp_path):
+    """A stopped test session (``python -m pytest``) ended "killed by SIGINT", not with pytest's status 2:
+    CPython notes an interrupt that leaves exec'd code even when it is caught, and kills a ``-m`` module's
+    process with SIGINT at exit."""
+    (tmp_path / "caught_in_exec.py").write_text(_CAUGHT_IN_EXEC.format(root=str(ROOT)))
+    run = subprocess.run(
+        [sys.executable, "-m", "caught_in_exec"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert run.stdout == "stopped\n" and run.returncode == 3, (run.returncode, run.stderr[-2000:])
+
+
 @pytest.fixture
 def tiny_manifest(tmp_path):
     images = [save_image(tmp_path / f"{k}.png", seed=k).name for k in (0, 1)]
