@@ -29,9 +29,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from mmfast.loading.caption_loader import CaptionLoader
     from mmfast.data.token_cache import TokenCache
     from mmfast.infer.model_dir import MmfastModel, load_model
+    from mmfast.loading.caption_loader import CaptionLoader
     from mmfast.loading.image_loader import ImageLoader
     from mmfast.loading.multimodal import MultimodalLoader
     from mmfast.models import build_model

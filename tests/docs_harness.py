@@ -31,7 +31,8 @@ BLOCK_TIMEOUT_S = 240  # one block; the pages' examples are meant to take second
 TAIL_CHARS = 4000  # of a failing block's output, shown in the failure
 # A page whose blocks name one of these trains a model: it runs in the slow lane (--run-slow).
 TRAINS = re.compile(
-    r"mmfast-train|mmfast-profile|accelerate launch|torchrun|mmfast\.train\b|tools/train\.py|open_clip_data|optimizer\.step"
+    r"mmfast-train|mmfast-profile|accelerate launch|torchrun|mmfast\.train\b|tools/train\.py|open_clip_data"
+    r"|optimizer\.step"
 )
 
 

@@ -215,7 +215,7 @@ def test_skipped_pictures_leave_no_placeholder_and_drop_last_keeps_every_batch_w
                            sep="\t", batch_size=4, shuffle=True, drop_last=True, max_pixels=20_000,
                            num_workers=2)  # fmt: skip
     assert (len(loader), loader.num_batches, loader.num_samples) == (5, 5, N + 2)
-    for epoch in range(2):
+    for _epoch in range(2):
         with caplog.at_level(logging.INFO, logger="mmfast"):
             batches = list(loader)
         assert [len(b.ids) for b in batches] == [4] * 5  # 23 rows: 5 whole batches, the 2 holes filled

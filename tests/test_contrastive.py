@@ -425,7 +425,7 @@ def test_the_loop_hands_each_window_to_the_task(prepared, tmp_path, monkeypatch)
     assert m["eval_precision"] == {"no": "fp32"}.get(summary["mixed_precision"], summary["mixed_precision"])
 
 
-# --- runs that cannot learn ---------------------------------------------------------------------------------------
+# --- runs that cannot learn --------------------------------------------------------------------------------------
 
 
 def test_a_split_where_no_pair_can_be_a_negative_is_refused_at_the_boundary():

@@ -283,7 +283,8 @@ def test_a_restored_position_survives_set_epoch_and_continues(folder):
 
 
 def test_the_guides_ddp_snippet_counts_every_image_once(folder):
-    """The drop-in guide's counting loop, run as-is on the two shards of 2 processes (the all_reduce: their sum)."""
+    """The drop-in guide's counting loop, run as-is on the two shards of 2 processes (the all_reduce: their
+    sum)."""
     guide = (ROOT / "docs" / "guides" / "dropin-loader.md").read_text()
     snippet = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "batch.mask" in b)
     dataset = datasets.ImageFolder(folder, EVAL_TF)

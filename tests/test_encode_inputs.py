@@ -85,7 +85,7 @@ def test_on_error_raise_names_the_file_and_the_limit(model, folder, photos):
     # the budget is the caller's when given: a real photo over 0.1 MP
     with Image.open(photos[0]) as im:
         w, h = im.size
-    with pytest.raises(BadImageError, match=rf"over the 0.1 MP budget \(max_pixels=\)"):
+    with pytest.raises(BadImageError, match=r"over the 0.1 MP budget \(max_pixels=\)"):
         model.encode_image(photos[0], max_pixels=100_000, on_error="raise")
     assert model.encode_image(photos[0], max_pixels=w * h).shape == (1, DIM)
     with pytest.raises(ValueError, match="on_error must be 'skip' or 'raise', got 'ignore'"):

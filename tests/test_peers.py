@@ -178,8 +178,9 @@ def test_a_format_that_cannot_hold_the_model_is_refused_before_anything_is_writt
 def test_a_torchvision_resnet_tower_goes_to_transformers_as_timm_builds_it(prepared, tmp_path):
     """ResNet-10 (torchvision's blocks) has no timm name: the hf folder names timm's resnet18 with one block a
     stage, and transformers' TimmWrapper builds it and gives mmfast's features (its head the projection)."""
-    import tools.export as export_tool
     from transformers import AutoModel, AutoModelForImageClassification
+
+    import tools.export as export_tool
 
     model = load_model(_model_dir(prepared, tmp_path))
     out = tmp_path / "export"
@@ -199,8 +200,9 @@ def test_a_torchvision_resnet_tower_goes_to_transformers_as_timm_builds_it(prepa
 def test_a_classifier_exports_its_towers_without_projections(prepared, tmp_path):
     """A fusion classifier's --format hf: its image and text towers as transformers models (features, no head);
     the fusion head is not there (towers.json names no embedding)."""
-    import tools.export as export_tool
     from transformers import AutoModel, AutoTokenizer
+
+    import tools.export as export_tool
 
     model = load_model(_model_dir(prepared, tmp_path, model="concat"))
     out = tmp_path / "export"

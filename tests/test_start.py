@@ -98,8 +98,9 @@ def _same_tokenizer(run: Path, start: Path) -> None:
 def test_a_transformers_clip_starts_the_dual_encoder_locked_image_and_goes_back(
     demo_manifest, photos, minilm_dir, tmp_path
 ):
-    import tools.export as export_tool
     from transformers import CLIPModel
+
+    import tools.export as export_tool
 
     start = hf_clip_dir(tmp_path, minilm_dir)
     run = _train(tmp_path, demo_manifest, "--init-from", str(start), "--freeze-image")

@@ -392,9 +392,9 @@ def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path,
 def test_a_pretrained_encoder_named_by_flag_brings_its_own_learning_rate():
     """The tiny preset's recipe (lr 2e-3) is for encoders from scratch: a pretrained encoder named by flag
     (all-MiniLM by --text-model) trains at its own rate instead, and the run says so."""
-    from mmfast.train.resolve import resolve_preset
     from mmfast.train.flags import parse_config
     from mmfast.train.report import encoder_lr_note
+    from mmfast.train.resolve import resolve_preset
 
     def resolved(*argv):
         given = parse_config(list(argv))

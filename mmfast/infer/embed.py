@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.infer.model_dir import MmfastModel
 from mmfast.infer.encode_inputs import check_on_error
+from mmfast.infer.model_dir import MmfastModel
 from mmfast.infer.predict import bad_image, flag_unreadable, image_file, rows_loader
 from mmfast.tasks.retrieval import (
     caption_groups,

@@ -21,7 +21,6 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from mmfast.data.caption_tokens import CaptionTokens, tokenize_captions

@@ -87,7 +87,9 @@ class _Wait:
 def _reach(host: str, port: int, wait: _Wait) -> None:
     """Return once ``host:port`` accepts a connection."""
     try:
-        wait_for_listener(host, port, lambda failure: wait.check(f"nothing accepts a connection there ({failure})"))
+        wait_for_listener(
+            host, port, lambda failure: wait.check(f"nothing accepts a connection there ({failure})")
+        )
     except UnknownHost as e:
         raise RendezvousError(
             f"rank {wait.rank}: MASTER_ADDR: {e}: give the launcher the first node's name or address "

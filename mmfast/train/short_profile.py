@@ -84,8 +84,8 @@ def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
     notes = [RIDGE_SKIPPED] if cfg.init_proj == "ridge" else []
     total = cfg.max_steps
     accelerator.print(
-        f"profiling {total - warmup} steps after {warmup} warm-up step{'s' if warmup != 1 else ''}: no evaluation, "
-        "checkpoint or model directory" + "".join(f"; {n}" for n in notes)
+        f"profiling {total - warmup} steps after {warmup} warm-up step{'s' if warmup != 1 else ''}: "
+        "no evaluation, checkpoint or model directory" + "".join(f"; {n}" for n in notes)
     )
     with cache or contextlib.nullcontext():
         # --feature-cache: the cache is built (or read) before the steps, which then read it

@@ -101,7 +101,7 @@ def child_loader(variant: str, table: str, args) -> dict:
             drop_last=True, num_workers=args.workers, epochs=1,
         )  # fmt: skip
     n = 0
-    for images, texts in loader:
+    for images, _texts in loader:
         n += len(images)
     return {"seconds": time.perf_counter() - t0, "images": n}
 

@@ -111,7 +111,8 @@ def sentences(markdown: str, path: str = "") -> list[Sentence]:
             continue
         text = _prose(block)
         for abbreviation in _ABBREVIATIONS:  # a full stop inside an abbreviation ends nothing
-            text = re.sub(r"(?<!\w)" + re.escape(abbreviation), abbreviation.replace(".", "\x00"), text, flags=re.I)
+            hidden = abbreviation.replace(".", "\x00")
+            text = re.sub(r"(?<!\w)" + re.escape(abbreviation), hidden, text, flags=re.I)
         ends = [m.span() for m in _SENTENCE_END.finditer(text)] + [(len(text), len(text))]
         begin = 0
         for end, next_begin in ends:
@@ -156,7 +157,8 @@ def _table(rows: dict[str, dict]) -> str:
     width = max(len(heads[0]), *(len(name) for name in rows))
     lines = [f"{heads[0]:<{width}}  " + "  ".join(f"{h:>{len(h)}}" for h in heads[1:])]
     for name, row in rows.items():
-        lines.append(f"{name:<{width}}  " + "  ".join(f"{row[k]!s:>{len(h)}}" for k, h in zip(keys, heads[1:])))
+        cells = (f"{row[k]!s:>{len(h)}}" for k, h in zip(keys, heads[1:], strict=True))
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
 
 
