@@ -121,10 +121,11 @@ def test_a_transformers_clip_starts_the_dual_encoder_locked_image_and_goes_back(
     assert str(theirs["kind"]) == "CLIPModel"
     assert_same_embeddings(ours, theirs)
     assert float(theirs["logit_scale"]) == pytest.approx(float(weights["model.logit_scale"]))
-    # CLIP's processor: mmfast's eval geometry and normalization (its own resize filter: pixels not bit-equal)
+    # the start's own processor: its bicubic filter and shortest edge, followed in training and written back
+    assert (config["interpolation"], config["resize_mode"], config["crop_ratio"]) == ("bicubic", "shortest", 1.0)
     pre = json.loads((out / "hf" / "preprocessor_config.json").read_text())
-    assert (pre["size"], pre["crop_size"]) == ({"shortest_edge": 37}, {"height": 32, "width": 32})
-    assert (pre["image_mean"], pre["image_std"], pre["resample"]) == (config["mean"], config["std"], 2)
+    assert (pre["size"], pre["crop_size"]) == ({"shortest_edge": 32}, {"height": 32, "width": 32})
+    assert (pre["image_mean"], pre["image_std"], pre["resample"]) == (config["mean"], config["std"], 3)
     assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "open_clip"]) == 2
 
 

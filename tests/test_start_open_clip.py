@@ -28,9 +28,11 @@ VIT = {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width"
 RESNET = {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8}  # open_clip's ModifiedResNet (RN50's kind)
 
 
-def native_open_clip_dir(root: Path, custom_text: bool = False, vision: dict = VIT) -> Path:
+def native_open_clip_dir(
+    root: Path, custom_text: bool = False, vision: dict = VIT, resize: str = "shortest"
+) -> Path:
     """A tiny open_clip CLIP (ViT image tower, open_clip's text transformer, random weights), saved with
-    open_clip's own config writer and weight file name."""
+    open_clip's own config writer and weight file name. Its preprocessing is bicubic, with ``resize``."""
     import open_clip
     from open_clip.push_to_hf_hub import save_config_for_hf
     from safetensors.torch import save_file
@@ -46,10 +48,11 @@ def native_open_clip_dir(root: Path, custom_text: bool = False, vision: dict = V
     torch.manual_seed(0)
     cls = open_clip.model.CustomTextCLIP if custom_text else open_clip.model.CLIP
     model = cls(**{k: v for k, v in model_cfg.items() if k != "custom_text"})
-    preprocess = {"size": 32, "mean": MEAN, "std": STD, "interpolation": "bicubic", "resize_mode": "shortest"}
+    preprocess = {"size": 32, "mean": MEAN, "std": STD, "interpolation": "bicubic", "resize_mode": resize}
     open_clip.model.set_model_preprocess_cfg(model, preprocess)
     out = root / ("tiny-open_clip-custom" if custom_text else "tiny-open_clip-native")
-    out = out.with_name(out.name + ("-resnet" if vision is RESNET else ""))
+    suffix = ("-resnet" if vision is RESNET else "") + ("" if resize == "shortest" else "-" + resize)
+    out = out.with_name(out.name + suffix)
     out.mkdir(parents=True)
     save_config_for_hf(model, out / "open_clip_config.json", model_config=model_cfg)
     save_file(model.state_dict(), str(out / "open_clip_model.safetensors"))
@@ -104,7 +107,36 @@ def test_open_clip_image_tower_embeds_as_open_clip_with_its_preprocessing(vision
         got, _ = ours(pixels)
         torch.testing.assert_close(got, theirs.encode_image(pixels), rtol=1e-5, atol=1e-5)
     assert not ours.module.training and (ours.mean, ours.std) == (MEAN, STD)
-    assert start_preprocess(start) == {"image_size": 32, "mean": MEAN, "std": STD}
+    geometry = {"interpolation": "bicubic", "resize_mode": "shortest", "crop_ratio": 1.0}
+    assert start_preprocess(start) == {"image_size": 32, "mean": MEAN, "std": STD, **geometry}
+
+
+@pytest.mark.parametrize("resize", ["shortest", "squash"])
+def test_the_centre_view_is_the_checkpoints_own_preprocess(resize, photos, tmp_path):
+    """The start's filter (bicubic) and resize mode reach the loaders: the eval view of real photos equals
+    open_clip's PIL preprocess within a level of 255 (torchvision's geometry); the graph's geometry, which
+    training's evaluation and predict use, rounds the crop's offset and size otherwise, moving a few pixels."""
+    import open_clip
+    from PIL import Image
+
+    from mmfast.loading.image_loader import ImageLoader
+    from mmfast.models.start_towers import image_tower_from
+    from mmfast.train.data import image_norm
+
+    start = native_open_clip_dir(tmp_path, resize=resize)
+    _, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{start}")
+    want = torch.stack([preprocess(Image.open(p)) for p in photos])
+    mean, std, geometry = image_norm(image_tower_from(start, freeze=True))
+    crop = {"crop_ratio": 1.0} if resize == "shortest" else {}  # open_clip crops no margin
+    assert geometry == {"interpolation": "bicubic", "resize_mode": resize} | crop
+    norm = {"mean": tuple(255 * m for m in mean), "std": tuple(255 * s for s in std)}
+    levels = torch.tensor(STD).view(3, 1, 1) * 255  # one normalized unit in 8-bit levels
+    for eval_geometry, most, on_average in (("torchvision", 1.01, 0.01), ("dali", 255, 1.5)):
+        files = [str(p) for p in photos]
+        loader = ImageLoader(files, batch_size=len(files), train=False, size=32, dtype=torch.float32,
+                             eval_geometry=eval_geometry, cache_decoded=False, **norm, **geometry)  # fmt: skip
+        diff = ((next(iter(loader))[0] - want) * levels).abs()
+        assert float(diff.max()) <= most and float(diff.mean()) <= on_average, (eval_geometry, diff.mean())
 
 
 def test_open_clip_tokenizer_cuts_at_max_length_and_rebuilds_from_its_directory(tmp_path):
@@ -165,6 +197,7 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     config = json.loads((run / "model" / "config.json").read_text())
     assert (config["image_size"], config["embed_dim"], config["text_tower"]["kind"]) == (32, 16, "open_clip")
     assert config["mean"] == pytest.approx(MEAN) and config["std"] == pytest.approx(STD)
+    assert (config["interpolation"], config["resize_mode"], config["crop_ratio"]) == ("bicubic", "shortest", 1.0)
     weights = load_file(str(run / "model" / "model.safetensors"))
     ref = load_file(str(start / "open_clip_model.safetensors"))
     same_image = torch.equal(weights["model.image.module.conv1.weight"], ref["visual.conv1.weight"])
@@ -175,6 +208,8 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "open_clip"]) == 0
     inputs, ours = mmfast_inputs(run / "model", run / "prepared", photos, tmp_path)
     theirs = run_peer("open_clip_embed", out / "open_clip", inputs, tmp_path)
+    exported = json.loads((out / "open_clip" / "open_clip_config.json").read_text())["preprocess_cfg"]
+    assert (exported["interpolation"], exported["resize_mode"]) == ("bicubic", "shortest")
     assert str(theirs["kind"]) == "CLIP"
     assert_same_embeddings(ours, theirs)
     model = ours["model"]

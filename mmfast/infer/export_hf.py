@@ -10,7 +10,8 @@ sentence-transformers for the text) load without mmfast:
 
 A dual encoder's image folder is a classifier whose head is the image projection: its ``logits`` are the image
 embedding before normalization (the head's bias is zero). The image processor resizes the shorter side to the
-size / crop_ratio of mmfast's evaluation (bilinear) and crops the centre, normalizing with the model's mean/std.
+size / crop_ratio of mmfast's evaluation and crops the centre (or squashes the picture), with the model's filter,
+mean and std.
 
 transformers' ``VisionTextDualEncoderModel`` reads a text tower's ``pooler_output`` (BERT's [CLS] pooler), which
 is not mmfast's mean over tokens, so the towers are written as separate models. A fusion classifier's towers
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from mmfast.data.preprocessing import eval_resize
 from mmfast.infer.peer_towers import (
     FormatRefusal,
     TimmImage,
@@ -40,6 +42,7 @@ from mmfast.infer.peer_towers import (
 from mmfast.util.fsutil import atomic_dir, file_lock
 
 FORMAT = "hf"
+_RESAMPLE = {"bilinear": 2, "bicubic": 3}  # PIL's numbers, as a Hugging Face image processor names its filter
 TOWERS_FILE = "towers.json"
 # sentence-transformers' modules, as its v2 layout names them (every later version reads that layout)
 _ST_MODULES = "sentence_transformers.models."
@@ -100,13 +103,14 @@ def write_hf(model, out: str | os.PathLike) -> Path:
 def timm_hf_config(image: TimmImage, config: dict, num_classes: int) -> dict:
     """timm's config.json of the image tower: its architecture, head width and eval preprocessing."""
     size, resized = eval_geometry(config)
+    resize = eval_resize(config)
     pretrained_cfg = {
         "input_size": [3, size, size],
         "fixed_input_size": False,
-        "interpolation": "bilinear",
+        "interpolation": resize["interpolation"],
         # timm resizes to floor(size / crop_pct): a quarter pixel above the side keeps it off the boundary
         "crop_pct": size / (resized + 0.25),
-        "crop_mode": "center",
+        "crop_mode": "squash" if resize["resize_mode"] == "squash" else "center",
         "mean": list(config["mean"] or (0.5,) * 3),
         "std": list(config["std"] or (0.5,) * 3),
         "num_classes": num_classes,
@@ -182,7 +186,7 @@ def _write_clip(model, out: Path) -> None:
     """A dual encoder whose towers both started from a CLIP directory, as a ``CLIPModel`` with its processor:
     the image processor of mmfast's eval preprocessing and the tokenizer it trained with."""
     # transformers: a slow import, only for a Hugging Face model or tokenizer
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+    from transformers import CLIPConfig, CLIPModel
 
     net = model.model
     vision, text = net.image.module, net.text.module
@@ -196,13 +200,23 @@ def _write_clip(model, out: Path) -> None:
     state = {**vision.state_dict(), **text.state_dict(), "logit_scale": net.logit_scale.detach().reshape(())}
     clip.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=True)
     clip.save_pretrained(str(out))
-    size, resized = eval_geometry(model.config)
-    processor = CLIPImageProcessor(
-        size={"shortest_edge": resized},
-        crop_size={"height": size, "width": size},
-        resample=2,  # bilinear, as mmfast's eval resize
-        image_mean=list(model.config["mean"]),
-        image_std=list(model.config["std"]),
-    )
-    processor.save_pretrained(str(out))
+    clip_processor(model.config).save_pretrained(str(out))
     model.tokenizer.save_pretrained(str(out))
+
+
+def clip_processor(config: dict):
+    """A ``CLIPImageProcessor`` giving the model's eval preprocessing: its filter, its shorter side and centre
+    crop (or the whole picture squashed to the size), its mean and std."""
+    from transformers import CLIPImageProcessor  # transformers: a slow import, only for this format
+
+    size, resized = eval_geometry(config)
+    resize = eval_resize(config)
+    squash = resize["resize_mode"] == "squash"
+    return CLIPImageProcessor(
+        size={"height": size, "width": size} if squash else {"shortest_edge": resized},
+        crop_size={"height": size, "width": size},
+        do_center_crop=not squash,
+        resample=_RESAMPLE[resize["interpolation"]],
+        image_mean=list(config["mean"]),
+        image_std=list(config["std"]),
+    )
