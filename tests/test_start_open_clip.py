@@ -179,6 +179,48 @@ def test_a_text_tower_that_reads_the_full_context_is_refused(tmp_path):
         text_tower_from(tmp_path / "oc")
 
 
+@pytest.mark.parametrize("vision", [VIT, RESNET], ids=["vit", "modified-resnet"])
+def test_hf_export_is_a_clip_model_or_refused_naming_the_tower(vision, tmp_path):
+    """--format hf: open_clip's ViT and text transformer become transformers' CLIPModel, which embeds as open_clip
+    does; a ModifiedResNet image tower is refused before anything is written."""
+    from transformers import CLIPModel
+
+    from mmfast.infer.export_hf import hf_towers, write_hf
+    from mmfast.infer.model_dir import MmfastModel
+    from mmfast.infer.peer_towers import FormatRefusal
+    from mmfast.models import build_model
+
+    start = native_open_clip_dir(tmp_path, vision=vision)
+    net = build_model("clip", 0, image_backbone=str(start), text_model=str(start), embed_dim=None)
+    config = {
+        "model": "clip", "task": "contrastive", "loss": "clip", "embed_dim": 16, "num_classes": 2,
+        "class_names": ["a", "b"], "image_backbone": str(start), "text_model": str(start), "vocab_size": 49408,
+        "hidden": 32, "dropout": 0.1, "image_size": 32, "mean": list(MEAN), "std": list(STD), "max_length": 32,
+        "image_tower": net.image.record, "text_tower": net.text.record, "interpolation": "bicubic",
+        "resize_mode": "shortest", "crop_ratio": 1.0,
+    }  # fmt: skip
+    model = MmfastModel(config)
+    model.model.load_state_dict(net.state_dict(), strict=True)
+    model.tokenizer = load_tokenizer(start)
+    if vision is RESNET:
+        refusal = r"^--format hf: the image tower is open_clip's ModifiedResNet, not CLIP's; export it with --format "
+        with pytest.raises(FormatRefusal, match=refusal + "open_clip, onnx or torch$"):
+            hf_towers(model)
+        return
+    write_hf(model, tmp_path / "hf")
+    clip = CLIPModel.from_pretrained(tmp_path / "hf").eval()
+    theirs, tok = _open_clip(start)
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ids = tok(CAPTIONS[:3])[:, :16]  # open_clip's rows, padded with 0 after the end-of-text id
+    with torch.no_grad():
+        image = clip.get_image_features(pixel_values=pixels)
+        text = clip.get_text_features(input_ids=ids, attention_mask=(ids > 0).long())
+        image, text = (getattr(x, "pooler_output", x) for x in (image, text))  # a model output in transformers 5
+        torch.testing.assert_close(image, theirs.encode_image(pixels), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(text, theirs.encode_text(tok(CAPTIONS[:3])), rtol=1e-4, atol=1e-5)
+    assert clip.logit_scale.item() == pytest.approx(LOGIT_SCALE)
+
+
 @pytest.mark.slow  # a training run and a fresh process to load the export: over the fast lane's budget
 @pytest.mark.parametrize("locked", [True, False], ids=["locked-image", "unlocked"])
 def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
@@ -186,6 +228,7 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
 ):
     import tools.export as export_tool
     import tools.train as train_tool
+    from transformers import CLIPTokenizer
 
     start = native_open_clip_dir(tmp_path)
     run = tmp_path / "run"
@@ -217,9 +260,15 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     want = model.tokenizer(captions, truncation=True, max_length=model.config["max_length"])["input_ids"]
     for row, ids in zip(theirs["ids"], want, strict=True):
         assert row[: len(ids)].tolist() == ids and not row[len(ids) :].any()
-    capsys.readouterr()
-    assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "hf"]) == 2
-    assert "started from a open_clip model, which hf cannot build" in capsys.readouterr().err
+    # transformers' CLIPModel and CLIPProcessor, loaded in a fresh process: the same embeddings and recall
+    assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "hf"]) == 0
+    clip = run_peer("clip_embed", out / "hf", inputs, tmp_path)
+    assert str(clip["kind"]) == "CLIPModel"
+    assert_same_embeddings(ours, clip)
+    assert float(clip["logit_scale"]) == pytest.approx(float(weights["model.logit_scale"]))
+    assert CLIPTokenizer.from_pretrained(out / "hf")(captions, truncation=True)["input_ids"] == want
+    # CLIPProcessor's own pixels of the photos: mmfast's centre view, its crop offset rounded its own way
+    assert np.abs(clip["own_pixels"] - np.load(inputs)["pixels"][-len(photos) :]).mean() < 0.05
     if locked:  # once: ONNX and torch.export graphs of each tower, at a caption length other than the example's
         assert export_tool.main(["--model", str(run / "model"), "--out", str(out / "both")]) == 0  # onnx, torch
         rows = torch.tensor(theirs["ids"][:3])  # open_clip's rows (3, 32), cut to the longest caption's width

@@ -16,6 +16,9 @@ mean and std.
 transformers' ``VisionTextDualEncoderModel`` reads a text tower's ``pooler_output`` (BERT's [CLS] pooler), which
 is not mmfast's mean over tokens, so the towers are written as separate models. A fusion classifier's towers
 are written the same way without projections; its fusion head stays in ONNX / ``torch.export``.
+
+A model whose towers both started from a pair goes back as one ``CLIPModel``: a Hugging Face CLIP as it is
+(``_write_clip``), a standard open_clip CLIP mapped onto it (``mmfast.infer.export_hf_clip``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from pathlib import Path
 import torch
 
 from mmfast.data.preprocessing import eval_resize
+from mmfast.infer.export_hf_clip import (
+    clip_processor,
+    is_open_clip_clip,
+    open_clip_towers,
+    write_open_clip_as_clip,
+)
 from mmfast.infer.peer_towers import (
     FormatRefusal,
     TimmImage,
@@ -42,7 +51,6 @@ from mmfast.infer.peer_towers import (
 from mmfast.util.fsutil import atomic_dir, file_lock
 
 FORMAT = "hf"
-_RESAMPLE = {"bilinear": 2, "bicubic": 3}  # PIL's numbers, as a Hugging Face image processor names its filter
 TOWERS_FILE = "towers.json"
 # sentence-transformers' modules, as its v2 layout names them (every later version reads that layout)
 _ST_MODULES = "sentence_transformers.models."
@@ -55,8 +63,11 @@ def hf_towers(model) -> tuple[TimmImage | None, object, torch.Tensor | None, tor
     Raises:
         FormatRefusal: a tower that transformers cannot build.
     """
+    if is_open_clip_clip(model):
+        open_clip_towers(model)  # refused here, before anything is written, unless both towers are CLIP's
+        return None, None, None, None
     if start_kinds(model) == ("hf-clip", "hf-clip"):
-        return None, None, None, None  # a CLIPModel as it is (``_write_clip``)
+        return None, None, None, None  # a CLIPModel (``_write_clip``, ``write_open_clip_as_clip``)
     refuse_starts(model, FORMAT, "open_clip")
     net = model.model
     image_proj, text_proj = projections(model, FORMAT) if model.embeds else (None, None)
@@ -81,8 +92,9 @@ def write_hf(model, out: str | os.PathLike) -> Path:
     out = Path(out)
     image, text, image_proj, text_proj = hf_towers(model)
     if image is None and text is None:
+        write = write_open_clip_as_clip if is_open_clip_clip(model) else _write_clip
         with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
-            _write_clip(model, tmp)
+            write(model, tmp)
         return out
     towers = {"format": "mmfast-towers/1", "model": model.config["model"]}
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
@@ -202,21 +214,3 @@ def _write_clip(model, out: Path) -> None:
     clip.save_pretrained(str(out))
     clip_processor(model.config).save_pretrained(str(out))
     model.tokenizer.save_pretrained(str(out))
-
-
-def clip_processor(config: dict):
-    """A ``CLIPImageProcessor`` giving the model's eval preprocessing: its filter, its shorter side and centre
-    crop (or the whole picture squashed to the size), its mean and std."""
-    from transformers import CLIPImageProcessor  # transformers: a slow import, only for this format
-
-    size, resized = eval_geometry(config)
-    resize = eval_resize(config)
-    squash = resize["resize_mode"] == "squash"
-    return CLIPImageProcessor(
-        size={"height": size, "width": size} if squash else {"shortest_edge": resized},
-        crop_size={"height": size, "width": size},
-        do_center_crop=not squash,
-        resample=_RESAMPLE[resize["interpolation"]],
-        image_mean=list(config["mean"]),
-        image_std=list(config["std"]),
-    )
