@@ -197,6 +197,27 @@ def test_a_vision_model_directory_is_an_image_tower_rebuilt_without_it(kind, pre
         torch.testing.assert_close(rebuilt.model.encode_image(pixels), net.encode_image(pixels))
 
 
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_processors_resize_is_the_starts_eval_geometry(kind, tmp_path):
+    """A Hugging Face start's image processor, as transformers saves it, sets mmfast's eval resize: CLIP's
+    bicubic shortest edge and centre crop (224 of 256: a crop ratio of 0.875), SigLIP's square resize."""
+    from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+    from mmfast.models.start_dirs import start_preprocess
+
+    folder = tmp_path / kind
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": kind}))
+    if kind == "clip":
+        CLIPImageProcessor(size={"shortest_edge": 256}, crop_size=224).save_pretrained(folder)
+        want = {"image_size": 224, "interpolation": "bicubic", "resize_mode": "shortest", "crop_ratio": 0.875}
+    else:
+        SiglipImageProcessor(size={"height": 224, "width": 224}).save_pretrained(folder)
+        want = {"image_size": 224, "interpolation": "bicubic", "resize_mode": "squash"}
+    got = start_preprocess(folder)
+    assert {k: v for k, v in got.items() if k not in ("mean", "std")} == want
+
+
 def test_init_from_refuses_what_is_not_a_pair(minilm_dir):
     from mmfast.models.start_dirs import start_fields
     from mmfast.train.config import TrainConfig
