@@ -227,8 +227,12 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     locked, demo_manifest, photos, tmp_path, capsys
 ):
     import tools.export as export_tool
+    import open_clip
     import tools.train as train_tool
+    from PIL import Image
     from transformers import CLIPTokenizer
+
+    from mmfast.infer.predict import rows_loader
 
     start = native_open_clip_dir(tmp_path)
     run = tmp_path / "run"
@@ -253,6 +257,13 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     theirs = run_peer("open_clip_embed", out / "open_clip", inputs, tmp_path)
     exported = json.loads((out / "open_clip" / "open_clip_config.json").read_text())["preprocess_cfg"]
     assert (exported["interpolation"], exported["resize_mode"]) == ("bicubic", "shortest")
+    # predict's loader of the photos: open_clip's own preprocess of the export, a level of 255 on average
+    _, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out / 'open_clip'}")
+    files = [str(p) for p in photos]
+    loader = rows_loader(files, ["x"] * len(files), ours["model"], tmp_path / "t", 10**8, batch_size=len(files))
+    got = next(iter(loader))["image"].float()[: len(files)]
+    want = torch.stack([preprocess(Image.open(p)) for p in photos])
+    assert float(((got - want) * torch.tensor(STD).view(3, 1, 1) * 255).abs().mean()) <= 1.5
     assert str(theirs["kind"]) == "CLIP"
     assert_same_embeddings(ours, theirs)
     model = ours["model"]
