@@ -122,10 +122,11 @@ def test_a_transformers_clip_starts_the_dual_encoder_locked_image_and_goes_back(
     assert str(theirs["kind"]) == "CLIPModel"
     assert_same_embeddings(ours, theirs)
     assert float(theirs["logit_scale"]) == pytest.approx(float(weights["model.logit_scale"]))
-    # CLIP's processor: mmfast's eval geometry and normalization (its own resize filter: pixels not bit-equal)
+    # the start's own processor: its bicubic filter and shortest edge, followed in training and written back
+    assert (config["interpolation"], config["resize_mode"], config["crop_ratio"]) == ("bicubic", "shortest", 1.0)
     pre = json.loads((out / "hf" / "preprocessor_config.json").read_text())
-    assert (pre["size"], pre["crop_size"]) == ({"shortest_edge": 37}, {"height": 32, "width": 32})
-    assert (pre["image_mean"], pre["image_std"], pre["resample"]) == (config["mean"], config["std"], 2)
+    assert (pre["size"], pre["crop_size"]) == ({"shortest_edge": 32}, {"height": 32, "width": 32})
+    assert (pre["image_mean"], pre["image_std"], pre["resample"]) == (config["mean"], config["std"], 3)
     assert export_tool.main(["--model", str(run / "model"), "--out", str(out), "--format", "open_clip"]) == 2
 
 
@@ -195,6 +196,27 @@ def test_a_vision_model_directory_is_an_image_tower_rebuilt_without_it(kind, pre
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(rebuilt.model.encode_image(pixels), net.encode_image(pixels))
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_processors_resize_is_the_starts_eval_geometry(kind, tmp_path):
+    """A Hugging Face start's image processor, as transformers saves it, sets mmfast's eval resize: CLIP's
+    bicubic shortest edge and centre crop (224 of 256: a crop ratio of 0.875), SigLIP's square resize."""
+    from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+    from mmfast.models.start_dirs import start_preprocess
+
+    folder = tmp_path / kind
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": kind}))
+    if kind == "clip":
+        CLIPImageProcessor(size={"shortest_edge": 256}, crop_size=224).save_pretrained(folder)
+        want = {"image_size": 224, "interpolation": "bicubic", "resize_mode": "shortest", "crop_ratio": 0.875}
+    else:
+        SiglipImageProcessor(size={"height": 224, "width": 224}).save_pretrained(folder)
+        want = {"image_size": 224, "interpolation": "bicubic", "resize_mode": "squash"}
+    got = start_preprocess(folder)
+    assert {k: v for k, v in got.items() if k not in ("mean", "std")} == want
 
 
 def test_init_from_refuses_what_is_not_a_pair(minilm_dir):

@@ -98,6 +98,11 @@ class OpenClipTokenizer:
         h.update(json.dumps([FORMAT, self.clean, self.context_length]).encode())
         return h.hexdigest()
 
+    def bpe(self) -> tuple[dict[str, int], list[tuple[str, str]]]:
+        """The byte-level BPE as a Hugging Face ``CLIPTokenizer`` takes it: (token -> id, merges by rank)."""
+        ranks = sorted(self._tok.bpe_ranks.items(), key=lambda item: item[1])
+        return dict(self._tok.encoder), [pair for pair, _ in ranks]
+
     def encode_row(self, text: str, max_length: int | None = None) -> list[int]:
         """One caption's ids as open_clip's tokenizer gives them, cut to ``max_length`` (at most the context)."""
         width = min(self.context_length, max_length or self.context_length)

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.data.preprocessing import eval_resize
 from mmfast.data.validate import open_image
 
 log = logging.getLogger(__name__)
@@ -59,14 +59,20 @@ def text_inputs(texts) -> list[str]:
 
 def pil_transform(config: dict):
     """The eval preprocessing as PIL + torchvision give it (a PIL image -> (3, S, S) float32): the shorter side
-    resized to image_size / crop_ratio, a center crop of image_size, config.json's mean/std."""
+    resized to image_size / crop_ratio and a center crop of image_size (or, for resize_mode "squash", the whole
+    picture resized to image_size), with config.json's filter, mean and std."""
     from torchvision import transforms  # only this path needs it (the loaders preprocess with DALI)
 
-    size = config["image_size"]
+    size, resize = config["image_size"], eval_resize(config)
+    mode = transforms.InterpolationMode(resize["interpolation"])
+    if resize["resize_mode"] == "squash":
+        geometry = [transforms.Resize((size, size), interpolation=mode)]
+    else:
+        shorter = round(size / resize["crop_ratio"])
+        geometry = [transforms.Resize(shorter, interpolation=mode), transforms.CenterCrop(size)]
     return transforms.Compose(
         [
-            transforms.Resize(round(size / config.get("crop_ratio", EVAL_CROP_RATIO))),
-            transforms.CenterCrop(size),
+            *geometry,
             transforms.ToTensor(),
             transforms.Normalize(config["mean"] or (0.5,) * 3, config["std"] or (0.5,) * 3),
         ]

@@ -10,11 +10,15 @@ sentence-transformers for the text) load without mmfast:
 
 A dual encoder's image folder is a classifier whose head is the image projection: its ``logits`` are the image
 embedding before normalization (the head's bias is zero). The image processor resizes the shorter side to the
-size / crop_ratio of mmfast's evaluation (bilinear) and crops the centre, normalizing with the model's mean/std.
+size / crop_ratio of mmfast's evaluation and crops the centre (or squashes the picture), with the model's filter,
+mean and std.
 
 transformers' ``VisionTextDualEncoderModel`` reads a text tower's ``pooler_output`` (BERT's [CLS] pooler), which
 is not mmfast's mean over tokens, so the towers are written as separate models. A fusion classifier's towers
 are written the same way without projections; its fusion head stays in ONNX / ``torch.export``.
+
+A model whose towers both started from a pair goes back as one ``CLIPModel``: a Hugging Face CLIP as it is
+(``_write_clip``), a standard open_clip CLIP mapped onto it (``mmfast.infer.export_hf_clip``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from pathlib import Path
 
 import torch
 
+from mmfast.data.preprocessing import eval_resize
+from mmfast.infer.export_hf_clip import (
+    clip_processor,
+    is_open_clip_clip,
+    open_clip_towers,
+    write_open_clip_as_clip,
+)
 from mmfast.infer.peer_towers import (
     FormatRefusal,
     TimmImage,
@@ -52,8 +63,11 @@ def hf_towers(model) -> tuple[TimmImage | None, object, torch.Tensor | None, tor
     Raises:
         FormatRefusal: a tower that transformers cannot build.
     """
+    if is_open_clip_clip(model):
+        open_clip_towers(model)  # refused here, before anything is written, unless both towers are CLIP's
+        return None, None, None, None
     if start_kinds(model) == ("hf-clip", "hf-clip"):
-        return None, None, None, None  # a CLIPModel as it is (``_write_clip``)
+        return None, None, None, None  # a CLIPModel (``_write_clip``, ``write_open_clip_as_clip``)
     refuse_starts(model, FORMAT, "open_clip")
     net = model.model
     image_proj, text_proj = projections(model, FORMAT) if model.embeds else (None, None)
@@ -78,8 +92,9 @@ def write_hf(model, out: str | os.PathLike) -> Path:
     out = Path(out)
     image, text, image_proj, text_proj = hf_towers(model)
     if image is None and text is None:
+        write = write_open_clip_as_clip if is_open_clip_clip(model) else _write_clip
         with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
-            _write_clip(model, tmp)
+            write(model, tmp)
         return out
     towers = {"format": "mmfast-towers/1", "model": model.config["model"]}
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
@@ -100,13 +115,14 @@ def write_hf(model, out: str | os.PathLike) -> Path:
 def timm_hf_config(image: TimmImage, config: dict, num_classes: int) -> dict:
     """timm's config.json of the image tower: its architecture, head width and eval preprocessing."""
     size, resized = eval_geometry(config)
+    resize = eval_resize(config)
     pretrained_cfg = {
         "input_size": [3, size, size],
         "fixed_input_size": False,
-        "interpolation": "bilinear",
+        "interpolation": resize["interpolation"],
         # timm resizes to floor(size / crop_pct): a quarter pixel above the side keeps it off the boundary
         "crop_pct": size / (resized + 0.25),
-        "crop_mode": "center",
+        "crop_mode": "squash" if resize["resize_mode"] == "squash" else "center",
         "mean": list(config["mean"] or (0.5,) * 3),
         "std": list(config["std"] or (0.5,) * 3),
         "num_classes": num_classes,
@@ -182,7 +198,7 @@ def _write_clip(model, out: Path) -> None:
     """A dual encoder whose towers both started from a CLIP directory, as a ``CLIPModel`` with its processor:
     the image processor of mmfast's eval preprocessing and the tokenizer it trained with."""
     # transformers: a slow import, only for a Hugging Face model or tokenizer
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+    from transformers import CLIPConfig, CLIPModel
 
     net = model.model
     vision, text = net.image.module, net.text.module
@@ -196,13 +212,5 @@ def _write_clip(model, out: Path) -> None:
     state = {**vision.state_dict(), **text.state_dict(), "logit_scale": net.logit_scale.detach().reshape(())}
     clip.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=True)
     clip.save_pretrained(str(out))
-    size, resized = eval_geometry(model.config)
-    processor = CLIPImageProcessor(
-        size={"shortest_edge": resized},
-        crop_size={"height": size, "width": size},
-        resample=2,  # bilinear, as mmfast's eval resize
-        image_mean=list(model.config["mean"]),
-        image_std=list(model.config["std"]),
-    )
-    processor.save_pretrained(str(out))
+    clip_processor(model.config).save_pretrained(str(out))
     model.tokenizer.save_pretrained(str(out))

@@ -10,8 +10,9 @@ tower, each with a bias-free linear projection, the text read by the mean of its
 open_clip reads the text encoder's architecture from the path in ``text_cfg.hf_model_name``: this directory's
 absolute path, so a moved copy needs that field changed to its new place. Its eval transform resizes the
 shorter side to the image size and crops the centre; mmfast's evaluation resizes it to size / crop_ratio first
-(a tighter centre). open_clip cannot express that ratio: ``preprocess_cfg`` records the rest (size, mean, std,
-bilinear resize), and the pixels of mmfast's own preprocessing give the same embeddings in both.
+(a tighter centre), unless the model started from a checkpoint that crops none. open_clip cannot express that
+ratio: ``preprocess_cfg`` records the rest (size, mean, std, the filter and resize mode), and the pixels of
+mmfast's own preprocessing give the same embeddings in both.
 
 A model started from an open_clip directory goes back under that directory's config. With open_clip's own text
 transformer there are no tokenizer files: open_clip builds its SimpleTokenizer, and the context length is
@@ -24,6 +25,7 @@ import json
 import os
 from pathlib import Path
 
+from mmfast.data.preprocessing import eval_resize
 from mmfast.infer.peer_towers import (
     INSTEAD,
     OPEN_CLIP_TEXT_TYPES,
@@ -96,13 +98,15 @@ def open_clip_config(model, out: Path) -> dict:
 
 
 def _preprocess(config: dict) -> dict:
-    """open_clip's preprocess_cfg of mmfast's eval preprocessing (all but its crop ratio: module docstring)."""
+    """open_clip's preprocess_cfg of the model's eval preprocessing: all of it, but a crop ratio below 1
+    (module docstring)."""
+    resize = eval_resize(config)
     return {
         "size": int(config["image_size"]),
         "mean": list(config["mean"] or (0.5,) * 3),
         "std": list(config["std"] or (0.5,) * 3),
-        "interpolation": "bilinear",
-        "resize_mode": "shortest",
+        "interpolation": resize["interpolation"],
+        "resize_mode": resize["resize_mode"],
     }
 
 

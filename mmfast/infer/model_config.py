@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.data.preprocessing import EVAL_CROP_RATIO, INTERPOLATIONS, RESIZE_MODES
 from mmfast.data.tokenizer import load_tokenizer
 from mmfast.models import model_class
 from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
@@ -50,6 +50,7 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
         tokenizer_dir: the tokenizer it trained with (default: the dataset's).
     """
     image, text = getattr(model, "image", None), getattr(model, "text", None)
+    geometry = getattr(image, "geometry", {})  # a start's eval resize (``ImageStart``); {}: mmfast's own
     prep = dataset.summary.get("config", {})
     # a pretrained text model's architecture, so load_model needs neither its package nor the hub
     hf_text = getattr(text, "model", None)
@@ -85,7 +86,11 @@ def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Pa
         **options,
         **templates,
         "image_size": cfg.image_size,
-        "crop_ratio": EVAL_CROP_RATIO,  # eval: the shorter side resized to image_size / crop_ratio, then cropped
+        # eval: the shorter side resized to image_size / crop_ratio, then cropped (or squashed to the size),
+        # with this filter: mmfast's own, or what the start's config says (``start_preprocess``)
+        "crop_ratio": geometry.get("crop_ratio", EVAL_CROP_RATIO),
+        "interpolation": geometry.get("interpolation", "bilinear"),
+        "resize_mode": geometry.get("resize_mode", "shortest"),
         # 0..1 scale; the loader takes them x255
         "mean": list(image.mean) if image is not None else None,
         "std": list(image.std) if image is not None else None,
@@ -136,6 +141,9 @@ _OPTIONAL_FIELDS = {
     "zero_shot_templates": (_templates, "a list of templates, each with one {}"),
     "image_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),
     "text_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),
+    "crop_ratio": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "interpolation": (lambda v: v in INTERPOLATIONS, " or ".join(INTERPOLATIONS)),
+    "resize_mode": (lambda v: v in RESIZE_MODES, " or ".join(RESIZE_MODES)),
 }
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.data.preprocessing import eval_resize
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, check_images, image_header, pixel_budget_reason
 from mmfast.infer.encode_inputs import BadImageError, check_on_error, pil_transform
@@ -54,7 +54,7 @@ def rows_loader(
         sampling=WHOLE_BATCHES,
         eval_geometry="dali",
         files_checked=True,  # each row's image was decoded (flag_unreadable): DALI runs whole batches
-        crop_ratio=cfg.get("crop_ratio", EVAL_CROP_RATIO),
+        **eval_resize(cfg),
         **_norm(cfg),
         **kwargs,
     )

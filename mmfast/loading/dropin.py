@@ -24,6 +24,7 @@ PIPELINE_OPTIONS = (
     "flip",
     "color_jitter",
     "crop_ratio",
+    "resize_mode",
     "interpolation",
     "mean",
     "std",
@@ -389,8 +390,8 @@ class ImageFiles(torch.utils.data.Dataset):
 def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: dict):
     """The torchvision (v2) transform doing to one PIL image what ``image_pipeline`` does with these
     ``options`` (PIPELINE_OPTIONS; mean and std in 0..255 units): train: RandomResizedCrop + flip (+ jitter);
-    eval: Resize(round(size / crop_ratio)) + CenterCrop(size), with the ``interpolation``; then normalize, as
-    ``dtype``."""
+    eval: Resize(round(size / crop_ratio)) + CenterCrop(size), or Resize((size, size)) for ``resize_mode``
+    "squash", with the ``interpolation``; then normalize, as ``dtype``."""
     from torchvision.transforms import v2  # torchvision: only for a torchvision dataset, transform or backbone
 
     mode = v2.InterpolationMode(options.get("interpolation", "bilinear"))
@@ -404,6 +405,8 @@ def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: 
         jitter = options.get("color_jitter", 0.0)
         if jitter > 0:
             ops.append(v2.ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter))
+    elif options.get("resize_mode", "shortest") == "squash":
+        ops = [v2.Resize((size, size), interpolation=mode)]
     else:
         shorter = round(size / options.get("crop_ratio", EVAL_CROP_RATIO))
         ops = [v2.Resize(shorter, interpolation=mode), v2.CenterCrop(size)]

@@ -78,6 +78,7 @@ def process_images(
     flip: bool = True,
     color_jitter: float = 0.0,
     crop_ratio: float = EVAL_CROP_RATIO,
+    resize_mode: str = "shortest",
     interpolation: str = "bilinear",
     fp16: bool = True,
     mean: tuple[float, float, float] = IMAGENET_MEAN,
@@ -117,8 +118,12 @@ def process_images(
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **dec)
         if finish_on_host:
             return images, fn.random.coin_flip(probability=0.0, dtype=types.INT32)
-        images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True, interp_type=interp)
-        crop = (size, size)
+        if resize_mode == "squash":
+            images = fn.resize(images, resize_x=size, resize_y=size, antialias=True, interp_type=interp)
+            crop = None
+        else:
+            images = fn.resize(images, resize_shorter=round(size / crop_ratio), antialias=True, interp_type=interp)
+            crop = (size, size)
     return fn.crop_mirror_normalize(
         images,
         dtype=types.FLOAT16 if fp16 else types.FLOAT,
@@ -142,6 +147,7 @@ def image_pipeline(
     flip: bool = True,
     color_jitter: float = 0.0,
     crop_ratio: float = EVAL_CROP_RATIO,
+    resize_mode: str = "shortest",
     interpolation: str = "bilinear",
     fp16: bool = True,
     mean: tuple[float, float, float] = IMAGENET_MEAN,
@@ -164,6 +170,8 @@ def image_pipeline(
         scale, ratio: area fraction and aspect-ratio ranges of the random crop.
         color_jitter: strength of brightness/contrast/saturation jitter (0: off).
         crop_ratio: eval center crop = size, after resizing the shorter side to size / crop_ratio.
+        resize_mode: eval: "shortest" (resize + centre crop, as above) or "squash" (the whole picture resized to
+            size x size).
         interpolation: the resize's filter, "bilinear" or "bicubic" (antialiased either way).
         fp16: emit float16 (else float32).
         hw_decoder_load, memory_padding, size_hint: GPU decoder knobs.
@@ -189,6 +197,7 @@ def image_pipeline(
         flip=flip,
         color_jitter=color_jitter,
         crop_ratio=crop_ratio,
+        resize_mode=resize_mode,
         interpolation=interpolation,
         fp16=fp16,
         mean=mean,

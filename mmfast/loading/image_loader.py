@@ -353,8 +353,10 @@ class ImageLoader:
         rounding of one 8-bit level); the train path draws its own random crops and flips."""
         return torchvision_equivalent(self.train, self.size, self.dtype, self.pipeline_kwargs)
 
-    def _eval_resize(self) -> int:
-        """Eval: the shorter side before the centre crop."""
+    def _eval_resize(self) -> int | None:
+        """Eval: the shorter side before the centre crop; None for ``resize_mode="squash"`` (to S x S, no crop)."""
+        if self.pipeline_kwargs.get("resize_mode", "shortest") == "squash":
+            return None
         return round(self.size / self.pipeline_kwargs.get("crop_ratio", EVAL_CROP_RATIO))
 
     @property

@@ -1,7 +1,7 @@
 """What a model directory on disk is, read from its config files without torch: an open_clip model directory, a
 Hugging Face CLIP or SigLIP directory, a timm model in timm's Hugging Face layout, or another Hugging Face model.
 ``mmfast-train --init-from`` (and ``--image-backbone`` / ``--text-model`` given such a directory) starts from it;
-its preprocessing (image size, mean and std) comes from here too."""
+its preprocessing (image size, mean and std, the eval resize) comes from here too."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 import os
 from pathlib import Path
 
+from mmfast.data.preprocessing import INTERPOLATIONS, RESIZE_MODES
 from mmfast.data.tokenizer import OPEN_CLIP_CONFIG
+
 WHOLE = ("open_clip", "hf-clip", "hf-siglip")  # the kinds that hold both towers and their temperature
 
 
@@ -31,23 +33,64 @@ def start_kind(path: str | os.PathLike | None) -> str | None:
 
 
 def start_preprocess(path: str | os.PathLike) -> dict:
-    """The preprocessing a directory's model was trained with: {"image_size", "mean", "std"}, each present when
-    the directory says it (open_clip's preprocess_cfg, a processor's preprocessor_config.json, timm's
-    pretrained_cfg)."""
+    """The preprocessing a directory's model was trained with: {"image_size", "mean", "std"} and its eval
+    geometry {"interpolation", "resize_mode", "crop_ratio"}, each present when the directory says it and mmfast
+    can follow it (open_clip's preprocess_cfg, a processor's preprocessor_config.json, timm's pretrained_cfg).
+
+    Returns:
+        the fields found; a geometry mmfast cannot reproduce (open_clip's "longest", a nearest-neighbour
+        resize) is left out, so mmfast's own stands in.
+    """
     path, kind = Path(path), start_kind(path)
     if kind == "open_clip":
         cfg = _json(path / OPEN_CLIP_CONFIG)
         pre = cfg.get("preprocess_cfg", {})
         size = pre.get("size") or cfg.get("model_cfg", {}).get("vision_cfg", {}).get("image_size")
-        return _fields(size, pre.get("mean"), pre.get("std"))
+        # open_clip's defaults (its PreprocessCfg): bicubic, the shorter side resized to the size, no margin
+        mode = pre.get("resize_mode", "shortest")
+        return _fields(size, pre.get("mean"), pre.get("std")) | _geometry(
+            pre.get("interpolation", "bicubic"), mode, 1.0 if mode == "shortest" else None
+        )
     if kind == "timm":
         pre = _json(path / "config.json").get("pretrained_cfg", {})
-        return _fields((pre.get("input_size") or [None, None])[-1], pre.get("mean"), pre.get("std"))
+        mode = {"center": "shortest", "squash": "squash"}.get(pre.get("crop_mode", "center"))
+        geometry = _geometry(pre.get("interpolation"), mode, pre.get("crop_pct"))
+        return _fields((pre.get("input_size") or [None, None])[-1], pre.get("mean"), pre.get("std")) | geometry
     pre = _json(path / "preprocessor_config.json")
-    size = pre.get("crop_size") or pre.get("size")
+    return _fields(_processor_size(pre), pre.get("image_mean"), pre.get("image_std")) | _processor_geometry(pre)
+
+
+def _processor_size(pre: dict):
+    size = pre.get("crop_size") if pre.get("do_center_crop", "crop_size" in pre) else None
+    size = size or pre.get("size")
     if isinstance(size, dict):
         size = size.get("height") or size.get("shortest_edge")
-    return _fields(size, pre.get("image_mean"), pre.get("image_std"))
+    return size
+
+
+def _processor_geometry(pre: dict) -> dict:
+    """A Hugging Face image processor's eval geometry: CLIP's shortest edge + centre crop, or SigLIP's resize
+    to height x width. Its resample is PIL's number (2: bilinear, 3: bicubic)."""
+    filters = {2: "bilinear", 3: "bicubic"}
+    size, crop = pre.get("size"), pre.get("crop_size")
+    crops = pre.get("do_center_crop", crop is not None)
+    if isinstance(size, dict) and "shortest_edge" in size:
+        crop = crop.get("height") if isinstance(crop, dict) else crop
+        ratio = crop / size["shortest_edge"] if crops and crop else 1.0
+        return _geometry(filters.get(pre.get("resample")), "shortest", ratio)
+    if isinstance(size, dict) and "height" in size and not crops:
+        return _geometry(filters.get(pre.get("resample")), "squash", None)
+    return _geometry(filters.get(pre.get("resample")), None, None)
+
+
+def _geometry(interpolation, mode, crop_ratio) -> dict:
+    """The fields mmfast can follow: a known filter, a known resize mode, a crop ratio in (0, 1]."""
+    out = {"interpolation": interpolation} if interpolation in INTERPOLATIONS else {}
+    if mode in RESIZE_MODES:
+        out["resize_mode"] = mode
+    if mode == "shortest" and isinstance(crop_ratio, int | float) and 0 < crop_ratio <= 1:
+        out["crop_ratio"] = float(crop_ratio)
+    return out
 
 
 def start_embed_dim(path: str | os.PathLike) -> int | None:

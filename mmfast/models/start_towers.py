@@ -51,11 +51,14 @@ class StartTower(nn.Module):
 
 
 class ImageStart(StartTower):
-    """``forward(images)`` -> (embedding or pooled features (B, D), None); ``mean`` / ``std`` on the 0..1 scale."""
+    """``forward(images)`` -> (embedding or pooled features (B, D), None); ``mean`` / ``std`` on the 0..1 scale;
+    ``geometry``: the start's eval resize that mmfast follows (``start_preprocess``'s interpolation, resize_mode,
+    crop_ratio)."""
 
-    def __init__(self, module, width, record, freeze, start, mean, std, projected: bool = True):
+    def __init__(self, module, width, record, freeze, start, mean, std, projected: bool = True, geometry=None):
         super().__init__(module, width, record, freeze, start)
         self.mean, self.std, self.projected = tuple(mean), tuple(std), projected
+        self.geometry = dict(geometry or {})
         # position embeddings of another size are interpolated (a model without them takes no such argument)
         self.interpolates = "interpolate_pos_encoding" in inspect.signature(module.forward).parameters
 
@@ -103,11 +106,13 @@ def image_tower_from(path: str | os.PathLike, freeze: bool = False) -> ImageStar
     kind, path = start_kind(path), Path(path)
     pre = start_preprocess(path)
     mean, std = pre.get("mean", CLIP_MEAN), pre.get("std", CLIP_STD)
+    geometry = {k: pre[k] for k in ("interpolation", "resize_mode", "crop_ratio") if k in pre}
     if kind == "open_clip":
         cfg = _open_clip_cfg(path)
         visual = _open_clip_part(path, cfg, "visual")
         record = {"kind": kind, "part": "visual", "model_cfg": cfg["model_cfg"], "size": pre.get("image_size")}
-        return ImageStart(visual, cfg["model_cfg"]["embed_dim"], record, freeze, _start(path), mean, std)
+        width = cfg["model_cfg"]["embed_dim"]
+        return ImageStart(visual, width, record, freeze, _start(path), mean, std, geometry=geometry)
     # transformers: a slow import, only for a Hugging Face model or tokenizer
     from transformers import AutoConfig, AutoModel, CLIPVisionModelWithProjection, SiglipVisionModel
 
@@ -125,7 +130,7 @@ def image_tower_from(path: str | os.PathLike, freeze: bool = False) -> ImageStar
         given = setting("image_backbone", value=str(path))
         raise ValueError(f"{given}: not a model directory mmfast can start from")
     record = {"kind": kind, "config": module.config.to_dict(), "size": _vision_size(module.config)}
-    return ImageStart(module, width, record, freeze, _start(path, kind), mean, std, projected=kind != "hf")
+    return ImageStart(module, width, record, freeze, _start(path, kind), mean, std, kind != "hf", geometry)
 
 
 def text_tower_from(path: str | os.PathLike, freeze: bool = False) -> TextStart:

@@ -34,7 +34,7 @@ def build_loaders(
     cfg: LoaderConfig,
     accelerator,
     dataset: PreparedDataset,
-    norm: tuple[tuple, tuple] | None = None,
+    norm: tuple | None = None,
     val: bool = True,
 ) -> tuple[MultimodalLoader, MultimodalLoader | None, dict[str, str], ShardCache | None]:
     """This process's train loader (its shard, augmented), val loader (None without a val split or ``val``), why a
@@ -42,7 +42,8 @@ def build_loaders(
     cache both loaders read remote shards through, whose counters the run's figures report (None when the
     shards are local).
 
-    ``norm``: (mean, std) on the 0..1 scale that the image encoder expects (default: ImageNet's).
+    ``norm``: ``image_norm``'s (mean, std, geometry) that the image encoder expects (default: ImageNet's and
+    mmfast's eval resize).
     """
     cache = shard_cache(cfg, dataset)
     try:
@@ -145,12 +146,22 @@ def feature_view_loader(
     )  # fmt: skip
 
 
-def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple[tuple, tuple] | None, cache) -> dict:
+def image_norm(image) -> tuple[tuple, tuple, dict] | None:
+    """What the loaders take from an image encoder: (mean, std) on the 0..1 scale, and the eval geometry its
+    start was trained with ({"interpolation", "resize_mode", "crop_ratio"}, any of them; {}: mmfast's own).
+    None without an image encoder."""
+    if image is None:
+        return None
+    return tuple(image.mean), tuple(image.std), dict(getattr(image, "geometry", {}))
+
+
+def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple | None, cache) -> dict:
     """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
     shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
     DALI threads."""
     threads = cfg.num_threads or max(1, usable_cores() // processes_per_machine(accelerator))
     extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
+    extra |= norm[2] if norm and len(norm) > 2 else {}  # a start's resize filter and eval crop, train and eval
     return dict(
         **extra,
         on_bad_image=cfg.on_bad_image,

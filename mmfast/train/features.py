@@ -64,7 +64,8 @@ def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader, proc
 
 def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dtype: str, precision: str) -> dict:
     """What the stored features depend on: the data, the tower's weights, the preprocessing and the views."""
-    mean, std = norm if norm is not None else (None, None)
+    mean, std, *geometry = norm if norm is not None else (None, None)  # image_norm's, or (mean, std)
+    geometry = geometry[0] if geometry else {}
     return {
         "data": dataset.fingerprint,
         "split": "train",
@@ -73,6 +74,7 @@ def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dty
             "image_size": cfg.image_size, "mean": mean, "std": std, "augment": cfg.augment,
             "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,
             "cpu_resize": cfg.cpu_resize, "source": cfg.source, "eval_crop_ratio": EVAL_CROP_RATIO,
+            **({"geometry": geometry} if geometry else {}),  # a start's resize (its key as before without one)
         },
         "views": {"count": cfg.feature_views, "seed": cfg.seed},
         "dtype": dtype,

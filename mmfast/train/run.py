@@ -20,7 +20,7 @@ from mmfast.tasks import build_task
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resolve_resume
 from mmfast.train.config import TrainConfig
-from mmfast.train.data import build_loaders, images_note, train_view_loader
+from mmfast.train.data import build_loaders, image_norm, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
 from mmfast.train.features import feature_train_loader
@@ -198,7 +198,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     model = build_run_model(cfg, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
-    norm = (image.mean, image.std) if image is not None else None
+    norm = image_norm(image)
     train_loader, val_loader, streamed, cache = build_loaders(parts.loader, accelerator, dataset, norm)
     # its fetches end with the loop, also when a fault stops the run (the warm start reads shards too)
     with cache or contextlib.nullcontext():

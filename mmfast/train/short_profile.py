@@ -18,7 +18,7 @@ import torch
 from mmfast.data.dataset import PreparedDataset
 from mmfast.tasks import build_task
 from mmfast.train.config import PROFILE_WARMUP_STEPS, TrainConfig
-from mmfast.train.data import build_loaders
+from mmfast.train.data import build_loaders, image_norm
 from mmfast.train.engine import EpochRunner, initial_state
 from mmfast.train.features import feature_train_loader
 from mmfast.train.hardware import check_compile_fits, compile_options
@@ -79,7 +79,7 @@ def _profile(cfg: TrainConfig, accelerator, warmup: int) -> dict:
     task = build_task(cfg.task, dataset, cfg)
     model = build_run_model(cfg, dataset, task)
     image = getattr(model, "image", None)  # the loader normalizes as the image encoder expects
-    norm = (image.mean, image.std) if image is not None else None
+    norm = image_norm(image)
     loader, _, _, cache = build_loaders(parts.loader, accelerator, dataset, norm, val=False)
     notes = [RIDGE_SKIPPED] if cfg.init_proj == "ridge" else []
     total = cfg.max_steps
