@@ -1,0 +1,129 @@
+"""--feature-cache with several processes (mmfast/train/feature_build.py): the first pass is split across them and
+the cache is written once per filesystem; 1 and 2 processes train the same weights on it, and 2 processes on it
+train with the decoded run's losses; a build that fails on one process stops all and leaves no cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+FLAGS = [
+    "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
+    "--freeze-image", "--init-proj", "random", "--mixed-precision", "no", "--feature-views", "2",
+    "--epochs", "2", "--seed", "3", "--no-checkpoints",
+]  # fmt: skip
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(x)["train_loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run / "model-last" / "model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_cache(prepared, tmp_path):
+    """Two epochs over two stored views, batch 16: 1 process accumulating two micro-batches and 2 processes (one
+    machine, then two machines of one process sharing the cache folder) end with the same weights; each cache is
+    written by one process; the 2-process cached run has the 2-process decoded run's losses."""
+    from conftest import ROOT, free_port, train_cmd
+
+    def launch(out: Path, nodes: tuple[int, ...], *flags: str) -> list[subprocess.Popen]:
+        cmd = train_cmd(prepared, out, *FLAGS, *flags)
+        port = str(free_port())
+        procs = []
+        for rank, n in enumerate(nodes):  # one launcher per machine: n processes each
+            launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", port]
+            if len(nodes) > 1:
+                launcher += ["--nnodes", str(len(nodes)), "--node_rank", str(rank), "--master_addr", "127.0.0.1"]
+            argv = [*cmd[:1], *(launcher if nodes != (1,) else ()), *cmd[1:]]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        return procs
+
+    def run(out: Path, nodes: tuple[int, ...], *flags: str) -> dict:
+        for p in launch(out, nodes, *flags):
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    cached = ["--feature-cache", "on", "--feature-cache-dir"]
+    one = run(tmp_path / "one", (1,), *cached, str(tmp_path / "fc-one"), "--grad-accum", "2")
+    two = run(tmp_path / "two", (2,), *cached, str(tmp_path / "fc-two"))
+    machines = run(tmp_path / "machines", (1, 1), *cached, str(tmp_path / "fc-machines"))
+    decoded = run(tmp_path / "decoded", (2,), "--feature-cache", "off")
+    for summary in (one, two, machines):
+        assert summary["feature_cache"]["built"] == "no cache yet" and summary["feature_cache"]["writers"] == 1
+    assert two["num_processes"] == machines["num_processes"] == 2 and "feature_cache" not in decoded
+    meta = json.loads((tmp_path / "fc-two" / "train" / "meta.json").read_text())
+    assert meta["views"] == 2 and meta["rows"] == 64
+    assert not list((tmp_path / "fc-machines").glob(".*claim*")) and not list((tmp_path / "fc-two").glob(".*tmp"))
+    assert len(_losses(tmp_path / "two")) == 2
+    assert np.allclose(_losses(tmp_path / "two"), _losses(tmp_path / "decoded"), rtol=1e-5)
+    assert _losses(tmp_path / "machines") == _losses(tmp_path / "two")
+    a, b, c = (_weights(tmp_path / r) for r in ("one", "two", "machines"))
+    assert a.keys() == b.keys() == c.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), (key, float((a[key] - b[key]).abs().max()))
+        assert torch.equal(b[key], c[key]), key
+
+
+def _build_worker(rank: int, port: int, directory: str, fail_rank: int, out: str) -> None:
+    """One process of a 2-process group (gloo, through Accelerate): build the cache of 10 ids, 2 views, each
+    process computing its share; ``fail_rank`` raises at its second step (-1: none does)."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    from accelerate import Accelerator
+
+    from mmfast.train.feature_build import build_shared
+
+    accelerator = Accelerator(cpu=True)
+    ids = np.arange(0, 20, 2)
+
+    def compute(shard: int, shards: int):
+        for k, view in enumerate([0, 1, None]):
+            if shard == fail_rank and k == 1:
+                raise OSError("disk gone")
+            mine = torch.from_numpy(ids[shard::shards])
+            yield view, mine, mine[:, None].float().repeat(1, 3) + (0 if view is None else 100 * (view + 1))
+
+    try:
+        features, built, writers = build_shared(accelerator, directory, {"k": 1}, ids, (2, 3, 8), "float32", compute)
+        result = {"built": built, "writers": writers, "v1": features.gather(ids, 1)[:, 0].tolist()}
+    except RuntimeError as e:
+        result = {"error": str(e)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fail_rank", [-1, 1])
+def test_two_processes_build_one_cache_and_a_failure_on_one_stops_both(tmp_path, fail_rank):
+    """Each process computes half the samples, every process reads all of them; the local main process alone
+    writes. When process 1's share fails, both processes raise, naming it, and no cache is left."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    from mmfast.data.feature_cache import stale_reason
+
+    directory = tmp_path / "fc" / "train"
+    mp.spawn(_build_worker, args=(free_port(), str(directory), fail_rank, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if fail_rank < 0:
+        for r in results:
+            assert r == {"built": "no cache yet", "writers": 1, "v1": [200.0 + i for i in range(0, 20, 2)]}
+        assert stale_reason(directory, {"k": 1}) == ""
+    else:
+        for r in results:
+            assert "stopped on process 1: OSError: disk gone" in r["error"], r
+        assert not directory.exists() and not [p.name for p in directory.parent.iterdir()]
