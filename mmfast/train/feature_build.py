@@ -88,9 +88,10 @@ def build_shared(
         failure = ""
         if "write" in roles:
             failure = _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, role == "write")
-        if role == "wait" and not failure:
-            failure = _wait_for(directory, parts, wait_s)
-        _stop_all_on(failure, world)
+    # the lock is free again: a machine that waits for it may be waiting for this run's writer
+    if role == "wait" and not failure:
+        failure = _wait_for(directory, parts, wait_s)
+    _stop_all_on(failure, world)
     features = FeatureCache(directory)
     if features.fingerprint != fingerprint:
         raise RuntimeError(f"feature cache {directory} changed while this run read it; run again")
