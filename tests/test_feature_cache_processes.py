@@ -16,8 +16,9 @@ import torch
 FLAGS = [
     "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
     "--freeze-image", "--init-proj", "random", "--mixed-precision", "no", "--feature-views", "2",
-    "--epochs", "2", "--seed", "3", "--no-checkpoints",
+    "--epochs", "2", "--seed", "3", "--no-checkpoints", "--freeze-text", "--dropout", "0",
 ]  # fmt: skip
+# both towers locked, no dropout: the trained projections see the same features on 1 and 2 processes
 
 
 def _losses(run: Path) -> list[float]:
@@ -33,9 +34,9 @@ def _weights(run: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_cache(prepared, tmp_path):
-    """Two epochs over two stored views, batch 16: 1 process accumulating two micro-batches and 2 processes (one
+    """Two epochs over two stored views, batch 16, both towers locked: 1 process accumulating two micro-batches and 2 processes (one
     machine, then two machines of one process sharing the cache folder, each with its own locks) end with the
-    same weights; each cache is written by one process; the 2-process cached run has the 2-process decoded run's
+    same weights; each cache (the images' and the captions') is written by one process; the 2-process cached run has the 2-process decoded run's
     losses."""
     from conftest import ROOT, free_port, train_cmd
 
@@ -65,18 +66,19 @@ def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_
     machines = run(tmp_path / "machines", (1, 1), *cached, str(tmp_path / "fc-machines"))
     decoded = run(tmp_path / "decoded", (2,), "--feature-cache", "off")
     for summary in (one, two, machines):
-        assert summary["feature_cache"]["built"] == "no cache yet" and summary["feature_cache"]["writers"] == 1
+        for cache in (summary["feature_cache"], summary["feature_cache"]["text"]):
+            assert cache["built"] == "no cache yet" and cache["writers"] == 1
     assert two["num_processes"] == machines["num_processes"] == 2 and "feature_cache" not in decoded
     assert json.loads((tmp_path / "fc-two" / "train" / "meta.json").read_text())["views"] == 2
     assert not list((tmp_path / "fc-machines").glob(".*claim*")) and not list((tmp_path / "fc-two").glob(".*tmp"))
     assert len(_losses(tmp_path / "two")) == 2
     assert np.allclose(_losses(tmp_path / "two"), _losses(tmp_path / "decoded"), rtol=1e-5)
-    assert _losses(tmp_path / "machines") == _losses(tmp_path / "two")
+    assert np.allclose(_losses(tmp_path / "machines"), _losses(tmp_path / "two"), rtol=1e-6)
     a, b, c = (_weights(tmp_path / r) for r in ("one", "two", "machines"))
     assert a.keys() == b.keys() == c.keys()
     for key in a:
         assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), (key, float((a[key] - b[key]).abs().max()))
-        assert torch.equal(b[key], c[key]), key
+        assert torch.allclose(b[key], c[key], rtol=1e-4, atol=1e-6), key
 
 
 def _build_worker(rank: int, port: int, directory: str, fail_rank: int, out: str, layout: str) -> None:
