@@ -5,7 +5,8 @@ reads the whole cache by sample id.
 How it goes, for a cache directory that every process names:
     1. Every process computes the cache's fingerprint; processes that disagree stop the run.
     2. The local main process of each machine checks the directory. When it is stale it tries the directory's
-       lock without waiting: holding it, it is a writer; another run holding it, it waits for that run's cache.
+       lock without waiting: holding it, it is a writer. Another holder (another run, or a writer of this run
+       whose machine shares the lock folder): it waits for that build once this run's own pass is done.
     3. Writers of one filesystem (several machines on a shared folder) leave a claim file; the lowest process
        index among the claims one filesystem shows writes, the others read what it writes.
     4. When a machine writes, every process runs the tower on its share of the samples. Each step the shares
