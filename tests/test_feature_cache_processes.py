@@ -34,10 +34,10 @@ def _weights(run: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_cache(prepared, tmp_path):
-    """Two epochs over two stored views, batch 16, both towers locked: 1 process accumulating two micro-batches and 2 processes (one
-    machine, then two machines of one process sharing the cache folder, each with its own locks) end with the
-    same weights; each cache (the images' and the captions') is written by one process; the 2-process cached run has the 2-process decoded run's
-    losses."""
+    """Two epochs over two stored views, batch 16, both towers locked: 1 process accumulating two micro-batches
+    and 2 processes (one machine, then two machines of one process sharing the cache folder, each with its own
+    locks) end with the same weights. Each cache (the images' and the captions') is written by one process. The
+    2-process cached run has the 2-process decoded run's losses."""
     from conftest import ROOT, free_port, train_cmd
 
     def launch(out: Path, nodes: tuple[int, ...], *flags: str) -> list[subprocess.Popen]:
@@ -51,7 +51,11 @@ def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_
             if len(nodes) > 1:
                 launcher += ["--nnodes", str(len(nodes)), "--node_rank", str(rank), "--master_addr", "127.0.0.1"]
             argv = [*cmd[:1], *(launcher if nodes != (1,) else ()), *cmd[1:]]
-            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env))
+            procs.append(
+                subprocess.Popen(
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+                )
+            )
         return procs
 
     def run(out: Path, nodes: tuple[int, ...], *flags: str) -> dict:
@@ -106,7 +110,9 @@ def _build_worker(rank: int, port: int, directory: str, fail_rank: int, out: str
             yield view, mine, mine[:, None].float().repeat(1, 3) + (0 if view is None else 100 * (view + 1))
 
     try:
-        features, built, writers = build_shared(accelerator, directory, {"k": 1}, ids, (2, 3, 8), "float32", compute)
+        features, built, writers = build_shared(
+            accelerator, directory, {"k": 1}, ids, (2, 3, 8), "float32", compute
+        )
         result = {"built": built, "writers": writers, "v1": features.gather(ids, 1)[:, 0].tolist()}
     except RuntimeError as e:
         result = {"error": str(e)}
@@ -133,7 +139,9 @@ def test_two_processes_build_one_cache_and_a_failure_on_one_stops_both(tmp_path,
     from mmfast.data.feature_cache import stale_reason
 
     directory = tmp_path / "fc" / "train"
-    mp.spawn(_build_worker, args=(free_port(), str(directory), fail_rank, str(tmp_path), layout), nprocs=2, join=True)
+    mp.spawn(
+        _build_worker, args=(free_port(), str(directory), fail_rank, str(tmp_path), layout), nprocs=2, join=True
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if fail_rank < 0:
         for r in results:

@@ -11,9 +11,17 @@ import pytest
 
 from mmfast.train import config, data, features, hardware, optim, setup
 from mmfast.train.config import TrainConfig
-from mmfast.train.slices import SLICES, CompileConfig, DataConfig, FeatureConfig, LoaderConfig, OptimConfig
-from mmfast.train.slices import ProcessConfig, cut
-from mmfast.train.slices import slices
+from mmfast.train.slices import (
+    SLICES,
+    CompileConfig,
+    DataConfig,
+    FeatureConfig,
+    LoaderConfig,
+    OptimConfig,
+    ProcessConfig,
+    cut,
+    slices,
+)
 
 # the builders typed with a slice: {module: {function: its slice}}
 BUILDERS = {
@@ -77,4 +85,3 @@ def test_cut_takes_the_values_and_settles_the_caption_width():
 def test_a_slice_is_frozen():
     with pytest.raises(AttributeError):
         slices(TrainConfig()).loader.batch_size = 8  # type: ignore[misc]
-

@@ -175,7 +175,9 @@ def _view_steps(cfg: FeatureConfig, accelerator, dataset, tower, norm, shard_cac
     """This process's share (``shard``: (index, count)) of every view of every train sample: view v from the
     train loader's epoch v, then the centre view; as (view, ids, features) steps."""
     plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
-    views = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, True, cache_decoded=plan, shard=shard)
+    views = feature_view_loader(
+        cfg, accelerator, dataset, norm, shard_cache, True, cache_decoded=plan, shard=shard
+    )
     for v in range(cfg.feature_views):
         views.set_epoch(v)
         yield from _tower_steps(accelerator, tower, views, v)
@@ -225,7 +227,9 @@ def _text_steps(cfg, accelerator, tower, loader: MultimodalLoader, ids, shard: t
     index, count = shard
     for s in range(index * cfg.batch_size, len(ids), count * cfg.batch_size):
         batch_ids = np.asarray(ids[s : s + cfg.batch_size])
-        text = {k: v.to(accelerator.device) for k, v in loader.tokens.gather(batch_ids, loader.text_padding).items()}
+        text = {
+            k: v.to(accelerator.device) for k, v in loader.tokens.gather(batch_ids, loader.text_padding).items()
+        }
         with accelerator.autocast():
             pooled = tower(text["input_ids"], text["attention_mask"])
         yield None, torch.from_numpy(batch_ids), pooled  # (B, D_txt)
