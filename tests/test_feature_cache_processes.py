@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-FLAGS = [
-    "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
-    "--freeze-image", "--init-proj", "random", "--mixed-precision", "no", "--feature-views", "2",
-    "--epochs", "2", "--seed", "3", "--no-checkpoints", "--freeze-text", "--dropout", "0",
-]  # fmt: skip
 # both towers locked, no dropout: the trained projections see the same features on 1 and 2 processes
+TOWERS = [
+    "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
+    "--freeze-image", "--freeze-text", "--dropout", "0", "--init-proj", "random", "--mixed-precision", "no",
+    "--feature-views", "2", "--seed", "3",
+]  # fmt: skip
+FLAGS = [*TOWERS, "--epochs", "2", "--no-checkpoints"]
 
 
 def _losses(run: Path) -> list[float]:
@@ -151,3 +152,42 @@ def test_two_processes_build_one_cache_and_a_failure_on_one_stops_both(tmp_path,
         for r in results:
             assert "stopped on process 1: OSError: disk gone" in r["error"], r
         assert not directory.exists() and not [p.name for p in directory.parent.iterdir()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_processes_on_cached_features_resume_mid_epoch_exactly(prepared, tmp_path):
+    """Two processes, three epochs over two views: resumed from the step-3 checkpoint (mid-epoch 0), they read
+    the first run's cache, train the same remaining batches on each process and end with the same weights."""
+    import shutil
+
+    from conftest import ROOT, free_port, train_cmd
+    from safetensors.torch import load_file
+
+    def run(out: Path, *flags: str) -> None:
+        launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+        cmd = train_cmd(prepared, out, *TOWERS, "--feature-cache", "on", *flags, launcher=launcher)
+        cmd += ["--feature-cache-dir", str(tmp_path / "fc"), "--epochs", "3", "--checkpoint-every", "3"]
+        cmd += ["--keep-checkpoints", "20", "--record-ids"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(full)
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / ".mmfast-run", part / ".mmfast-run")
+    shutil.copytree(full / "checkpoints" / "step-00000003", part / "checkpoints" / "step-00000003")
+    run(part, "--resume", "latest")
+    assert json.loads((part / "summary.json").read_text())["feature_cache"]["writers"] == 0  # read, not built
+
+    def seen(run_dir: Path, rank: int) -> list:
+        return [json.loads(x)["ids"] for x in (run_dir / f"seen_ids.rank{rank}.jsonl").read_text().splitlines()]
+
+    for rank in range(2):
+        assert seen(part, rank) == seen(full, rank)[3:]
+
+    def last(run_dir: Path) -> dict:
+        return load_file(sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors")
+
+    a, b = last(full), last(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
