@@ -11,9 +11,17 @@ import pytest
 
 from mmfast.train import config, data, features, hardware, optim, setup
 from mmfast.train.config import TrainConfig
-from mmfast.train.slices import SLICES, CompileConfig, DataConfig, FeatureConfig, LoaderConfig, OptimConfig
-from mmfast.train.slices import ProcessConfig, cut
-from mmfast.train.slices import slices
+from mmfast.train.slices import (
+    SLICES,
+    CompileConfig,
+    DataConfig,
+    FeatureConfig,
+    LoaderConfig,
+    OptimConfig,
+    ProcessConfig,
+    cut,
+    slices,
+)
 
 # the builders typed with a slice: {module: {function: its slice}}
 BUILDERS = {
@@ -23,7 +31,7 @@ BUILDERS = {
     | {name: DataConfig for name in ("resolve_data", "_prepare_raw", "check_data_exists", "_mix")},
     optim: {"total_steps": OptimConfig, "build_optimizer": OptimConfig},
     features: {name: FeatureConfig for name in ("feature_cache_plan", "feature_parts", "cache_dir")}
-    | {name: FeatureConfig for name in ("build_train_features", "_compute_views", "feature_train_loader")},
+    | {name: FeatureConfig for name in ("build_train_features", "_view_steps", "feature_train_loader", "_wait_s")},
     hardware: {name: CompileConfig for name in ("compiles", "compile_options", "resolve_text_padding")}
     | {name: CompileConfig for name in ("check_compile_fits", "uses_cuda_graphs", "choices_made")},
     # the helpers the builders hand their slice to
@@ -77,4 +85,3 @@ def test_cut_takes_the_values_and_settles_the_caption_width():
 def test_a_slice_is_frozen():
     with pytest.raises(AttributeError):
         slices(TrainConfig()).loader.batch_size = 8  # type: ignore[misc]
-

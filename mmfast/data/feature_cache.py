@@ -15,11 +15,12 @@ builds a new one under a temp name and swaps it in, so a stale, damaged or parti
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -164,11 +165,15 @@ class FeatureWriter:
         }  # fmt: skip
         atomic_write_json(self.dir / "meta.json", meta)
 
+    def close(self) -> None:
+        """Drop the memory maps (no ``put`` after)."""
+        self._views = self._centre = None
+
 
 def stale_reason(directory: str | os.PathLike, parts: dict) -> str:
     """Why the cache in ``directory`` cannot be read for ``parts`` ("" when it can): missing, incomplete,
     damaged, or built for other data, weights, preprocessing or views (the parts that differ are named)."""
-    directory, parts = Path(directory), _plain(parts)
+    directory, parts = Path(directory), plain_parts(parts)
     if not directory.exists():
         return _NO_CACHE
     meta, problem = _read_meta(directory)
@@ -203,21 +208,33 @@ def open_or_build(
     Raises:
         OutputDirError: ``directory`` exists and is not a feature cache mmfast wrote.
     """
-    directory, parts = Path(directory), _plain(parts)
-    fp = feature_fingerprint(parts)
+    directory, parts = Path(directory), plain_parts(parts)
     with file_lock(dir_lock_path(directory), timeout=timeout):
         reason = stale_reason(directory, parts)
         if reason:
             log.info("feature cache %s: building (%s)", directory, reason)
-            with atomic_dir(directory, kind=KIND) as tmp:
-                writer = FeatureWriter(tmp, ids, views, width, dtype)
+            with build_into(directory, ids, views, width, dtype, parts) as writer:
                 fill(writer)
-                writer.finish(fp, parts)
-                del writer  # its memory maps are closed before the directory moves
         return FeatureCache(directory), reason
 
 
-def _plain(parts: dict) -> dict:
+@contextlib.contextmanager
+def build_into(
+    directory: Path, ids: np.ndarray, views: int, width: int, dtype: str, parts: dict
+) -> Iterator[FeatureWriter]:
+    """A ``FeatureWriter`` on a temp directory that replaces ``directory`` once the block ends and the writer
+    ``finish``es; an exception leaves ``directory`` as it was. The caller holds ``directory``'s lock."""
+    parts = plain_parts(parts)
+    with atomic_dir(directory, kind=KIND) as tmp:
+        writer = FeatureWriter(tmp, ids, views, width, dtype)
+        try:
+            yield writer
+            writer.finish(feature_fingerprint(parts), parts)
+        finally:
+            writer.close()  # its memory maps are closed before the directory moves or goes
+
+
+def plain_parts(parts: dict) -> dict:
     """``parts`` as JSON gives it back (tuples as lists), so a stored copy compares equal."""
     return json.loads(json.dumps(parts, sort_keys=True, default=str))
 

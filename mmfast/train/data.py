@@ -133,12 +133,19 @@ def train_view_loader(
 
 
 def feature_view_loader(
-    cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cache, train: bool, cache_decoded=False
+    cfg: LoaderConfig,
+    accelerator,
+    dataset: PreparedDataset,
+    norm,
+    cache,
+    train: bool,
+    cache_decoded=False,
+    shard: tuple[int, int] = (0, 1),
 ) -> MultimodalLoader:
-    """Every sample of the train split on this process, in id order, augmented as training augments it
-    (``train``; its epoch is the view) or as evaluation sees it: what a feature cache stores
-    (``mmfast.train.features``)."""
-    options = {**_loader_options(cfg, accelerator, norm, cache), "shard_id": 0, "num_shards": 1}
+    """The train split's samples of ``shard`` ((index, count): all of them by default), in id order, augmented
+    as training augments it (``train``; its epoch is the view) or as evaluation sees it: what a feature cache
+    stores (``mmfast.train.features``)."""
+    options = {**_loader_options(cfg, accelerator, norm, cache), "shard_id": shard[0], "num_shards": shard[1]}
     return MultimodalLoader(
         dataset, "train", cfg.eval_batch_size or cfg.batch_size, shuffle=False, drop_last=False,
         train=train and cfg.augment, scale=(cfg.crop_scale_min, 1.0), color_jitter=cfg.color_jitter,

@@ -14,30 +14,34 @@ so without the dropout a locked Hugging Face encoder applies in training when it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.data.feature_cache import FeatureCache, FeatureWriter, open_or_build, weights_digest
+from mmfast.data.feature_cache import FeatureCache, weights_digest
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.train.data import cache_plans, feature_view_loader
+from mmfast.train.feature_build import build_shared
 from mmfast.train.slices import FeatureConfig
 
 CACHE_HOME = Path("~/.cache/mmfast/features")  # --feature-cache-dir's default: one folder per dataset under it
 
 
-def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader, processes: int) -> tuple[bool, str]:
+def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader) -> tuple[bool, str]:
     """Whether this run reads cached image features, and why not when it does not.
 
     ``on`` needs a model that takes image features (``takes_image_features``: the dual encoder), a locked image
-    tower, one process and a train order the loader makes (not a WebDataset reader's own); ``auto`` also needs
-    more --epochs than --feature-views, or the cache would cost as much as it saves.
+    tower and a train order the loader makes (not a WebDataset reader's own); ``auto`` also needs more --epochs
+    than --feature-views, or the cache would cost as much as it saves. Any number of processes may share it
+    (``feature_build.build_shared``).
 
     Raises:
         ValueError: --feature-cache on where one of those does not hold.
@@ -49,8 +53,6 @@ def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader, proc
         problem = f"--model {cfg.model} takes no image features (the dual encoder, --model clip, does)"
     elif not getattr(model.image, "frozen", False):
         problem = "the image tower trains; lock it with --freeze-image"
-    elif processes > 1:
-        problem = f"the cache is built and read by one process, and this run has {processes}"
     elif not loader.images.source.ordered_by_loader:
         problem = f"--source {cfg.source} shuffles inside DALI, so its augmentation cannot be stored by view"
     if problem and cfg.feature_cache == "on":
@@ -132,41 +134,57 @@ def build_train_features(
     parts = feature_parts(cfg, dataset, model, norm, dtype, accelerator.mixed_precision)
     ids = dataset.table("train", images=False).ids
 
-    def fill(writer: FeatureWriter) -> None:
-        _compute_views(cfg, accelerator, dataset, model, norm, shard_cache, writer)
+    def compute(shard: int, shards: int):
+        return _view_steps(cfg, accelerator, dataset, model.image, norm, shard_cache, (shard, shards))
 
     model.to(accelerator.device)
-    features, reason = open_or_build(cache_dir(cfg, dataset), parts, ids, cfg.feature_views, model.image.width,
-                                     dtype, fill)  # fmt: skip
+    shape = (cfg.feature_views, model.image.width, cfg.eval_batch_size or cfg.batch_size)
+    with _eval_mode(model.image):
+        features, reason, writers = build_shared(
+            accelerator, cache_dir(cfg, dataset), parts, ids, shape, dtype, compute, _wait_s(cfg, accelerator)
+        )
     figures = {
         "dir": str(features.dir),
         "views": features.views,
         "dtype": dtype,
         "mib": round(features.nbytes / 2**20, 1),
         "built": reason or None,  # why it was computed; None: an earlier run's was read
+        "writers": writers,  # the processes that wrote it: one per filesystem that lacked it
         "seconds": round(time.perf_counter() - t0, 2),
     }
     return features, figures
 
 
-@torch.no_grad()
-def _compute_views(
-    cfg: FeatureConfig, accelerator, dataset, model, norm, shard_cache, writer: FeatureWriter
-) -> None:
-    """Put every view of every train sample: view v from the train loader's epoch v, then the centre view."""
-    tower = model.image
+@contextlib.contextmanager
+def _eval_mode(tower):
+    """``tower`` in eval mode for the block: a stored feature is computed once, without dropout."""
     was_training = tower.training
     tower.eval()
     try:
-        plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
-        views = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, train=True, cache_decoded=plan)
-        for v in range(writer.views):
-            views.set_epoch(v)
-            _put_all(accelerator, tower, views, writer, v)
-        centre = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, train=False)
-        _put_all(accelerator, tower, centre, writer, None)
+        yield
     finally:
         tower.train(was_training)
+
+
+def _wait_s(cfg: FeatureConfig, accelerator) -> float:
+    """How long a local main process waits for another run's build: as long as it takes alone, else within
+    the other processes' --dist-timeout."""
+    return -1 if accelerator.num_processes == 1 else 0.9 * cfg.dist_timeout
+
+
+@torch.no_grad()
+def _view_steps(cfg: FeatureConfig, accelerator, dataset, tower, norm, shard_cache, shard: tuple[int, int]):
+    """This process's share (``shard``: (index, count)) of every view of every train sample: view v from the
+    train loader's epoch v, then the centre view; as (view, ids, features) steps."""
+    plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
+    views = feature_view_loader(
+        cfg, accelerator, dataset, norm, shard_cache, True, cache_decoded=plan, shard=shard
+    )
+    for v in range(cfg.feature_views):
+        views.set_epoch(v)
+        yield from _tower_steps(accelerator, tower, views, v)
+    centre = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, train=False, shard=shard)
+    yield from _tower_steps(accelerator, tower, centre, None)
 
 
 def build_text_features(
@@ -183,44 +201,47 @@ def build_text_features(
     parts = text_feature_parts(dataset, model, loader, dtype, accelerator.mixed_precision)
     ids = dataset.table("train", images=False).ids
 
-    def fill(writer: FeatureWriter) -> None:
-        _compute_text(cfg, accelerator, model, loader, writer)
+    def compute(shard: int, shards: int):
+        return _text_steps(cfg, accelerator, model.text, loader, ids, (shard, shards))
 
     model.to(accelerator.device)
     directory = cache_dir(cfg, dataset).with_name("train-text")
-    features, reason = open_or_build(directory, parts, ids, 0, model.text.width, dtype, fill)
+    with _eval_mode(model.text):
+        features, reason, writers = build_shared(
+            accelerator, directory, parts, ids, (0, model.text.width, cfg.batch_size), dtype, compute,
+            _wait_s(cfg, accelerator),
+        )  # fmt: skip
     figures = {
         "dir": str(features.dir),
         "dtype": dtype,
         "mib": round(features.nbytes / 2**20, 1),
         "built": reason or None,
+        "writers": writers,
         "seconds": round(time.perf_counter() - t0, 2),
     }
     return features, figures
 
 
 @torch.no_grad()
-def _compute_text(cfg, accelerator, model, loader: MultimodalLoader, writer: FeatureWriter) -> None:
-    """Put every caption's feature, in batches of --batch-size ids padded as the train batches are."""
-    tower = model.text
-    was_training = tower.training
-    tower.eval()  # no dropout: a stored feature is computed once
-    try:
-        for s in range(0, len(writer.ids), cfg.batch_size):
-            ids = writer.ids[s : s + cfg.batch_size]
-            text = {k: v.to(accelerator.device) for k, v in loader.tokens.gather(ids, loader.text_padding).items()}
-            with accelerator.autocast():
-                pooled = tower(text["input_ids"], text["attention_mask"])
-            writer.put(None, ids, pooled)  # (B, D_txt)
-    finally:
-        tower.train(was_training)
+def _text_steps(cfg, accelerator, tower, loader: MultimodalLoader, ids, shard: tuple[int, int]):
+    """This process's share of the captions' features: batch k of --batch-size ids (padded as the train batches
+    are) when k mod the count of shares is ``shard``'s index; as (None, ids, features) steps."""
+    index, count = shard
+    for s in range(index * cfg.batch_size, len(ids), count * cfg.batch_size):
+        batch_ids = np.asarray(ids[s : s + cfg.batch_size])
+        text = {
+            k: v.to(accelerator.device) for k, v in loader.tokens.gather(batch_ids, loader.text_padding).items()
+        }
+        with accelerator.autocast():
+            pooled = tower(text["input_ids"], text["attention_mask"])
+        yield None, torch.from_numpy(batch_ids), pooled  # (B, D_txt)
 
 
-def _put_all(accelerator, tower, loader, writer: FeatureWriter, view: int | None) -> None:
+def _tower_steps(accelerator, tower, loader, view: int | None):
     for batch in loader:
         with accelerator.autocast():
             pooled = tower(batch["image"])[0]  # (B, C)
-        writer.put(view, batch["id"], pooled)
+        yield view, batch["id"], pooled
 
 
 def feature_note(figures: dict) -> str:
@@ -240,7 +261,7 @@ def feature_train_loader(
 ) -> tuple[MultimodalLoader | FeatureLoader, dict | None]:
     """The run's train loader: ``loader`` itself, or one that serves its order from the feature cache
     (``feature_cache_plan``); with the cache's figures for the summary (None without one)."""
-    use, why = feature_cache_plan(cfg, model, loader, accelerator.num_processes)
+    use, why = feature_cache_plan(cfg, model, loader)
     if not use:
         if cfg.feature_cache == "auto":
             accelerator.print(f"--feature-cache auto: decoding every epoch ({why})")

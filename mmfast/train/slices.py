@@ -69,6 +69,7 @@ class FeatureConfig(LoaderConfig):
     feature_cache: str
     feature_views: int
     feature_cache_dir: str | None
+    dist_timeout: float  # how long a process waits for another run's build of the same cache
 
 
 @dataclass(frozen=True)
