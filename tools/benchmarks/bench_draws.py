@@ -1,6 +1,7 @@
 """What drawing each sample's augmentation from (seed, epoch, id) costs the DALI graph: the train graph with the
-per-sample draws (``mmfast.loading.draws``: an external source of the draws, the crop window computed from the
-image header, a slice decode) against the same graph with DALI's own random operators (``random_crop`` decode,
+per-sample draws (``mmfast.loading.draws``: an external source of the draws and a slice decode, the crop window
+computed in the graph from the image header, or drawn on the host from the sizes preparation recorded with
+torchvision's redraws) against the same graph with DALI's own random operators (``random_crop`` decode,
 ``coin_flip``), on the same files, in one interleaved run.
 
     python tools/benchmarks/bench_draws.py [--n 512] [--batch-size 64] [--size 224] [--rounds 5] [--epochs 2]
@@ -45,11 +46,16 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def make_pipe(files: list[str], batch: int, size: int, threads: int, per_sample: bool, host: bool, epochs: int):
+MODES = {"dali": "DALI draws", "graph": "per-sample, window in graph", "host": "per-sample, window on host"}
+
+
+def make_pipe(files: list[str], shapes, batch: int, size: int, threads: int, mode: str, host: bool, epochs: int):
     """The train graph over ``epochs`` passes of ``files`` (the file reader reads their concatenation, as a
-    loader's chunk does), with per-sample draws or DALI's."""
+    loader's chunk does), with DALI's draws or per-sample ones (``mode``: a key of ``MODES``; "host": the
+    windows from ``shapes``, (N, 2) (height, width))."""
     ids = list(range(len(files))) * epochs
-    draws = DrawFeed(0, np.array(ids), np.repeat(np.arange(epochs), len(files))) if per_sample else None
+    shapes = np.tile(shapes, (epochs, 1)) if mode == "host" else None
+    draws = None if mode == "dali" else DrawFeed(0, np.array(ids), np.repeat(np.arange(epochs), len(files)), shapes)
     pipe = image_pipeline(
         read=functools.partial(read_files, files * epochs, ids), train=True, size=size, finish_on_host=host,
         draws=draws, batch_size=batch, num_threads=threads, device_id=None, seed=0, prefetch_queue_depth=2,
@@ -74,35 +80,33 @@ def epoch_rates(pipe, batches: int, epochs: int) -> list[float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     data = PreparedDataset(prepared_photos(args.n))
-    files = [
-        str(data.root / r["image"]) if not os.path.isabs(r["image"]) else r["image"]
-        for r in data.iter_rows("train")
-    ]
+    rows = list(data.iter_rows("train"))
+    files = [str(data.root / r["image"]) if not os.path.isabs(r["image"]) else r["image"] for r in rows]
+    shapes = np.array([(r["height"], r["width"]) for r in rows])  # JPEGs without EXIF orientation: as decoded
     batches = len(files) // args.batch_size
-    files = files[: batches * args.batch_size]
+    files, shapes = files[: batches * args.batch_size], shapes[: batches * args.batch_size]
     variants = {
-        (host, per_sample): f"{'per-sample draws' if per_sample else 'DALI draws'}, "
-        f"{'finished on the host' if host else 'finished in DALI'}"
+        (host, mode): f"{MODES[mode]}, {'finished on the host' if host else 'finished in DALI'}"
         for host in (True, False)
-        for per_sample in (False, True)
+        for mode in MODES
     }
     rates: dict[tuple, list[float]] = {k: [] for k in variants}
     for r in range(args.rounds):
-        for host, per_sample in variants:
-            pipe = make_pipe(files, args.batch_size, args.size, args.threads, per_sample, host, args.epochs + 1)
-            rates[host, per_sample] += epoch_rates(pipe, batches, args.epochs)
+        for host, mode in variants:
+            pipe = make_pipe(files, shapes, args.batch_size, args.size, args.threads, mode, host, args.epochs + 1)
+            rates[host, mode] += epoch_rates(pipe, batches, args.epochs)
             del pipe
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     rows = []
-    for (host, per_sample), name in variants.items():
-        median = statistics.median(rates[host, per_sample])
-        base = statistics.median(rates[host, False])
-        rows.append({"variant": name, "images_per_s": median, "min": min(rates[host, per_sample]),
-                     "max": max(rates[host, per_sample]), "vs_dali_draws": median / base})  # fmt: skip
-    print(f"\n{'variant':<48}{'images/s':>10}{'min-max':>16}{'vs DALI draws':>15}")
+    for (host, mode), name in variants.items():
+        median = statistics.median(rates[host, mode])
+        base = statistics.median(rates[host, "dali"])
+        rows.append({"variant": name, "images_per_s": median, "min": min(rates[host, mode]),
+                     "max": max(rates[host, mode]), "vs_dali_draws": median / base})  # fmt: skip
+    print(f"\n{'variant':<56}{'images/s':>10}{'min-max':>16}{'vs DALI draws':>15}")
     for row in rows:
         spread = f"{row['min']:.0f}-{row['max']:.0f}"
-        print(f"{row['variant']:<48}{row['images_per_s']:>10.0f}{spread:>16}{row['vs_dali_draws']:>14.2f}x")
+        print(f"{row['variant']:<56}{row['images_per_s']:>10.0f}{spread:>16}{row['vs_dali_draws']:>14.2f}x")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2))
