@@ -55,7 +55,8 @@ def make_pipe(files: list[str], shapes, batch: int, size: int, threads: int, mod
     windows from ``shapes``, (N, 2) (height, width))."""
     ids = list(range(len(files))) * epochs
     shapes = np.tile(shapes, (epochs, 1)) if mode == "host" else None
-    draws = None if mode == "dali" else DrawFeed(0, np.array(ids), np.repeat(np.arange(epochs), len(files)), shapes)
+    epoch_of = np.repeat(np.arange(epochs), len(files))
+    draws = None if mode == "dali" else DrawFeed(0, np.array(ids), epoch_of, shapes)
     pipe = image_pipeline(
         read=functools.partial(read_files, files * epochs, ids), train=True, size=size, finish_on_host=host,
         draws=draws, batch_size=batch, num_threads=threads, device_id=None, seed=0, prefetch_queue_depth=2,
