@@ -272,3 +272,20 @@ def test_a_wide_image_gets_crops_spread_over_it_not_one_box():
     assert counts.max() <= 3
     share = boxes[:, 2] * boxes[:, 3] / (900 * 1600)
     assert share.max() <= 0.75 + 0.01 and abs(float(share.mean()) - (0.08 + 0.75) / 2) < 0.02
+
+
+def test_the_decoded_cache_cuts_the_host_windows_of_the_stream(photos):
+    """With the images' sizes given, a loader holding the images decoded serves the pixels the streaming
+    graph cuts (PNGs: the same decode either way); a size per file is required."""
+    from mmfast.loading.image_loader import ImageLoader
+
+    files = [str(p) for p in photos if p.suffix == ".png"] * 2
+    sizes = [Image.open(f).size[::-1] for f in files]
+    common = dict(batch_size=3, size=32, fp16=False, shuffle=True, train=True, image_sizes=sizes, num_workers=1)
+    got = [_by_id(ImageLoader(files, as_dict=True, cache_decoded=c, **common), 2) for c in (False, True)]
+    assert len(got[0]) == len(got[1]) > 0
+    for streamed, cached in zip(*got, strict=True):
+        assert streamed.keys() == cached.keys()
+        assert all(torch.equal(streamed[i], cached[i]) for i in streamed)
+    with pytest.raises(ValueError, match="image_sizes must hold"):
+        ImageLoader(files, image_sizes=sizes[:-1])
