@@ -289,3 +289,18 @@ def test_the_decoded_cache_cuts_the_host_windows_of_the_stream(photos):
         assert all(torch.equal(streamed[i], cached[i]) for i in streamed)
     with pytest.raises(ValueError, match="image_sizes must hold"):
         ImageLoader(files, image_sizes=sizes[:-1])
+
+
+def test_without_the_sizes_one_process_and_two_still_get_the_same_pixels(prepared):
+    """The windows computed in the graph (a split whose rows have no decoded size: here withheld), streamed:
+    the same global batches with the same pixels on one process and two."""
+    common = dict(size=32, fp16=False, train=True, cache_decoded=False, num_workers=1, image_sizes=None)
+    one = MultimodalLoader(prepared, "train", 16, **common)
+    assert one.images.image_sizes is None
+    one = _by_id(one, 1)
+    halves = [MultimodalLoader(prepared, "train", 16, shard_id=r, num_shards=2, **common) for r in (0, 1)]
+    shards = [_by_id(h, 1) for h in halves]
+    assert len(shards[0]) > 2
+    for k, (a, b) in enumerate(zip(*shards, strict=True)):
+        merged = {**one[2 * k], **one[2 * k + 1]}
+        assert set(merged) == set(a) | set(b) and all(torch.equal(x, merged[i]) for i, x in {**a, **b}.items()), k
