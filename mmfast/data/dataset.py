@@ -132,6 +132,7 @@ class SplitTable:
     images: list[str] | None  # each row's image file; None when read from wds/<split>.rows.npy
     file_stats: list[tuple[int, int]] | None  # (size, mtime_ns) at preparation, when every row has them
     sources: np.ndarray | None = None  # (N,) int64: the source of each row in a mix (``mix_sources``)
+    decoded_shapes: np.ndarray | None = None  # (N, 2) (height, width) as DALI decodes them, when every row has it
 
 
 def wds_split(root: Path, split: str) -> tuple[list[str], list[str]]:
@@ -330,8 +331,9 @@ class PreparedDataset:
         if not images and npy.is_file():
             ids_labels = np.load(npy).reshape(-1, 2)  # (N, 2) int64: id, class id
             return SplitTable(ids_labels[:, 0], ids_labels[:, 1], None, None)
-        ids, labels, paths, stats, sources = [], [], [], [], []
+        ids, labels, paths, stats, sources, shapes = [], [], [], [], [], []
         for r in self.iter_rows(split):
+            shapes.append(r.get("decoded_shape"))
             ids.append(r["id"])
             labels.append(r["label"])
             paths.append(r["image"])
@@ -343,6 +345,7 @@ class PreparedDataset:
             paths,
             None if None in stats else stats,
             np.array(sources, dtype=np.int64) if self.mix_sources else None,
+            None if None in shapes else np.array(shapes, dtype=np.int64).reshape(-1, 2),
         )
 
     def decoded_bytes(self, split: str, limit: int) -> int | None:

@@ -36,6 +36,7 @@ class ImageCheck:
     width: int = 0
     height: int = 0
     format: str = ""
+    decoded: tuple[int, int] | None = None  # (height, width) as DALI's decoder gave it (EXIF orientation applied)
 
 
 def pixel_budget_reason(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
@@ -211,13 +212,20 @@ def check_images(
     check = functools.partial(check_image, max_pixels=max_pixels)
     checks = map_files(check, paths, workers, "validating images", progress)
     good = [i for i, c in enumerate(checks) if c.ok]
-    for i, reason in dali_rejects([paths[i] for i in good], workers).items():
+    shapes: dict[int, tuple[int, int]] = {}
+    for i, reason in dali_rejects([paths[i] for i in good], workers, shapes=shapes).items():
         checks[good[i]] = ImageCheck(False, reason)
+    for i, shape in shapes.items():
+        if checks[good[i]].ok:
+            checks[good[i]].decoded = shape
     return checks
 
 
-def dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[int, str]:
-    """Decode ``paths`` with DALI's CPU decoder; return {index: reason} for files it refuses.
+def dali_rejects(
+    paths: list, threads: int, batch: int = 64, load=None, shapes: dict | None = None
+) -> dict[int, str]:
+    """Decode ``paths`` with DALI's CPU decoder; return {index: reason} for files it refuses, and put the
+    (height, width) of each one decoded in ``shapes`` {index: (height, width)} when given.
 
     A failing batch is split in halves until the bad file is isolated. A pipeline that failed is not
     reused: the next attempt builds a fresh one. ``load`` turns an entry of ``paths`` into its encoded bytes
@@ -234,7 +242,9 @@ def dali_rejects(paths: list, threads: int, batch: int = 64, load=None) -> dict[
         blobs = [load(p) for p in paths[lo:hi]]
         try:
             pipe.feed_input("blobs", blobs)
-            pipe.run()
+            (decoded,) = pipe.run()
+            if shapes is not None:
+                shapes.update({lo + k: (int(s[0]), int(s[1])) for k, s in enumerate(decoded.shape())})
             continue
         except RuntimeError as e:  # DALI reports decoder failures as RuntimeError with the decoder's message
             err = str(e) or "decoder error"

@@ -61,6 +61,7 @@ class Candidate:
     original: str = ""  # the image as given, when ``image`` is a downscaled copy of it (--max-side)
     width: int = 0  # the image's size, once validation decoded it (0: not yet)
     height: int = 0
+    decoded: tuple[int, int] | None = None  # (height, width) as DALI decodes it, when validation recorded it
 
 
 @dataclass

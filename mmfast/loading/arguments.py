@@ -61,6 +61,20 @@ def checked_samples(files, labels, ids) -> tuple[list[str], np.ndarray, np.ndarr
     return files, labels, ids
 
 
+def checked_image_sizes(image_sizes, n: int) -> np.ndarray | None:
+    """``image_sizes`` as an (n, 2) int64 array of (height, width), or None; a wrong shape or a side under a pixel
+    is an error."""
+    if image_sizes is None:
+        return None
+    sizes = np.asarray(image_sizes, dtype=np.int64)
+    if sizes.shape != (n, 2) or (sizes < 1).any():
+        raise ValueError(
+            f"image_sizes must hold (height, width) >= 1 pixel for each of the {n} files, got an array of shape "
+            f"{sizes.shape}{'' if sizes.shape != (n, 2) else ' with a side under 1'}; pass image_sizes=None"
+        )
+    return sizes
+
+
 def process_layout(accelerator, shard_id: int | None, num_shards: int | None, device) -> tuple:
     """(shard_id, num_shards, device): as given, else the ``accelerator``'s, else (0, 1, None)."""
     if accelerator is not None:

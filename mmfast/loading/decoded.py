@@ -28,7 +28,7 @@ import torch
 
 from mmfast.data.batch import PAD_ID
 from mmfast.data.validate import image_header
-from mmfast.loading.draws import FLIP, crop_boxes, sample_uniforms
+from mmfast.loading.draws import ATTEMPTS, DRAWS, FLIP, crop_boxes, resized_crop_boxes, sample_uniforms
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.graphs import decode_pipeline
 from mmfast.loading.sources import read_files
@@ -304,11 +304,15 @@ class DecodedIterator:
         key: (seed, shard, epoch, first step); the draws depend on the seed, the epoch and each sample's id.
         train: random resized crops and flips; otherwise whole images (the eval finishing resizes them).
         scale, ratio, flip: the random resized crop's ranges, and whether to mirror half the images.
+        host_windows: the crops of ``draws.resized_crop_boxes`` (the streaming graph's when the loader knows the
+            images' sizes), else of ``draws.crop_boxes``.
     """
 
-    def __init__(self, cache: DecodedImages, positions, ids, batch_size, key, train, scale, ratio, flip):
+    def __init__(self, cache: DecodedImages, positions, ids, batch_size, key, train, scale, ratio, flip,
+                 host_windows: bool = False):  # fmt: skip
         self.cache, self.positions, self.ids, self.batch_size = cache, positions, ids, batch_size
         self.key, self.train, self.scale, self.ratio, self.flip = key, train, scale, ratio, flip
+        self.host_windows = host_windows
         self.step = 0
 
     def __iter__(self):
@@ -329,8 +333,13 @@ class DecodedIterator:
         cache.release(use)  # the crops below hold what they need
         if self.train:  # the draws of the graph's crops (mmfast.loading.draws): (seed, epoch, id) alone
             keys = np.array([self.ids[p] if p >= 0 else PAD_ID for p in pos.tolist()], dtype=np.int64)
-            u = sample_uniforms(seed, np.full(len(pos), epoch), keys)
-            boxes = crop_boxes(np.array([i.shape[:2] for i in whole]), u, self.scale, self.ratio)
+            shapes = np.array([i.shape[:2] for i in whole])
+            if self.host_windows:
+                u = sample_uniforms(seed, np.full(len(pos), epoch), keys, DRAWS + 2 * (ATTEMPTS - 1))
+                boxes = resized_crop_boxes(shapes, u, self.scale, self.ratio)
+            else:
+                u = sample_uniforms(seed, np.full(len(pos), epoch), keys)
+                boxes = crop_boxes(shapes, u, self.scale, self.ratio)
             pairs = zip(whole, boxes.tolist(), strict=True)
             crops = [torch.from_numpy(i[t : t + h, x : x + w]) for i, (t, x, h, w) in pairs]
             flips = u[:, FLIP] < 0.5 if self.flip else np.zeros(len(pos), dtype=bool)

@@ -17,10 +17,18 @@ favours smaller areas: their mean area share is 0.48 of a square image and 0.33 
 (0.08, 1), this one's 0.54 and 0.41 (the same ratios on average). Written once over numpy or
 ``nvidia.dali.math``: the graph and the host compute the same windows (the host in float32 and rounding as DALI
 does).
+
+``resized_crop_boxes`` is the other way, where the loader knows each image's decoded size before DALI reads it
+(``ImageLoader(image_sizes=...)``): torchvision's ``RandomResizedCrop`` (the area share uniform in ``scale``,
+the log aspect ratio uniform in ``ratio``, redrawn up to ``ATTEMPTS`` times until the crop fits, then the
+centred crop of the ratio in range nearest the image's), every redraw a draw of (seed, epoch, id) too. Computed
+on the host, the windows go to the graph's slice decode as an external source: no arithmetic in the graph, and
+the smaller crops torchvision's redraws favour.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -28,6 +36,7 @@ import numpy as np
 
 DRAWS = 8  # per sample: area, ratio, x, y, flip, brightness, contrast, saturation
 AREA, RATIO, X, Y, FLIP, BRIGHTNESS, CONTRAST, SATURATION = range(DRAWS)
+ATTEMPTS = 10  # torchvision's redraws of a crop that does not fit; (area, ratio) of attempt k > 0 after DRAWS
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 NUMPY_MATH = SimpleNamespace(log=np.log, exp=np.exp, sqrt=np.sqrt, min=np.minimum, max=np.maximum)
@@ -97,18 +106,60 @@ def crop_boxes(shapes: np.ndarray, u: np.ndarray, scale, ratio) -> np.ndarray:
     return np.stack([y0, x0, y1 - y0, x1 - x0], axis=1).astype(np.int64)
 
 
+def resized_crop_boxes(shapes: np.ndarray, u: np.ndarray, scale, ratio) -> np.ndarray:
+    """(B, 4) int64 pixel boxes (top, left, height, width) of torchvision's ``RandomResizedCrop.get_params`` for
+    images of ``shapes`` (B, 2) = (height, width), its random numbers taken from ``u`` (B, DRAWS + 2 *
+    (ATTEMPTS - 1)) of ``sample_uniforms``: attempt 0's area and ratio at AREA and RATIO, attempt k's at DRAWS
+    + 2 (k - 1) and the next; the place at X and Y (uniform over the places that fit, as ``randint``)."""
+    h, w = shapes[:, 0].astype(np.float64)[:, None], shapes[:, 1].astype(np.float64)[:, None]
+    u = u.astype(np.float64)
+    u_area = np.concatenate([u[:, AREA : AREA + 1], u[:, DRAWS::2]], axis=1)[:, :ATTEMPTS]  # (B, ATTEMPTS)
+    u_ratio = np.concatenate([u[:, RATIO : RATIO + 1], u[:, DRAWS + 1 :: 2]], axis=1)[:, :ATTEMPTS]
+    if u_area.shape[1] < ATTEMPTS or u_ratio.shape[1] < ATTEMPTS:
+        raise ValueError(f"resized_crop_boxes needs {DRAWS + 2 * (ATTEMPTS - 1)} draws a sample, got {u.shape[1]}")
+    lo_r, hi_r = math.log(min(ratio)), math.log(max(ratio))
+    area = h * w * (scale[0] + u_area * (scale[1] - scale[0]))
+    r = np.exp(lo_r + u_ratio * (hi_r - lo_r))
+    cw, ch = np.rint(np.sqrt(area * r)), np.rint(np.sqrt(area / r))  # int(round(.)) as torchvision's
+    fits = (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
+    first = fits.argmax(axis=1)  # the first attempt that fits
+    rows = np.arange(len(shapes))
+    cw, ch, found = cw[rows, first], ch[rows, first], fits[rows, first]
+    h, w = h[:, 0], w[:, 0]
+    top = np.minimum(np.floor(u[:, Y] * (h - ch + 1)), h - ch)
+    left = np.minimum(np.floor(u[:, X] * (w - cw + 1)), w - cw)
+    # none fits: torchvision's centred crop, whole along the side the ratio range allows
+    aspect = w / h
+    fw = np.where(aspect > max(ratio), np.rint(h * max(ratio)), w)
+    fh = np.where(aspect < min(ratio), np.rint(w / min(ratio)), h)
+    fw, fh = np.clip(fw, 1, w), np.clip(fh, 1, h)
+    ch, cw = np.where(found, ch, fh), np.where(found, cw, fw)
+    top = np.where(found, top, np.floor((h - fh) / 2))
+    left = np.where(found, left, np.floor((w - fw) / 2))
+    return np.stack([top, left, ch, cw], axis=1).astype(np.int64)
+
+
 class DrawFeed:
     """DALI's batch-mode external source of the draws: batch ``info.iteration`` holds the (DRAWS,) float32 rows
     of entries [i * B, (i + 1) * B) of a chunk, whose sample ids and epochs are given (B: the pipeline's batch,
+    set where the graph is defined). With ``shapes`` (each entry's decoded (height, width)), also the crop
+    windows of ``resized_crop_boxes`` as int32 (x, y) anchors and (width, height) shapes (``scale`` and ``ratio``
     set where the graph is defined)."""
 
-    def __init__(self, seed: int, ids: np.ndarray, epochs: np.ndarray):
+    def __init__(self, seed: int, ids: np.ndarray, epochs: np.ndarray, shapes: np.ndarray | None = None):
         self.seed, self.ids, self.epochs = seed, np.asarray(ids), np.asarray(epochs)
+        self.shapes = None if shapes is None else np.asarray(shapes, dtype=np.int64).reshape(-1, 2)
         self.batch_size = 0
+        self.scale, self.ratio = (0.08, 1.0), (3 / 4, 4 / 3)
 
-    def __call__(self, info) -> list[np.ndarray]:
+    def __call__(self, info) -> list[np.ndarray] | tuple:
         b, i = self.batch_size, info.iteration
         if (i + 1) * b > len(self.ids):
             raise StopIteration
-        rows = sample_uniforms(self.seed, self.epochs[i * b : (i + 1) * b], self.ids[i * b : (i + 1) * b])
-        return list(rows)
+        part = slice(i * b, (i + 1) * b)
+        if self.shapes is None:
+            return list(sample_uniforms(self.seed, self.epochs[part], self.ids[part]))
+        u = sample_uniforms(self.seed, self.epochs[part], self.ids[part], DRAWS + 2 * (ATTEMPTS - 1))
+        boxes = resized_crop_boxes(self.shapes[part], u, self.scale, self.ratio)  # (top, left, height, width)
+        dense = functools.partial(np.ascontiguousarray, dtype=np.int32)  # DALI takes C-ordered batches only
+        return np.ascontiguousarray(u[:, :DRAWS]), dense(boxes[:, [1, 0]]), dense(boxes[:, [3, 2]])

@@ -58,6 +58,7 @@ class ReadSettings:
     prefetch: int
     pipeline_kwargs: dict
     files_checked: bool  # every file was decoded before: DALI runs whole batches from the start
+    image_sizes: np.ndarray | None  # (N, 2) decoded (height, width) of each file: crop windows drawn on the host
     cache_auto: bool  # the decoded cache was the "auto" choice (its fallback to streaming is only logged)
 
     @classmethod
@@ -236,6 +237,7 @@ class EpochReader:
             scale=options.get("scale", (0.08, 1.0)),
             ratio=options.get("ratio", (3 / 4, 4 / 3)),
             flip=options.get("flip", True),
+            host_windows=self.s.image_sizes is not None,
         )
         return Stream(it, {"start": epoch, "offset": step, "epochs": 1}, epoch, step)
 
@@ -284,7 +286,7 @@ class EpochReader:
         if self.s.train and positions is not None:
             ids = np.where(positions >= 0, self.ids[np.maximum(positions, 0)], -1)
             epochs = np.full(len(positions), seed_epoch) if epochs is None else epochs
-            draws = DrawFeed(self.s.seed, ids, epochs)
+            draws = DrawFeed(self.s.seed, ids, epochs, self._read_sizes(positions))
         return image_pipeline(
             read=read,
             draws=draws,
@@ -302,6 +304,16 @@ class EpochReader:
             enable_checkpointing=True,
             checkpoint=checkpoint,
         )
+
+    def _read_sizes(self, positions: np.ndarray) -> np.ndarray | None:
+        """(height, width) of the file the reader reads at each of ``positions`` (a stand-in for padding and bad
+        files: ``FileHealth.reader_list``'s), when the loader knows its files' sizes and reads them itself."""
+        sizes = self.s.image_sizes
+        if sizes is None or not self.source.needs_paths:
+            return None
+        stand_in, bad = self.health.first_good_position(), self.health.bad
+        read = [p if p >= 0 and p not in bad else stand_in for p in positions.tolist()]
+        return sizes[np.array(read, dtype=np.int64)]
 
     def _recover(self, error: RuntimeError) -> Stream:
         """DALI failed on a batch: find the file(s) it could not read among the next batches, mark them,

@@ -47,7 +47,8 @@ def _decoder_kwargs(decode_device: str, hw_decoder_load: float, memory_padding: 
 def _random_crop(encoded, draws: DrawFeed | None, scale, ratio, decode_device: str, dec: dict) -> tuple:
     """(the decoded random resized crops, the flip coins (B,) int32, three jitter uniforms in [0, 1)), decoding
     only the crop's region (ROI decoding): with ``draws``, every draw a function of (seed, epoch, sample id)
-    (``mmfast.loading.draws``; the crop's size from the image's header); without, DALI's random operators."""
+    (``mmfast.loading.draws``; the crop's window drawn on the host when ``draws`` knows the images' sizes, else
+    computed here from the image's header); without, DALI's random operators."""
     if draws is None:  # a reader that orders itself (WebDataset)
         images = fn.decoders.image_random_crop(
             encoded, device=decode_device, output_type=types.RGB, random_area=list(scale),
@@ -56,6 +57,15 @@ def _random_crop(encoded, draws: DrawFeed | None, scale, ratio, decode_device: s
         coin = fn.random.coin_flip(probability=0.5, dtype=types.INT32)
         return images, coin, [fn.random.uniform(range=[0.0, 1.0]) for _ in range(3)]
     draws.batch_size = int(Pipeline.current().max_batch_size)
+    if draws.shapes is not None:  # the windows drawn on the host from the images' known sizes
+        draws.scale, draws.ratio = tuple(scale), tuple(ratio)
+        u, anchor, extent = fn.external_source(
+            source=draws, num_outputs=3, batch=True, batch_info=True, dtype=[types.FLOAT, types.INT32, types.INT32]
+        )  # fmt: skip
+        images = fn.decoders.image_slice(
+            encoded, anchor, extent, device=decode_device, output_type=types.RGB, axis_names="WH", **dec
+        )  # fmt: skip
+        return images, fn.cast(u[FLIP] < 0.5, dtype=types.INT32), [u[BRIGHTNESS], u[CONTRAST], u[SATURATION]]
     u = fn.external_source(source=draws, batch=True, batch_info=True, dtype=types.FLOAT)
     shape = fn.peek_image_shape(encoded, dtype=types.FLOAT)  # (H, W, C)
     left, top, width, height = crop_window(u[AREA], u[RATIO], u[X], u[Y], shape[0], shape[1], scale, ratio, dmath)

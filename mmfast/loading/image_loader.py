@@ -19,7 +19,7 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.loading.arguments import check_batch, check_sizes, checked_samples, process_layout
+from mmfast.loading.arguments import check_batch, check_sizes, checked_image_sizes, checked_samples, process_layout
 from mmfast.loading.cache_plan import CachePlan, decoded_images_for
 from mmfast.loading.decoded import DecodedImages
 from mmfast.loading.device import resolve_device, resolve_dtype
@@ -96,6 +96,9 @@ class ImageLoader:
         verify_files: also check every file at start-up (default off: each batch's files are stat'ed anyway
             just before DALI reads them, ``file_health.FileHealth.watch``; the missing, empty, non-regular and
             changed ones are decoded again, and handled as ``on_bad_image`` says).
+        image_sizes: (height, width) of each file as DALI decodes it (EXIF orientation applied; MultimodalLoader
+            passes what preparation recorded): the train crops are then drawn on the host, as torchvision draws
+            them (``mmfast.loading.draws.resized_crop_boxes``); default: computed in the graph from each header.
         file_stats: (size, mtime_ns) of each file when it was validated (MultimodalLoader passes what
             preparation recorded): a file that differs now is decoded again before it is read; default: each
             file's first stat.
@@ -170,6 +173,7 @@ class ImageLoader:
         on_bad_image: str = "skip",
         verify_files: bool = False,
         file_stats: Sequence[tuple[int, int]] | None = None,
+        image_sizes: Sequence[tuple[int, int]] | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
         finish_threads: int | None = None,
@@ -198,6 +202,7 @@ class ImageLoader:
         prefetch = check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
         self.files, self.labels, self.ids = checked_samples(files, labels, ids)
         check_batch(batch_size, len(self.files), num_shards, size, max_pixels, drop_last)
+        self.image_sizes = checked_image_sizes(image_sizes, len(self.files))
         self._set_settings(batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed)
         self.sampling, self.files_checked, self.as_dict = sampling, files_checked, as_dict
         # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.

@@ -96,6 +96,8 @@ class MultimodalLoader:
             kwargs["dtype"] = torch.float16
         if table.file_stats is not None:
             kwargs.setdefault("file_stats", table.file_stats)
+        if table.decoded_shapes is not None:  # the train crops' windows drawn on the host
+            kwargs.setdefault("image_sizes", table.decoded_shapes)
         loader = ImageLoader(
             images,
             table.labels,

@@ -72,7 +72,7 @@ def read_and_check(
     good: list[Candidate] = []
     for c, chk in zip(cands, checks, strict=True):
         if chk.ok:
-            good.append(replace(c, width=chk.width, height=chk.height))
+            good.append(replace(c, width=chk.width, height=chk.height, decoded=chk.decoded))
         else:
             rejects.append(Reject(c.line, chk.reason, c.source, c.file))
             if Path(c.image).is_relative_to(work.resolve()):  # written from the input's bytes: not kept
@@ -126,7 +126,8 @@ def _downscale(
             rejects.append(Reject(c.line, reason, c.source, c.file))
             dropped.add(i)
         else:
-            out[i] = replace(c, image=dst, original=c.original or ("" if written_here else src))
+            # the copy's decoded size is not recorded: the loader computes its crops in the graph
+            out[i] = replace(c, image=dst, original=c.original or ("" if written_here else src), decoded=None)
             copied += 1
         if written_here:
             Path(src).unlink(missing_ok=True)
@@ -167,7 +168,7 @@ def _check(
             continue
         # an image named by its bytes is the same image at the same size, whatever its (fresh) mtime
         if st.st_size == known[0] and (by_content or st.st_mtime_ns == known[1]):
-            checks[k] = ImageCheck(True, width=known[2], height=known[3])
+            checks[k] = ImageCheck(True, width=known[2], height=known[3], decoded=known[4])
     todo = [k for k, chk in enumerate(checks) if chk is None]
     fresh = check_images([cands[k].image for k in todo], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
     for k, chk in zip(todo, fresh, strict=True):
@@ -175,9 +176,10 @@ def _check(
     return checks, len(cands) - len(todo)
 
 
-def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, int, int]]:
-    """{image path: (size, mtime_ns, width, height)} of the images a complete earlier preparation into
-    ``out`` accepted under the same pixel budget (empty when there is none, or it predates these records)."""
+def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
+    """{image path: (size, mtime_ns, width, height, decoded (height, width) or None)} of the images a complete
+    earlier preparation into ``out`` accepted under the same pixel budget (empty when there is none, or it
+    predates these records)."""
     try:
         if not (out / MARKER).is_file():
             return {}
@@ -194,7 +196,8 @@ def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple[int, int, i
                 rel = Path(os.path.relpath(key, out)).parts  # images/... or, merged, parts/<i>/images/...
                 if rel[0] != ".." and IMAGES_DIR in rel[:-1]:
                     key = _content_key(key)  # written from an input's bytes: found again by its name
-                earlier[key] = (size, mtime, r["width"], r["height"])
+                shape = None if r.get("original") else r.get("decoded_shape")  # of the copy, not of the original
+                earlier[key] = (size, mtime, r["width"], r["height"], tuple(shape) if shape else None)
         return earlier
     except (OSError, DatasetError, KeyError, TypeError):
         return {}  # nothing to reuse: every image is checked

@@ -366,7 +366,7 @@ def _row(
         }
     st = os.stat(c.image)  # recorded so the loader can tell a file that changed after validation
     image = Path(c.image)
-    return {
+    row = {
         "id": sample_id,
         "image": image.relative_to(work).as_posix() if image.is_relative_to(work) else c.image,
         "text": c.text,
@@ -376,7 +376,9 @@ def _row(
         "mtime_ns": st.st_mtime_ns,
         "width": c.width,  # of the image as validated (the original, for a --max-side copy)
         "height": c.height,
-    } | ({"original": c.original, "original_stat": _stat_pair(c.original)} if c.original else {})
+    }
+    decoded = {"decoded_shape": list(c.decoded)} if c.decoded else {}  # as DALI decodes it: the loader's crops
+    return row | decoded | ({"original": c.original, "original_stat": _stat_pair(c.original)} if c.original else {})
 
 
 def _stat_pair(path: str) -> list[int]:

@@ -237,6 +237,8 @@ def _file_record(path: Path) -> dict:
 def _candidate_row(c: Candidate, base: Path) -> dict:
     """A kept row for accepted.jsonl; a file the part wrote is named relative to the part directory."""
     row = {k: v for k, v in asdict(c).items() if k in _FIELDS}
+    if c.decoded:
+        row["decoded"] = list(c.decoded)
     if Path(c.image).is_relative_to(base):
         row["image"], row["in_part"] = Path(c.image).relative_to(base).as_posix(), True
     return row
@@ -244,7 +246,7 @@ def _candidate_row(c: Candidate, base: Path) -> dict:
 
 def _candidate(row: dict, part: Path, dest: Path) -> Candidate:
     """The Candidate of an accepted.jsonl row; a file of the part is linked to the same place under ``dest``."""
-    c = Candidate(**{k: row[k] for k in _FIELDS})
+    c = Candidate(**{k: row[k] for k in _FIELDS}, decoded=tuple(row["decoded"]) if row.get("decoded") else None)
     if row.get("in_part"):
         target = dest / row["image"]
         target.parent.mkdir(parents=True, exist_ok=True)
