@@ -173,8 +173,8 @@ def _setup(prepared: Path, tmp_path: Path, accelerator, *flags: str):
     from mmfast.data.dataset import PreparedDataset
     from mmfast.tasks import build_task
     from mmfast.train import parse_config
-    from mmfast.train.resolve import resolve_preset
     from mmfast.train.data import build_loaders
+    from mmfast.train.resolve import resolve_preset
     from mmfast.train.run import build_run_model
 
     cfg = parse_config(["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, *flags])

@@ -117,6 +117,9 @@ def _build_worker(rank: int, port: int, directory: str, fail_rank: int, out: str
         result = {"built": built, "writers": writers, "v1": features.gather(ids, 1)[:, 0].tolist()}
     except RuntimeError as e:
         result = {"error": str(e)}
+    finally:
+        # the group ended before the process: gloo's threads outliving it aborted a failed rank at exit
+        torch.distributed.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -226,12 +226,12 @@ def test_hf_export_is_a_clip_model_or_refused_naming_the_tower(vision, tmp_path)
 def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
     locked, demo_manifest, photos, tmp_path, capsys
 ):
-    import tools.export as export_tool
     import open_clip
-    import tools.train as train_tool
     from PIL import Image
     from transformers import CLIPTokenizer
 
+    import tools.export as export_tool
+    import tools.train as train_tool
     from mmfast.infer.predict import rows_loader
 
     start = native_open_clip_dir(tmp_path)

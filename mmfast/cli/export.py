@@ -22,7 +22,6 @@ from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
 from mmfast.util.voice import command_line
 
-
 FORMATS = ("onnx", "torch", "open_clip", "hf")
 _ALIASES = {"both": ("onnx", "torch"), "all": FORMATS}
 

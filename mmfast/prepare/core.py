@@ -377,8 +377,10 @@ def _row(
         "width": c.width,  # of the image as validated (the original, for a --max-side copy)
         "height": c.height,
     }
-    decoded = {"decoded_shape": list(c.decoded)} if c.decoded else {}  # as DALI decodes it: the loader's crops
-    return row | decoded | ({"original": c.original, "original_stat": _stat_pair(c.original)} if c.original else {})
+    # the size as DALI decodes it (EXIF orientation applied): the loader draws its crops there
+    decoded = {"decoded_shape": list(c.decoded)} if c.decoded else {}
+    original = {"original": c.original, "original_stat": _stat_pair(c.original)} if c.original else {}
+    return row | decoded | original
 
 
 def _stat_pair(path: str) -> list[int]:
