@@ -198,7 +198,7 @@ def build_text_features(
 
 
 @torch.no_grad()
-def _compute_text(cfg, accelerator, model, loader: MultimodalLoader, writer: FeatureWriter) -> None:
+def _compute_text(cfg: FeatureConfig, accelerator, model, loader: MultimodalLoader, writer: FeatureWriter) -> None:
     """Put every caption's feature, in batches of --batch-size ids padded as the train batches are."""
     tower = model.text
     was_training = tower.training

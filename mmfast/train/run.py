@@ -48,7 +48,8 @@ from mmfast.train.setup import (
     make_accelerator,
     resolve_data,
 )
-from mmfast.train.slices import DataConfig, ProcessConfig, cut, slices
+from mmfast.infer.model_config import ModelConfig
+from mmfast.train.slices import DataConfig, ProcessConfig, ReportConfig, cut, slices
 from mmfast.train.stop import StopFlag
 from mmfast.train.warm_start import ridge_start
 from mmfast.util.fsutil import atomic_write_json
@@ -114,7 +115,7 @@ def _train(cfg: TrainConfig, body: RunBody) -> dict:
         cfg.channels_last, accelerator.device.type, cfg.image_backbone, cfg.model
     )
     cfg = replace(cfg, channels_last=memory_format)  # what config.json records
-    if note := encoder_lr_note(given, cfg):
+    if note := encoder_lr_note(cut(ReportConfig, given), cut(ReportConfig, cfg)):
         accelerator.print(note)
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
     lock, failed = None, True
@@ -191,11 +192,11 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     identity = run_identity(cfg, accelerator, dataset)
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
-    task = build_task(cfg.task, dataset, cfg)
+    task = build_task(cfg.task, dataset, parts.model)
     if (check := getattr(task, "check_step_samples", None)) is not None:  # before a model or loader is built
         if note := check(cfg.batch_size * cfg.grad_accum * accelerator.num_processes):
             accelerator.print(note)
-    model = build_run_model(cfg, dataset, task)
+    model = build_run_model(parts.model, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = (image.mean, image.std) if image is not None else None
@@ -224,7 +225,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
             start_trackers(accelerator, tracker_config(identity), task)
         runner = EpochRunner(
-            cfg,
+            parts.loop,
             accelerator,
             model,
             optimizer,
@@ -238,8 +239,10 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
         last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
-        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator, features=features)
-    summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
+        write_profile(
+            run_dir, runner.timer, runner.sampler, train_loader, parts.report, accelerator, features=features
+        )
+    summary = summarize(parts.report, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["hardware_choices"] = choices_made(parts.compile, accelerator, optimizer)
     if warm is not None:
         summary["init_proj"] = warm
@@ -253,7 +256,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         atomic_write_json(run_dir / "summary.json", summary)
         # RUN/model (best) and RUN/model-last: what users load, predict with and export
         best = summary["best_checkpoint"]
-        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, best, tokenizer)
+        write_run_models(run_dir, accelerator.unwrap_model(model), parts.model, dataset, best, tokenizer)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
@@ -324,9 +327,9 @@ def _check_resumable(resume_from: Path | None, identity: dict) -> None:
             )
 
 
-def build_run_model(cfg: TrainConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
+def build_run_model(cfg: ModelConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
     """The configured model with the task's outputs; a model's own options (``config_options``) come from the
-    config fields of those names."""
+    model slice's fields of those names."""
     options = {name: getattr(cfg, name) for name in getattr(model_class(cfg.model), "config_options", ())}
     return build_model(
         cfg.model,
