@@ -49,7 +49,7 @@ from mmfast.train.setup import (
     resolve_data,
 )
 from mmfast.infer.model_config import ModelConfig
-from mmfast.train.slices import DataConfig, ProcessConfig, ReportConfig, cut, slices
+from mmfast.train.slices import DataConfig, ProcessConfig, ReportConfig, Slices, cut, slices
 from mmfast.train.stop import StopFlag
 from mmfast.train.warm_start import ridge_start
 from mmfast.util.fsutil import atomic_write_json
@@ -209,14 +209,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
         fresh = resume_from is None
         warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None
-        if (compiling := compile_options(parts.compile)) is not None:
-            check_compile_fits(parts.compile, task)
-            model = torch.compile(model, **compiling)
         steps = total_steps(parts.optim, len(train_loader))
-        optimizer, scheduler = build_optimizer(parts.optim, model, steps, accelerator.device.type)
-        # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
-        model, optimizer = accelerator.prepare(model, optimizer)
-        accelerator.register_for_checkpointing(scheduler)
+        model, optimizer, scheduler = _optimized(parts, accelerator, model, task, steps)
         state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
         if accelerator.is_main_process:
             write_config(run_dir, identity, dataset.root, steps, resume_from, state["global_step"])
@@ -260,6 +254,19 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _optimized(parts: Slices, accelerator, model, task: Task, steps: int):
+    """The model compiled as --compile says, and its optimizer and schedule for ``steps`` steps, prepared by
+    Accelerate; returns (model, optimizer, scheduler)."""
+    if (compiling := compile_options(parts.compile)) is not None:
+        check_compile_fits(parts.compile, task)
+        model = torch.compile(model, **compiling)
+    optimizer, scheduler = build_optimizer(parts.optim, model, steps, accelerator.device.type)
+    # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return model, optimizer, scheduler
 
 
 def _start_state(
