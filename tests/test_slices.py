@@ -21,7 +21,8 @@ from mmfast.train.slices import slices
 # the builders typed with a slice: {module: {function: its slice}}
 BUILDERS = {
     data: {name: LoaderConfig for name in ("build_loaders", "_loaders", "train_sampling", "train_view_loader")}
-    | {name: LoaderConfig for name in ("feature_view_loader", "_loader_options", "shard_cache", "cache_plans")},
+    | {name: LoaderConfig for name in ("feature_view_loader", "_loader_options", "shard_cache", "cache_plans")}
+    | {"_augmented": LoaderConfig},
     setup: {"make_accelerator": ProcessConfig}
     | {name: DataConfig for name in ("resolve_data", "_prepare_raw", "check_data_exists", "_mix")},
     optim: {"total_steps": OptimConfig, "build_optimizer": OptimConfig},
