@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mmfast.loading.graphs import DALI_SAFE_BATCH
+from mmfast.loading.sampling import WHOLE_BATCHES, Sampling
 from mmfast.util.voice import setting
 
 if TYPE_CHECKING:
     from mmfast.loading.cache_plan import CachePlan
+    from mmfast.loading.sources import Source
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,25 @@ class LoaderOptions:
         (``MultimodalLoader``'s own), and none left None."""
         given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "text_padding")}
         return {name: value for name, value in given.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What an engine's ``ImageLoader`` reads beyond the drop-in's files (``ImageLoader(reading=...)``:
+    ``MultimodalLoader``, predict's rows).
+
+    Args:
+        source: the image source (``mmfast.loading.sources``, e.g. ``sources.prepared_source``; None: the
+            files); ``files`` still describe the samples.
+        sampling: the order, shards and batches of each epoch (``mmfast.loading.sampling``; default the
+            engine's whole batches).
+        file_stats: (size, mtime_ns) of each file when it was validated (what preparation recorded): a file that
+            differs now is decoded again before it is read; None: each file's first stat.
+    """
+
+    source: Source | None = None
+    sampling: Sampling = WHOLE_BATCHES
+    file_stats: Sequence[tuple[int, int]] | None = None
 
 
 def integer_labels(labels, n: int) -> np.ndarray:
