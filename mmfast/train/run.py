@@ -80,7 +80,7 @@ def as_run(cfg: TrainConfig, body: RunBody) -> dict:
     """``body`` as a run: the configuration resolved, the Accelerator made, --out claimed (an earlier run moved
     aside as the flags say; put back when ``body`` stopped before writing anything), the processes told of a
     failure, and Accelerate's process-wide state reset at the end. ``train`` runs a training so, and
-    ``mmfast.train.short_profile`` a profile's steps.
+    mmfast-profile (``mmfast.cli.profile_run``) a profile's steps (``short_profile.time_steps``).
 
     Returns:
         what ``body`` returns.
