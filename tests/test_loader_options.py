@@ -1,5 +1,6 @@
-"""The training engine's loaders from one typed ``LoaderOptions`` (mmfast/loading/arguments.py): the loader it
-makes equals the one the same keywords make, and the run's options follow its configuration's slice."""
+"""The training engine's loaders from one typed ``LoaderOptions`` (mmfast/loading/arguments.py): its keywords
+leave the unset ones to the loaders, the loader they make equals the one written out, and the run's options
+follow its configuration's slice."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ class _Cpu:
     device, num_processes, process_index, local_process_index = torch.device("cpu"), 1, 0, 0
 
 
-def test_unset_fields_leave_the_loaders_defaults_and_the_rest_are_image_loader_keywords():
+def test_unset_fields_leave_the_loaders_defaults_and_the_rest_are_their_keywords():
     options = LoaderOptions(8, size=32, train=True, scale=(0.5, 1.0))
-    assert options.image_keywords() == {
+    assert options.keywords() == {
         "batch_size": 8,
         "size": 32,
         "seed": 0,
@@ -33,14 +34,16 @@ def test_unset_fields_leave_the_loaders_defaults_and_the_rest_are_image_loader_k
         "on_bad_image": "skip",
         "verify_files": False,
         "scale": (0.5, 1.0),
+        "source": "files",
+        "text_padding": "longest",
     }
     with pytest.raises(FrozenInstanceError):
         options.batch_size = 16  # type: ignore[misc]
 
 
-def test_a_loader_from_options_equals_the_one_from_the_same_keywords(prepared):
+def test_a_loader_from_options_equals_the_one_written_out(prepared):
     options = LoaderOptions(16, size=32, seed=3, num_workers=1, fp16=False, train=False, text_padding="max")
-    typed = MultimodalLoader.from_options(prepared, "train", options)
+    typed = MultimodalLoader(prepared, "train", **options.keywords())
     keywords = MultimodalLoader(
         prepared, "train", 16, size=32, seed=3, num_workers=1, fp16=False, train=False, text_padding="max"
     )

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LoaderOptions:
     """How one of the training engine's loaders makes batches: their size and order, the augmentation, the
-    precision, the DALI threads, the image source and the caption width. The engine builds one for a run and
-    varies it per split (``dataclasses.replace``); ``MultimodalLoader.from_options`` makes the loader. The
-    drop-in ``ImageLoader`` keeps DataLoader's keywords instead. A field is named as the loaders' keyword of the
-    same meaning; None leaves that keyword to the loader's default.
+    precision, the DALI threads, the image source and the caption width. The engine builds one for a run, varies
+    it per split (``dataclasses.replace``) and makes the loader with ``MultimodalLoader(dataset, split,
+    **options.keywords())``. The drop-in ``ImageLoader`` keeps DataLoader's keywords. A field is named as the
+    loaders' keyword of the same meaning; None leaves that keyword to the loader's default.
 
     Args:
         batch_size: samples per batch on this process.
@@ -68,10 +68,10 @@ class LoaderOptions:
     source: str = "files"
     text_padding: str = "longest"
 
-    def image_keywords(self) -> dict:
-        """``ImageLoader``'s keywords these set: every field but ``source`` and ``text_padding``
-        (``MultimodalLoader``'s own), and none left None."""
-        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "text_padding")}
+    def keywords(self) -> dict:
+        """``MultimodalLoader``'s keywords these set (its own, and the ``ImageLoader`` ones it passes on);
+        a field left None is left out."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
         return {name: value for name, value in given.items() if value is not None}
 
 

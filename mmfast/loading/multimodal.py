@@ -1,7 +1,7 @@
 """``MultimodalLoader``: one split of a prepared dataset, its images (an ``ImageLoader`` with the engine's
 whole-batch sampling) joined with its cached tokens (a ``TokenCache``) by sample id: the training
-engine's loader (``MultimodalLoader.from_options``: its settings one ``LoaderOptions``), and predict's over
-rows never prepared (``MultimodalLoader.join``)."""
+engine's loader (its keywords one typed ``arguments.LoaderOptions`` there), and predict's over rows never
+prepared (``MultimodalLoader.join``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.data.token_cache import TokenCache, padded_width
-from mmfast.loading.arguments import EngineReading, LoaderOptions
+from mmfast.loading.arguments import EngineReading
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
@@ -72,29 +72,6 @@ class MultimodalLoader:
         text_padding: str = "longest",
         **kwargs,
     ):
-        given = {"batch_size": batch_size, "shuffle": shuffle, "drop_last": drop_last, **kwargs}
-        self._open(data_dir, split, given, accelerator, source, shard_cache, sampling, text_padding)
-
-    @classmethod
-    def from_options(
-        cls,
-        dataset: PreparedDataset,
-        split: str,
-        options: LoaderOptions,
-        *,
-        accelerator=None,
-        shard_cache: ShardCache | None = None,
-        sampling: WholeBatchOrder = WHOLE_BATCHES,
-    ) -> MultimodalLoader:
-        """The training engine's loader of ``split``: ``options`` (``LoaderOptions``) say how it makes batches;
-        ``accelerator``, ``shard_cache`` and ``sampling`` as ``MultimodalLoader`` takes them."""
-        loader = cls.__new__(cls)
-        given, padding = options.image_keywords(), options.text_padding
-        loader._open(dataset, split, given, accelerator, options.source, shard_cache, sampling, padding)
-        return loader
-
-    def _open(self, data_dir, split: str, kwargs: dict, accelerator, source: str, shard_cache, sampling, padding):
-        """Open the split's images (``kwargs``: ImageLoader's keywords) and tokens."""
         # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
         # share one verification between the train and val loaders).
         if kwargs.get("as_dict") is False:
@@ -114,9 +91,7 @@ class MultimodalLoader:
         images = (
             table.images if table.images is not None else [str(dataset.root / WDS_DIR / f"{split}.rows.npy")] * n
         )
-        for name in ("shuffle", "drop_last"):  # the train split's are shuffled whole batches
-            if kwargs.get(name) is None:
-                kwargs[name] = split == "train"
+        is_train = split == "train"
         kwargs.setdefault("max_pixels", dataset.max_pixels)
         kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
         if kwargs.get("dtype") is None and kwargs.get("fp16") is None:
@@ -125,6 +100,9 @@ class MultimodalLoader:
             images,
             table.labels,
             ids=table.ids,
+            batch_size=batch_size,
+            shuffle=is_train if shuffle is None else shuffle,
+            drop_last=is_train if drop_last is None else drop_last,
             reading=EngineReading(reader, sampling, table.file_stats),
             eval_geometry="dali",
             files_checked=True,  # preparation decoded every image: DALI runs whole batches
@@ -137,7 +115,7 @@ class MultimodalLoader:
                 f"{tokens.first_id}) does not match {split}.jsonl (rows {n}, first id "
                 f"{table.ids[0]}); run {PREPARE} again"
             )
-        self._join(loader, tokens, dataset.num_classes, padding)
+        self._join(loader, tokens, dataset.num_classes, text_padding)
         self.dataset, self.sources = dataset, table.sources
 
     @classmethod

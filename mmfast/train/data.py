@@ -2,7 +2,7 @@
 stream remote shards through (``shard_cache``), which splits hold their images decoded in memory
 (``cache_plans``) and the summary's line on how images were served. Each builder takes the run's
 ``LoaderConfig`` (``train/slices.py``); a whole ``TrainConfig`` stands for it too. The loaders are made from
-one typed ``LoaderOptions`` (``_loader_options``), varied per split."""
+one typed ``LoaderOptions`` (``_loader_options``), varied per split (``_loader``)."""
 
 from __future__ import annotations
 
@@ -63,14 +63,8 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
     has_val = val and dataset.split_size("val") > 0
     plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
-    train_loader = MultimodalLoader.from_options(
-        dataset,
-        "train",
-        replace(_augmented(cfg, common), cache_decoded=plans["train"]),
-        accelerator=accelerator,
-        shard_cache=cache,
-        sampling=train_sampling(cfg, dataset),
-    )
+    train = replace(_augmented(cfg, common), cache_decoded=plans["train"])
+    train_loader = _loader(dataset, "train", train, accelerator, cache, train_sampling(cfg, dataset))
     if len(train_loader) == 0:  # --samples-per-epoch under one global batch: an epoch would train nothing
         per_step = cfg.batch_size * accelerator.num_processes
         raise ValueError(
@@ -81,9 +75,7 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
     if not has_val:
         return train_loader, None, streamed
     evaluation = replace(common, batch_size=cfg.eval_batch_size, cache_decoded=plans["val"])
-    val_loader = MultimodalLoader.from_options(
-        dataset, "val", evaluation, accelerator=accelerator, shard_cache=cache
-    )
+    val_loader = _loader(dataset, "val", evaluation, accelerator, cache)
     return train_loader, val_loader, streamed
 
 
@@ -129,7 +121,7 @@ def train_view_loader(
     ``--init-proj ridge`` fits the projections on."""
     common = _loader_options(cfg, accelerator, norm)
     view = replace(common, batch_size=cfg.eval_batch_size, shuffle=True, drop_last=False, train=False)
-    return MultimodalLoader.from_options(dataset, "train", view, accelerator=accelerator, shard_cache=cache)
+    return _loader(dataset, "train", view, accelerator, cache)
 
 
 def feature_view_loader(
@@ -148,7 +140,17 @@ def feature_view_loader(
         shard_id=0,  # every sample, on each process
         num_shards=1,
     )
-    return MultimodalLoader.from_options(dataset, "train", view, accelerator=accelerator, shard_cache=cache)
+    return _loader(dataset, "train", view, accelerator, cache)
+
+
+def _loader(
+    dataset: PreparedDataset, split: str, options: LoaderOptions, accelerator, cache, sampling=WHOLE_BATCHES
+) -> MultimodalLoader:
+    """``split``'s loader as ``options`` say, on this process (``accelerator``), its remote shards through
+    ``cache``, in the order of ``sampling``."""
+    return MultimodalLoader(
+        dataset, split, accelerator=accelerator, shard_cache=cache, sampling=sampling, **options.keywords()
+    )
 
 
 def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple[tuple, tuple] | None) -> LoaderOptions:
