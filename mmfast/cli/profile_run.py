@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from mmfast.cli import HelpFormatter, Parser
@@ -85,10 +86,43 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
+def profile_steps(cfg, steps: int, warmup: int = PROFILE_WARMUP_STEPS) -> dict:
+    """Time ``steps`` optimizer steps of the configured run after ``warmup`` untimed ones
+    (``mmfast.train.short_profile.time_steps``, run as a run's body).
+
+    Args:
+        cfg: the run to profile (a ``TrainConfig``); its --out receives profile.json and profile.png (an earlier
+            profile there is moved aside as a run's would be).
+        steps: optimizer steps in the figures.
+        warmup: optimizer steps before them (start-up, autotuning, the first prefetch), left out.
+
+    Returns:
+        the report profile.json holds (on the main process), plus ``is_main_process``.
+
+    Raises:
+        ValueError: ``steps`` < 1, ``warmup`` < 0, or a --resume (a profile times a fresh start).
+    """
+    # torch: imported when the command runs, so --help stays light
+    from mmfast.train.run import as_run
+    from mmfast.train.short_profile import time_steps
+    from mmfast.train.slices import slices
+
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    if cfg.resume is not None:
+        raise ValueError("a profile times a fresh start: leave out --resume")
+    quiet = {"checkpoints": False, "report_to": None, "tensorboard": False, "progress": False}
+    cfg = replace(cfg, profile=True, max_steps=warmup + steps, **quiet)
+
+    def body(resolved, accelerator, resume_from: Path | None, t_start: float) -> dict:
+        return time_steps(slices(resolved), accelerator, warmup)  # each builder takes its slice
+
+    return as_run(cfg, body)
+
+
 def _profile(args, train_flags: list[str]) -> dict:
-    """The profile's steps (``mmfast.train.short_profile``); returns its report."""
+    """The profile's steps (``profile_steps``); returns its report."""
     from mmfast.train.flags import parse_config  # torch: imported when the command runs, so --help stays light
-    from mmfast.train.short_profile import profile_steps
 
     default_out = args.out is None
     args.out = args.out or "runs/profile"

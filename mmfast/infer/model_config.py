@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
@@ -32,6 +33,31 @@ def one_line(e: BaseException, most: int = 300) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """The run's model slice (``train/slices.py``): what builds the model and its task, and what the model
+    directory records of the run. Its fields are the training configuration's of the same name and type; a
+    whole configuration stands for it too. It lives here, below ``train/``, as the record ``model_config``
+    writes."""
+
+    model: str
+    image_backbone: str | None
+    text_model: str | None
+    image_weights: str | None
+    image_size: int | None
+    hidden: int | None
+    combine: str
+    freeze_image: bool | None
+    freeze_text: bool
+    dropout: float
+    task: str | None
+    loss: str
+    embed_dim: int | None
+    zero_shot_templates: str | None
+    channels_last: bool | None
+    eval_batch_size: int | None
+
+
 def model_options(config: dict) -> dict:
     """The model's own options (its class's ``config_options``: late fusion's combine, the dual encoder's loss
     and embed_dim) that config.json records, as ``build_model`` takes them."""
@@ -39,11 +65,13 @@ def model_options(config: dict) -> dict:
     return {name: config[name] for name in names if name in config}
 
 
-def model_config(cfg, dataset, model: nn.Module, weights: str, tokenizer_dir: Path | None = None) -> dict:
+def model_config(
+    cfg: ModelConfig, dataset, model: nn.Module, weights: str, tokenizer_dir: Path | None = None
+) -> dict:
     """config.json of a run's model directory.
 
     Args:
-        cfg: the resolved TrainConfig.
+        cfg: the run's resolved model slice.
         dataset: the PreparedDataset it trained on.
         model: the (unwrapped) network, for the normalization its image encoder expects.
         weights: "best" or "last".

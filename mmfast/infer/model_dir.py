@@ -44,6 +44,7 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
     CONFIG_FILE,
     FORMAT,
     REMEDY,
+    ModelConfig,
     ModelDirError,
     model_config,
     model_options,
@@ -433,7 +434,12 @@ def _readable(root: Path) -> None:
 
 
 def write_run_models(
-    run_dir: Path, model: nn.Module, cfg, dataset, best_checkpoint: str | None, tokenizer_dir: Path | None = None
+    run_dir: Path,
+    model: nn.Module,
+    cfg: ModelConfig,
+    dataset,
+    best_checkpoint: str | None,
+    tokenizer_dir: Path | None = None,
 ) -> None:
     """RUN/model (the best evaluation's weights, read back from its protected checkpoint) and RUN/model-last
     (the weights as the run ended). Without a best checkpoint (--no-checkpoints, no evaluation), both hold the

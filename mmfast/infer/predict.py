@@ -25,9 +25,9 @@ from mmfast.data.token_cache import TokenCache
 from mmfast.data.validate import DALI_FORMATS, DEFAULT_MAX_PIXELS, check_images, image_header, pixel_budget_reason
 from mmfast.infer.encode_inputs import BadImageError, check_on_error, pil_transform
 from mmfast.infer.model_dir import MmfastModel
+from mmfast.loading.arguments import EngineReading
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.multimodal import MultimodalLoader
-from mmfast.loading.sampling import WHOLE_BATCHES
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import fetch_to, is_remote
 from mmfast.tasks.classification import confusion_figures
@@ -51,7 +51,7 @@ def rows_loader(
         size=cfg["image_size"],
         max_pixels=max_pixels,
         cache_decoded=False,  # one pass: nothing would read the held images again
-        sampling=WHOLE_BATCHES,
+        reading=EngineReading(),  # the files, in the engine's whole batches
         eval_geometry="dali",
         files_checked=True,  # each row's image was decoded (flag_unreadable): DALI runs whole batches
         **eval_resize(cfg),

@@ -1,15 +1,101 @@
-"""The loaders' arguments checked before anything is built: the samples, sizes, counts, labels, the process
-layout, and the DALI batch a CPU loader runs (a divisor of the loader's that DALI parses safely)."""
+"""The loaders' arguments: the training engine's as one typed object (``LoaderOptions``), and every loader's
+checked before anything is built: the samples, sizes, counts, labels, the process layout, and the DALI batch a
+CPU loader runs (a divisor of the loader's that DALI parses safely)."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mmfast.loading.graphs import DALI_SAFE_BATCH
+from mmfast.loading.sampling import WHOLE_BATCHES, Sampling
 from mmfast.util.voice import setting
+
+if TYPE_CHECKING:
+    from mmfast.loading.cache_plan import CachePlan
+    from mmfast.loading.sources import Source
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How one of the training engine's loaders makes batches: their size and order, the augmentation, the
+    precision, the DALI threads, the image source and the caption width. The engine builds one for a run, varies
+    it per split (``dataclasses.replace``) and makes the loader with ``MultimodalLoader(dataset, split,
+    **options.keywords())``. The drop-in ``ImageLoader`` keeps DataLoader's keywords. A field is named as the
+    loaders' keyword of the same meaning; None leaves that keyword to the loader's default.
+
+    Args:
+        batch_size: samples per batch on this process.
+        size: output side in pixels (None: ``ImageLoader``'s 224).
+        seed: seed of the order and of the augmentations.
+        train: random resized crop + flip (+ ``color_jitter``); None: as ``shuffle``.
+        shuffle, drop_last: a new order every epoch, and no partial last batch; None: for the train split.
+        num_workers: DALI CPU threads (None: all cores).
+        fp16: float16 batches, else float32 (None: ``MultimodalLoader``'s float16).
+        cpu_resize: who finishes CPU-decoded crops: "torch" (host threads) or "dali".
+        cache_decoded: hold the decoded images in memory: a plan (``cache_plan.plan_decoded_cache``'s) or False.
+        on_bad_image, verify_files: as ``ImageLoader`` takes them.
+        scale, color_jitter: the train crop's area range and the colour jitter (None: the graph's defaults).
+        mean, std: normalization in 0..255 units (None: ImageNet's).
+        shard_id, num_shards: this process's shard (None: the accelerator's).
+        source: where the images are read: "files", "wds" or "stream".
+        text_padding: the width of a batch's tokens: "longest", "buckets" or "max".
+        interpolation, resize_mode, crop_ratio: a start's resize filter and eval resize (None: mmfast's own).
+    """
+
+    batch_size: int
+    size: int | None = None
+    seed: int = 0
+    train: bool | None = None
+    shuffle: bool | None = None
+    drop_last: bool | None = None
+    num_workers: int | None = None
+    fp16: bool | None = None
+    cpu_resize: str = "torch"
+    cache_decoded: bool | CachePlan = False
+    on_bad_image: str = "skip"
+    verify_files: bool = False
+    scale: tuple[float, float] | None = None
+    color_jitter: float | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    shard_id: int | None = None
+    num_shards: int | None = None
+    source: str = "files"
+    text_padding: str = "longest"
+    interpolation: str | None = None
+    resize_mode: str | None = None
+    crop_ratio: float | None = None
+
+    def keywords(self) -> dict:
+        """``MultimodalLoader``'s keywords these set (its own, and the ``ImageLoader`` ones it passes on);
+        a field left None is left out."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: value for name, value in given.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What an engine's ``ImageLoader`` reads beyond the drop-in's files (``ImageLoader(reading=...)``:
+    ``MultimodalLoader``, predict's rows).
+
+    Args:
+        source: the image source (``mmfast.loading.sources``, e.g. ``sources.prepared_source``; None: the
+            files); ``files`` still describe the samples.
+        sampling: the order, shards and batches of each epoch (``mmfast.loading.sampling``; default the
+            engine's whole batches).
+        file_stats: (size, mtime_ns) of each file when it was validated (what preparation recorded): a file that
+            differs now is decoded again before it is read; None: each file's first stat.
+    """
+
+    source: Source | None = None
+    sampling: Sampling = WHOLE_BATCHES
+    file_stats: Sequence[tuple[int, int]] | None = None
 
 
 def integer_labels(labels, n: int) -> np.ndarray:

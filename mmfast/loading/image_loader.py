@@ -19,7 +19,14 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.loading.arguments import check_batch, check_sizes, checked_image_sizes, checked_samples, process_layout
+from mmfast.loading.arguments import (
+    EngineReading,
+    check_batch,
+    check_sizes,
+    checked_image_sizes,
+    checked_samples,
+    process_layout,
+)
 from mmfast.loading.cache_plan import CachePlan, decoded_images_for
 from mmfast.loading.decoded import DecodedImages
 from mmfast.loading.device import resolve_device, resolve_dtype
@@ -34,7 +41,7 @@ from mmfast.loading.dropin import (
 from mmfast.loading.epoch_reader import EpochReader, ReadSettings
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.host_finish import default_threads, make_finisher
-from mmfast.loading.sampling import DATALOADER, Layout, Sampling, ShardSampler
+from mmfast.loading.sampling import DATALOADER, Layout, ShardSampler
 from mmfast.loading.sources import FilesSource, Source, WdsSource
 
 log = logging.getLogger(__name__)
@@ -87,8 +94,6 @@ class ImageLoader:
             DistributedSampler.
         wds_index: the index file of each of ``wds_shards`` (``mmfast.inputs.wds``: a prepared directory
             holds those of the user's shards).
-        image_source: the source object to read (``mmfast.loading.sources``, e.g. ``sources.prepared_source``)
-            instead of ``wds_shards``/``files``; ``files`` still describe the samples.
         on_bad_image: what to do with an image that is missing or cannot be decoded: "skip" (log it, count
             it in ``skipped``, and serve a masked sample in its place: id -1, label -100, mask False, so batch
             sizes and the other samples' order stay the same on every rank) or "error" (raise, naming the
@@ -99,11 +104,8 @@ class ImageLoader:
         image_sizes: (height, width) of each file as DALI decodes it (EXIF orientation applied; MultimodalLoader
             passes what preparation recorded): the train crops are then drawn on the host, as torchvision draws
             them (``mmfast.loading.draws.resized_crop_boxes``); default: computed in the graph from each header.
-        file_stats: (size, mtime_ns) of each file when it was validated (MultimodalLoader passes what
-            preparation recorded): a file that differs now is decoded again before it is read; default: each
-            file's first stat.
         max_pixels: decoded-pixel budget per image, checked from the header of a file seen for the first time
-            (without ``file_stats``) or checked again (one over it is a bad image): what bounds the decoder's
+            (without recorded stats) or checked again (one over it is a bad image): what bounds the decoder's
             memory.
         cpu_resize: who resizes, flips and normalizes the decoded crops when decoding on the CPU: "torch"
             (the consuming thread, ``mmfast.loading.host_finish``: faster, docs/benchmarks/; the eval path
@@ -121,9 +123,9 @@ class ImageLoader:
             always, streaming with a warning a set that does not fit; False: never. CPU decoding with
             ``cpu_resize="torch"`` and the file source only, and no ``color_jitter`` (True or a budget with
             those is an error).
-        sampling: the order, shards and batches of each epoch (``mmfast.loading.sampling``): ``DATALOADER``
-            (default: DataLoader + DistributedSampler's, partial last batches) or ``WHOLE_BATCHES`` (the
-            training engine's).
+        reading: an engine's source, order and recorded file stats (``arguments.EngineReading``: what
+            ``MultimodalLoader`` and predict read); default: ``files`` (or ``wds_shards``) in DataLoader +
+            DistributedSampler's order, partial last batches.
         eval_geometry: the eval resize + centre crop's rounding on the host: "torchvision" (default:
             torchvision's ``Resize`` + ``CenterCrop`` pixels) or "dali" (the graph's, as the GPU path does).
         files_checked: every file was decoded before (a prepared directory's): DALI runs whole batches from
@@ -169,18 +171,16 @@ class ImageLoader:
         prefetch_factor: int | None = None,
         wds_shards: Sequence[str] | None = None,
         wds_index: Sequence[str] | None = None,
-        image_source: Source | None = None,
         on_bad_image: str = "skip",
         verify_files: bool = False,
-        file_stats: Sequence[tuple[int, int]] | None = None,
         image_sizes: Sequence[tuple[int, int]] | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
         finish_threads: int | None = None,
         cache_decoded: bool | int | str | CachePlan = "auto",
-        sampling: Sampling = DATALOADER,
         eval_geometry: str = "torchvision",
         files_checked: bool = False,
+        reading: EngineReading | None = None,
         **options,
     ):
         self.dataloader_options, pipeline_kwargs = split_options(type(self).__name__, options)
@@ -204,15 +204,16 @@ class ImageLoader:
         check_batch(batch_size, len(self.files), num_shards, size, max_pixels, drop_last)
         self.image_sizes = checked_image_sizes(image_sizes, len(self.files))
         self._set_settings(batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed)
-        self.sampling, self.files_checked, self.as_dict = sampling, files_checked, as_dict
+        reading = reading or EngineReading(None, DATALOADER)  # the drop-in's: DataLoader's order
+        self.sampling, self.files_checked, self.as_dict = reading.sampling, files_checked, as_dict
         # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
         self.pin_memory = pin_memory
         self.pins_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.shard_id, self.num_shards = shard_id, num_shards
         self.prefetch = self.prefetch_factor = prefetch
         self.pipeline_kwargs = pipeline_kwargs
-        source = image_source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
-        self._set_source(source, on_bad_image, max_pixels, verify_files, file_stats)
+        source = reading.source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
+        self._set_source(source, on_bad_image, max_pixels, verify_files, reading.file_stats)
         self._set_reading(cache_decoded, cpu_resize, eval_geometry, finish_threads)
         self._set_dataset(folder, classes)
         self._sampler: ShardSampler | None = None

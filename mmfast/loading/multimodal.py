@@ -1,6 +1,7 @@
 """``MultimodalLoader``: one split of a prepared dataset, its images (an ``ImageLoader`` with the engine's
 whole-batch sampling) joined with its cached tokens (a ``TokenCache``) by sample id: the training
-engine's loader, and predict's over rows never prepared (``MultimodalLoader.join``)."""
+engine's loader (its keywords one typed ``arguments.LoaderOptions`` there), and predict's over rows never
+prepared (``MultimodalLoader.join``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.data.token_cache import TokenCache, padded_width
+from mmfast.loading.arguments import EngineReading
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
@@ -79,7 +81,7 @@ class MultimodalLoader:
             kwargs.setdefault("shard_id", accelerator.process_index)
             kwargs.setdefault("num_shards", accelerator.num_processes)
             kwargs.setdefault("device", accelerator.device)
-        kwargs["image_source"] = reader = prepared_source(dataset, split, source, shard_cache)
+        reader = prepared_source(dataset, split, source, shard_cache)
         # A source that reads the rows' own files needs each row's path; a WebDataset only ids and labels.
         table = dataset.table(split, images=reader.needs_paths)
         n = len(table.ids)
@@ -94,8 +96,6 @@ class MultimodalLoader:
         kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
         if kwargs.get("dtype") is None and kwargs.get("fp16") is None:
             kwargs["dtype"] = torch.float16
-        if table.file_stats is not None:
-            kwargs.setdefault("file_stats", table.file_stats)
         if table.decoded_shapes is not None:  # the train crops' windows drawn on the host
             kwargs.setdefault("image_sizes", table.decoded_shapes)
         loader = ImageLoader(
@@ -105,7 +105,7 @@ class MultimodalLoader:
             batch_size=batch_size,
             shuffle=is_train if shuffle is None else shuffle,
             drop_last=is_train if drop_last is None else drop_last,
-            sampling=sampling,
+            reading=EngineReading(reader, sampling, table.file_stats),
             eval_geometry="dali",
             files_checked=True,  # preparation decoded every image: DALI runs whole batches
             **kwargs,
@@ -122,10 +122,12 @@ class MultimodalLoader:
 
     @classmethod
     def join(cls, images: ImageLoader, tokens: TokenCache, num_classes: int) -> MultimodalLoader:
-        """A loader of ``images`` (an ImageLoader with ``sampling=WHOLE_BATCHES``) and the ``tokens`` of the
+        """A loader of ``images`` (an ImageLoader reading the engine's ``WHOLE_BATCHES``) and the ``tokens`` of the
         same sample ids, for rows that were never prepared (predict)."""
         if images.sampling is not WHOLE_BATCHES:
-            raise ValueError("MultimodalLoader.join needs an ImageLoader with sampling=WHOLE_BATCHES")
+            raise ValueError(
+                "MultimodalLoader.join needs an ImageLoader that reads whole batches: reading=EngineReading()"
+            )
         loader = cls.__new__(cls)
         loader._join(images, tokens, num_classes)
         loader.dataset, loader.sources = None, None

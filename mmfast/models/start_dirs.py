@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 from mmfast.data.preprocessing import INTERPOLATIONS, RESIZE_MODES
 from mmfast.data.tokenizer import OPEN_CLIP_CONFIG
@@ -106,7 +107,18 @@ def start_embed_dim(path: str | os.PathLike) -> int | None:
     return None
 
 
-def start_fields(cfg) -> dict:
+class StartFlags(Protocol):
+    """The training flags ``start_fields`` reads (a training configuration has them)."""
+
+    init_from: str | None
+    init_proj: str | None
+    image_backbone: str | None
+    text_model: str | None
+    image_size: int | None
+    freeze_image: bool | None
+
+
+def start_fields(cfg: StartFlags) -> dict:
     """The training config's fields ``--init-from`` fills: its towers and image size, unless given; the
     projections as they are (no ridge start); the image tower learning unless --freeze-image.
 

@@ -393,14 +393,14 @@ def help_choices() -> dict[str, tuple[str, ...]]:
     return choices()
 
 
-def data_sources(cfg: TrainConfig | DataConfig | LoaderConfig) -> list[str]:
+def data_sources(cfg: DataConfig | LoaderConfig) -> list[str]:
     """The --data paths, in order ([] for the demo set)."""
     if cfg.data is None:
         return []
     return [cfg.data] if isinstance(cfg.data, str) else list(cfg.data)
 
 
-def data_weights(cfg: TrainConfig | LoaderConfig) -> list[float] | None:
+def data_weights(cfg: LoaderConfig) -> list[float] | None:
     """--data-weights as numbers (None when not given).
 
     Raises:
@@ -422,7 +422,7 @@ def data_weights(cfg: TrainConfig | LoaderConfig) -> list[float] | None:
     return weights
 
 
-def trackers(cfg: TrainConfig | ProcessConfig) -> tuple[str, ...]:
+def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
     """The trackers named by --report-to (and --tensorboard), in TRACKERS order; "all" stands for every one
     of TRACKERS (``setup.make_accelerator`` keeps those installed).
 

@@ -1,17 +1,20 @@
 """A run's loaders: this process's train and val ``MultimodalLoader`` over the prepared dataset, the cache they
 stream remote shards through (``shard_cache``), which splits hold their images decoded in memory
 (``cache_plans``) and the summary's line on how images were served. Each builder takes the run's
-``LoaderConfig`` (``train/slices.py``); a whole ``TrainConfig`` stands for it too."""
+``LoaderConfig`` (``train/slices.py``); a whole ``TrainConfig`` stands for it too. The loaders are made from
+one typed ``LoaderOptions`` (``_loader_options``), varied per split (``_loader``)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import os
+from dataclasses import replace
 
 import numpy as np
 
 from mmfast.data.dataset import PreparedDataset
+from mmfast.loading.arguments import LoaderOptions
 from mmfast.loading.cache_plan import CachePlan, SplitImages, plan_decoded_cache
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
@@ -56,23 +59,13 @@ def build_loaders(
 
 def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cache: ShardCache | None, val: bool):
     """build_loaders' train loader, val loader (or None) and {split: why it is streamed}."""
-    common = _loader_options(cfg, accelerator, norm, cache)
+    common = _loader_options(cfg, accelerator, norm)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = val and dataset.split_size("val") > 0
     plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
-    train_loader = MultimodalLoader(
-        dataset,
-        "train",
-        cfg.batch_size,
-        train=cfg.augment,
-        scale=(cfg.crop_scale_min, 1.0),
-        color_jitter=cfg.color_jitter,
-        cpu_resize=cfg.cpu_resize,
-        cache_decoded=plans["train"],
-        sampling=train_sampling(cfg, dataset),
-        **common,
-    )
+    train = replace(_augmented(cfg, common), cache_decoded=plans["train"])
+    train_loader = _loader(dataset, "train", train, accelerator, cache, train_sampling(cfg, dataset))
     if len(train_loader) == 0:  # --samples-per-epoch under one global batch: an epoch would train nothing
         per_step = cfg.batch_size * accelerator.num_processes
         raise ValueError(
@@ -82,7 +75,8 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
         )
     if not has_val:
         return train_loader, None, streamed
-    val_loader = MultimodalLoader(dataset, "val", cfg.eval_batch_size, cache_decoded=plans["val"], **common)
+    evaluation = replace(common, batch_size=cfg.eval_batch_size, cache_decoded=plans["val"])
+    val_loader = _loader(dataset, "val", evaluation, accelerator, cache)
     return train_loader, val_loader, streamed
 
 
@@ -126,10 +120,9 @@ def train_view_loader(
     """This process's share of the train split as evaluation sees it (resized, center-cropped, streamed), in the
     seeded order of epoch 0 (a split sorted by class gives the first batches of every class): what
     ``--init-proj ridge`` fits the projections on."""
-    options = _loader_options(cfg, accelerator, norm, cache)
-    return MultimodalLoader(
-        dataset, "train", cfg.eval_batch_size, shuffle=True, drop_last=False, train=False, **options
-    )
+    common = _loader_options(cfg, accelerator, norm)
+    view = replace(common, batch_size=cfg.eval_batch_size, shuffle=True, drop_last=False, train=False)
+    return _loader(dataset, "train", view, accelerator, cache)
 
 
 def feature_view_loader(
@@ -145,12 +138,27 @@ def feature_view_loader(
     """The train split's samples of ``shard`` ((index, count): all of them by default), in id order, augmented
     as training augments it (``train``; its epoch is the view) or as evaluation sees it: what a feature cache
     stores (``mmfast.train.features``)."""
-    options = {**_loader_options(cfg, accelerator, norm, cache), "shard_id": shard[0], "num_shards": shard[1]}
+    view = replace(
+        _augmented(cfg, _loader_options(cfg, accelerator, norm)),
+        batch_size=cfg.eval_batch_size or cfg.batch_size,
+        shuffle=False,
+        drop_last=False,
+        train=train and cfg.augment,
+        cache_decoded=cache_decoded,
+        shard_id=shard[0],
+        num_shards=shard[1],
+    )
+    return _loader(dataset, "train", view, accelerator, cache)
+
+
+def _loader(
+    dataset: PreparedDataset, split: str, options: LoaderOptions, accelerator, cache, sampling=WHOLE_BATCHES
+) -> MultimodalLoader:
+    """``split``'s loader as ``options`` say, on this process (``accelerator``), its remote shards through
+    ``cache``, in the order of ``sampling``."""
     return MultimodalLoader(
-        dataset, "train", cfg.eval_batch_size or cfg.batch_size, shuffle=False, drop_last=False,
-        train=train and cfg.augment, scale=(cfg.crop_scale_min, 1.0), color_jitter=cfg.color_jitter,
-        cpu_resize=cfg.cpu_resize, cache_decoded=cache_decoded, **options,
-    )  # fmt: skip
+        dataset, split, accelerator=accelerator, shard_cache=cache, sampling=sampling, **options.keywords()
+    )
 
 
 def image_norm(image) -> tuple[tuple, tuple, dict] | None:
@@ -162,26 +170,35 @@ def image_norm(image) -> tuple[tuple, tuple, dict] | None:
     return tuple(image.mean), tuple(image.std), dict(getattr(image, "geometry", {}))
 
 
-def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple | None, cache) -> dict:
-    """What every loader of the run is given: the encoder's mean / std, the bad-image policy, the source, the
-    shard cache, this process's shard (by ``accelerator``), the caption width, the image size, the seed and the
-    DALI threads."""
+def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple | None) -> LoaderOptions:
+    """What every loader of the run is given (``LoaderOptions``): the train batch size, the image size and the
+    seed, the DALI threads, the precision of this process's device, the encoder's mean / std and its start's
+    resize filter and eval crop (``image_norm``'s), the bad-image policy, the source and the caption width. A
+    split's loader varies it (``dataclasses.replace``)."""
     threads = cfg.num_threads or max(1, usable_cores() // processes_per_machine(accelerator))
-    extra = {"mean": tuple(255 * m for m in norm[0]), "std": tuple(255 * v for v in norm[1])} if norm else {}
-    extra |= norm[2] if norm and len(norm) > 2 else {}  # a start's resize filter and eval crop, train and eval
-    return dict(
-        **extra,
-        on_bad_image=cfg.on_bad_image,
-        verify_files=cfg.verify_files,
-        source=cfg.source,
-        shard_cache=cache,
-        accelerator=accelerator,
-        text_padding=resolve_text_padding(cfg),
+    mean, std = ((tuple(255 * m for m in norm[0]), tuple(255 * v for v in norm[1])) if norm else (None, None))
+    geometry = norm[2] if norm and len(norm) > 2 else {}  # train and eval alike
+    return LoaderOptions(
+        cfg.batch_size,
         size=cfg.image_size,
         seed=cfg.seed,
         num_workers=threads,
         fp16=accelerator.device.type == "cuda",
+        on_bad_image=cfg.on_bad_image,
+        verify_files=cfg.verify_files,
+        mean=mean,
+        std=std,
+        source=cfg.source,
+        text_padding=resolve_text_padding(cfg),
+        **geometry,
     )
+
+
+def _augmented(cfg: LoaderConfig, options: LoaderOptions) -> LoaderOptions:
+    """``options`` with the train split's augmentation (--no-augment, --crop-scale-min, --color-jitter) and
+    --cpu-resize."""
+    augment = {"train": cfg.augment, "scale": (cfg.crop_scale_min, 1.0), "color_jitter": cfg.color_jitter}
+    return replace(options, **augment, cpu_resize=cfg.cpu_resize)
 
 
 def shard_cache(cfg: LoaderConfig, dataset: PreparedDataset) -> ShardCache | None:

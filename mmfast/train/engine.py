@@ -22,11 +22,12 @@ from mmfast.tasks.global_batch import StepNormStatistics
 from mmfast.tasks.registry import Task
 from mmfast.train.agree import AgreedLoader, BatchAgreement, agreed
 from mmfast.train.checkpoint import save_checkpoint
-from mmfast.train.config import PROFILE_WARMUP_STEPS, TrainConfig
+from mmfast.train.config import PROFILE_WARMUP_STEPS
 from mmfast.train.hardware import uses_cuda_graphs
 from mmfast.train.optim import scaled_step_skipped, skips_on_device, step_unless_non_finite
 from mmfast.train.profiler import StepTimer
 from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
+from mmfast.train.slices import LoopConfig
 from mmfast.train.source_tally import SourceTally
 
 if TYPE_CHECKING:
@@ -69,11 +70,12 @@ class EpochRunner:
     measure the loop alone). ``task`` is the objective (``mmfast.tasks.registry.Task``). ``shard_cache``: the
     cache the loaders stream remote shards through (None: local data), whose counters each epoch's figures carry.
     ``warmup_steps``: the optimizer steps a profile leaves out of its figures (start-up lands in them).
+    ``cfg``: the run's ``LoopConfig`` (``train/slices.py``).
     """
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        cfg: LoopConfig,
         accelerator,
         model,
         optimizer,

@@ -223,7 +223,7 @@ def build_text_features(
 
 
 @torch.no_grad()
-def _text_steps(cfg, accelerator, tower, loader: MultimodalLoader, ids, shard: tuple[int, int]):
+def _text_steps(cfg: FeatureConfig, accelerator, tower, loader: MultimodalLoader, ids, shard: tuple[int, int]):
     """This process's share of the captions' features: batch k of --batch-size ids (padded as the train batches
     are) when k mod the count of shares is ``shard``'s index; as (None, ids, features) steps."""
     index, count = shard

@@ -12,7 +12,8 @@
   CUDA graph, once; the image batch is static already: train batches are whole, the last eval batch is padded).
 
 ``summary.json`` records what was chosen (``hardware_choices``). The compiled step's functions take the run's
-``CompileConfig`` (``train/slices.py``); a whole ``TrainConfig`` stands for it too.
+``CompileConfig`` (``train/slices.py``), or the slice of a reader that needs one of their answers (the loop's
+``LoopConfig``, the profile's ``ReportConfig``); a whole ``TrainConfig`` stands for any of them too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from mmfast.train.config import OPTIMIZER_IMPLS
 
 if TYPE_CHECKING:  # the slices import this module (resolve_text_padding)
-    from mmfast.train.slices import CompileConfig, LoaderConfig
+    from mmfast.train.slices import CompileConfig, LoaderConfig, LoopConfig, ReportConfig
 
 CONV_BACKBONES = ("resnet", "efficientnet")  # image towers that are CNNs (timm:<name>: only when asked)
 
@@ -102,12 +103,12 @@ def optimizer_kwargs(requested: str, device_type: str) -> dict:
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
 
 
-def compiles(cfg: CompileConfig) -> bool:
+def compiles(cfg: CompileConfig | ReportConfig) -> bool:
     """Whether the run's model is compiled: ``--compile``, or a ``--compile-mode`` other than default."""
     return cfg.compile or cfg.compile_mode != "default"
 
 
-def compile_options(cfg: CompileConfig) -> dict | None:
+def compile_options(cfg: CompileConfig | ReportConfig) -> dict | None:
     """``torch.compile``'s keyword arguments for this run, None when it is not compiled (``compiles``).
     Static shapes (``dynamic=False``) when the captions are padded to a few widths: one specialized graph
     per width, which CUDA graphs need."""
@@ -116,7 +117,7 @@ def compile_options(cfg: CompileConfig) -> dict | None:
     return {"mode": cfg.compile_mode, "dynamic": False if resolve_text_padding(cfg) != "longest" else None}
 
 
-def resolve_text_padding(cfg: CompileConfig | LoaderConfig) -> str:
+def resolve_text_padding(cfg: CompileConfig | LoaderConfig | ReportConfig) -> str:
     """``--text-padding``; ``auto``: buckets for a compiled step, else each batch's longest caption. A
     ``LoaderConfig`` holds it settled (``slices.cut``)."""
     if cfg.text_padding != "auto":
@@ -136,7 +137,7 @@ def check_compile_fits(cfg: CompileConfig, task) -> None:
         )
 
 
-def uses_cuda_graphs(cfg: CompileConfig, device_type: str) -> bool:
+def uses_cuda_graphs(cfg: CompileConfig | LoopConfig, device_type: str) -> bool:
     """Whether the compiled step replays CUDA graphs (``reduce-overhead`` on a CUDA device)."""
     return cfg.compile_mode == "reduce-overhead" and device_type == "cuda"  # the mode implies compiling
 

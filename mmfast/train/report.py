@@ -19,10 +19,10 @@ import torch
 from mmfast.models.catalog import get_preset
 from mmfast.tasks.registry import Task
 from mmfast.train.checkpoint import checkpoint_dir
-from mmfast.train.config import TrainConfig
 from mmfast.train.features import feature_note
 from mmfast.train.hardware import compile_options, cpu_has_fast_bf16, cuda_has_bf16
 from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, plot_report
+from mmfast.train.slices import LoopConfig, ReportConfig
 from mmfast.util.fsutil import atomic_write_json
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class StepLog:
     """The figures of each --log-every interval: to the trackers, and on the main process as a tqdm bar when
     stderr is a terminal, else as a line."""
 
-    def __init__(self, cfg: TrainConfig, accelerator, optimizer, scheduler, timer: StepTimer, total_steps: int):
+    def __init__(self, cfg: LoopConfig, accelerator, optimizer, scheduler, timer: StepTimer, total_steps: int):
         self.cfg, self.acc, self.opt, self.sched = cfg, accelerator, optimizer, scheduler
         self.timer, self.total_steps = timer, total_steps
 
@@ -147,7 +147,7 @@ def write_config(
 
 
 def summarize(
-    cfg: TrainConfig, accelerator, task: Task, state: dict, last_metrics: dict, interrupted: bool, t_start: float
+    cfg: ReportConfig, accelerator, task: Task, state: dict, last_metrics: dict, interrupted: bool, t_start: float
 ) -> dict:
     """summary.json's figures: the task's (the last and best evaluations), speed, the run's set-up and how far
     it got."""
@@ -179,7 +179,8 @@ def summarize(
 def shard_figures(accelerator, cache: ShardCache | None) -> dict:
     """``{"shards": counters}`` for a run that streams remote shards, ``{}`` for one whose shards are local:
     the shard cache's counters (``ShardCache.stats``: hits, misses, fetches, bytes_fetched, retries,
-    evictions, fetch_seconds, wait_seconds, retry_seconds) summed over the processes, since this segment of the run started.
+    evictions, fetch_seconds, wait_seconds, retry_seconds) summed over the processes, since this segment of the
+    run started.
     What metrics.jsonl's epoch lines and summary.json carry, so that a transient fault retried is counted in
     the run's figures. A collective call: every process streams through a cache of its own, or none does."""
     if cache is None:
@@ -226,7 +227,7 @@ def write_profile(
     timer: StepTimer,
     sampler: UtilizationSampler,
     loader,
-    cfg: TrainConfig,
+    cfg: ReportConfig,
     accelerator,
     notes: list[str] | None = None,
     features: dict | None = None,
@@ -280,7 +281,7 @@ def write_weights_digest(accelerator, model, run_dir: Path) -> None:
     (run_dir / f"weights.rank{accelerator.process_index}.sha256").write_text(h.hexdigest())
 
 
-def encoder_lr_note(given: TrainConfig, resolved: TrainConfig) -> str | None:
+def encoder_lr_note(given: ReportConfig, resolved: ReportConfig) -> str | None:
     """The line a run prints when a pretrained encoder named by flag took its own learning rate
     (``resolve_preset``) instead of the preset's recipe for encoders from scratch; None otherwise."""
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mmfast.data.dataset import PreparedDataset
+from mmfast.infer.model_config import ModelConfig
 from mmfast.infer.model_dir import write_run_models
 from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.models import build_model, model_class
@@ -48,7 +49,7 @@ from mmfast.train.setup import (
     make_accelerator,
     resolve_data,
 )
-from mmfast.train.slices import DataConfig, ProcessConfig, cut, slices
+from mmfast.train.slices import DataConfig, ProcessConfig, ReportConfig, Slices, cut, slices
 from mmfast.train.stop import StopFlag
 from mmfast.train.warm_start import ridge_start
 from mmfast.util.fsutil import atomic_write_json
@@ -79,7 +80,7 @@ def as_run(cfg: TrainConfig, body: RunBody) -> dict:
     """``body`` as a run: the configuration resolved, the Accelerator made, --out claimed (an earlier run moved
     aside as the flags say; put back when ``body`` stopped before writing anything), the processes told of a
     failure, and Accelerate's process-wide state reset at the end. ``train`` runs a training so, and
-    ``mmfast.train.short_profile`` a profile's steps.
+    mmfast-profile (``mmfast.cli.profile_run``) a profile's steps (``short_profile.time_steps``).
 
     Returns:
         what ``body`` returns.
@@ -114,7 +115,7 @@ def _train(cfg: TrainConfig, body: RunBody) -> dict:
         cfg.channels_last, accelerator.device.type, cfg.image_backbone, cfg.model
     )
     cfg = replace(cfg, channels_last=memory_format)  # what config.json records
-    if note := encoder_lr_note(given, cfg):
+    if note := encoder_lr_note(cut(ReportConfig, given), cut(ReportConfig, cfg)):
         accelerator.print(note)
     heartbeat = Heartbeat(accelerator.process_index, accelerator.num_processes)
     lock, failed = None, True
@@ -191,11 +192,11 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     identity = run_identity(cfg, accelerator, dataset)
     _check_resumable(resume_from, identity)
     check_tokenizer_matches(cfg.text_model, dataset.root)
-    task = build_task(cfg.task, dataset, cfg)
+    task = build_task(cfg.task, dataset, parts.model)
     if (check := getattr(task, "check_step_samples", None)) is not None:  # before a model or loader is built
         if note := check(cfg.batch_size * cfg.grad_accum * accelerator.num_processes):
             accelerator.print(note)
-    model = build_run_model(cfg, dataset, task)
+    model = build_run_model(parts.model, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
     image = getattr(model, "image", None)
     norm = image_norm(image)
@@ -208,14 +209,8 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
         fresh = resume_from is None
         warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None
-        if (compiling := compile_options(parts.compile)) is not None:
-            check_compile_fits(parts.compile, task)
-            model = torch.compile(model, **compiling)
         steps = total_steps(parts.optim, len(train_loader))
-        optimizer, scheduler = build_optimizer(parts.optim, model, steps, accelerator.device.type)
-        # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
-        model, optimizer = accelerator.prepare(model, optimizer)
-        accelerator.register_for_checkpointing(scheduler)
+        model, optimizer, scheduler = _optimized(parts, accelerator, model, task, steps)
         state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
         if accelerator.is_main_process:
             write_config(run_dir, identity, dataset.root, steps, resume_from, state["global_step"])
@@ -224,7 +219,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         if accelerator.log_with:  # --report-to: the full configuration as the run's hyper-parameters
             start_trackers(accelerator, tracker_config(identity), task)
         runner = EpochRunner(
-            cfg,
+            parts.loop,
             accelerator,
             model,
             optimizer,
@@ -238,8 +233,10 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
         last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
-        write_profile(run_dir, runner.timer, runner.sampler, train_loader, cfg, accelerator, features=features)
-    summary = summarize(cfg, accelerator, task, state, last_metrics, runner.interrupted, t_start)
+        write_profile(
+            run_dir, runner.timer, runner.sampler, train_loader, parts.report, accelerator, features=features
+        )
+    summary = summarize(parts.report, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["hardware_choices"] = choices_made(parts.compile, accelerator, optimizer)
     if warm is not None:
         summary["init_proj"] = warm
@@ -253,10 +250,23 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         atomic_write_json(run_dir / "summary.json", summary)
         # RUN/model (best) and RUN/model-last: what users load, predict with and export
         best = summary["best_checkpoint"]
-        write_run_models(run_dir, accelerator.unwrap_model(model), cfg, dataset, best, tokenizer)
+        write_run_models(run_dir, accelerator.unwrap_model(model), parts.model, dataset, best, tokenizer)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _optimized(parts: Slices, accelerator, model, task: Task, steps: int):
+    """The model compiled as --compile says, and its optimizer and schedule for ``steps`` steps, prepared by
+    Accelerate; returns (model, optimizer, scheduler)."""
+    if (compiling := compile_options(parts.compile)) is not None:
+        check_compile_fits(parts.compile, task)
+        model = torch.compile(model, **compiling)
+    optimizer, scheduler = build_optimizer(parts.optim, model, steps, accelerator.device.type)
+    # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return model, optimizer, scheduler
 
 
 def _start_state(
@@ -324,9 +334,9 @@ def _check_resumable(resume_from: Path | None, identity: dict) -> None:
             )
 
 
-def build_run_model(cfg: TrainConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
+def build_run_model(cfg: ModelConfig, dataset: PreparedDataset, task: Task) -> torch.nn.Module:
     """The configured model with the task's outputs; a model's own options (``config_options``) come from the
-    config fields of those names."""
+    model slice's fields of those names."""
     options = {name: getattr(cfg, name) for name in getattr(model_class(cfg.model), "config_options", ())}
     return build_model(
         cfg.model,

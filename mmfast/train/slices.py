@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from mmfast.infer.model_config import ModelConfig
 from mmfast.train.config import TrainConfig
 from mmfast.train.hardware import resolve_text_padding
 
@@ -115,7 +116,77 @@ class OptimConfig:
     optimizer_impl: str
 
 
-SLICES = (DataConfig, LoaderConfig, ProcessConfig, OptimConfig, FeatureConfig, CompileConfig)
+@dataclass(frozen=True)
+class LoopConfig:
+    """The training loop (``engine.EpochRunner`` and its ``report.StepLog``): the epochs and their accumulation
+    windows, clipping, the log lines, the checkpoints, the stop on non-finite steps, and what a profile or a
+    debugging run records."""
+
+    epochs: int | None
+    grad_accum: int
+    grad_clip: float
+    max_nan_steps: int
+    log_every: int
+    progress: bool
+    checkpoint_every: int
+    keep_checkpoints: int
+    checkpoints: bool
+    record_ids: bool
+    profile: bool
+    compile_mode: str
+    dist_timeout: float
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """What a run's reports name of its set-up (``report.summarize``, ``report.write_profile``,
+    ``report.encoder_lr_note``): the run directory, the model, the batch, the compiled step and the recipe's
+    learning rates."""
+
+    out: str | None
+    checkpoints: bool
+    model: str
+    preset: str | None
+    image_backbone: str | None
+    text_model: str | None
+    image_size: int | None
+    batch_size: int | None
+    grad_accum: int
+    channels_last: bool | None
+    compile: bool
+    compile_mode: str
+    text_padding: str
+    optimizer_impl: str
+    lr: float | None
+    encoder_lr: float | None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run around the loop (``short_profile.time_steps``): where it writes, its seed, the projections'
+    start, the steps it takes, the stop signal's grace and the profile's sampling."""
+
+    out: str | None
+    seed: int
+    init_proj: str | None
+    max_steps: int | None
+    stop_grace: float
+    profile: bool
+    profile_interval: float
+
+
+SLICES = (
+    DataConfig,
+    LoaderConfig,
+    ProcessConfig,
+    OptimConfig,
+    FeatureConfig,
+    CompileConfig,
+    ModelConfig,
+    LoopConfig,
+    ReportConfig,
+    RunConfig,
+)
 
 
 def cut(kind: type, cfg: TrainConfig):
@@ -137,6 +208,10 @@ class Slices:
     optim: OptimConfig
     features: FeatureConfig
     compile: CompileConfig
+    model: ModelConfig
+    loop: LoopConfig
+    report: ReportConfig
+    run: RunConfig
 
 
 def slices(cfg: TrainConfig) -> Slices:
