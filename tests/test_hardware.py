@@ -98,9 +98,10 @@ def test_the_profiler_names_the_flag_a_compute_bound_gpu_run_leaves_off():
 @pytest.mark.slow
 def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path):
     """--compile on the CPU (inductor, static shapes: the captions padded to buckets): three steps give the
-    weights of the same run uncompiled (each tensor within 1% of its norm: fused kernels round otherwise, and
-    Adam's first steps amplify it on tiny gradients), and the model directory loads (its keys without the
-    compiler's prefix); summary.json records the compiled step and the caption width."""
+    weights of the same run uncompiled (the whole model within 1% of its norm, each tensor within 10%: fused
+    kernels round otherwise, and Adam's first steps amplify it on tiny gradients), and the model directory
+    loads (its keys without the compiler's prefix); summary.json records the compiled step and the caption
+    width."""
     import json
     import subprocess
 
@@ -125,9 +126,14 @@ def test_a_compiled_run_trains_the_weights_an_eager_one_does(prepared, tmp_path)
     eager = load_file(tmp_path / "eager" / "model-last" / "model.safetensors")
     compiled = load_file(tmp_path / "compiled" / "model-last" / "model.safetensors")
     assert eager.keys() == compiled.keys()
-    for key in (k for k in eager if eager[k].is_floating_point()):  # Adam's steps amplify fused kernels' noise
-        drift = float((compiled[key] - eager[key]).norm() / eager[key].norm().clamp(min=1e-12))
-        assert drift < 1e-2, (key, drift)
+    # Adam's first steps amplify fused kernels' noise most on the BatchNorm biases, which start at zero: their
+    # norm is the three steps alone (4-5% apart on the host-drawn crops). The whole model within 1%, each
+    # tensor within 10%: a step lost or mangled on any tensor moves it by its whole norm.
+    floats = [k for k in eager if eager[k].is_floating_point()]
+    drifts = {k: float((compiled[k] - eager[k]).norm() / eager[k].norm().clamp(min=1e-12)) for k in floats}
+    assert max(drifts.values()) < 0.1, max(drifts.items(), key=lambda kv: kv[1])
+    whole = sum(float((compiled[k] - eager[k]).norm()) ** 2 for k in floats) ** 0.5
+    assert whole / sum(float(eager[k].norm()) ** 2 for k in floats) ** 0.5 < 1e-2
     import mmfast
 
     assert mmfast.load_model(tmp_path / "compiled" / "model-last").config["model"] == "image"
