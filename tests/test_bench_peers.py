@@ -23,6 +23,7 @@ IMAGE_ROWS = {  # bench_loader.py's name: the table's
     "ImageLoader(ImageFolder), defaults: tuple, fp32": DROP_IN,
     "ImageLoader(ImageFolder), dtype=float16": "mmfast ImageLoader, float16",
     "ImageLoader(ImageFolder), cache_decoded=False": "mmfast ImageLoader, streamed, float32",
+    "ImageLoader(ImageFolder), image_sizes given": "mmfast ImageLoader, image_sizes given, float32",
     "mmfast MultimodalLoader": MULTIMODAL,
     "bare DALI iterator": "DALI alone (its own iterator, same graph), float16",
     "DataLoader(ImageFolder) + PIL + v2, fp32": "DataLoader(ImageFolder) + PIL + v2, float32",
@@ -70,15 +71,15 @@ def _raw(rates: dict[str, float], stream: dict[str, float]) -> tuple[dict, dict]
 
 
 def test_ratios_are_over_the_named_mmfast_rows_and_peers_ahead_are_named():
-    rates = dict(zip(IMAGE_ROWS, (300.0, 280.0, 250.0, 290.0, 330.0, 100.0), strict=True))
+    rates = dict(zip(IMAGE_ROWS, (300.0, 280.0, 250.0, 320.0, 290.0, 330.0, 100.0), strict=True))
     rates["SPDL pipeline, 4 threads, float32"] = 200.0
     stream = dict(zip(STREAM_ROWS, (380.0, 290.0, 110.0, 400.0, 130.0), strict=True))
     loader, streamed = _raw(rates, stream)
     rows = bench_peers.image_rows("photos", loader) + bench_peers.stream_rows(streamed)
-    assert [r["row"] for r in rows[:7]] == [*IMAGE_ROWS.values(), "SPDL, 4 threads, float32"]
-    assert {r["row"]: r["images/s"] for r in rows[7:]} == {v[0]: stream[k] for k, v in STREAM_ROWS.items()}
+    assert [r["row"] for r in rows[:8]] == [*IMAGE_ROWS.values(), "SPDL, 4 threads, float32"]
+    assert {r["row"]: r["images/s"] for r in rows[8:]} == {v[0]: stream[k] for k, v in STREAM_ROWS.items()}
     _check_ratios(rows)
-    spdl = rows[6]
+    spdl = rows[7]
     assert (spdl["drop-in over it"], spdl["MultimodalLoader over it"]) == (1.5, 1.45)
     ahead = bench_peers.ahead_of_mmfast(rows)
     assert ahead == {

@@ -335,6 +335,18 @@ def imageloader_variant(data, args, device, dtype: torch.dtype | None = None, **
     return lambda: (images for images, _ in loader)
 
 
+def imageloader_sizes_variant(data, args, device):
+    """The drop-in given each file's decoded size (``image_sizes``, from preparation's ``decoded_shape``): its
+    crop windows drawn on the host, as the ``MultimodalLoader``'s are, not computed in the graph."""
+    rows = PreparedDataset(data, verify=False).rows("train")
+    shapes = {Path(r["image"]).name: r.get("decoded_shape") for r in rows}
+    folder = _image_folder(data, args.folder_root, args.size)  # the drop-in's own files, in its order
+    sizes = [shapes[Path(path).name] for path, _ in folder.samples]
+    if None in sizes:
+        raise SystemExit(f"{data}: rows without a decoded_shape (an older preparation): delete it to redo it")
+    return imageloader_variant(data, args, device, image_sizes=sizes)
+
+
 def imageloader_streaming_variant(data, args, device):
     return imageloader_variant(data, args, device, cache_decoded=False)
 
@@ -487,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "ImageLoader(ImageFolder), defaults: tuple, fp32": imageloader_variant,
         "ImageLoader(ImageFolder), dtype=float16": imageloader_fp16_variant,
         "ImageLoader(ImageFolder), cache_decoded=False": imageloader_streaming_variant,
+        "ImageLoader(ImageFolder), image_sizes given": imageloader_sizes_variant,
         "DataLoader(ImageFolder) + PIL + v2, fp32": torchvision_dataloader_variant,
     }
     if not args.data:

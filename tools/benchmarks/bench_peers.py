@@ -53,6 +53,7 @@ IMAGE_ROWS = {
     "ImageLoader(ImageFolder), defaults: tuple, fp32": (DROP_IN, "mmfast"),
     "ImageLoader(ImageFolder), dtype=float16": ("mmfast ImageLoader, float16", "mmfast"),
     "ImageLoader(ImageFolder), cache_decoded=False": ("mmfast ImageLoader, streamed, float32", "mmfast"),
+    "ImageLoader(ImageFolder), image_sizes given": ("mmfast ImageLoader, image_sizes given, float32", "mmfast"),
     "mmfast MultimodalLoader": (MULTIMODAL, "mmfast"),
     "bare DALI iterator": ("DALI alone (its own iterator, same graph), float16", "peer"),
     "DataLoader(ImageFolder) + PIL + v2, fp32": ("DataLoader(ImageFolder) + PIL + v2, float32", "peer"),
