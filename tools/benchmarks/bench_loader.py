@@ -66,18 +66,20 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
-    """Images/s of each epoch after a warm-up epoch. ``make_iter()`` returns one epoch's batches."""
-    rates = []
+def time_epochs(make_iter, epochs: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Images/s of each epoch after a warm-up epoch, and this process's CPU ms per image (its threads', not
+    a DataLoader's worker processes'). ``make_iter()`` returns one epoch's batches."""
+    rates, cpu = [], []
     for e in range(epochs + 1):
-        n, t0 = 0, time.perf_counter()
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
         for images in make_iter():
             n += images.shape[0]
         if device.type == "cuda":
             torch.cuda.synchronize()  # note: count the GPU work of the last batch
         if e > 0:
             rates.append(n / (time.perf_counter() - t0))
-    return rates
+            cpu.append(1000 * (time.process_time() - c0) / n)
+    return rates, cpu
 
 
 def time_fresh(make, data, args, device) -> tuple[float, float]:
@@ -548,15 +550,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     iters = {name: make(data, args, device) for name, make in variants.items()}
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, make_iter in iters.items():
             if isinstance(make_iter, _FFCV):
                 rates[name] += make_iter.round(args.epochs)
             else:
-                rates[name] += time_epochs(make_iter, args.epochs, device)
+                r_, c_ = time_epochs(make_iter, args.epochs, device)
+                rates[name], cpu[name] = rates[name] + r_, cpu[name] + c_
             last = statistics.median(rates[name][-args.epochs :])
             print(f"  round {r + 1}: {name}: {last:.1f} img/s", file=sys.stderr)
     results = {name: {"images_per_s_median": statistics.median(v), "epochs": v} for name, v in rates.items()}
+    for name, c in cpu.items():  # this process's CPU: a DataLoader row's workers are other processes
+        results[name]["cpu_ms_per_image_in_process"] = statistics.median(c) if c else None
     add_ratios(results)
     folder_tmp.cleanup()
     report |= {"epochs_per_round": args.epochs, "results": results}
