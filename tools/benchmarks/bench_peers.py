@@ -23,7 +23,7 @@ also needs FFmpeg's libraries (``bench_loader.py --help``); Mosaic Streaming goe
 (``bench_stream.py --help``), which is where this command runs with every peer. A peer that is not
 importable is left out, with one line saying why, and the JSON lists it under ``left_out``.
 
-``--quick`` runs every row on a few images once (seconds, not minutes): a check that the command works.
+``--quick`` runs every row on 32 images once (about a minute): a check that the command works.
 """
 
 from __future__ import annotations
