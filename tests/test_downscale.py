@@ -107,6 +107,27 @@ def test_loader_reads_the_copies_with_the_originals_gone_and_settings_change_the
     assert all(max(Image.open(r["image"]).size) <= 300 for r in _rows(out, "train"))
 
 
+def test_copies_record_the_size_dali_decodes_so_the_loader_draws_on_the_host(photo_manifest, tmp_path):
+    """Every row, copies included, records the size DALI's decoder gives its file (the sideways JPEG's copy
+    upright), so the loader draws the crop windows on the host for the whole split."""
+    from mmfast.data.validate import dali_rejects
+
+    out = tmp_path / "prepared"
+    prepare_dataset(
+        PrepareConfig(source=str(photo_manifest), out=str(out), val_fraction=0, max_side=MAX_SIDE, progress=False)
+    )
+    rows = _rows(out, "train")
+    assert sum("original" in r for r in rows) == len(rows) - 1
+    shapes: dict[int, tuple[int, int]] = {}
+    assert dali_rejects([r["image"] for r in rows], 1, shapes=shapes) == {}
+    assert [tuple(r.get("decoded_shape", ())) for r in rows] == [shapes[i] for i in range(len(rows))]
+    sideways = next(r for r in rows if r.get("original", "").endswith("sideways.jpg"))
+    assert sideways["decoded_shape"] == [MAX_SIDE, 150]
+    table = PreparedDataset(out).table("train")
+    loader = MultimodalLoader(out, "train", 4, size=32, train=True, num_workers=1)
+    assert table.decoded_shapes is not None and np.array_equal(loader.images.image_sizes, table.decoded_shapes)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="--max-side"):
         PrepareConfig(source="x", out="y", max_side=8)

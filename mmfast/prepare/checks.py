@@ -115,9 +115,9 @@ def _downscale(
     reason) and how many were copied."""
     big = [i for i, c in enumerate(good) if max(c.width, c.height) > cfg.max_side]
     jobs = [(good[i].image, str(downscaled_path(tmp.resolve(), i))) for i in big]
-    reasons = downscale_images(jobs, cfg.max_side, cfg.quality, workers, cfg.progress)
+    written = downscale_images(jobs, cfg.max_side, cfg.quality, workers, cfg.progress)
     out, dropped, copied = list(good), set(), 0
-    for i, (src, dst), reason in zip(big, jobs, reasons, strict=True):
+    for i, (src, dst), (reason, shape) in zip(big, jobs, written, strict=True):
         c = good[i]
         if reason.startswith("kept"):
             continue
@@ -126,8 +126,8 @@ def _downscale(
             rejects.append(Reject(c.line, reason, c.source, c.file))
             dropped.add(i)
         else:
-            # the copy's decoded size is not recorded: the loader computes its crops in the graph
-            out[i] = replace(c, image=dst, original=c.original or ("" if written_here else src), decoded=None)
+            # the copy's own size (no EXIF orientation in it): the loader draws its crops on the host
+            out[i] = replace(c, image=dst, original=c.original or ("" if written_here else src), decoded=shape)
             copied += 1
         if written_here:
             Path(src).unlink(missing_ok=True)

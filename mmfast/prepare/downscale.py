@@ -29,8 +29,9 @@ def downscaled_path(root: Path, index: int) -> Path:
     return root / DOWNSCALED_DIR / f"{index // _PER_FOLDER:04d}" / f"{index:08d}.jpg"
 
 
-def downscale_image(job: tuple[str, str], max_side: int, quality: int) -> str:
-    """Write the copy of ``job = (source, destination)``; returns "" or the reason it failed.
+def downscale_image(job: tuple[str, str], max_side: int, quality: int) -> tuple[str, tuple[int, int] | None]:
+    """Write the copy of ``job = (source, destination)``; returns ("", the copy's (height, width)) or (the
+    reason it failed, None). The copy carries no EXIF orientation, so its size is the one DALI decodes.
 
     Called only for images whose longer side is over ``max_side``; 16-bit and float images are kept as
     they are (PIL cannot convert them to 8 bits the way the decoder does), reported as "kept".
@@ -41,7 +42,7 @@ def downscale_image(job: tuple[str, str], max_side: int, quality: int) -> str:
     try:
         with Image.open(src) as im:
             if im.mode not in _MODES:
-                return f"kept: {im.mode} pixels"
+                return f"kept: {im.mode} pixels", None
             im.draft("RGB", (max_side, max_side))  # JPEG: decode at 1/2, 1/4, 1/8 scale, still >= max_side
             im = ImageOps.exif_transpose(im)
             if im.mode not in ("RGB", "L"):
@@ -49,17 +50,18 @@ def downscale_image(job: tuple[str, str], max_side: int, quality: int) -> str:
             im.thumbnail((max_side, max_side), Image.LANCZOS)
             Path(dst).parent.mkdir(parents=True, exist_ok=True)
             im.save(dst, "JPEG", quality=quality)
+            shape = (im.height, im.width)
     except (OSError, ValueError) as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise  # a write error (disk full, permissions): the whole preparation fails and is rolled back
-        return f"cannot downscale: {e}"
-    return ""
+        return f"cannot downscale: {e}", None
+    return "", shape
 
 
 def downscale_images(
     jobs: list[tuple[str, str]], max_side: int, quality: int, workers: int, progress: bool = False
-) -> list[str]:
-    """``downscale_image`` for every (source, destination) pair over ``workers`` processes; the reasons
-    in order ("" where the copy was written)."""
+) -> list[tuple[str, tuple[int, int] | None]]:
+    """``downscale_image`` for every (source, destination) pair over ``workers`` processes: (the reason, ""
+    where the copy was written; the copy's (height, width) or None) in order."""
     work = functools.partial(downscale_image, max_side=max_side, quality=quality)
     return map_files(work, jobs, workers, f"downscaling to {max_side} px", progress)

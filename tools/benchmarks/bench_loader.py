@@ -66,18 +66,20 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def time_epochs(make_iter, epochs: int, device: torch.device) -> list[float]:
-    """Images/s of each epoch after a warm-up epoch. ``make_iter()`` returns one epoch's batches."""
-    rates = []
+def time_epochs(make_iter, epochs: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Images/s of each epoch after a warm-up epoch, and this process's CPU ms per image (its threads', not
+    a DataLoader's worker processes'). ``make_iter()`` returns one epoch's batches."""
+    rates, cpu = [], []
     for e in range(epochs + 1):
-        n, t0 = 0, time.perf_counter()
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
         for images in make_iter():
             n += images.shape[0]
         if device.type == "cuda":
             torch.cuda.synchronize()  # note: count the GPU work of the last batch
         if e > 0:
             rates.append(n / (time.perf_counter() - t0))
-    return rates
+            cpu.append(1000 * (time.process_time() - c0) / n)
+    return rates, cpu
 
 
 def time_fresh(make, data, args, device) -> tuple[float, float]:
@@ -335,6 +337,18 @@ def imageloader_variant(data, args, device, dtype: torch.dtype | None = None, **
     return lambda: (images for images, _ in loader)
 
 
+def imageloader_sizes_variant(data, args, device):
+    """The drop-in given each file's decoded size (``image_sizes``, from preparation's ``decoded_shape``): its
+    crop windows drawn on the host, as the ``MultimodalLoader``'s are, not computed in the graph."""
+    rows = PreparedDataset(data, verify=False).rows("train")
+    shapes = {Path(r["image"]).name: r.get("decoded_shape") for r in rows}
+    folder = _image_folder(data, args.folder_root, args.size)  # the drop-in's own files, in its order
+    sizes = [shapes[Path(path).name] for path, _ in folder.samples]
+    if None in sizes:
+        raise SystemExit(f"{data}: rows without a decoded_shape (an older preparation): delete it to redo it")
+    return imageloader_variant(data, args, device, image_sizes=sizes)
+
+
 def imageloader_streaming_variant(data, args, device):
     return imageloader_variant(data, args, device, cache_decoded=False)
 
@@ -487,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         "ImageLoader(ImageFolder), defaults: tuple, fp32": imageloader_variant,
         "ImageLoader(ImageFolder), dtype=float16": imageloader_fp16_variant,
         "ImageLoader(ImageFolder), cache_decoded=False": imageloader_streaming_variant,
+        "ImageLoader(ImageFolder), image_sizes given": imageloader_sizes_variant,
         "DataLoader(ImageFolder) + PIL + v2, fp32": torchvision_dataloader_variant,
     }
     if not args.data:
@@ -535,15 +550,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     iters = {name: make(data, args, device) for name, make in variants.items()}
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, make_iter in iters.items():
             if isinstance(make_iter, _FFCV):
                 rates[name] += make_iter.round(args.epochs)
             else:
-                rates[name] += time_epochs(make_iter, args.epochs, device)
+                r_, c_ = time_epochs(make_iter, args.epochs, device)
+                rates[name], cpu[name] = rates[name] + r_, cpu[name] + c_
             last = statistics.median(rates[name][-args.epochs :])
             print(f"  round {r + 1}: {name}: {last:.1f} img/s", file=sys.stderr)
     results = {name: {"images_per_s_median": statistics.median(v), "epochs": v} for name, v in rates.items()}
+    for name, c in cpu.items():  # this process's CPU: a DataLoader row's workers are other processes
+        results[name]["cpu_ms_per_image_in_process"] = statistics.median(c) if c else None
     add_ratios(results)
     folder_tmp.cleanup()
     report |= {"epochs_per_round": args.epochs, "results": results}

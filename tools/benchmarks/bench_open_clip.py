@@ -94,7 +94,7 @@ def serve(args) -> int:
 
     print(json.dumps({"open_clip": open_clip.__version__, "transform": repr(transform)}), flush=True)
     for line in sys.stdin:
-        print(json.dumps({"images_per_s": time_epochs(epoch, int(line), device)}), flush=True)
+        print(json.dumps({"images_per_s": time_epochs(epoch, int(line), device)[0]}), flush=True)
     return 0
 
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if make_iter is open_clip:
                 rates[name] += open_clip.round(args.epochs)
             else:
-                rates[name] += time_epochs(make_iter, args.epochs, device)
+                rates[name] += time_epochs(make_iter, args.epochs, device)[0]
             last = statistics.median(rates[name][-args.epochs :])
             print(f"  round {r + 1}: {name}: {last:.1f} img/s", file=sys.stderr)
     open_clip.close()

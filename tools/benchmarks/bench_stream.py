@@ -68,7 +68,11 @@ def parse_args(argv):
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
-        "--bandwidth-mb", type=float, nargs="+", default=[50.0, 200.0], help="throttled links, MB/s (a row each)"
+        "--bandwidth-mb",
+        type=float,
+        nargs="*",
+        default=[50.0, 200.0],
+        help="throttled links, MB/s (a row each; none: the loopback store alone)",
     )
     p.add_argument("--latency-ms", type=float, default=20.0, help="the throttled link's latency per request")
     p.add_argument("--cache-mb", type=float, default=1024.0, help="the shard cache's limit")
