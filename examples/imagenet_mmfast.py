@@ -6,7 +6,7 @@
 
 DATA holds train/<class>/<image> and val/<class>/<image>. examples/imagenet_dataloader.py (torch's DataLoader +
 DistributedSampler) and examples/imagenet_mmfast.py (mmfast's ImageLoader) are the same script but for the
-loader construction: the import and three lines. tests/test_dropin.py checks that they differ in nothing
+loader construction: the import and three lines. tests/loading/test_dropin.py checks that they differ in nothing
 else and give the same validation results, on one process and on two.
 """
 

@@ -1,4 +1,4 @@
-"""Runs the code blocks of a documentation page (README.md, docs/guides/*.md) as tests/test_docs.py asks.
+"""Runs the code blocks of a documentation page (README.md, docs/guides/*.md) as tests/docs/test_docs.py asks.
 
 Sybil parses the page: every ```bash and ```python block is an example, and ``<!-- skip: next "reason" -->``
 skips the block after it. The blocks of one page run in order in one fresh working directory filled with

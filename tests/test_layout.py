@@ -38,6 +38,39 @@ def test_no_module_over_500_lines_and_no_function_over_80():
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
 
 
+IMPORT = ast.Import | ast.ImportFrom
+
+
+def _says_why(lines: list[str], lineno: int) -> bool:
+    """A comment on the import's own line, or just above it (a comment line, or the ``try:`` guarding it)."""
+    here, above = lines[lineno - 1], lines[lineno - 2].strip()
+    said = here.partition("#")[2] or (above.partition("#")[2] if above.startswith(("#", "try:")) else "")
+    return bool(said.strip()) and not said.strip().startswith(("noqa", "type:"))
+
+
+def test_every_function_level_import_says_why():
+    """docs/architecture.md: a function-level import is for a heavy optional dependency, with the reason beside
+    it. A block of imports shares the reason of its first line; one that re-imports a name the module imports at
+    its top has no reason to be there."""
+    bare, again = [], []
+    for p in _modules():
+        text = p.read_text()
+        lines, tree = text.splitlines(), ast.parse(text)
+        top = {a.asname or a.name for n in tree.body if isinstance(n, IMPORT) for a in n.names}
+        functions = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+        inside = {n.lineno: n for f in functions for n in ast.walk(f) if isinstance(n, IMPORT)}
+        after = {n.end_lineno + 1: n for n in inside.values()}  # the import just above a line, if one is
+        for node in inside.values():
+            where, first = f"{p.relative_to(PACKAGE.parent)}:{node.lineno}", node
+            while first.lineno in after:  # the block's first import carries its reason
+                first = after[first.lineno]
+            if not (_says_why(lines, node.lineno) or _says_why(lines, first.lineno)):
+                bare.append(where)
+            again += [f"{where} {a.asname or a.name}" for a in node.names if (a.asname or a.name) in top]
+    assert not bare, f"function-level imports without their reason beside them: {bare}"
+    assert not again, f"function-level imports of a name the module imports at its top: {again}"
+
+
 def test_every_package_says_its_job_and_cites_only_files_in_the_repository():
     root = PACKAGE.parent
     for init in sorted(PACKAGE.glob("*/__init__.py")):

@@ -1,4 +1,4 @@
-"""Record what NVML returns to mmfast's utilization sampler, for tests/test_nvml.py to replay without a GPU.
+"""Record what NVML returns to mmfast's utilization sampler, for tests/train/test_nvml.py to replay without a GPU.
 
     python tools/nvml_record.py --out tests/data/nvml_h200.json [--samples 5 --interval 0.2 --device 0]
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from mmfast.data.preprocessing import eval_resize
 from mmfast.infer.peer_towers import FormatRefusal, eval_geometry, logit_scale_and_bias, start_kinds
+from mmfast.models.open_clip_text import OpenClipText
 
 FORMAT = "hf"
 HOLDERS = "export it with --format open_clip, onnx or torch"
@@ -91,8 +92,6 @@ def open_clip_towers(model) -> tuple[nn.Module, nn.Module]:
     Raises:
         FormatRefusal: a tower that is not one ``CLIPModel`` builds.
     """
-    from mmfast.models.open_clip_text import OpenClipText  # the text tower mmfast wraps open_clip's in
-
     net = model.model
     visual, text = net.image.module, net.text.module
     kind = type(visual).__name__
@@ -218,7 +217,7 @@ def _check_probe(clip, visual: nn.Module, text: nn.Module) -> None:
 
 def _clip_processor_with_tokenizer(model, image_processor):
     """A ``CLIPProcessor``: the image processor, and open_clip's BPE as transformers' ``CLIPTokenizer``."""
-    from transformers import CLIPProcessor, CLIPTokenizer
+    from transformers import CLIPProcessor, CLIPTokenizer  # transformers: a slow import, only for this format
 
     tok = model.tokenizer
     if getattr(tok, "clean", None) != "lower":
@@ -238,6 +237,7 @@ def _clip_processor_with_tokenizer(model, image_processor):
         model_max_length=min(int(model.config["max_length"]), int(tok.context_length)),
     )
     return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
 
 def clip_processor(config: dict):
     """A ``CLIPImageProcessor`` giving the model's eval preprocessing: its filter, its shorter side and centre

@@ -82,7 +82,7 @@ class LoaderOptions:
 @dataclass(frozen=True)
 class EngineReading:
     """What an engine's ``ImageLoader`` reads beyond the drop-in's files (``ImageLoader(reading=...)``:
-    ``MultimodalLoader``, predict's rows).
+    ``MultimodalLoader``, predict's rows; the drop-in's own default is ``EngineReading(sampling=DATALOADER)``).
 
     Args:
         source: the image source (``mmfast.loading.sources``, e.g. ``sources.prepared_source``; None: the
@@ -91,11 +91,15 @@ class EngineReading:
             engine's whole batches).
         file_stats: (size, mtime_ns) of each file when it was validated (what preparation recorded): a file that
             differs now is decoded again before it is read; None: each file's first stat.
+        image_sizes: (height, width) of each file as DALI decodes it (EXIF orientation applied; what preparation
+            recorded): the train crops are then drawn on the host, as torchvision draws them
+            (``mmfast.loading.draws.resized_crop_boxes``); None: computed in the graph from each header.
     """
 
     source: Source | None = None
     sampling: Sampling = WHOLE_BATCHES
     file_stats: Sequence[tuple[int, int]] | None = None
+    image_sizes: Sequence[tuple[int, int]] | None = None
 
 
 def integer_labels(labels, n: int) -> np.ndarray:

@@ -19,11 +19,11 @@ favours smaller areas: their mean area share is 0.48 of a square image and 0.33 
 does).
 
 ``resized_crop_boxes`` is the other way, where the loader knows each image's decoded size before DALI reads it
-(``ImageLoader(image_sizes=...)``): torchvision's ``RandomResizedCrop`` (the area share uniform in ``scale``,
-the log aspect ratio uniform in ``ratio``, redrawn up to ``ATTEMPTS`` times until the crop fits, then the
-centred crop of the ratio in range nearest the image's), every redraw a draw of (seed, epoch, id) too. Computed
-on the host, the windows go to the graph's slice decode as an external source: no arithmetic in the graph, and
-the smaller crops torchvision's redraws favour.
+(``ImageLoader(reading=EngineReading(image_sizes=...))``): torchvision's ``RandomResizedCrop`` (the area share
+uniform in ``scale``, the log aspect ratio uniform in ``ratio``, redrawn up to ``ATTEMPTS`` times until the crop
+fits, then the centred crop of the ratio in range nearest the image's), every redraw a draw of (seed, epoch, id)
+too. Computed on the host, the windows go to the graph's slice decode as an external source: no arithmetic in the
+graph, and the smaller crops torchvision's redraws favour.
 """
 
 from __future__ import annotations

@@ -101,9 +101,6 @@ class ImageLoader:
         verify_files: also check every file at start-up (default off: each batch's files are stat'ed anyway
             just before DALI reads them, ``file_health.FileHealth.watch``; the missing, empty, non-regular and
             changed ones are decoded again, and handled as ``on_bad_image`` says).
-        image_sizes: (height, width) of each file as DALI decodes it (EXIF orientation applied; MultimodalLoader
-            passes what preparation recorded): the train crops are then drawn on the host, as torchvision draws
-            them (``mmfast.loading.draws.resized_crop_boxes``); default: computed in the graph from each header.
         max_pixels: decoded-pixel budget per image, checked from the header of a file seen for the first time
             (without recorded stats) or checked again (one over it is a bad image): what bounds the decoder's
             memory.
@@ -123,8 +120,8 @@ class ImageLoader:
             always, streaming with a warning a set that does not fit; False: never. CPU decoding with
             ``cpu_resize="torch"`` and the file source only, and no ``color_jitter`` (True or a budget with
             those is an error).
-        reading: an engine's source, order and recorded file stats (``arguments.EngineReading``: what
-            ``MultimodalLoader`` and predict read); default: ``files`` (or ``wds_shards``) in DataLoader +
+        reading: an engine's source, order, recorded file stats and image sizes (``arguments.EngineReading``:
+            what ``MultimodalLoader`` and predict read); default: ``files`` (or ``wds_shards``) in DataLoader +
             DistributedSampler's order, partial last batches.
         eval_geometry: the eval resize + centre crop's rounding on the host: "torchvision" (default:
             torchvision's ``Resize`` + ``CenterCrop`` pixels) or "dali" (the graph's, as the GPU path does).
@@ -173,7 +170,6 @@ class ImageLoader:
         wds_index: Sequence[str] | None = None,
         on_bad_image: str = "skip",
         verify_files: bool = False,
-        image_sizes: Sequence[tuple[int, int]] | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cpu_resize: str = "torch",
         finish_threads: int | None = None,
@@ -202,9 +198,9 @@ class ImageLoader:
         prefetch = check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
         self.files, self.labels, self.ids = checked_samples(files, labels, ids)
         check_batch(batch_size, len(self.files), num_shards, size, max_pixels, drop_last)
-        self.image_sizes = checked_image_sizes(image_sizes, len(self.files))
         self._set_settings(batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed)
         reading = reading or EngineReading(None, DATALOADER)  # the drop-in's: DataLoader's order
+        self.image_sizes = checked_image_sizes(reading.image_sizes, len(self.files))
         self.sampling, self.files_checked, self.as_dict = reading.sampling, files_checked, as_dict
         # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
         self.pin_memory = pin_memory

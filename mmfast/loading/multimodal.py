@@ -15,7 +15,7 @@ import torch
 from mmfast.data.batch import IGNORE_LABEL
 from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.data.token_cache import TokenCache, padded_width
-from mmfast.loading.arguments import EngineReading
+from mmfast.loading.arguments import EngineReading, LoaderOptions
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
 from mmfast.loading.sources import prepared_source
@@ -49,8 +49,12 @@ class MultimodalLoader:
             power of two from 8, at most max_length: a few shapes, for a compiled step) or "max" (max_length).
         verify_files: also check every image file at start-up (see ``ImageLoader``: each batch's files are
             compared with what preparation recorded just before they are read anyway); default off.
+        image_sizes: (height, width) of each image as decoded (default: what preparation recorded, when it did;
+            None: the train crops' windows are computed in the graph).
         **kwargs: the rest of ``ImageLoader``'s arguments (default dtype here: float16; ``cache_decoded``:
             False).
+
+    The training engine makes it from one ``arguments.LoaderOptions`` instead (``from_options``).
 
     ``images`` is the ImageLoader it reads (whole batches, each sample at most once per epoch unless a mix
     draws a source more than once: the training engine relies on both); its epoch protocol (``len``,
@@ -63,19 +67,38 @@ class MultimodalLoader:
         split: str = "train",
         batch_size: int = 64,
         *,
-        shuffle: bool | None = None,
-        drop_last: bool | None = None,
         accelerator=None,
-        source: str = "files",
         shard_cache: ShardCache | None = None,
         sampling: WholeBatchOrder = WHOLE_BATCHES,
-        text_padding: str = "longest",
         **kwargs,
     ):
-        # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
-        # share one verification between the train and val loaders).
+        self._open(data_dir, split, {"batch_size": batch_size, **kwargs}, accelerator, shard_cache, sampling)
+
+    @classmethod
+    def from_options(
+        cls,
+        data_dir: str | os.PathLike | PreparedDataset,
+        split: str,
+        options: LoaderOptions,
+        *,
+        accelerator=None,
+        shard_cache: ShardCache | None = None,
+        sampling: WholeBatchOrder = WHOLE_BATCHES,
+    ) -> MultimodalLoader:
+        """The training engine's loader: ``split`` of ``data_dir`` as ``options`` say (one object, handed on
+        whole); the other arguments as the class takes them."""
+        loader = cls.__new__(cls)
+        loader._open(data_dir, split, options.keywords(), accelerator, shard_cache, sampling)
+        return loader
+
+    def _open(self, data_dir, split: str, kwargs: dict, accelerator, shard_cache, sampling) -> None:
+        """Open ``split`` of ``data_dir`` with the loader's keywords (``kwargs``: its own, ``ImageLoader``'s)."""
         if kwargs.get("as_dict") is False:
             raise ValueError("MultimodalLoader's batches are always dicts (as_dict=False is ImageLoader's)")
+        shuffle, drop_last = kwargs.pop("shuffle", None), kwargs.pop("drop_last", None)
+        source, text_padding = kwargs.pop("source", "files"), kwargs.pop("text_padding", "longest")
+        # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
+        # share one verification between the train and val loaders).
         dataset = data_dir if isinstance(data_dir, PreparedDataset) else PreparedDataset(data_dir)
         if accelerator is not None:
             kwargs.setdefault("shard_id", accelerator.process_index)
@@ -96,16 +119,14 @@ class MultimodalLoader:
         kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
         if kwargs.get("dtype") is None and kwargs.get("fp16") is None:
             kwargs["dtype"] = torch.float16
-        if table.decoded_shapes is not None:  # the train crops' windows drawn on the host
-            kwargs.setdefault("image_sizes", table.decoded_shapes)
+        sizes = kwargs.pop("image_sizes", table.decoded_shapes)  # the train crops' windows drawn on the host
         loader = ImageLoader(
             images,
             table.labels,
             ids=table.ids,
-            batch_size=batch_size,
             shuffle=is_train if shuffle is None else shuffle,
             drop_last=is_train if drop_last is None else drop_last,
-            reading=EngineReading(reader, sampling, table.file_stats),
+            reading=EngineReading(reader, sampling, table.file_stats, sizes),
             eval_geometry="dali",
             files_checked=True,  # preparation decoded every image: DALI runs whole batches
             **kwargs,

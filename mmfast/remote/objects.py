@@ -332,7 +332,7 @@ def _storage_options(protocol: str, timeout_s: float) -> dict:
     """The options this module gives a store: timeouts for a stalled connection, and no retries inside the
     store's library. Credentials are never passed: each library reads its own environment and config."""
     if protocol in ("http", "https"):
-        import aiohttp  # fsspec's http filesystem is built on it
+        import aiohttp  # only for an http(s) store: fsspec's http filesystem is built on it
 
         # No total limit (aiohttp's default is 5 minutes, which would cut a large shard's download short).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)

@@ -156,8 +156,8 @@ def _loader(
 ) -> MultimodalLoader:
     """``split``'s loader as ``options`` say, on this process (``accelerator``), its remote shards through
     ``cache``, in the order of ``sampling``."""
-    return MultimodalLoader(
-        dataset, split, accelerator=accelerator, shard_cache=cache, sampling=sampling, **options.keywords()
+    return MultimodalLoader.from_options(
+        dataset, split, options, accelerator=accelerator, shard_cache=cache, sampling=sampling
     )
 
 
@@ -176,7 +176,7 @@ def _loader_options(cfg: LoaderConfig, accelerator, norm: tuple | None) -> Loade
     resize filter and eval crop (``image_norm``'s), the bad-image policy, the source and the caption width. A
     split's loader varies it (``dataclasses.replace``)."""
     threads = cfg.num_threads or max(1, usable_cores() // processes_per_machine(accelerator))
-    mean, std = ((tuple(255 * m for m in norm[0]), tuple(255 * v for v in norm[1])) if norm else (None, None))
+    mean, std = (tuple(255 * m for m in norm[0]), tuple(255 * v for v in norm[1])) if norm else (None, None)
     geometry = norm[2] if norm and len(norm) > 2 else {}  # train and eval alike
     return LoaderOptions(
         cfg.batch_size,

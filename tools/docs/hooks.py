@@ -1,6 +1,6 @@
 """MkDocs hook: links from the site's pages to files of the repository outside docs/ (a test, a script).
 
-Such a link is written relative to the page, as GitHub resolves it (``../../tests/test_train.py``). The
+Such a link is written relative to the page, as GitHub resolves it (``../../tests/train/test_train.py``). The
 build checks that the file exists and that every ``::name`` in the link's text is a function or class of
 it; a broken one is a warning, which ``mkdocs build --strict`` turns into a failure. On the site the link
 points at the file on ``repo_url`` when mkdocs.yml sets one, and is plain text otherwise."""

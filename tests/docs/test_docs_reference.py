@@ -13,7 +13,7 @@ import pytest
 
 from tools.docs import gen_reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"train-flags.md": "mmfast.cli.train", "prepare-flags.md": "mmfast.cli.prepare"}
 
 

@@ -22,7 +22,7 @@ from mmfast.infer.model_dir import load_model
 from mmfast.infer.predict import prepared_rows
 from mmfast.tasks.retrieval import caption_groups, retrieval_figures
 
-PEERS = Path(__file__).parent / "peers"
+PEERS = Path(__file__).parents[1] / "peers"
 TINY_CLIP = ["--model", "clip", "--preset", "tiny", "--image-backbone", "timm:test_efficientnet", "--epochs", "1"]
 TINY_CLIP += ["--embed-dim", "16", "--batch-size", "16", "--image-size", "32", "--no-progress"]
 TINY_CLIP += ["--mixed-precision", "no"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pymdownx.slugs import slugify
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"(?<!\\)\[(?:[^\]\n]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 _slug = slugify(case="lower")

@@ -14,7 +14,7 @@ import pytest
 
 from tools.benchmarks import bench_peers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DROP_IN = "mmfast ImageLoader (drop-in), float32"
 MULTIMODAL = "mmfast MultimodalLoader, float16"
 LOOPBACK = "mmfast MultimodalLoader streaming, S3 on loopback"

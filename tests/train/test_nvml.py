@@ -20,7 +20,7 @@ import pytest
 from mmfast.train.profiler import UtilizationSampler
 from tools import nvml_record
 
-RECORDING = json.loads((Path(__file__).parent / "data" / "nvml_h200.json").read_text())
+RECORDING = json.loads((Path(__file__).parents[1] / "data" / "nvml_h200.json").read_text())
 READS = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetClockInfo")
 
 

@@ -1,5 +1,5 @@
 """Images decoded once and kept in memory (``cache_decoded``): the same pixels as the streaming path, exact
-resume, bad files and a budget that does not fit (the crops' draws: tests/test_draws.py)."""
+resume, bad files and a budget that does not fit (the crops' draws: tests/loading/test_draws.py)."""
 
 from __future__ import annotations
 

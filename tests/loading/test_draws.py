@@ -277,18 +277,21 @@ def test_a_wide_image_gets_crops_spread_over_it_not_one_box():
 def test_the_decoded_cache_cuts_the_host_windows_of_the_stream(photos):
     """With the images' sizes given, a loader holding the images decoded serves the pixels the streaming
     graph cuts (PNGs: the same decode either way); a size per file is required."""
+    from mmfast.loading.arguments import EngineReading
     from mmfast.loading.image_loader import ImageLoader
+    from mmfast.loading.sampling import DATALOADER
 
     files = [str(p) for p in photos if p.suffix == ".png"] * 2
     sizes = [Image.open(f).size[::-1] for f in files]
-    common = dict(batch_size=3, size=32, fp16=False, shuffle=True, train=True, image_sizes=sizes, num_workers=1)
+    reading = EngineReading(sampling=DATALOADER, image_sizes=sizes)
+    common = dict(batch_size=3, size=32, fp16=False, shuffle=True, train=True, reading=reading, num_workers=1)
     got = [_by_id(ImageLoader(files, as_dict=True, cache_decoded=c, **common), 2) for c in (False, True)]
     assert len(got[0]) == len(got[1]) > 0
     for streamed, cached in zip(*got, strict=True):
         assert streamed.keys() == cached.keys()
         assert all(torch.equal(streamed[i], cached[i]) for i in streamed)
     with pytest.raises(ValueError, match="image_sizes must hold"):
-        ImageLoader(files, image_sizes=sizes[:-1])
+        ImageLoader(files, reading=EngineReading(sampling=DATALOADER, image_sizes=sizes[:-1]))
 
 
 def test_without_the_sizes_one_process_and_two_still_get_the_same_pixels(prepared):

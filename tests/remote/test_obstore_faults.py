@@ -1,4 +1,4 @@
-"""obstore (the Rust ``object_store`` crate's bindings) through the faults that tests/test_remote.py injects
+"""obstore (the Rust ``object_store`` crate's bindings) through the faults that tests/remote/test_remote.py injects
 into today's GET, for issue #46's choice of object-store client: the same loopback servers and FaultProxy.
 Each test asserts what obstore 0.12 does, gaps included, so that a release that changes one fails here and
 the choice is weighed again. The gaps are the tests named "...gap...". Skipped without obstore (the

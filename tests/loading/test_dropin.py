@@ -1,6 +1,6 @@
 """ImageLoader as a drop-in for torch's DataLoader over a torchvision ImageFolder: same batches, shards,
 epochs, arguments and attributes, and torchvision-style scripts that change only their loader construction
-give the same validation results (tests/test_dropin.py::test_the_example_script_*)."""
+give the same validation results (tests/loading/test_dropin.py::test_the_example_script_*)."""
 
 from __future__ import annotations
 

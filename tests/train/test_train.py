@@ -378,9 +378,10 @@ def test_the_image_encoders_normalization_reaches_the_loader(prepared, tmp_path,
     seen = []
 
     class Spy(data.MultimodalLoader):
-        def __init__(self, *args, **kwargs):
-            seen.append((kwargs.get("mean"), kwargs.get("std")))
-            super().__init__(*args, **kwargs)
+        @classmethod
+        def from_options(cls, dataset, split, options, **kwargs):  # the engine's one way to make its loaders
+            seen.append((options.mean, options.std))
+            return super().from_options(dataset, split, options, **kwargs)
 
     monkeypatch.setattr(data, "MultimodalLoader", Spy)
     out = tmp_path / "run"

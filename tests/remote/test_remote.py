@@ -32,7 +32,7 @@ from mmfast.remote.shard_cache import CacheFullError, ShardCache
 from mmfast.util.fsutil import OutputDirError
 from tools.benchmarks.benchlib.fault_proxy import FaultProxy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARD = 100_000  # bytes per cache-test shard
 SECRET_KEY = "fakeSecretKey0123456789SHOULDNEVERPRINT"
 SIGNATURE = "deadbeefSIGNATUREnotforprinting"
