@@ -76,44 +76,54 @@ def _epoch_ids(run, ranks: int) -> dict[int, list[int]]:
     return out
 
 
+RESUMABLE = ["--epochs", "1", "--record-ids", "--mixed-precision", "no", "--model", "image", "--freeze-image"]
+RESUMABLE += ["--dropout", "0", "--no-cache-decoded", "--scheduler", "constant"]
+
+
+def _launch(prepared, out, n: int, *flags: str):
+    """A RESUMABLE run into ``out`` on ``n`` processes (1, or 2 under torchrun)."""
+    import subprocess
+
+    from conftest import ROOT, free_port, train_cmd
+
+    launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+    cmd = train_cmd(prepared, out, *RESUMABLE, *flags)
+    cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+GLOBAL_32 = ("--global-batch-size", "32", "--batch-size", "16")
+
+
+@pytest.fixture(scope="module")
+def never_stopped(prepared, tmp_path_factory):
+    """The reference of both directions below: a RESUMABLE run with GLOBAL_32 that was never stopped, on one
+    process (the same weights as on two: test_one_process_accumulating_and_two_processes_train_the_same_weights;
+    it is read, never written, by the tests)."""
+    out = tmp_path_factory.mktemp("never-stopped") / "whole"
+    assert (r := _launch(prepared, out, 1, *GLOBAL_32)).returncode == 0, r.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "then"), [(1, 2), (2, 1)])
-def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(prepared, tmp_path, first, then):
+def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(
+    prepared, never_stopped, tmp_path, first, then
+):
     """--global-batch-size 32 with batch 16: 1 process accumulates 2, 2 processes take 16 each. Stopped after 3
     steps on ``first`` processes and resumed on ``then``: every whole global batch of the epoch trained exactly
     once, the step counter carried over, and the weights and the epoch's loss those of a run that was never
     stopped (the augmentation is each sample's own; a frozen image tower, no dropout and a constant learning
     rate, which --max-steps does not reshape, so nothing else differs); without --global-batch-size the same
     change is refused."""
-    import subprocess
-
     import torch
-    from conftest import ROOT, free_port, n_rows, train_cmd
+    from conftest import n_rows
     from safetensors.torch import load_file
 
-    def launch(n: int, *flags: str):
-        launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
-        cmd = train_cmd(prepared, out, "--epochs", "1", "--record-ids", "--mixed-precision", "no", *flags)
-        cmd += [
-            "--model",
-            "image",
-            "--freeze-image",
-            "--dropout",
-            "0",
-            "--no-cache-decoded",
-            "--scheduler",
-            "constant",
-        ]
-        cmd = [*cmd[:1], *(launcher if n == 2 else ()), *cmd[1:]]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-
-    out = tmp_path / "whole"  # the reference: never stopped
-    common = ("--global-batch-size", "32", "--batch-size", "16")
-    assert (r := launch(then, *common)).returncode == 0, r.stderr[-3000:]
     out = tmp_path / "run"
-    first_run = launch(first, *common, "--max-steps", "3")
+    first_run = _launch(prepared, out, first, *GLOBAL_32, "--max-steps", "3")
     assert first_run.returncode == 0, first_run.stderr[-3000:]
-    resumed = launch(then, *common, "--resume", "latest")
+    resumed = _launch(prepared, out, then, *GLOBAL_32, "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"written by {first} processes; this run has {then}" in resumed.stdout + resumed.stderr
     steps = n_rows(prepared, "train") // 32  # whole global batches of an epoch
@@ -121,15 +131,15 @@ def test_a_run_stopped_on_n_processes_resumes_on_m_training_each_sample_once(pre
     assert len(ids) == len(set(ids)) == steps * 32, (len(ids), len(set(ids)), steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["global_step"] == steps and summary["num_processes"] == then
-    whole, resumed_w = (load_file(d / "model-last" / "model.safetensors") for d in (tmp_path / "whole", out))
+    whole, resumed_w = (load_file(d / "model-last" / "model.safetensors") for d in (never_stopped, out))
     for key in whole:
         assert torch.allclose(resumed_w[key], whole[key], rtol=1e-4, atol=1e-6), key
-    losses = [json.loads(ln)["train_loss"] for d in (tmp_path / "whole", out) for ln in open(d / "metrics.jsonl")]
+    losses = [json.loads(ln)["train_loss"] for d in (never_stopped, out) for ln in open(d / "metrics.jsonl")]
     assert losses[-1] == pytest.approx(losses[0], rel=1e-4), losses
 
     out = tmp_path / "fixed"  # a per-process batch: the process count must not change
-    assert launch(first, "--batch-size", "16", "--max-steps", "3").returncode == 0
-    refused = launch(then, "--batch-size", "16", "--resume", "latest")
+    assert _launch(prepared, out, first, "--batch-size", "16", "--max-steps", "3").returncode == 0
+    refused = _launch(prepared, out, then, "--batch-size", "16", "--resume", "latest")
     assert refused.returncode != 0 and "num_processes" in refused.stderr
 
 
