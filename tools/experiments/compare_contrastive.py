@@ -53,6 +53,8 @@ RECIPES = {
     "clip-top2": ("clip", {"text_train_layers": 2, "feature_cache": "on"}),
     "clip-top1": ("clip", {"text_train_layers": 1, "feature_cache": "on"}),
     "clip-locked": ("clip", {"freeze_text": True, "feature_cache": "on"}),
+    "siglip-top2": ("siglip", {"text_train_layers": 2, "feature_cache": "on"}),
+    "clip-top2-16": ("clip", {"text_train_layers": 2, "feature_cache": "on", "epochs": 16, "feature_views": 2}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 RIDGE_LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)  # times the number of training samples
@@ -390,7 +392,7 @@ def dual_encoder(args: argparse.Namespace, data_dir: Path, recipe: str, seed: in
     from mmfast.train import train
     from mmfast.train.config import TrainConfig
 
-    loss, changes = RECIPES[recipe]
+    loss, changes = RECIPES[recipe][0], dict(RECIPES[recipe][1])
     if changes.get("feature_cache") == "on":  # one cache per set, shared by its recipes' runs
         changes = {**changes, "feature_cache_dir": str(run_dir.parent.parent / "features" / data_dir.name)}
     cfg = TrainConfig(
@@ -402,7 +404,7 @@ def dual_encoder(args: argparse.Namespace, data_dir: Path, recipe: str, seed: in
         loss=loss,
         embed_dim=args.embed_dim,
         seed=seed,
-        epochs=args.epochs,
+        epochs=changes.pop("epochs", args.epochs),
         batch_size=args.batch_size,
         num_threads=args.threads,
         progress=False,
