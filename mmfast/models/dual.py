@@ -4,7 +4,8 @@ scales their dot products by; they start from that loss's own values (``tasks/lo
 ``registry``; its objective is the "contrastive" task.
 
 Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is (the encoder keeps its batch-norm
-statistics in eval mode), its projection and the text tower learn.
+statistics in eval mode), its projection and the text tower learn. ``--text-train-layers N`` trains only the
+text tower's top N layers; a feature cache may then hold the locked lower layers' output (``text_pooled``).
 
 A tower that starts from a pretrained pair (``start_towers``: CLIP, open_clip) is ``projected``: it brings its own
 projection, so none is added after it, and the pair's learned temperature (and SigLIP's bias) is the start.
