@@ -19,8 +19,9 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   projections are trained again on the whole train split.
 - clip / siglip: ``mmfast.train.train`` with the preset's recipe and that loss, for every seed; the figures are
   the last epoch's evaluation (not the best one: choosing it would be tuning on val). clip-top2 / clip-top1 /
-  clip-locked (``RECIPES``): the same with only the text tower's top 2 or 1 layers training, or none, on cached
-  features (--feature-cache on, one cache folder per set under --out).
+  clip-locked / siglip-top2 (``RECIPES``): the same with only the text tower's top 2 or 1 layers training, or
+  none, on cached features (--feature-cache on, one cache folder per set under --out); a "-16" recipe trains 16
+  epochs on 2 stored views.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -45,6 +46,7 @@ BUILDERS = {  # set name -> its builder script, run as ``python SCRIPT OUT_DIR``
     "xfce": ROOT / "tools" / "datasets" / "build_xfce_icons_set.py",
 }
 METHODS = ("ridge", "probe", "clip", "siglip")
+LONGER = {"epochs": 16, "feature_views": 2}  # what the cache's cheaper epochs may buy
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -54,7 +56,8 @@ RECIPES = {
     "clip-top1": ("clip", {"text_train_layers": 1, "feature_cache": "on"}),
     "clip-locked": ("clip", {"freeze_text": True, "feature_cache": "on"}),
     "siglip-top2": ("siglip", {"text_train_layers": 2, "feature_cache": "on"}),
-    "clip-top2-16": ("clip", {"text_train_layers": 2, "feature_cache": "on", "epochs": 16, "feature_views": 2}),
+    "clip-top2-16": ("clip", {"text_train_layers": 2, "feature_cache": "on", **LONGER}),
+    "siglip-top2-16": ("siglip", {"text_train_layers": 2, "feature_cache": "on", **LONGER}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 RIDGE_LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)  # times the number of training samples
