@@ -49,6 +49,7 @@ class ModelConfig:
     combine: str
     freeze_image: bool | None
     freeze_text: bool
+    text_train_layers: int | None
     dropout: float
     task: str | None
     loss: str

@@ -1,8 +1,9 @@
 """``FeatureLoader``: a train split served from a feature cache (``mmfast.data.feature_cache``) instead of pixels.
 
 It has the batches of the ``MultimodalLoader`` it is built on (the same whole-batch order of each epoch, the same
-sample ids on every process, the same tokens, or a locked text tower's cached ``text_features`` in their place),
-with ``image_features`` (B, C) float32 in place of ``image``:
+sample ids on every process, the same tokens, or a locked text tower's cached ``text_features`` in their place,
+or beside them its locked lower layers' cached output ``text_hidden``), with ``image_features`` (B, C) float32 in
+place of ``image``:
 epoch e reads stored view e mod K, the pixels that loader's epoch e mod K would decode. Nothing is decoded and
 no DALI pipeline runs. Its position (epoch, step) is the image loader's, so a checkpoint of either resumes in
 the other.
@@ -28,7 +29,9 @@ class FeatureLoader:
         features: the split's cache; it must hold every sample id of ``loader``.
         centre: serve the centre view every epoch (what evaluation's crop sees: the ridge start's pass).
         text: the split's cache of the locked text tower's features (one per caption): batches carry
-            ``text_features`` (B, D_txt) float32 in place of ``input_ids`` / ``attention_mask``.
+            ``text_features`` (B, D_txt) float32 in place of ``input_ids`` / ``attention_mask``. A cache of the
+            locked lower layers' output (its parts name the stored token ``length``): batches carry the tokens
+            and ``text_hidden`` (B, T, D_txt) float32, cut or zero-padded to the batch's T tokens.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class FeatureLoader:
                     f"(first: {int(missing[0])})"
                 )
         self.loader, self.features, self.centre, self.text = loader, features, centre, text
+        self.text_length = (text.meta["parts"].get("tokens") or {}).get("length") if text is not None else None
         self.dataset = loader.dataset
         self.epoch, self.step = 0, 0
 
@@ -65,6 +69,13 @@ class FeatureLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def _hidden(self, ids: np.ndarray, tokens: int) -> torch.Tensor:
+        """(B, ``tokens``, D_txt) of the cached lower layers' output: its stored length cut or zero-padded (the
+        tokens past a caption's end are masked in every layer and in the pooling)."""
+        stored = self.text.gather(ids, None)  # (B, length x D_txt)
+        hidden = stored.reshape(len(ids), self.text_length, -1)[:, :tokens]
+        return torch.nn.functional.pad(hidden, (0, 0, 0, tokens - hidden.shape[1]))
 
     def view(self, epoch: int) -> int | None:
         """The stored view epoch ``epoch`` reads (None: the centre view)."""
@@ -110,12 +121,14 @@ class FeatureLoader:
             ids = np.where(pos >= 0, all_ids[np.maximum(pos, 0)], -1)
             labels = np.where(pos >= 0, labels_of[np.maximum(pos, 0)], IGNORE_LABEL)
             batch = {"image_features": self.features.gather(ids, view).to(self.device)}
-            if self.text is not None:  # the locked text tower's output: no tokens are read
+            if self.text is not None and self.text_length is None:  # the locked text tower's output: no tokens
                 batch["text_features"] = self.text.gather(ids, None).to(self.device)
             else:
                 text = mm.tokens.gather(ids, mm.text_padding)
                 batch["input_ids"] = text["input_ids"].to(self.device)
                 batch["attention_mask"] = text["attention_mask"].to(self.device)
+                if self.text is not None:
+                    batch["text_hidden"] = self._hidden(ids, text["input_ids"].shape[1]).to(self.device)
             batch["label"] = torch.from_numpy(labels).to(self.device)
             batch["id"] = torch.from_numpy(ids).to(self.device)
             if mm.sources is not None:  # a mix: each sample's source (-1 for a masked one)

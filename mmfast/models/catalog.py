@@ -28,6 +28,7 @@ class Preset:
     probe_frac: float = 0.0  # share of the steps during which pretrained encoders stay still (linear probe)
     batch_size: int = 64
     init_proj: str = "random"  # the dual encoder's projections: random, or a closed-form ridge start
+    text_train_layers: int | None = None  # the text encoder's top layers that train (None: all of them)
 
 
 PRESETS = {

@@ -4,7 +4,8 @@ scales their dot products by; they start from that loss's own values (``tasks/lo
 ``registry``; its objective is the "contrastive" task.
 
 Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is (the encoder keeps its batch-norm
-statistics in eval mode), its projection and the text tower learn.
+statistics in eval mode), its projection and the text tower learn. ``--text-train-layers N`` trains only the
+text tower's top N layers; a feature cache may then hold the locked lower layers' output (``text_pooled``).
 
 A tower that starts from a pretrained pair (``start_towers``: CLIP, open_clip) is ``projected``: it brings its own
 projection, so none is added after it, and the pair's learned temperature (and SigLIP's bias) is the start.
@@ -43,7 +44,7 @@ class DualEncoder(nn.Module):
     classifies = False  # no classifier head: build_model does not ask for two or more classes
     image_proj_start = True  # its projections can start from the ridge fit (--init-proj ridge: train/warm_start)
     takes_image_features = True  # a batch may carry the locked image tower's output (--feature-cache)
-    takes_text_features = True  # and the locked text tower's
+    takes_text_features = True  # and the locked text tower's, or its locked lower layers' (text_pooled)
 
     def __init__(
         self,
@@ -91,6 +92,16 @@ class DualEncoder(nn.Module):
         computes after the tower, for features a feature cache stored."""
         return F.normalize(self.text_proj(pooled).float(), dim=-1)
 
+    def text_pooled(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The text tower's output (B, D_txt) for a batch: its cached ``text_features`` (a locked tower), the top
+        layers run on its cached ``text_hidden`` (B, T, D_txt) (the locked lower layers' output), or the
+        whole tower run on its ``input_ids`` / ``attention_mask``."""
+        if "text_features" in batch:
+            return batch["text_features"]
+        if "text_hidden" in batch:
+            return self.text.upper(batch["text_hidden"], batch["attention_mask"])
+        return self.text(batch["input_ids"], batch["attention_mask"])
+
     def scale_and_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(exp(t) clamped to MAX_LOGIT_SCALE, b), both 0-dim float32."""
         scale = self.logit_scale.float().clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
@@ -98,18 +109,15 @@ class DualEncoder(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The embeddings of a batch: its ``image`` (B, 3, S, S), or the locked tower's output of it stored in a
-        feature cache, ``image_features`` (B, C_img); and its ``input_ids`` / ``attention_mask``, or the locked
-        text tower's output of them, ``text_features`` (B, D_txt)."""
+        feature cache, ``image_features`` (B, C_img); and its ``input_ids`` / ``attention_mask``, or what a
+        feature cache stored of them (``text_pooled``)."""
         scale, bias = self.scale_and_bias()
         image = batch.get("image")
         if image is not None:
             img = self.encode_image(image)  # (B, D)
         else:
             img = self.encode_image_features(batch["image_features"])
-        if "text_features" in batch:
-            txt = self.encode_text_features(batch["text_features"])
-        else:
-            txt = self.encode_text(batch["input_ids"], batch["attention_mask"])  # (B, D)
+        txt = self.encode_text_features(self.text_pooled(batch))  # (B, D)
         return {
             "image": img,
             "text": txt,

@@ -240,6 +240,9 @@ class TextEncoder(nn.Module):
         vocab_size: vocabulary size for the random configs.
         freeze: no gradients into the encoder.
         dropout: hidden and attention dropout of the random configs (pretrained models keep theirs).
+        train_layers: how many of its top transformer layers train (None or -1: all; 0: none, as ``freeze``).
+            The embeddings and the layers below stay locked and in eval mode (no dropout), so their output
+            of a caption never changes: ``lower`` computes it, ``upper`` runs the layers that train on it.
     """
 
     def __init__(
@@ -249,6 +252,7 @@ class TextEncoder(nn.Module):
         freeze: bool = False,
         max_positions: int = 512,
         dropout: float = 0.1,
+        train_layers: int | None = None,
     ):
         super().__init__()
         # transformers: a slow import, only for a Hugging Face model or tokenizer
@@ -291,15 +295,65 @@ class TextEncoder(nn.Module):
         self.pretrained = name not in RANDOM_TEXT_CONFIGS
         self.width = self.model.config.hidden_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", max_positions)
-        if freeze:
+        self.frozen_layers = 0  # the locked lower layers (embeddings included) that ``lower`` runs
+        if freeze or train_layers == 0:
             self.requires_grad_(False)
+        elif train_layers is not None and train_layers != -1:
+            self._lock_lower(name, train_layers)
+
+    def _lock_lower(self, name: str, train_layers: int) -> None:
+        """Lock the embeddings and every layer below the top ``train_layers``."""
+        layers = getattr(getattr(self.model, "encoder", None), "layer", None)
+        if not hasattr(self.model, "embeddings") or not isinstance(layers, nn.ModuleList):
+            raise ValueError(
+                f"{setting('text_train_layers', value=str(train_layers))}: text model '{name}' is not a "
+                "BERT-like encoder (embeddings, then encoder.layer); leave the flag unset"
+            )
+        if train_layers < -1:
+            raise ValueError(f"{setting('text_train_layers', value=str(train_layers))}: give -1 (all), 0 or more")
+        if train_layers >= len(layers):  # all of them: nothing locked
+            return
+        self.frozen_layers = len(layers) - train_layers
+        self.locked_part().requires_grad_(False)
+
+    def locked_part(self) -> nn.Module:
+        """The embeddings and the locked layers below the ones that train (``frozen_layers`` of them)."""
+        return nn.ModuleList([self.model.embeddings, *self.model.encoder.layer[: self.frozen_layers]])
+
+    def train(self, mode: bool = True):
+        # The locked lower layers apply no dropout: their output of a caption is one value, cached or not.
+        super().train(mode)
+        if self.frozen_layers:
+            self.locked_part().train(False)
+        return self
+
+    def lower(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The locked part's output (B, T, D): the embeddings, then the ``frozen_layers`` lowest layers."""
+        hidden = self.model.embeddings(input_ids=input_ids)  # (B, T, D)
+        mask = self._layer_mask(hidden, attention_mask)
+        for layer in self.model.encoder.layer[: self.frozen_layers]:
+            hidden = layer(hidden, mask)
+        return hidden
+
+    def upper(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The pooled output (B, D) of the layers that train, run on the locked part's output (B, T, D)."""
+        mask = self._layer_mask(hidden, attention_mask)
+        for layer in self.model.encoder.layer[self.frozen_layers :]:
+            hidden = layer(hidden, mask)
+        return _mean_pool(hidden, attention_mask)
+
+    def _layer_mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
+        """The attention mask in the form the model's layers take (as its own forward makes it)."""
+        from transformers.masking_utils import create_bidirectional_mask  # transformers: as in __init__
+
+        config = self.model.config
+        return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.frozen_layers:
+            return self.upper(self.lower(input_ids, attention_mask), attention_mask)
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
-        # Mean over the caption's tokens (padding excluded): how sentence encoders such as all-MiniLM-L6-v2
-        # were trained to be read, and no worse than [CLS] for a model trained here from scratch.
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B, D)
+        return _mean_pool(hidden, attention_mask)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Word embeddings only (B, T, D); positions and segments are added inside the encoder."""
@@ -308,6 +362,13 @@ class TextEncoder(nn.Module):
     def encode_embeddings(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run the encoder on given input embeddings; returns the last hidden states (B, T, D)."""
         return self.model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+
+
+def _mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the caption's tokens (padding excluded): how sentence encoders such as all-MiniLM-L6-v2 were
+    trained to be read, and no worse than [CLS] for a model trained here from scratch. (B, T, D) -> (B, D)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
 def pretrained_encoder_lr(image_backbone: str, image_weights: str | None, text_model: str) -> float | None:

@@ -9,6 +9,7 @@ from mmfast.models.encoders import ImageEncoder, TextEncoder
 from mmfast.models.registry import MODELS
 from mmfast.models.start_dirs import WHOLE, start_kind
 from mmfast.models.start_towers import image_tower_from, text_tower_from
+from mmfast.util.voice import setting
 
 
 def model_class(name: str) -> type:
@@ -30,6 +31,7 @@ def build_model(
     image_weights: str | None = None,
     freeze_image: bool = False,
     freeze_text: bool = False,
+    text_train_layers: int | None = None,
     hidden: int = 512,
     dropout: float = 0.1,
     channels_last: bool = False,
@@ -50,6 +52,7 @@ def build_model(
         vocab_size: the tokenizer's size (for random text configs and a consistency check).
         image_weights: optional local state dict for the image backbone (strict).
         freeze_image, freeze_text: no gradients into that encoder.
+        text_train_layers: the text encoder's top layers that train (None or -1: all; ``TextEncoder``).
         channels_last: NHWC memory format for the CNN (faster convolutions on tensor cores).
         image_encoder, text_encoder: towers already built (a model directory's, rebuilt from its records),
             used instead of building them from ``image_backbone`` / ``text_model``.
@@ -70,7 +73,7 @@ def build_model(
     if "image" in cls.modalities:
         image = image_encoder or _image_encoder(image_backbone, image_weights, freeze_image)
     if "text" in cls.modalities:
-        text = text_encoder or _text_encoder(text_model, vocab_size, freeze_text, dropout)
+        text = text_encoder or _text_encoder(text_model, vocab_size, freeze_text, dropout, text_train_layers)
     model = cls(image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
     if channels_last and image is not None:
         model.image.to(memory_format=torch.channels_last)
@@ -86,8 +89,15 @@ def _image_encoder(backbone: str, weights: str | None, freeze: bool) -> nn.Modul
     return image_tower_from(backbone, freeze)
 
 
-def _text_encoder(name: str, vocab_size: int | None, freeze: bool, dropout: float) -> nn.Module:
+def _text_encoder(
+    name: str, vocab_size: int | None, freeze: bool, dropout: float, train_layers: int | None
+) -> nn.Module:
     """A Hugging Face encoder (``TextEncoder``), or the text tower of a CLIP / SigLIP / open_clip directory."""
     if start_kind(name) in WHOLE:
-        return text_tower_from(name, freeze)
-    return TextEncoder(name, vocab_size=vocab_size, freeze=freeze, dropout=dropout)
+        if train_layers not in (None, -1, 0):
+            raise ValueError(
+                f"{setting('text_train_layers', value=str(train_layers))}: the text tower of {name} trains whole "
+                "or not at all; leave the flag unset or pass 0"
+            )
+        return text_tower_from(name, freeze or train_layers == 0)
+    return TextEncoder(name, vocab_size=vocab_size, freeze=freeze, dropout=dropout, train_layers=train_layers)

@@ -94,6 +94,12 @@ class TrainConfig:
     combine: str = _opt("mean", "model", "late fusion: how the two branches' logits combine")
     freeze_image: bool | None = _opt(None, "model", "no gradients into the image encoder; none: the preset's")
     freeze_text: bool = _opt(False, "model", "no gradients into the text encoder")
+    text_train_layers: int | None = _opt(
+        None,
+        "model",
+        "how many of the text encoder's top layers train, -1 for all, 0 for none (locked); the embeddings and "
+        "the layers below stay locked, and --feature-cache stores their output per caption; none: the preset's",
+    )
     dropout: float = _opt(0.1, "model", "dropout in the fusion layers (and the random text configs)")
     task: str | None = _opt(
         None,
@@ -443,4 +449,4 @@ def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
 
 
 PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
-PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj")
+PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj", "text_train_layers")

@@ -251,7 +251,8 @@ def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str,
         if (features := getattr(loader, "features", None)) is not None:  # --feature-cache
             size = f"{features.views} views, {features.nbytes / 2**20:.0f} MiB"
             if (text := getattr(loader, "text", None)) is not None:
-                size += f"; captions too, {text.nbytes / 2**20:.0f} MiB"
+                what = "captions too" if loader.text_length is None else "captions' locked text layers"
+                size += f"; {what}, {text.nbytes / 2**20:.0f} MiB"
             parts.append(f"{split} read as cached features ({size})")
         elif loader.holds_decoded:
             parts.append(f"{split} decoded once, {loader.cached_bytes / 2**20:.0f} MiB in memory")

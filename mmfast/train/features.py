@@ -9,7 +9,9 @@ run's ``FeatureConfig`` (``train/slices.py``), a ``LoaderConfig`` with the cache
 ``TrainConfig`` stands for it too.
 
 A locked text tower's features are cached too (``build_text_features``): one per caption, computed in eval mode,
-so without the dropout a locked Hugging Face encoder applies in training when it runs every step.
+so without the dropout a locked Hugging Face encoder applies in training when it runs every step. When only its
+top layers train (--text-train-layers N), the locked lower layers' per-token output is cached instead
+(``build_text_features`` with ``hidden=True``): a step runs only the top N layers.
 """
 
 from __future__ import annotations
@@ -112,6 +114,37 @@ def text_feature_parts(
     }  # fmt: skip
 
 
+def text_partly_locked(model) -> bool:
+    """Whether ``model`` takes text features and its text tower trains only its top layers (--text-train-layers):
+    the locked lower layers' output is what a cache can hold."""
+    text = getattr(model, "text", None)
+    return bool(getattr(model, "takes_text_features", False) and getattr(text, "frozen_layers", 0))
+
+
+def text_hidden_parts(
+    dataset: PreparedDataset, model, loader: MultimodalLoader, dtype: str, precision: str
+) -> dict:
+    """What the cached lower layers' output depends on: the data, the locked part's weights and its depth, and
+    the tokens (the token cache's fingerprint, its max length, the stored length: the split's longest caption)."""
+    tokens = loader.tokens
+    locked = model.text.locked_part()
+    return {
+        "data": dataset.fingerprint,
+        "split": "train",
+        "tower": {
+            "class": type(model.text).__name__, "weights": weights_digest(locked),
+            "locked_layers": model.text.frozen_layers,
+        },
+        "tokens": {
+            "fingerprint": tokens.fingerprint, "max_length": int(tokens.meta["max_length"]),
+            "length": int(tokens.lengths.max(initial=1)),
+        },
+        "views": {"count": 0},
+        "dtype": dtype,
+        "precision": precision,
+    }  # fmt: skip
+
+
 def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset) -> Path:
     """The train split's cache folder: --feature-cache-dir's, else one per dataset under ``CACHE_HOME``."""
     if cfg.feature_cache_dir:
@@ -188,27 +221,38 @@ def _view_steps(cfg: FeatureConfig, accelerator, dataset, tower, norm, shard_cac
 
 
 def build_text_features(
-    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, loader: MultimodalLoader
+    cfg: FeatureConfig,
+    accelerator,
+    dataset: PreparedDataset,
+    model,
+    loader: MultimodalLoader,
+    hidden: bool = False,
 ) -> tuple[FeatureCache, dict]:
     """The train split's cache of the locked text tower's features, one per caption (``train-text`` beside the
-    image views' folder), read when current, else computed in eval mode without gradient.
+    image views' folder), read when current, else computed in eval mode without gradient. ``hidden``: the
+    locked lower layers' output of each caption instead (``train-text-hidden``), its tokens padded to the
+    split's longest caption and flattened: a row is (length x D_txt).
 
     Returns:
-        (the cache, the summary's figures: dtype, size, whether it was built and how long that took).
+        (the cache, the summary's figures: dtype, size, whether it was built and how long that took; with
+        ``hidden``, the locked layers too).
     """
     t0 = time.perf_counter()
     dtype = "float32" if accelerator.mixed_precision == "no" else "float16"
-    parts = text_feature_parts(dataset, model, loader, dtype, accelerator.mixed_precision)
+    make_parts = text_hidden_parts if hidden else text_feature_parts
+    parts = make_parts(dataset, model, loader, dtype, accelerator.mixed_precision)
     ids = dataset.table("train", images=False).ids
+    length = parts["tokens"]["length"] if hidden else None
 
     def compute(shard: int, shards: int):
-        return _text_steps(cfg, accelerator, model.text, loader, ids, (shard, shards))
+        return _text_steps(cfg, accelerator, model.text, loader, ids, (shard, shards), length)
 
     model.to(accelerator.device)
-    directory = cache_dir(cfg, dataset).with_name("train-text")
+    directory = cache_dir(cfg, dataset).with_name("train-text-hidden" if hidden else "train-text")
+    width = model.text.width * (length or 1)
     with _eval_mode(model.text):
         features, reason, writers = build_shared(
-            accelerator, directory, parts, ids, (0, model.text.width, cfg.batch_size), dtype, compute,
+            accelerator, directory, parts, ids, (0, width, cfg.batch_size), dtype, compute,
             _wait_s(cfg, accelerator),
         )  # fmt: skip
     figures = {
@@ -219,13 +263,18 @@ def build_text_features(
         "writers": writers,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if hidden:
+        figures["locked_layers"] = model.text.frozen_layers
     return features, figures
 
 
 @torch.no_grad()
-def _text_steps(cfg: FeatureConfig, accelerator, tower, loader: MultimodalLoader, ids, shard: tuple[int, int]):
+def _text_steps(
+    cfg: FeatureConfig, accelerator, tower, loader: MultimodalLoader, ids, shard: tuple[int, int], length=None
+):
     """This process's share of the captions' features: batch k of --batch-size ids (padded as the train batches
-    are) when k mod the count of shares is ``shard``'s index; as (None, ids, features) steps."""
+    are) when k mod the count of shares is ``shard``'s index; as (None, ids, features) steps. ``length``: the
+    locked lower layers' output instead, padded with zeros to ``length`` tokens and flattened."""
     index, count = shard
     for s in range(index * cfg.batch_size, len(ids), count * cfg.batch_size):
         batch_ids = np.asarray(ids[s : s + cfg.batch_size])
@@ -233,8 +282,12 @@ def _text_steps(cfg: FeatureConfig, accelerator, tower, loader: MultimodalLoader
             k: v.to(accelerator.device) for k, v in loader.tokens.gather(batch_ids, loader.text_padding).items()
         }
         with accelerator.autocast():
-            pooled = tower(text["input_ids"], text["attention_mask"])
-        yield None, torch.from_numpy(batch_ids), pooled  # (B, D_txt)
+            if length is None:
+                out = tower(text["input_ids"], text["attention_mask"])  # (B, D_txt)
+            else:
+                out = tower.lower(text["input_ids"], text["attention_mask"])[:, :length]  # (B, T, D_txt)
+                out = torch.nn.functional.pad(out, (0, 0, 0, length - out.shape[1])).flatten(1)
+        yield None, torch.from_numpy(batch_ids), out
 
 
 def _tower_steps(accelerator, tower, loader, view: int | None):
@@ -249,6 +302,8 @@ def feature_note(figures: dict) -> str:
     are cached too): the note of a profile's report."""
     text = figures.get("text")
     what = f"{figures['views']} views" + (" and the captions" if text else "")
+    if text and "locked_layers" in text:
+        what += f" (the text tower's {text['locked_layers']} locked layers)"
     mib = figures["mib"] + (text["mib"] if text else 0.0)
     built = [f for f in (figures, text) if f and f["built"]]
     how = f"computed ({built[0]['built']})" if built else "read from an earlier run's cache"
@@ -273,9 +328,11 @@ def feature_train_loader(
         f"({figures['seconds']} s)"
     )
     text = None
-    if text_locked(model):  # the captions' features too: later epochs run neither tower
-        text, figures["text"] = build_text_features(cfg, accelerator, dataset, model, loader)
+    hidden = text_partly_locked(model)  # the locked lower layers' output: later epochs run the top ones only
+    if text_locked(model) or hidden:  # the captions' features too: later epochs run neither tower
+        text, figures["text"] = build_text_features(cfg, accelerator, dataset, model, loader, hidden=hidden)
         t = figures["text"]
         verb = f"computed ({t['built']})" if t["built"] else "read"
-        accelerator.print(f"train text features {verb}: {t['mib']} MiB in {text.dir} ({t['seconds']} s)")
+        what = "text features" if not hidden else f"text tower's {t['locked_layers']} locked layers' output"
+        accelerator.print(f"train {what} {verb}: {t['mib']} MiB in {text.dir} ({t['seconds']} s)")
     return FeatureLoader(loader, features, text=text), figures

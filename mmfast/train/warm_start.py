@@ -52,8 +52,7 @@ def tower_grams(model, loader, accelerator, max_samples: int = RIDGE_SAMPLES) ->
             with accelerator.autocast():
                 # a feature cache's centre view is the tower's output of these pixels (--feature-cache)
                 x = batch["image_features"] if "image" not in batch else model.image(batch["image"])[0]
-                t = batch.get("text_features")
-                t = model.text(batch["input_ids"], batch["attention_mask"]) if t is None else t
+                t = model.text_pooled(batch)  # the text tower's output, or what a feature cache stored of it
             x, t = x[keep].double(), F.normalize(t[keep].float(), dim=-1).double()
             for key, value in (("xx", x.T @ x), ("xt", x.T @ t), ("tt", t.T @ t)):
                 sums[key] = sums[key] + value if key in sums else value

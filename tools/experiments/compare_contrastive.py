@@ -5,8 +5,9 @@ pretrained towers, on real captioned sets: retrieval both ways and zero-shot acc
         [--methods ridge probe clip siglip] [--preset clip-lite0-minilm] [--out bench_out/contrastive]
 
 A set is "icons" (the Oxygen icon theme, built by ../shared/data/oxygen_icons.py), "emoji" (Noto emoji,
-tools/datasets/build_emoji_set.py), a manifest / image folder, or a prepared directory; it is built and prepared
-once (the captions tokenized for the preset's text model) into --cache. Every method is scored on the same
+tools/datasets/build_emoji_set.py), "xfce" (the elementary-xfce icon theme,
+tools/datasets/build_xfce_icons_set.py), a manifest / image folder, or a prepared directory; it is built and
+prepared once (the captions tokenized for the preset's text model) into --cache. Every method is scored on the same
 val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the contrastive task groups them):
 
 - ridge: the preset's towers frozen (the image tower's pooled features, the text model's mean-pooled features,
@@ -17,7 +18,10 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   (mmfast's, learnable temperature) by Adam; the epoch count is picked on the held-out fifth of train, then the
   projections are trained again on the whole train split.
 - clip / siglip: ``mmfast.train.train`` with the preset's recipe and that loss, for every seed; the figures are
-  the last epoch's evaluation (not the best one: choosing it would be tuning on val).
+  the last epoch's evaluation (not the best one: choosing it would be tuning on val). clip-top2 / clip-top1 /
+  clip-locked / siglip-top2 (``RECIPES``): the same with only the text tower's top 2 or 1 layers training, or
+  none, on cached features (--feature-cache on, one cache folder per set under --out); a "-16" recipe trains 16
+  epochs on 2 stored views.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -39,8 +43,22 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = {  # set name -> its builder script, run as ``python SCRIPT OUT_DIR``
     "icons": ROOT.parent / "shared" / "data" / "oxygen_icons.py",
     "emoji": ROOT / "tools" / "datasets" / "build_emoji_set.py",
+    "xfce": ROOT / "tools" / "datasets" / "build_xfce_icons_set.py",
 }
 METHODS = ("ridge", "probe", "clip", "siglip")
+LONGER = {"epochs": 16, "feature_views": 2}  # what the cache's cheaper epochs may buy
+# The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
+# clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
+RECIPES = {
+    "clip": ("clip", {}),
+    "siglip": ("siglip", {}),
+    "clip-top2": ("clip", {"text_train_layers": 2, "feature_cache": "on"}),
+    "clip-top1": ("clip", {"text_train_layers": 1, "feature_cache": "on"}),
+    "clip-locked": ("clip", {"freeze_text": True, "feature_cache": "on"}),
+    "siglip-top2": ("siglip", {"text_train_layers": 2, "feature_cache": "on"}),
+    "clip-top2-16": ("clip", {"text_train_layers": 2, "feature_cache": "on", **LONGER}),
+    "siglip-top2-16": ("siglip", {"text_train_layers": 2, "feature_cache": "on", **LONGER}),
+}
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 RIDGE_LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)  # times the number of training samples
 PROBE = {"every": 2, "lr": 1e-3, "batch_size": 64}  # the probe's Adam; its epochs checked every "every"
@@ -52,7 +70,7 @@ MAX_LENGTH = 32  # tokens per caption and prompt: TrainConfig's default when a r
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", nargs="+", default=["icons", "emoji"], help="icons, emoji, or paths")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *RECIPES])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="clip-lite0-minilm", help="the towers and the recipe of clip / siglip")
     p.add_argument("--embed-dim", type=int, default=256, help="the probe's and the dual encoder's embedding width")
@@ -371,11 +389,15 @@ def probe(feats: dict, dim: int, seed: int, max_epochs: int) -> dict:
 # ------------------------------------------------------------------------------- (c) mmfast's dual encoder
 
 
-def dual_encoder(args: argparse.Namespace, data_dir: Path, loss: str, seed: int, run_dir: Path) -> dict:
-    """(c): one training run of --model clip with the preset's recipe; the figures of its last evaluation."""
+def dual_encoder(args: argparse.Namespace, data_dir: Path, recipe: str, seed: int, run_dir: Path) -> dict:
+    """(c): one training run of --model clip with the preset's recipe and ``RECIPES[recipe]``'s changes; the
+    figures of its last evaluation."""
     from mmfast.train import train
     from mmfast.train.config import TrainConfig
 
+    loss, changes = RECIPES[recipe][0], dict(RECIPES[recipe][1])
+    if changes.get("feature_cache") == "on":  # one cache per set, shared by its recipes' runs
+        changes = {**changes, "feature_cache_dir": str(run_dir.parent.parent / "features" / data_dir.name)}
     cfg = TrainConfig(
         data=str(data_dir),
         out=str(run_dir),
@@ -385,10 +407,11 @@ def dual_encoder(args: argparse.Namespace, data_dir: Path, loss: str, seed: int,
         loss=loss,
         embed_dim=args.embed_dim,
         seed=seed,
-        epochs=args.epochs,
+        epochs=changes.pop("epochs", args.epochs),
         batch_size=args.batch_size,
         num_threads=args.threads,
         progress=False,
+        **changes,
     )
     if not (args.reuse_runs and (run_dir / "summary.json").is_file()):
         train(cfg)
@@ -435,11 +458,11 @@ def table(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
 
 def print_table(rows: list[dict], facts: dict[str, dict]) -> None:
     heads = ["i2t R@1", "i2t R@5", "i2t R@10", "t2i R@1", "t2i R@5", "t2i R@10", "zero-shot"]
-    head = f"\n{'set':<10}{'method':<8}{'n':>2}" + "".join(f"{h:>14}" for h in heads)
+    head = f"\n{'set':<10}{'method':<12}{'n':>2}" + "".join(f"{h:>14}" for h in heads)
     print(head + f"{'train s':>9}{'least':>7}")
     for r in rows:
         cells = "".join(f"{r[k]:>8.1f} ± {r[k + '_std']:<3.1f}" for k in FIGURES)
-        print(f"{r['set']:<10}{r['method']:<8}{r['runs']:>2}{cells}{r['train_s']:>9.0f}{r['train_s_min']:>7.0f}")
+        print(f"{r['set']:<10}{r['method']:<12}{r['runs']:>2}{cells}{r['train_s']:>9.0f}{r['train_s_min']:>7.0f}")
     for name, f in facts.items():
         if "features_s" in f:
             print(f"{name}: the frozen towers' features (ridge and probe share them) took {f['features_s']:.0f} s")
@@ -497,13 +520,13 @@ def baselines(args: argparse.Namespace, name: str, cache: Path, save) -> tuple[s
 
 
 def dual_encoders(args: argparse.Namespace, sets: dict[str, Path], out: Path, save) -> None:
-    """clip and siglip on every set, seed by seed (the first seed of everything comes first)."""
+    """The dual encoder's recipes on every set, seed by seed (the first seed of everything comes first)."""
     for seed in args.seeds:
         for label, data_dir in sets.items():
-            for loss in [m for m in ("clip", "siglip") if m in args.methods]:
-                run = dual_encoder(args, data_dir, loss, seed, out / "runs" / f"{label}-{loss}-seed{seed}")
-                save.results[label].setdefault(loss, []).append(run)
-                save(f"{label}: {loss} seed {seed} {_line(run)}")
+            for recipe in [m for m in RECIPES if m in args.methods]:
+                run = dual_encoder(args, data_dir, recipe, seed, out / "runs" / f"{label}-{recipe}-seed{seed}")
+                save.results[label].setdefault(recipe, []).append(run)
+                save(f"{label}: {recipe} seed {seed} {_line(run)}")
 
 
 def _line(r: dict) -> str:
