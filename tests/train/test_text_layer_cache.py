@@ -10,8 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from tests.test_feature_cache import FLAGS, _setup
+from test_feature_cache import FLAGS, _setup
 
 
 def test_the_split_tower_is_the_whole_tower_and_only_its_top_layers_train():
