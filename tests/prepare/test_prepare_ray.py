@@ -73,7 +73,13 @@ def cluster():
         for k, v in _LOOPBACK_ENV.items():
             mp.setenv(k, v)
         pytest.importorskip("ray")  # after the variables: ray reads them when imported
+        from ray._private import ray_constants
         from ray.cluster_utils import Cluster
+
+        # An earlier test may have imported ray before the variables were set (tests/cli/ runs before this
+        # folder): the driver reads the flag from the module, so set it there too, or it would look for the
+        # nodes at the machine's address while they listen on loopback.
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
 
         temp = tempfile.mkdtemp(prefix="mmfast-ray-")  # short: Ray's socket paths must fit in 107 bytes
         # Ray writes the cluster's address under $RAY_TMPDIR/ray, /tmp/ray by default: a folder a fresh machine
