@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 PACK_RESERVE_S = 10  # kept back from the budget for packing the outputs
 
@@ -65,6 +67,14 @@ class Step:
     outputs: list[str] = field(default_factory=list)  # files the step should write, relative to the work dir
 
 
+def test_paths() -> str:
+    """pyproject's pytest ``pythonpath`` without the checkout itself ("."): the test folders, whose modules
+    import each other by name, while mmfast is the one the check installed."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        paths = tomllib.load(f)["tool"]["pytest"]["ini_options"]["pythonpath"]
+    return " ".join(p for p in paths if p != ".")
+
+
 def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
     """The check's steps, in order of value. ``dry``: the same commands at sizes a CPU finishes quickly.
     ``cache``: the MMFAST_CACHE the steps run with (where ``prepared_photos`` puts the photos)."""
@@ -73,7 +83,7 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
     # the write-up's models: ResNet-50 (2048-d) + BERT-base (768-d; random weights: no hub offline), 224 px
     big = ["--preset", "tiny"] if dry else ["--preset", "resnet50-bert", "--text-model", "bert-base-random"]
     size, batch, big_batch = ("64", "8", "8") if dry else ("224", "64", "256")
-    pytest = [py, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "pythonpath=tests"]
+    pytest = [py, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", f"pythonpath={test_paths()}"]
     return [
         Step("environment", [py, "-P", "-c", ENV_SNIPPET], 60),
         Step(

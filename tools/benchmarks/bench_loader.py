@@ -346,7 +346,10 @@ def imageloader_sizes_variant(data, args, device):
     sizes = [shapes[Path(path).name] for path, _ in folder.samples]
     if None in sizes:
         raise SystemExit(f"{data}: rows without a decoded_shape (an older preparation): delete it to redo it")
-    return imageloader_variant(data, args, device, image_sizes=sizes)
+    from mmfast.loading.arguments import EngineReading  # the bench's own top imports stay light
+    from mmfast.loading.sampling import DATALOADER
+
+    return imageloader_variant(data, args, device, reading=EngineReading(sampling=DATALOADER, image_sizes=sizes))
 
 
 def imageloader_streaming_variant(data, args, device):
