@@ -259,7 +259,7 @@ class DatasetArgs(NamedTuple):
 
 
 def from_dataset(
-    dataset, labels, *, batch_size, size, train, dtype, fp16, classes, pipeline_kwargs: dict
+    dataset, labels, batch_size, size, train, dtype, fp16, classes, pipeline_kwargs: dict
 ) -> DatasetArgs:
     """``DataLoader(dataset, ...)`` -> ``ImageLoader(dataset, ...)``: the dataset's files, labels, classes and
     transform (as loader arguments; ``pipeline_kwargs`` is updated with its image options). An argument given

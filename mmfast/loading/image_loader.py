@@ -173,17 +173,8 @@ class ImageLoader:
         self.dataloader_options, pipeline_kwargs = split_options(type(self).__name__, options)
         folder = files if isinstance(files, torch.utils.data.Dataset) else None
         if folder is not None:  # DataLoader(dataset, ...) -> ImageLoader(dataset, ...)
-            files, labels, classes, batch_size, size, train, dtype = from_dataset(
-                folder,
-                labels,
-                batch_size=batch_size,
-                size=size,
-                train=train,
-                dtype=dtype,
-                fp16=fp16,
-                classes=classes,
-                pipeline_kwargs=pipeline_kwargs,
-            )
+            found = from_dataset(folder, labels, batch_size, size, train, dtype, fp16, classes, pipeline_kwargs)
+            files, labels, classes, batch_size, size, train, dtype = found
         settings = LoaderSettings.resolved(
             batch_size=batch_size,
             shuffle=shuffle,
@@ -212,10 +203,7 @@ class ImageLoader:
         )
         reading = reading or EngineReading(None, DATALOADER)  # the drop-in's: DataLoader's order
         source = reading.source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
-        self._start(files, labels, ids, settings, reading, source, folder, classes)
-        self.as_dict, self.pin_memory = as_dict, pin_memory
-        # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
-        self.pins_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
+        self._start(files, labels, ids, settings, reading, source, folder, classes, as_dict, pin_memory)
 
     @classmethod
     def from_options(
@@ -237,16 +225,29 @@ class ImageLoader:
         loader.dataloader_options = {}
         settings = options.settings(accelerator, max_pixels, default_dtype)
         loader._start(files, labels, ids, settings, reading, reading.source or FilesSource(), None, None)
-        loader.as_dict, loader.pin_memory, loader.pins_memory = False, False, False
         return loader
 
     def _start(
-        self, files, labels, ids, settings: LoaderSettings, reading: EngineReading, source: Source, folder, classes
+        self,
+        files,
+        labels,
+        ids,
+        settings: LoaderSettings,
+        reading: EngineReading,
+        source: Source,
+        folder,
+        classes,
+        as_dict: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         """The body both ways of making a loader share: the samples checked, the ``settings`` checked against
-        them and kept, the order, the source and its bad files, the reader, and ``.dataset``."""
+        them and kept, the batches' form, the order, the source and its bad files, the reader, and
+        ``.dataset``."""
         self.files, self.labels, self.ids = checked_samples(files, labels, ids)
         self.settings = settings.checked(len(self.files), reading.image_sizes)
+        self.as_dict, self.pin_memory = as_dict, pin_memory
+        # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
+        self.pins_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.sampling = reading.sampling
         self._set_source(source, reading.file_stats)
         self._set_reading()
