@@ -16,26 +16,35 @@ import mmfast
 from mmfast.util.moved import MOVED, REMOVED_IN
 
 PACKAGE = Path(mmfast.__file__).parent
-MAX_MODULE_LINES = 500
-MAX_FUNCTION_LINES = 80
+ROOT = PACKAGE.parent
+MAX_MODULE_LINES = 490  # a module or function at its cap is a signal to redesign, not to compress
+MAX_FUNCTION_LINES = 78
+# Owed: these two are over the caps and being split on other branches; remove them from here once merged.
+OWED = ("tools/experiments/compare_contrastive.py", "tools/gpu_check.py")
 
 
 def _modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_no_module_over_500_lines_and_no_function_over_80():
-    lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules()}
-    long_modules = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
+def _capped() -> list[Path]:
+    """The library's modules and the tools' scripts the caps hold, the owed ones left out."""
+    tools = [p for p in (ROOT / "tools").rglob("*.py") if p.relative_to(ROOT).as_posix() not in OWED]
+    return _modules() + sorted(tools)
+
+
+def test_no_module_at_490_lines_and_no_function_at_78():
+    lines = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in _capped()}
+    long_modules = {name: n for name, n in lines.items() if n >= MAX_MODULE_LINES}
     long_functions = {}
-    for p in _modules():
+    for p in _capped():
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
-                    long_functions[f"{p.relative_to(PACKAGE)}:{node.name}"] = n
-    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
-    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+                if n >= MAX_FUNCTION_LINES:
+                    long_functions[f"{p.relative_to(ROOT).as_posix()}:{node.name}"] = n
+    assert not long_modules, f"modules of {MAX_MODULE_LINES} lines or more: {long_modules}"
+    assert not long_functions, f"functions of {MAX_FUNCTION_LINES} lines or more: {long_functions}"
 
 
 IMPORT = ast.Import | ast.ImportFrom

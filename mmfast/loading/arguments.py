@@ -1,19 +1,24 @@
-"""The loaders' arguments: the training engine's as one typed object (``LoaderOptions``), and every loader's
-checked before anything is built: the samples, sizes, counts, labels, the process layout, and the DALI batch a
-CPU loader runs (a divisor of the loader's that DALI parses safely)."""
+"""The loaders' arguments: the training engine's as one typed object (``LoaderOptions``), one ``ImageLoader``'s
+settings resolved (``LoaderSettings``: what both ways of making one end in, and what its reader is handed), and
+every loader's checked before anything is built: the samples, sizes, counts, labels, the process layout, and
+the DALI batch a CPU loader runs (a divisor of the loader's that DALI parses safely)."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
+from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.loading.device import resolve_device, resolve_dtype
 from mmfast.loading.graphs import DALI_SAFE_BATCH
-from mmfast.loading.sampling import WHOLE_BATCHES, Sampling
+from mmfast.loading.sampling import WHOLE_BATCHES, Layout, Sampling
 from mmfast.util.voice import setting
 
 if TYPE_CHECKING:
@@ -25,9 +30,11 @@ if TYPE_CHECKING:
 class LoaderOptions:
     """How one of the training engine's loaders makes batches: their size and order, the augmentation, the
     precision, the DALI threads, the image source and the caption width. The engine builds one for a run, varies
-    it per split (``dataclasses.replace``) and makes the loader with ``MultimodalLoader(dataset, split,
-    **options.keywords())``. The drop-in ``ImageLoader`` keeps DataLoader's keywords. A field is named as the
-    loaders' keyword of the same meaning; None leaves that keyword to the loader's default.
+    it per split (``dataclasses.replace``) and makes the loader with ``MultimodalLoader.from_options``, which
+    hands it on whole to ``ImageLoader.from_options``; there it becomes the loader's ``LoaderSettings``
+    (``settings``). The drop-in ``ImageLoader`` keeps DataLoader's keywords. A field is named as the loaders'
+    keyword of the same meaning; None leaves that keyword to the loader's default (``keywords``: the same
+    loader written out).
 
     Args:
         batch_size: samples per batch on this process.
@@ -77,6 +84,162 @@ class LoaderOptions:
         a field left None is left out."""
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         return {name: value for name, value in given.items() if value is not None}
+
+    def settings(self, accelerator, max_pixels: int, default_dtype: torch.dtype) -> LoaderSettings:
+        """The ``ImageLoader`` settings these make (as ``MultimodalLoader(**self.keywords())`` would): this
+        process's shard and device from ``accelerator``, files checked by preparation and cropped as the GPU
+        path crops them, the split's order already decided (``shuffle`` and ``drop_last`` set)."""
+        pipeline = {
+            "scale": self.scale,
+            "color_jitter": self.color_jitter,
+            "mean": self.mean,
+            "std": self.std,
+            "interpolation": self.interpolation,
+            "resize_mode": self.resize_mode,
+            "crop_ratio": self.crop_ratio,
+        }
+        return LoaderSettings.resolved(
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=bool(self.drop_last),
+            train=self.train,
+            size=self.size,
+            dtype=None,
+            fp16=self.fp16,
+            default_dtype=default_dtype,
+            device=None,
+            num_workers=self.num_workers,
+            seed=self.seed,
+            shard_id=self.shard_id,
+            num_shards=self.num_shards,
+            accelerator=accelerator,
+            prefetch=None,
+            prefetch_factor=None,
+            pipeline_kwargs={name: value for name, value in pipeline.items() if value is not None},
+            on_bad_image=self.on_bad_image,
+            verify_files=self.verify_files,
+            max_pixels=max_pixels,
+            cpu_resize=self.cpu_resize,
+            cache_decoded=self.cache_decoded,
+            eval_geometry="dali",
+            files_checked=True,  # preparation decoded every image: DALI runs whole batches
+        )
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """One ``ImageLoader``'s settings, resolved and checked: its batch and order, the augmentation and output,
+    the process layout, the DALI threads and queue, and how its files are read and finished. Both ways of making
+    an ImageLoader end here (``resolved``): the drop-in's DataLoader keywords and the engine's ``LoaderOptions``
+    (``LoaderOptions.settings``). The loader hands it whole to its ``epoch_reader.EpochReader`` and shows its
+    fields as DataLoader's attributes (``loader.batch_size``, ...).
+
+    ``num_workers`` is kept as given (DataLoader's attribute); ``num_threads`` is what DALI runs (None or 0:
+    every core). ``image_sizes``: the decoded (height, width) of each file (``checked``), None when unknown.
+    """
+
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    train: bool
+    size: int
+    dtype: torch.dtype
+    device: torch.device
+    num_workers: int | None
+    shard_id: int
+    num_shards: int
+    prefetch: int
+    pipeline_kwargs: dict
+    on_bad_image: str = "skip"
+    verify_files: bool = False
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    cpu_resize: str = "torch"
+    finish_threads: int | None = None
+    cache_decoded: bool | int | str | CachePlan = "auto"
+    eval_geometry: str = "torchvision"
+    files_checked: bool = False  # every file was decoded before: DALI runs whole batches from the start
+    image_sizes: np.ndarray | None = None
+
+    @classmethod
+    def resolved(
+        cls,
+        *,
+        batch_size: int | None,
+        shuffle: bool | None,
+        drop_last: bool,
+        train: bool | None,
+        size: int | None,
+        dtype,
+        fp16: bool | None,
+        device,
+        num_workers: int | None,
+        seed: int,
+        shard_id: int | None,
+        num_shards: int | None,
+        accelerator,
+        prefetch: int | None,
+        prefetch_factor: int | None,
+        pipeline_kwargs: dict,
+        on_bad_image: str,
+        verify_files: bool,
+        max_pixels: int,
+        cpu_resize: str,
+        cache_decoded: bool | int | str | CachePlan,
+        eval_geometry: str,
+        files_checked: bool,
+        finish_threads: int | None = None,
+        default_dtype: torch.dtype = torch.float32,
+    ) -> LoaderSettings:
+        """The settings of these loader arguments, their defaults filled in: the shard and device from
+        ``accelerator``, a 224-pixel side, ``train`` as ``shuffle``, the dtype and a prefetch depth of 2. The
+        sizes and counts are checked (``check_sizes``); the rest is kept as given."""
+        shard_id, num_shards, device = process_layout(accelerator, shard_id, num_shards, device)
+        size = 224 if size is None else size
+        prefetch = check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
+        return cls(
+            batch_size,
+            bool(shuffle),
+            drop_last,
+            seed,
+            bool(shuffle) if train is None else train,
+            size,
+            resolve_dtype(dtype, fp16, default_dtype),
+            resolve_device(device),
+            num_workers,
+            shard_id,
+            num_shards,
+            prefetch,
+            pipeline_kwargs,
+            on_bad_image,
+            verify_files,
+            max_pixels,
+            cpu_resize,
+            finish_threads,
+            cache_decoded,
+            eval_geometry,
+            files_checked,
+        )
+
+    def checked(self, n: int, image_sizes) -> LoaderSettings:
+        """These settings for ``n`` samples (``check_batch``), with their decoded ``image_sizes`` checked."""
+        check_batch(self.batch_size, n, self.num_shards, self.size, self.max_pixels, self.drop_last)
+        return replace(self, image_sizes=checked_image_sizes(image_sizes, n))
+
+    fp16 = property(lambda self: self.dtype == torch.float16)
+    num_threads = property(lambda self: self.num_workers or os.cpu_count() or 1)
+    cache_auto = property(lambda self: isinstance(self.cache_decoded, str) and self.cache_decoded == "auto")
+
+    def eval_resize(self) -> int | None:
+        """Eval: the shorter side before the centre crop; None for ``resize_mode="squash"`` (to S x S, no
+        crop)."""
+        if self.pipeline_kwargs.get("resize_mode", "shortest") == "squash":
+            return None
+        return round(self.size / self.pipeline_kwargs.get("crop_ratio", EVAL_CROP_RATIO))
+
+    def layout(self, n: int) -> Layout:
+        """What the sampling needs of a loader of ``n`` samples with these settings."""
+        return Layout(n, self.batch_size, self.shard_id, self.num_shards, self.seed, self.shuffle, self.drop_last)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``CaptionLoader``: captioned pictures as a CLIP trainer's DataLoader yields them, ``(images, texts)``, from
 the user's table (CSV / TSV / JSONL) or lists, the user's tokenizer and the user's preprocess.
 
-It holds an ``ImageLoader`` (DALI decodes and crops; ``dropin.options_from_transform`` turns the preprocess
+It holds an ``ImageLoader`` (DALI decodes and crops; ``transforms.options_from_transform`` turns the preprocess
 into its arguments) and the captions tokenized once (``data.caption_tokens``), joined by row id. Three things
 a contrastive loop needs of it, and the plain ``ImageLoader`` does not give:
 
@@ -26,9 +26,9 @@ import torch
 from mmfast.data.caption_tokens import CaptionTokens, tokenize_captions
 from mmfast.data.captions import read_captioned
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.loading.dropin import agree_with_transform, options_from_transform
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.prefetch import Prefetcher
+from mmfast.loading.transforms import agree_with_transform, options_from_transform
 
 log = logging.getLogger(__name__)
 ON_BAD_IMAGE = ("skip", "error")

@@ -1,21 +1,20 @@
 """DataLoader compatibility: what code written for a ``torch.utils.data.DataLoader`` over a torchvision
 ``ImageFolder`` passes and expects of ``ImageLoader``, translated once: its arguments (taken, refused with
-advice, or accepted as no-ops), ImageFolder datasets and their transforms (``options_from_transform``), a
-folder tree (``loader_from_folder``), the torchvision equivalent of the pipeline, tuple batches (``Batch``) and
-``loader.dataset`` (``ImageFiles``).
+advice, or accepted as no-ops), ImageFolder datasets and their transforms (through ``transforms``), a folder
+tree (``loader_from_folder``), tuple batches (``Batch``, ``dataloader_batches``) and ``loader.dataset``
+(``ImageFiles``).
 """
 
 from __future__ import annotations
 
-import math
-import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from mmfast.data.preprocessing import EVAL_CROP_RATIO, IMAGENET_MEAN, IMAGENET_STD
+from mmfast.data.batch import IGNORE_LABEL
+from mmfast.loading.transforms import agree_with_transform, options_from_transform
 
 # Keyword arguments of ``image_pipeline`` a loader passes through (the rest of its arguments the loader sets).
 PIPELINE_OPTIONS = (
@@ -111,161 +110,6 @@ def split_options(cls_name: str, kwargs: dict) -> tuple[dict, dict]:
     return no_ops, options
 
 
-_CONVERSIONS = ("ToTensor", "PILToTensor", "ToImage", "ToPureTensor", "ConvertImageDtype", "ToDtype")
-INTERPOLATIONS = ("bilinear", "bicubic")  # the resizes the graph and the host finishing reproduce
-# Steps of open_clip's preprocess (open_clip.transform) and what they are here: the loader decodes to RGB and
-# converts to floats itself.
-_OPEN_CLIP_STEPS = {"MaybeConvertMode": "rgb", "_convert_to_rgb": "rgb", "MaybeToTensor": "ToTensor"}
-
-
-def _step_name(op) -> str:
-    """The name a step of a transform is known by here: a torchvision class's, or the torchvision equivalent
-    of an open_clip step ("rgb" for its conversion to RGB); refuses any other step."""
-    plain = isinstance(op, types.FunctionType)  # open_clip's _convert_to_rgb is a function
-    name = op.__name__ if plain else type(op).__name__
-    module = op.__module__ if plain else type(op).__module__
-    if module.split(".")[0] == "open_clip" and name in _OPEN_CLIP_STEPS:
-        if name == "MaybeConvertMode" and getattr(op, "mode", "RGB") != "RGB":
-            _unsupported(op, "the loader decodes to RGB")
-        return _OPEN_CLIP_STEPS[name]
-    if not module.startswith("torchvision.transforms"):
-        _unsupported(op, "it is not a torchvision transform")
-    return name
-
-
-def _interpolation(op) -> str:
-    """ "bilinear" or "bicubic": the resize of a RandomResizedCrop / Resize step."""
-    mode = str(getattr(op.interpolation, "value", op.interpolation)).lower()
-    if mode not in INTERPOLATIONS:
-        _unsupported(op, "only bilinear and bicubic resizing are reproduced")
-    return mode
-
-
-def options_from_transform(transform) -> dict:
-    """The ``ImageLoader`` arguments that make its pipeline do what a torchvision transform (v1 or v2), or
-    open_clip's preprocess, does.
-
-    Understood: train ``RandomResizedCrop(S)`` [+ ``RandomHorizontalFlip()``] [+ ``ColorJitter(j, j, j)``];
-    eval ``Resize(R)`` + ``CenterCrop(S)``; bilinear or bicubic; then ``ToTensor()`` (or
-    ``PILToTensor``/``ToImage`` + ``ConvertImageDtype``/``ToDtype(..., scale=True)``) and ``Normalize(mean,
-    std)``. open_clip's conversions to RGB and to a tensor are the loader's own.
-
-    Returns:
-        a dict of ``train``, ``size``, ``dtype`` and the image options (scale, ratio, flip, color_jitter,
-        crop_ratio, interpolation, mean, std), all set.
-
-    Raises:
-        ValueError naming the first step the pipeline cannot reproduce, and what it can.
-    """
-    steps = list(getattr(transform, "transforms", None) or [transform])
-    found: dict = {"flip": False, "color_jitter": 0.0}
-    resize = crop = None
-    scale_to_unit = None  # after a float conversion: True if it divided by 255 (ToTensor), False if not
-    for op in steps:
-        name = _step_name(op)
-        if name in ("RandomResizedCrop", "Resize"):
-            interpolation = _interpolation(op)
-            if found.setdefault("interpolation", interpolation) != interpolation:
-                _unsupported(op, "one transform resizes with one interpolation")
-        if name == "RandomResizedCrop":
-            found.update(train=True, size=_square(op, op.size), scale=tuple(op.scale), ratio=tuple(op.ratio))
-        elif name == "RandomHorizontalFlip":
-            if op.p != 0.5:
-                _unsupported(op, "the pipeline flips with probability 0.5")
-            found["flip"] = True
-        elif name == "ColorJitter":
-            strength = _jitter_strength(op)
-            if strength is not None:  # None: ColorJitter(), nothing to do
-                found["color_jitter"] = strength
-        elif name == "Resize":
-            size = [op.size] if isinstance(op.size, int) else list(op.size)
-            if len(size) != 1 or op.max_size is not None:
-                _unsupported(op, "only Resize(int) (the shorter side) is reproduced")
-            resize = size[0]
-        elif name == "CenterCrop":
-            crop = _square(op, op.size)
-        elif name in _CONVERSIONS:
-            target = getattr(op, "dtype", torch.float32 if name == "ToTensor" else None)
-            if isinstance(target, dict) or (target is not None and not target.is_floating_point):
-                _unsupported(op, "only float conversions are reproduced")
-            if target is not None:
-                if scale_to_unit is None:
-                    scale_to_unit = name in ("ToTensor", "ConvertImageDtype") or bool(getattr(op, "scale", False))
-                found["dtype"] = target
-        elif name == "Normalize":
-            if scale_to_unit is None:
-                _unsupported(op, "Normalize needs a float tensor: put ToTensor() before it")
-            unit = 255.0 if scale_to_unit else 1.0
-            found["mean"] = tuple(float(m) * unit for m in _three(op, op.mean))
-            found["std"] = tuple(float(s) * unit for s in _three(op, op.std))
-        elif name != "rgb":  # the loader decodes to RGB anyway
-            _unsupported(op, "the pipeline does random-resized-crop + flip (+ color jitter) for training")
-    return _finish_options(found, resize, crop, scale_to_unit)
-
-
-def _finish_options(found: dict, resize: int | None, crop: int | None, scale_to_unit: bool | None) -> dict:
-    """``options_from_transform``'s answer once every step is read: the defaults of what the transform did not
-    say, and the eval geometry; refuses a transform that is neither a train nor an eval transform."""
-    if scale_to_unit is None:
-        raise ValueError(
-            "the dataset's transform never converts the image to floats; ImageLoader's images are float: add "
-            "ToTensor() (or ToDtype(torch.float32, scale=True)) and Normalize if you want them"
-        )
-    found.setdefault("interpolation", "bilinear")
-    if "mean" not in found:  # no Normalize: 0..1 values after ToTensor, 0..255 after an unscaled conversion
-        found["mean"], found["std"] = (0.0,) * 3, (255.0 if scale_to_unit else 1.0,) * 3
-    if found.get("train"):
-        if resize is not None or crop is not None:
-            raise ValueError("the dataset's transform resizes or crops after RandomResizedCrop; not reproduced")
-        return found
-    if resize is None or crop is None or crop > resize or found["flip"] or found["color_jitter"]:
-        raise ValueError(
-            "the dataset's transform is neither RandomResizedCrop(S) [+ flip, jitter] (training) nor "
-            "Resize(R) + CenterCrop(S) with R >= S (evaluation): the two the pipeline reproduces"
-        )
-    return {**found, "train": False, "size": crop, "crop_ratio": crop / resize}
-
-
-def _jitter_strength(op) -> float | None:
-    """``color_jitter`` of a ColorJitter that varies brightness, contrast and saturation alike; None for one
-    that does nothing."""
-    ranges = [op.brightness, op.contrast, op.saturation]
-    if all(r is None for r in ranges) and op.hue is None:
-        return None
-    if op.hue not in (None, (0, 0)) or None in ranges or len({tuple(r) for r in ranges}) != 1:
-        _unsupported(op, "the pipeline jitters brightness, contrast and saturation alike, not hue")
-    lo, hi = ranges[0]
-    if not math.isclose(1 - lo, hi - 1):
-        _unsupported(op, "the jitter range must be symmetric around 1")
-    return hi - 1
-
-
-def _unsupported(op, why: str):
-    raise ValueError(
-        f"ImageLoader cannot reproduce {op!r} of the dataset's transform: {why}. It reproduces "
-        "RandomResizedCrop(S) [+ RandomHorizontalFlip()] [+ ColorJitter(j, j, j)] or Resize(R) + CenterCrop(S), "
-        "bilinear or bicubic, then ToTensor() and Normalize(mean, std); change the transform, or give its "
-        "equivalent as ImageLoader.from_folder(root, size=..., train=..., mean=..., std=...) and accept the "
-        "difference"
-    )
-
-
-def _square(op, size) -> int:
-    size = [size] if isinstance(size, int) else list(size)
-    if len(size) not in (1, 2) or (len(size) == 2 and size[0] != size[1]):
-        _unsupported(op, "only square outputs are produced")
-    return int(size[0])
-
-
-def _three(op, values) -> list:
-    values = list(values) if isinstance(values, list | tuple) else [values]
-    if len(values) == 1:
-        values = values * 3
-    if len(values) != 3:
-        _unsupported(op, "RGB images have 3 channels")
-    return values
-
-
 def read_dataset(dataset, labels) -> tuple[list[str], list[int], list, dict]:
     """(files, labels, classes, ``options_from_transform`` of its transform) of an ImageFolder /
     DatasetFolder or a Subset of one."""
@@ -301,18 +145,6 @@ def read_dataset(dataset, labels) -> tuple[list[str], list[int], list, dict]:
     return files, targets, list(base.classes), options_from_transform(base.transform)
 
 
-def agree_with_transform(name: str, given, translated):
-    """An argument given both ways must say the same as the dataset's transform."""
-    if given is None:
-        return translated
-    same = given == translated
-    if isinstance(given, int | float | tuple | list) and isinstance(translated, int | float | tuple | list):
-        same = np.shape(given) == np.shape(translated) and np.allclose(given, translated)
-    if not same:
-        raise ValueError(f"{name}={given!r}, but the dataset's transform says {translated!r}; pass one of them")
-    return given
-
-
 class _ImagesLabels(NamedTuple):
     images: torch.Tensor  # (B, 3, S, S) normalized
     labels: torch.Tensor  # (B,) int64
@@ -342,6 +174,33 @@ class Batch(_ImagesLabels):
                 "read it before, or create the loader with as_dict=True"
             )
         raise AttributeError(name)
+
+
+def dataloader_batches(loader, generation: int) -> Iterator[Batch | dict[str, torch.Tensor]]:
+    """The rest of an ``ImageLoader``'s epoch as DataLoader code takes it: the reader's whole batches
+    (``loader.raw_batches``) with DataLoader's partial last batch cut off, each sample's ``mask``, on the
+    loader's device (pinned first where it pins), as ``Batch`` tuples or dicts (``as_dict``). ``generation``:
+    the ``iter()`` they belong to."""
+    layout, b = loader.layout, loader.batch_size
+    n, per_rank = loader.sampling.epoch_size(layout), loader.sampling.samples_per_rank(layout, loader.source)
+    for images, ids, pos, step in loader.raw_batches(generation):
+        if per_rank - step * b < len(ids):  # DataLoader's partial last batch: cut DALI's filler off
+            keep = per_rank - step * b
+            images, ids, pos = images[:keep], ids[:keep], pos[:keep]
+        labels = np.where(pos >= 0, loader.labels[pos], IGNORE_LABEL)
+        mask = ids >= 0  # not a skipped image ...
+        if loader.source.ordered_by_loader:  # ... nor a repeat that fills up a shard
+            mask &= loader.shard_id + (step * b + np.arange(len(ids))) * loader.num_shards < n
+        if images.dtype != loader.dtype:  # bfloat16 from a graph that emits float32
+            images = images.to(loader.dtype)
+        tensors = [images, torch.from_numpy(labels), torch.from_numpy(ids), torch.from_numpy(mask)]
+        if loader.pins_memory:
+            tensors = [t.pin_memory() for t in tensors]
+        images, labels, ids, mask = (t.to(loader.device, non_blocking=True) for t in tensors)
+        if loader.as_dict:
+            yield {"image": images, "label": labels, "id": ids, "mask": mask}
+        else:
+            yield Batch.of(images, labels, ids, mask)
 
 
 class ImageFiles(torch.utils.data.Dataset):
@@ -387,33 +246,6 @@ class ImageFiles(torch.utils.data.Dataset):
         return (self.transform(image) if self.transform is not None else image), target
 
 
-def torchvision_equivalent(train: bool, size: int, dtype: torch.dtype, options: dict):
-    """The torchvision (v2) transform doing to one PIL image what ``image_pipeline`` does with these
-    ``options`` (PIPELINE_OPTIONS; mean and std in 0..255 units): train: RandomResizedCrop + flip (+ jitter);
-    eval: Resize(round(size / crop_ratio)) + CenterCrop(size), or Resize((size, size)) for ``resize_mode``
-    "squash", with the ``interpolation``; then normalize, as ``dtype``."""
-    from torchvision.transforms import v2  # torchvision: only for a torchvision dataset, transform or backbone
-
-    mode = v2.InterpolationMode(options.get("interpolation", "bilinear"))
-    mean = [m / 255 for m in options.get("mean", IMAGENET_MEAN)]
-    std = [s / 255 for s in options.get("std", IMAGENET_STD)]
-    if train:
-        scale, ratio = options.get("scale", (0.08, 1.0)), options.get("ratio", (3 / 4, 4 / 3))
-        ops = [v2.RandomResizedCrop(size, scale, ratio, interpolation=mode)]
-        if options.get("flip", True):
-            ops.append(v2.RandomHorizontalFlip())
-        jitter = options.get("color_jitter", 0.0)
-        if jitter > 0:
-            ops.append(v2.ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter))
-    elif options.get("resize_mode", "shortest") == "squash":
-        ops = [v2.Resize((size, size), interpolation=mode)]
-    else:
-        shorter = round(size / options.get("crop_ratio", EVAL_CROP_RATIO))
-        ops = [v2.Resize(shorter, interpolation=mode), v2.CenterCrop(size)]
-    ops += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std), v2.ToDtype(dtype)]
-    return v2.Compose(ops)
-
-
 class DatasetArgs(NamedTuple):
     """What ``ImageLoader(dataset, ...)`` takes from a torchvision dataset, merged with the arguments given."""
 
@@ -427,7 +259,7 @@ class DatasetArgs(NamedTuple):
 
 
 def from_dataset(
-    dataset, labels, *, batch_size, size, train, dtype, fp16, classes, pipeline_kwargs: dict
+    dataset, labels, batch_size, size, train, dtype, fp16, classes, pipeline_kwargs: dict
 ) -> DatasetArgs:
     """``DataLoader(dataset, ...)`` -> ``ImageLoader(dataset, ...)``: the dataset's files, labels, classes and
     transform (as loader arguments; ``pipeline_kwargs`` is updated with its image options). An argument given

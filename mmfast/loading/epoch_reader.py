@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from mmfast.loading import dali_stream
-from mmfast.loading.arguments import dali_batch_size, first_line
+from mmfast.loading.arguments import LoaderSettings, dali_batch_size, first_line
 from mmfast.loading.decoded import DecodedImages, DecodedIterator
 from mmfast.loading.draws import DrawFeed
 from mmfast.loading.file_health import FileHealth
@@ -40,39 +39,11 @@ class DaliFailure(RuntimeError):
     """DALI failed on a batch and no file of it is to blame (memory, most often); the message says what to do."""
 
 
-@dataclass(frozen=True)
-class ReadSettings:
-    """What the reader needs of its loader's settings."""
-
-    batch_size: int
-    shard_id: int
-    num_shards: int
-    shuffle: bool
-    drop_last: bool
-    seed: int
-    train: bool
-    size: int
-    fp16: bool
-    device: torch.device
-    num_threads: int
-    prefetch: int
-    pipeline_kwargs: dict
-    files_checked: bool  # every file was decoded before: DALI runs whole batches from the start
-    image_sizes: np.ndarray | None  # (N, 2) decoded (height, width) of each file: crop windows drawn on the host
-    cache_auto: bool  # the decoded cache was the "auto" choice (its fallback to streaming is only logged)
-
-    @classmethod
-    def of(cls, loader, cache_auto: bool) -> ReadSettings:
-        """The settings of ``loader`` (an ``ImageLoader``: its attributes of these names)."""
-        given = {f.name: getattr(loader, f.name) for f in fields(cls) if f.name != "cache_auto"}
-        return cls(**given, cache_auto=cache_auto)
-
-
 class EpochReader:
     """One loader's DALI stream and position (``epoch``, ``step``: batches of it already delivered).
 
     Args:
-        settings: the loader's.
+        settings: the loader's, whole (``arguments.LoaderSettings``).
         source, health, finisher, decoded: the loader's image source, bad-file bookkeeping, host finishing
             (None: DALI finishes) and decoded cache (None: streaming; dropped here when it outgrows its budget).
         ids: the sample id of each position in the loader's files.
@@ -82,7 +53,7 @@ class EpochReader:
 
     def __init__(
         self,
-        settings: ReadSettings,
+        settings: LoaderSettings,
         source: Source,
         health: FileHealth,
         finisher: HostFinisher | None,
@@ -111,6 +82,32 @@ class EpochReader:
         elif self.restore is not None and self.restore.at(self.epoch, self.step):
             chunk, ck = self.restore.chunk, self.restore.checkpoint
         return {"chunk": chunk, "dali_checkpoint": encode_checkpoint(ck)}
+
+    def resume_keys(self) -> dict:
+        """What a saved position must agree on with this reader's loader."""
+        s, n = self.s, len(self.ids)
+        return {"seed": s.seed, "num_samples": n, "num_shards": s.num_shards, "batch_size": s.batch_size}
+
+    def state_dict(self) -> dict:
+        """The loader's position for an exact resume: the epoch, the batches of it already delivered, what a
+        resume must agree on, and DALI's checkpoint of the pipeline that delivers the next batch."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            **self.resume_keys(),
+            "shard_id": self.s.shard_id,
+            **self.checkpoint(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a loader's ``state_dict()``, refused when it lacks a key or disagrees on one."""
+        missing = [k for k in ("epoch", "step", *self.resume_keys()) if k not in state]
+        if missing:
+            raise ValueError(f"not a loader state (from state_dict()): it lacks {', '.join(missing)}")
+        for key, mine in self.resume_keys().items():
+            if state[key] != mine:
+                raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {mine}")
+        self.restore_position(state, same_shard=state.get("shard_id", self.s.shard_id) == self.s.shard_id)
 
     def restore_position(self, state: dict, same_shard: bool) -> None:
         """Continue from a loader's saved ``state`` (its DALI checkpoint only for the same shard)."""

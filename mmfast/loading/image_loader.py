@@ -16,33 +16,24 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from mmfast.data.batch import IGNORE_LABEL
-from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
-from mmfast.loading.arguments import (
-    EngineReading,
-    check_batch,
-    check_sizes,
-    checked_image_sizes,
-    checked_samples,
-    process_layout,
-)
+from mmfast.loading.arguments import EngineReading, LoaderOptions, LoaderSettings, checked_samples
 from mmfast.loading.cache_plan import CachePlan, decoded_images_for
 from mmfast.loading.decoded import DecodedImages
-from mmfast.loading.device import resolve_device, resolve_dtype
 from mmfast.loading.dropin import (
     Batch,
     ImageFiles,
+    dataloader_batches,
     from_dataset,
     loader_from_folder,
     split_options,
-    torchvision_equivalent,
 )
-from mmfast.loading.epoch_reader import EpochReader, ReadSettings
+from mmfast.loading.epoch_reader import EpochReader
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.host_finish import default_threads, make_finisher
 from mmfast.loading.sampling import DATALOADER, Layout, ShardSampler
 from mmfast.loading.sources import FilesSource, Source, WdsSource
+from mmfast.loading.transforms import torchvision_equivalent
 
 log = logging.getLogger(__name__)
 
@@ -182,66 +173,125 @@ class ImageLoader:
         self.dataloader_options, pipeline_kwargs = split_options(type(self).__name__, options)
         folder = files if isinstance(files, torch.utils.data.Dataset) else None
         if folder is not None:  # DataLoader(dataset, ...) -> ImageLoader(dataset, ...)
-            files, labels, classes, batch_size, size, train, dtype = from_dataset(
-                folder,
-                labels,
-                batch_size=batch_size,
-                size=size,
-                train=train,
-                dtype=dtype,
-                fp16=fp16,
-                classes=classes,
-                pipeline_kwargs=pipeline_kwargs,
-            )
-        shard_id, num_shards, device = process_layout(accelerator, shard_id, num_shards, device)
-        size = 224 if size is None else size
-        prefetch = check_sizes(batch_size, shard_id, num_shards, size, num_workers, prefetch, prefetch_factor)
-        self.files, self.labels, self.ids = checked_samples(files, labels, ids)
-        check_batch(batch_size, len(self.files), num_shards, size, max_pixels, drop_last)
-        self._set_settings(batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed)
+            found = from_dataset(folder, labels, batch_size, size, train, dtype, fp16, classes, pipeline_kwargs)
+            files, labels, classes, batch_size, size, train, dtype = found
+        settings = LoaderSettings.resolved(
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            train=train,
+            size=size,
+            dtype=dtype,
+            fp16=fp16,
+            device=device,
+            num_workers=num_workers,
+            seed=seed,
+            shard_id=shard_id,
+            num_shards=num_shards,
+            accelerator=accelerator,
+            prefetch=prefetch,
+            prefetch_factor=prefetch_factor,
+            pipeline_kwargs=pipeline_kwargs,
+            on_bad_image=on_bad_image,
+            verify_files=verify_files,
+            max_pixels=max_pixels,
+            cpu_resize=cpu_resize,
+            cache_decoded=cache_decoded,
+            eval_geometry=eval_geometry,
+            files_checked=files_checked,
+            finish_threads=finish_threads,
+        )
         reading = reading or EngineReading(None, DATALOADER)  # the drop-in's: DataLoader's order
-        self.image_sizes = checked_image_sizes(reading.image_sizes, len(self.files))
-        self.sampling, self.files_checked, self.as_dict = reading.sampling, files_checked, as_dict
-        # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
-        self.pin_memory = pin_memory
-        self.pins_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
-        self.shard_id, self.num_shards = shard_id, num_shards
-        self.prefetch = self.prefetch_factor = prefetch
-        self.pipeline_kwargs = pipeline_kwargs
         source = reading.source or (WdsSource(wds_shards, wds_index) if wds_shards else FilesSource())
-        self._set_source(source, on_bad_image, max_pixels, verify_files, reading.file_stats)
-        self._set_reading(cache_decoded, cpu_resize, eval_geometry, finish_threads)
+        self._start(files, labels, ids, settings, reading, source, folder, classes, as_dict, pin_memory)
+
+    @classmethod
+    def from_options(
+        cls,
+        files: Sequence[str],
+        labels,
+        ids,
+        options: LoaderOptions,
+        reading: EngineReading,
+        *,
+        accelerator,
+        max_pixels: int,
+        default_dtype: torch.dtype,
+    ) -> ImageLoader:
+        """The training engine's loader: ``files`` (with their ``labels`` and ``ids``) read as ``reading`` says,
+        batched and augmented as ``options`` say (one typed object, resolved to the loader's
+        ``LoaderSettings`` whole: ``LoaderOptions.settings``), on this process of ``accelerator``."""
+        loader = cls.__new__(cls)
+        loader.dataloader_options = {}
+        settings = options.settings(accelerator, max_pixels, default_dtype)
+        loader._start(files, labels, ids, settings, reading, reading.source or FilesSource(), None, None)
+        return loader
+
+    def _start(
+        self,
+        files,
+        labels,
+        ids,
+        settings: LoaderSettings,
+        reading: EngineReading,
+        source: Source,
+        folder,
+        classes,
+        as_dict: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
+        """The body both ways of making a loader share: the samples checked, the ``settings`` checked against
+        them and kept, the batches' form, the order, the source and its bad files, the reader, and
+        ``.dataset``."""
+        self.files, self.labels, self.ids = checked_samples(files, labels, ids)
+        self.settings = settings.checked(len(self.files), reading.image_sizes)
+        self.as_dict, self.pin_memory = as_dict, pin_memory
+        # Pinning needs CUDA; DataLoader ignores the flag without it, and so does this loader.
+        self.pins_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
+        self.sampling = reading.sampling
+        self._set_source(source, reading.file_stats)
+        self._set_reading()
         self._set_dataset(folder, classes)
         self._sampler: ShardSampler | None = None
         self._keep_position = False  # a restored position the next iter() continues from
         self._generation = 0  # bumped by each iter(): an older iterator raises if it is advanced again
 
-    def _set_settings(self, batch_size, shuffle, drop_last, train, size, dtype, fp16, device, num_workers, seed):
-        self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, bool(shuffle), drop_last, seed
-        self.train = self.shuffle if train is None else train
-        self.size = size
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, fp16, torch.float32)
-        self.fp16 = self.dtype == torch.float16
-        self.num_threads = num_workers or os.cpu_count() or 1
-        self.num_workers = num_workers or 0  # DataLoader's attribute, as given
+    # -- the settings, as DataLoader code and the engine read them ----------------------------------------
+    batch_size = property(lambda self: self.settings.batch_size)
+    shuffle = property(lambda self: self.settings.shuffle)
+    drop_last = property(lambda self: self.settings.drop_last)
+    seed = property(lambda self: self.settings.seed)
+    train = property(lambda self: self.settings.train)
+    size = property(lambda self: self.settings.size)
+    dtype = property(lambda self: self.settings.dtype)
+    fp16 = property(lambda self: self.settings.fp16)
+    device = property(lambda self: self.settings.device)
+    num_threads = property(lambda self: self.settings.num_threads)
+    num_workers = property(lambda self: self.settings.num_workers or 0)  # DataLoader's attribute, as given
+    shard_id = property(lambda self: self.settings.shard_id)
+    num_shards = property(lambda self: self.settings.num_shards)
+    prefetch = prefetch_factor = property(lambda self: self.settings.prefetch)
+    pipeline_kwargs = property(lambda self: self.settings.pipeline_kwargs)
+    on_bad_image = property(lambda self: self.settings.on_bad_image)
+    max_pixels = property(lambda self: self.settings.max_pixels)
+    files_checked = property(lambda self: self.settings.files_checked)
+    image_sizes = property(lambda self: self.settings.image_sizes)
 
-    def _set_reading(self, cache_decoded, cpu_resize: str, eval_geometry: str, finish_threads: int | None) -> None:
+    def _set_reading(self) -> None:
         """How the batches are made: the decoded cache (as planned), the host finishing of CPU-decoded crops and
-        its threads, and the reader of the DALI stream."""
-        shorter = None if self.train else self._eval_resize()
-        threads = default_threads(self.num_threads) if finish_threads is None else finish_threads
+        its threads, and the reader of the DALI stream (handed the settings whole)."""
+        s = self.settings
+        shorter = None if s.train else s.eval_resize()
+        threads = default_threads(s.num_threads) if s.finish_threads is None else s.finish_threads
         self.finisher = make_finisher(
-            cpu_resize, eval_geometry, self.device, self.size, self.pipeline_kwargs, self.dtype, shorter, threads
+            s.cpu_resize, s.eval_geometry, s.device, s.size, s.pipeline_kwargs, s.dtype, shorter, threads
         )
-        decoded = decoded_images_for(cache_decoded, self)
-        if decoded is not None and finish_threads is None:
-            self.finisher.threads = self.num_threads  # the DALI threads will not be decoding
-        settings = ReadSettings.of(self, cache_auto=isinstance(cache_decoded, str) and cache_decoded == "auto")
+        decoded = decoded_images_for(s.cache_decoded, self)
+        if decoded is not None and s.finish_threads is None:
+            self.finisher.threads = s.num_threads  # the DALI threads will not be decoding
         positions = functools.partial(self.sampling.positions, self.layout, self.source)  # no reference to self
-        self._reader = EpochReader(
-            settings, self.source, self.health, self.finisher, decoded, self.ids, positions, len(self)
-        )
+        reader = EpochReader(s, self.source, self.health, self.finisher, decoded, self.ids, positions, len(self))
+        self._reader = reader
 
     def _set_dataset(self, folder, classes) -> None:
         """``.dataset`` and ``.classes`` as DataLoader code reads them: the torchvision dataset given, else a
@@ -291,16 +341,17 @@ class ImageLoader:
         every operator's argument names without touching CUDA: tests define the GPU graph on any machine)."""
         return self._reader.define_pipeline(positions, seed_epoch, checkpoint, dali_batch)
 
-    def _set_source(self, source: Source, on_bad_image, max_pixels, verify_files, file_stats) -> None:
+    def _set_source(self, source: Source, file_stats) -> None:
         """The source the reader reads, and the bookkeeping of bad files (checked now only if asked)."""
-        self.health = FileHealth(self.files, self.ids, on_bad_image, max_pixels, self.num_threads, file_stats)
-        self.health.prepared = self.files_checked  # a prepared directory's: errors name its command
-        self.source, self.on_bad_image, self.max_pixels = source, on_bad_image, max_pixels
+        s = self.settings
+        self.health = FileHealth(self.files, self.ids, s.on_bad_image, s.max_pixels, s.num_threads, file_stats)
+        self.health.prepared = s.files_checked  # a prepared directory's: errors name its command
+        self.source = source
         if hasattr(source, "bind"):  # a source that orders by shard needs each position's sample id
             source.bind(self.ids)
         self.bad = self.health.bad  # position in files -> why it is skipped (the same dict)
         # a shard's samples were checked when it was indexed; files are watched before each stream reads them
-        if verify_files and self.source.needs_paths:
+        if s.verify_files and self.source.needs_paths:
             self.health.check_all()
 
     @property
@@ -312,15 +363,7 @@ class ImageLoader:
     @property
     def layout(self) -> Layout:
         """What the sampling needs of this loader."""
-        return Layout(
-            len(self.files),
-            self.batch_size,
-            self.shard_id,
-            self.num_shards,
-            self.seed,
-            self.shuffle,
-            self.drop_last,
-        )
+        return self.settings.layout(len(self.files))
 
     @property
     def cached_bytes(self) -> int:
@@ -354,12 +397,6 @@ class ImageLoader:
         normalized (3, S, S) tensor of ``dtype`` out). The CPU eval path reproduces its pixels (up to rare
         rounding of one 8-bit level); the train path draws its own random crops and flips."""
         return torchvision_equivalent(self.train, self.size, self.dtype, self.pipeline_kwargs)
-
-    def _eval_resize(self) -> int | None:
-        """Eval: the shorter side before the centre crop; None for ``resize_mode="squash"`` (to S x S, no crop)."""
-        if self.pipeline_kwargs.get("resize_mode", "shortest") == "squash":
-            return None
-        return round(self.size / self.pipeline_kwargs.get("crop_ratio", EVAL_CROP_RATIO))
 
     @property
     def sampler(self) -> ShardSampler:
@@ -395,36 +432,14 @@ class ImageLoader:
 
     def state_dict(self) -> dict:
         """Position for an exact resume: the epoch, the batches of it already delivered, and DALI's
-        checkpoint of the pipeline that will deliver the next one."""
-        expected = self._resume_keys()
-        return {
-            "epoch": self.epoch,
-            "step": self.step,
-            **expected,
-            "shard_id": self.shard_id,
-            **self._reader.checkpoint(),
-        }
+        checkpoint of the pipeline that will deliver the next one (``EpochReader.state_dict``)."""
+        return self._reader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position from ``state_dict()`` (same data, seed, batch size and process count); the
         next ``iter()`` continues from it."""
-        missing = [k for k in ("epoch", "step", *self._resume_keys()) if k not in state]
-        if missing:
-            raise ValueError(f"not a loader state (from state_dict()): it lacks {', '.join(missing)}")
-        for key, mine in self._resume_keys().items():
-            if state[key] != mine:
-                raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {mine}")
+        self._reader.load_state_dict(state)
         self._keep_position = True
-        self._reader.restore_position(state, same_shard=state.get("shard_id", self.shard_id) == self.shard_id)
-
-    def _resume_keys(self) -> dict:
-        """What a saved position must agree on with this loader."""
-        return {
-            "seed": self.seed,
-            "num_samples": len(self.files),
-            "num_shards": self.num_shards,
-            "batch_size": self.batch_size,
-        }
 
     def positions(self, epoch: int) -> np.ndarray:
         """Positions in ``files`` that this process reads in ``epoch``, -1 filling up the last DALI batch."""
@@ -457,26 +472,4 @@ class ImageLoader:
             self.epoch, self.step = self.epoch + 1, 0
         self._keep_position = False
         self._generation += 1
-        return self._epoch(self._generation)
-
-    def _epoch(self, generation: int) -> Iterator[Batch | dict[str, torch.Tensor]]:
-        layout, b = self.layout, self.batch_size
-        n, per_rank = self.sampling.epoch_size(layout), self.sampling.samples_per_rank(layout, self.source)
-        for images, ids, pos, step in self.raw_batches(generation):
-            if per_rank - step * b < len(ids):  # DataLoader's partial last batch: cut DALI's filler off
-                keep = per_rank - step * b
-                images, ids, pos = images[:keep], ids[:keep], pos[:keep]
-            labels = np.where(pos >= 0, self.labels[pos], IGNORE_LABEL)
-            mask = ids >= 0  # not a skipped image ...
-            if self.source.ordered_by_loader:  # ... nor a repeat that fills up a shard
-                mask &= self.shard_id + (step * b + np.arange(len(ids))) * self.num_shards < n
-            if images.dtype != self.dtype:  # bfloat16 from a graph that emits float32
-                images = images.to(self.dtype)
-            tensors = [images, torch.from_numpy(labels), torch.from_numpy(ids), torch.from_numpy(mask)]
-            if self.pins_memory:
-                tensors = [t.pin_memory() for t in tensors]
-            images, labels, ids, mask = (t.to(self.device, non_blocking=True) for t in tensors)
-            if self.as_dict:
-                yield {"image": images, "label": labels, "id": ids, "mask": mask}
-            else:
-                yield Batch.of(images, labels, ids, mask)
+        return dataloader_batches(self, self._generation)

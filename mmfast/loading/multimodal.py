@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +23,8 @@ from mmfast.loading.sources import prepared_source
 from mmfast.util.commands import PREPARE
 
 if TYPE_CHECKING:
+    from mmfast.data.dataset import SplitTable
+    from mmfast.loading.sources import Source
     from mmfast.remote.shard_cache import ShardCache
 
 
@@ -72,7 +75,34 @@ class MultimodalLoader:
         sampling: WholeBatchOrder = WHOLE_BATCHES,
         **kwargs,
     ):
-        self._open(data_dir, split, {"batch_size": batch_size, **kwargs}, accelerator, shard_cache, sampling)
+        if kwargs.get("as_dict") is False:
+            raise ValueError("MultimodalLoader's batches are always dicts (as_dict=False is ImageLoader's)")
+        source, text_padding = kwargs.pop("source", "files"), kwargs.pop("text_padding", "longest")
+        dataset, table, reader = self._open(data_dir, split, source, shard_cache)
+        shuffle, drop_last = kwargs.pop("shuffle", None), kwargs.pop("drop_last", None)
+        if accelerator is not None:
+            kwargs.setdefault("shard_id", accelerator.process_index)
+            kwargs.setdefault("num_shards", accelerator.num_processes)
+            kwargs.setdefault("device", accelerator.device)
+        kwargs.setdefault("max_pixels", dataset.max_pixels)
+        kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
+        if kwargs.get("dtype") is None and kwargs.get("fp16") is None:
+            kwargs["dtype"] = torch.float16
+        sizes = kwargs.pop("image_sizes", table.decoded_shapes)  # the train crops' windows drawn on the host
+        shuffle, drop_last = _split_order(split, shuffle, drop_last)
+        loader = ImageLoader(
+            _image_files(dataset, split, table),
+            table.labels,
+            ids=table.ids,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            reading=EngineReading(reader, sampling, table.file_stats, sizes),
+            eval_geometry="dali",
+            files_checked=True,  # preparation decoded every image: DALI runs whole batches
+            **kwargs,
+        )
+        self._finish(dataset, split, table, loader, text_padding)
 
     @classmethod
     def from_options(
@@ -85,53 +115,40 @@ class MultimodalLoader:
         shard_cache: ShardCache | None = None,
         sampling: WholeBatchOrder = WHOLE_BATCHES,
     ) -> MultimodalLoader:
-        """The training engine's loader: ``split`` of ``data_dir`` as ``options`` say (one object, handed on
-        whole); the other arguments as the class takes them."""
+        """The training engine's loader: ``split`` of ``data_dir`` as ``options`` say, handed on whole to
+        ``ImageLoader.from_options``; the other arguments as the class takes them."""
         loader = cls.__new__(cls)
-        loader._open(data_dir, split, options.keywords(), accelerator, shard_cache, sampling)
+        dataset, table, reader = loader._open(data_dir, split, options.source, shard_cache)
+        shuffle, drop_last = _split_order(split, options.shuffle, options.drop_last)
+        images = ImageLoader.from_options(
+            _image_files(dataset, split, table),
+            table.labels,
+            table.ids,
+            replace(options, shuffle=shuffle, drop_last=drop_last),
+            EngineReading(reader, sampling, table.file_stats, table.decoded_shapes),
+            accelerator=accelerator,
+            max_pixels=dataset.max_pixels,
+            default_dtype=torch.float16,
+        )
+        loader._finish(dataset, split, table, images, options.text_padding)
         return loader
 
-    def _open(self, data_dir, split: str, kwargs: dict, accelerator, shard_cache, sampling) -> None:
-        """Open ``split`` of ``data_dir`` with the loader's keywords (``kwargs``: its own, ``ImageLoader``'s)."""
-        if kwargs.get("as_dict") is False:
-            raise ValueError("MultimodalLoader's batches are always dicts (as_dict=False is ImageLoader's)")
-        shuffle, drop_last = kwargs.pop("shuffle", None), kwargs.pop("drop_last", None)
-        source, text_padding = kwargs.pop("source", "files"), kwargs.pop("text_padding", "longest")
+    def _open(self, data_dir, split: str, source: str, shard_cache) -> tuple[PreparedDataset, SplitTable, Source]:
+        """``split`` of ``data_dir``: the dataset, the split's table (each row's path where ``source`` reads
+        files) and the image source it is read from."""
         # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
         # share one verification between the train and val loaders).
         dataset = data_dir if isinstance(data_dir, PreparedDataset) else PreparedDataset(data_dir)
-        if accelerator is not None:
-            kwargs.setdefault("shard_id", accelerator.process_index)
-            kwargs.setdefault("num_shards", accelerator.num_processes)
-            kwargs.setdefault("device", accelerator.device)
         reader = prepared_source(dataset, split, source, shard_cache)
         # A source that reads the rows' own files needs each row's path; a WebDataset only ids and labels.
         table = dataset.table(split, images=reader.needs_paths)
-        n = len(table.ids)
-        if not n:
+        if not len(table.ids):
             raise ValueError(f"{dataset.root / (split + '.jsonl')}: split '{split}' is empty")
-        # the samples of a WebDataset are named by the index: one shared string stands for every file
-        images = (
-            table.images if table.images is not None else [str(dataset.root / WDS_DIR / f"{split}.rows.npy")] * n
-        )
-        is_train = split == "train"
-        kwargs.setdefault("max_pixels", dataset.max_pixels)
-        kwargs.setdefault("cache_decoded", False)  # the training engine plans it from the recorded sizes
-        if kwargs.get("dtype") is None and kwargs.get("fp16") is None:
-            kwargs["dtype"] = torch.float16
-        sizes = kwargs.pop("image_sizes", table.decoded_shapes)  # the train crops' windows drawn on the host
-        loader = ImageLoader(
-            images,
-            table.labels,
-            ids=table.ids,
-            shuffle=is_train if shuffle is None else shuffle,
-            drop_last=is_train if drop_last is None else drop_last,
-            reading=EngineReading(reader, sampling, table.file_stats, sizes),
-            eval_geometry="dali",
-            files_checked=True,  # preparation decoded every image: DALI runs whole batches
-            **kwargs,
-        )
-        tokens = TokenCache(dataset.tokens_dir, split)
+        return dataset, table, reader
+
+    def _finish(self, dataset: PreparedDataset, split: str, table, loader: ImageLoader, text_padding: str) -> None:
+        """Join ``loader``'s images with the split's cached tokens, which must hold the same rows."""
+        tokens, n = TokenCache(dataset.tokens_dir, split), len(table.ids)
         if len(tokens) != n or tokens.first_id != table.ids[0]:
             raise ValueError(
                 f"token cache {dataset.tokens_dir}/{split} (rows {len(tokens)}, first id "
@@ -218,3 +235,16 @@ class MultimodalLoader:
                 source = np.where((pos >= 0) & (ids >= 0), self.sources[np.maximum(pos, 0)], -1)
                 batch["source"] = torch.from_numpy(source).to(self.device, non_blocking=True)
             yield batch
+
+
+def _split_order(split: str, shuffle: bool | None, drop_last: bool | None) -> tuple[bool, bool]:
+    """``shuffle`` and ``drop_last`` as given, else the split's: both for "train", neither otherwise."""
+    is_train = split == "train"
+    return is_train if shuffle is None else shuffle, is_train if drop_last is None else drop_last
+
+
+def _image_files(dataset: PreparedDataset, split: str, table) -> list[str]:
+    """The image file of each row; a WebDataset's samples are named by its index, one string for all."""
+    if table.images is not None:
+        return table.images
+    return [str(dataset.root / WDS_DIR / f"{split}.rows.npy")] * len(table.ids)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from mmfast.data.preprocessing import INTERPOLATIONS, RESIZE_MODES
 from mmfast.data.tokenizer import OPEN_CLIP_CONFIG
@@ -107,8 +107,9 @@ def start_embed_dim(path: str | os.PathLike) -> int | None:
     return None
 
 
-class StartFlags(Protocol):
-    """The training flags ``start_fields`` reads (a training configuration has them)."""
+@dataclass(frozen=True)
+class StartFlags:
+    """The training flags ``start_fields`` reads, as the training configuration names them."""
 
     init_from: str | None
     init_proj: str | None

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from mmfast.models.catalog import get_preset
 from mmfast.models.registry import MODELS
-from mmfast.models.start_dirs import start_embed_dim, start_fields
+from mmfast.models.start_dirs import StartFlags, start_embed_dim, start_fields
 from mmfast.train.config import PRESET_FIELDS, TrainConfig
 
 
@@ -19,7 +19,10 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
 
     cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
     if cfg.init_from is not None:  # --init-from's towers and image size (models/start_dirs.py)
-        cfg = replace(cfg, **start_fields(cfg))
+        flags = StartFlags(
+            cfg.init_from, cfg.init_proj, cfg.image_backbone, cfg.text_model, cfg.image_size, cfg.freeze_image
+        )
+        cfg = replace(cfg, **start_fields(flags))
     preset = get_preset(cfg.preset)
     filled = {
         name: getattr(preset, name) if getattr(cfg, name) is None else getattr(cfg, name) for name in PRESET_FIELDS

@@ -10,7 +10,7 @@ their slices, copied from the one resolved record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from mmfast.infer.model_config import ModelConfig
 from mmfast.train.config import TrainConfig
@@ -190,12 +190,13 @@ SLICES = (
 
 
 def cut(kind: type, cfg: TrainConfig):
-    """The ``kind`` slice of ``cfg``: its fields taken by name, the values only the whole record can settle
-    resolved (``text_padding``)."""
-    values = {f.name: getattr(cfg, f.name) for f in fields(kind)}
-    if "text_padding" in values:
-        values["text_padding"] = resolve_text_padding(cfg)
-    return kind(**values)
+    """The ``kind`` slice of ``cfg``: its fields taken by name, ``text_padding``'s ``auto`` settled by the
+    compiled step's choice (``hardware.resolve_text_padding``, handed the ``CompileConfig`` slice)."""
+    part = kind(**{f.name: getattr(cfg, f.name) for f in fields(kind)})
+    if getattr(part, "text_padding", None) != "auto":
+        return part
+    compiled = part if kind is CompileConfig else cut(CompileConfig, cfg)
+    return replace(part, text_padding=resolve_text_padding(compiled))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torchvision import transforms as T
 from mmfast.data.caption_tokens import tokenize_captions
 from mmfast.data.captions import read_captioned
 from mmfast.loading.caption_loader import CaptionLoader, Pairs
-from mmfast.loading.dropin import options_from_transform
+from mmfast.loading.transforms import options_from_transform
 
 open_clip = pytest.importorskip("open_clip")
 

@@ -63,3 +63,23 @@ def test_the_runs_options_follow_its_loader_slice():
     train = data._augmented(cfg, common)
     assert (train.train, train.cpu_resize, train.scale, train.color_jitter) == (True, "dali", (0.35, 1.0), 0.0)
     assert replace(train, batch_size=4).batch_size == 4 and train.batch_size == 12
+
+
+def test_the_engines_loader_is_the_keyword_one(prepared):
+    """``from_options`` (the engine's: the options handed on whole) makes the loader the keywords make."""
+    options = LoaderOptions(
+        8, size=32, seed=3, num_workers=1, train=True, scale=(0.5, 1.0), mean=(127.5,) * 3, crop_ratio=0.9
+    )
+    engine = MultimodalLoader.from_options(prepared, "train", options)
+    keywords = MultimodalLoader(prepared, "train", **options.keywords())
+    names = ("batch_size", "shuffle", "drop_last", "seed", "train", "size", "dtype", "device", "num_threads")
+    names += ("prefetch", "shard_id", "num_shards", "text_padding")
+    assert [getattr(engine, n) for n in names] == [getattr(keywords, n) for n in names]
+    a, b = engine.images, keywords.images
+    assert a.pipeline_kwargs == b.pipeline_kwargs == {"scale": (0.5, 1.0), "mean": (127.5,) * 3, "crop_ratio": 0.9}
+    assert (a.max_pixels, a.files_checked, a.on_bad_image, a.holds_decoded) == (b.max_pixels, True, "skip", False)
+    assert type(a.source) is type(b.source)
+    assert a.image_sizes is not None and (a.image_sizes == b.image_sizes).all()
+    assert (engine.dtype, engine.batch_size, len(engine)) == (torch.float16, 8, len(keywords))
+    for x, y in zip(engine, keywords, strict=True):
+        assert torch.equal(x["id"], y["id"]) and torch.equal(x["image"], y["image"])

@@ -26,6 +26,27 @@ from mmfast.data.dataset import PreparedDataset
 from mmfast.loading.sources import read_files
 
 
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help="prepared dataset directory (default: the built-in --set)")
+    p.add_argument("--set", default="photos", choices=["photos", "small-png"])
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default="bench_out/bench_stages.json")
+    return p.parse_args(argv)
+
+
+def time_stages(stages: dict, rounds: int) -> dict[str, list[float]]:
+    """{stage: its ms per image in each round}; ``stages``: {name: (run, images it handles)}, taking turns."""
+    times: dict[str, list[float]] = {k: [] for k in stages}
+    for _ in range(rounds):
+        for name, (run, n) in stages.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - t0) / n * 1e3)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchlib.data import prepared_photos
     from nvidia.dali.plugin.pytorch import LastBatchPolicy
@@ -36,13 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmfast.loading.host_finish import HostFinisher, ragged_iterator
     from mmfast.util.fsutil import atomic_write_json
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help="prepared dataset directory (default: the built-in --set)")
-    p.add_argument("--set", default="photos", choices=["photos", "small-png"])
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default="bench_out/bench_stages.json")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     data = Path(args.data) if args.data else prepared_photos(512, kind=args.set)
     rows = PreparedDataset(data, verify=False).rows("train")
     files, batch = [r["image"] for r in rows], 64
@@ -86,12 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "antialiased resize alone": (resize, n_crops),
         "PIL full decode": (pil, len(files)),
     }
-    times: dict[str, list[float]] = {k: [] for k in stages}
-    for _ in range(args.rounds):
-        for name, (run, n) in stages.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - t0) / n * 1e3)
+    times = time_stages(stages, args.rounds)
     pixels = [c.shape[0] * c.shape[1] for b in crops for c in b["crops"]]
     print(f"{data}: {len(files)} images, crop pixels median {statistics.median(pixels):.0f}")
     print(f"{'stage (1 thread)':<28}{'best ms/img':>12}{'median':>10}")
