@@ -91,7 +91,7 @@ class Sizes:
     def of(cls, cache: Path, dry: bool) -> Sizes:
         n_photos = 32 if dry else 512
         model = ["--preset", "tiny"] if dry else ["--preset", "resnet50-bert", "--text-model", "bert-base-random"]
-        size, batch, big_batch = ("64", "8", "8") if dry else ("224", "64", "256")
+        size, batch, big_batch = ("32", "8", "8") if dry else ("224", "64", "256")
         photos = cache / "bench" / f"prepared-photos-n{n_photos}"
         return cls(dry, photos, n_photos, model, size, batch, big_batch)
 
