@@ -148,8 +148,9 @@ def _benchmarks(py: str, work: Path, s: Sizes) -> list[Step]:
         ),
         Step(
             "models",
-            [py, "tools/benchmarks/bench_models.py", *s.model, "--batch-size", s.batch, "--mixed-precision", "auto"]
-            + ["--steps", s.count(1, 10), "--warmup", s.count(1, 3), "--json", str(work / "bench_models.json")],
+            [py, "tools/benchmarks/bench_models.py", *s.model, "--batch-size", s.batch]
+            + ["--mixed-precision", "auto", "--steps", s.count(1, 10), "--warmup", s.count(1, 3)]
+            + ["--json", str(work / "bench_models.json")],
             90,
             "forward + backward per batch, every fusion model",
             ["bench_models.json"],
@@ -182,8 +183,8 @@ def _batch_256(py: str, work: Path, s: Sizes) -> list[Step]:
         Step(
             "models-256",
             [py, "tools/benchmarks/bench_models.py", *s.model, "--batch-size", s.big_batch]
-            + ["--mixed-precision", "auto", "--channels-last", "--steps", s.count(1, 10), "--warmup", s.count(1, 3)]
-            + ["--json", str(work / "bench_models_256.json")],
+            + ["--mixed-precision", "auto", "--channels-last", "--steps", s.count(1, 10)]
+            + ["--warmup", s.count(1, 3), "--json", str(work / "bench_models_256.json")],
             120,
             "#31: the model step alone at batch 256 (bf16 where the GPU has it, NHWC): what end to end is held to",
             ["bench_models_256.json"],
@@ -200,7 +201,8 @@ def _batch_256(py: str, work: Path, s: Sizes) -> list[Step]:
         Step(
             "profile",
             [py, "tools/profile_run.py", *data, *s.model, *size, *batch]
-            + ["--steps", s.count(3, 30), "--warmup", s.count(1, 5), "--out", str(work / "profile"), "--no-progress"],
+            + ["--steps", s.count(3, 30), "--warmup", s.count(1, 5)]
+            + ["--out", str(work / "profile"), "--no-progress"],
             120,
             "where step time goes, GPU utilization, verdict",
             ["profile/profile.json"],
