@@ -75,20 +75,46 @@ def test_paths() -> str:
     return " ".join(p for p in paths if p != ".")
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What a step runs on: the real sizes on a GPU, tiny ones for a dry run on a CPU."""
+
+    dry: bool
+    photos: Path  # the prepared photos (``prepared_photos`` puts them in the steps' MMFAST_CACHE)
+    n_photos: int
+    model: list[str]  # the write-up's models: ResNet-50 + BERT-base (random weights: no hub offline)
+    size: str  # image size, px
+    batch: str
+    big_batch: str
+
+    @classmethod
+    def of(cls, cache: Path, dry: bool) -> Sizes:
+        n_photos = 32 if dry else 512
+        model = ["--preset", "tiny"] if dry else ["--preset", "resnet50-bert", "--text-model", "bert-base-random"]
+        size, batch, big_batch = ("32", "8", "8") if dry else ("224", "64", "256")
+        photos = cache / "bench" / f"prepared-photos-n{n_photos}"
+        return cls(dry, photos, n_photos, model, size, batch, big_batch)
+
+    def count(self, dry: int, real: int) -> str:
+        """A step or round count as a flag value: ``dry`` in a dry run, ``real`` on a GPU."""
+        return str(dry if self.dry else real)
+
+
 def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
     """The check's steps, in order of value. ``dry``: the same commands at sizes a CPU finishes quickly.
     ``cache``: the MMFAST_CACHE the steps run with (where ``prepared_photos`` puts the photos)."""
-    n_photos = 32 if dry else 512
-    photos = cache / "bench" / f"prepared-photos-n{n_photos}"
-    # the write-up's models: ResNet-50 (2048-d) + BERT-base (768-d; random weights: no hub offline), 224 px
-    big = ["--preset", "tiny"] if dry else ["--preset", "resnet50-bert", "--text-model", "bert-base-random"]
-    size, batch, big_batch = ("64", "8", "8") if dry else ("224", "64", "256")
+    sizes = Sizes.of(cache, dry)
+    return [*_checks(py, work, sizes), *_benchmarks(py, work, sizes), *_batch_256(py, work, sizes)]
+
+
+def _checks(py: str, work: Path, s: Sizes) -> list[Step]:
+    """Does mmfast work on this machine: its versions, NVML, the GPU tests, the README's quickstart."""
     pytest = [py, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", f"pythonpath={test_paths()}"]
     return [
         Step("environment", [py, "-P", "-c", ENV_SNIPPET], 60),
         Step(
             "nvml",
-            [py, "tools/nvml_record.py"] + (["--help"] if dry else ["--out", str(work / "nvml.json")]),
+            [py, "tools/nvml_record.py"] + (["--help"] if s.dry else ["--out", str(work / "nvml.json")]),
             30,
             "raw NVML readings, for the sampler's tests",
         ),
@@ -102,26 +128,28 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         Step(
             "quickstart",
             [py, "tools/train.py", "--out", str(work / "run-quickstart"), "--no-progress"]
-            + (["--demo-size", "100", "--epochs", "1", "--batch-size", "16"] if dry else []),
+            + (["--demo-size", "100", "--epochs", "1", "--batch-size", "16"] if s.dry else []),
             150,
             "the README's training command on its demo set",
             ["run-quickstart/summary.json"],
         ),
+    ]
+
+
+def _benchmarks(py: str, work: Path, s: Sizes) -> list[Step]:
+    """The write-up's benchmarks on real photos: the models alone, the loader alone, training end to end."""
+    data = ["--data", str(s.photos)]
+    return [
         Step(
             "photos",
-            [
-                py,
-                "-P",
-                "tools/benchmarks/benchlib/data.py",
-                str(n_photos),
-            ],
+            [py, "-P", "tools/benchmarks/benchlib/data.py", str(s.n_photos)],
             90,
             "real 800x600 photos (scikit-image's), prepared",
         ),
         Step(
             "models",
-            [py, "tools/benchmarks/bench_models.py", *big, "--batch-size", batch, "--mixed-precision", "auto"]
-            + ["--steps", "1" if dry else "10", "--warmup", "1" if dry else "3"]
+            [py, "tools/benchmarks/bench_models.py", *s.model, "--batch-size", s.batch]
+            + ["--mixed-precision", "auto", "--steps", s.count(1, 10), "--warmup", s.count(1, 3)]
             + ["--json", str(work / "bench_models.json")],
             90,
             "forward + backward per batch, every fusion model",
@@ -129,45 +157,51 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "loader",
-            [py, "tools/benchmarks/bench_loader.py", "--data", str(photos), "--size", size, "--batch-size", batch]
-            + ["--rounds", "1" if dry else "2", "--epochs", "1" if dry else "3"]
-            + ["--json", str(work / "bench_loader.json")],
+            [py, "tools/benchmarks/bench_loader.py", *data, "--size", s.size, "--batch-size", s.batch]
+            + ["--rounds", s.count(1, 2), "--epochs", s.count(1, 3), "--json", str(work / "bench_loader.json")],
             150,
             "mmfast loader vs bare DALI vs DataLoader + PIL",
             ["bench_loader.json"],
         ),
         Step(
             "train-bench",
-            [py, "tools/benchmarks/bench_train.py", "--data", str(photos), *big, "--image-size", size]
-            + ["--batch-size", batch, "--steps", "1" if dry else "20", "--warmup", "1" if dry else "4"]
+            [py, "tools/benchmarks/bench_train.py", *data, *s.model, "--image-size", s.size]
+            + ["--batch-size", s.batch, "--steps", s.count(1, 20), "--warmup", s.count(1, 4)]
             + ["--rounds", "1", "--repeats", "1"]
             + ["--json", str(work / "bench_train.json"), "--png", str(work / "bench_train.png")],
             210,
             "the write-up's claims: DataLoader vs mmfast, fp32 vs fp16; loop overhead",
             ["bench_train.json", "bench_train.png"],
         ),
+    ]
+
+
+def _batch_256(py: str, work: Path, s: Sizes) -> list[Step]:
+    """#31: the model step and training at batch 256, then where a step's time goes (with CUDA graphs too)."""
+    data, size, batch = ["--data", str(s.photos)], ["--image-size", s.size], ["--batch-size", s.batch]
+    return [
         Step(
             "models-256",
-            [py, "tools/benchmarks/bench_models.py", *big, "--batch-size", big_batch, "--mixed-precision", "auto"]
-            + ["--channels-last", "--steps", "1" if dry else "10", "--warmup", "1" if dry else "3"]
-            + ["--json", str(work / "bench_models_256.json")],
+            [py, "tools/benchmarks/bench_models.py", *s.model, "--batch-size", s.big_batch]
+            + ["--mixed-precision", "auto", "--channels-last", "--steps", s.count(1, 10)]
+            + ["--warmup", s.count(1, 3), "--json", str(work / "bench_models_256.json")],
             120,
             "#31: the model step alone at batch 256 (bf16 where the GPU has it, NHWC): what end to end is held to",
             ["bench_models_256.json"],
         ),
         Step(
             "train-256",
-            [py, "tools/train.py", "--data", str(photos), *big, "--model", "concat", "--image-size", size]
-            + ["--batch-size", big_batch, "--epochs", "1" if dry else "6", "--no-checkpoints", "--profile"]
-            + ["--out", str(work / "run-256"), "--no-progress"],
+            [py, "tools/train.py", *data, *s.model, "--model", "concat", *size, "--batch-size", s.big_batch]
+            + ["--epochs", s.count(1, 6), "--no-checkpoints", "--profile", "--out", str(work / "run-256")]
+            + ["--no-progress"],
             240,
             "#31: end-to-end training at batch 256 with the hardware defaults (summary: images/s, data wait)",
             ["run-256/summary.json"],
         ),
         Step(
             "profile",
-            [py, "tools/profile_run.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
-            + ["--steps", "3" if dry else "30", "--warmup", "1" if dry else "5"]
+            [py, "tools/profile_run.py", *data, *s.model, *size, *batch]
+            + ["--steps", s.count(3, 30), "--warmup", s.count(1, 5)]
             + ["--out", str(work / "profile"), "--no-progress"],
             120,
             "where step time goes, GPU utilization, verdict",
@@ -175,10 +209,9 @@ def steps(py: str, work: Path, cache: Path, dry: bool) -> list[Step]:
         ),
         Step(
             "profile-graphs",
-            [py, "tools/profile_run.py", "--data", str(photos), *big, "--image-size", size, "--batch-size", batch]
-            + ["--compile-mode", "reduce-overhead", "--steps", "3" if dry else "40"]
-            + ["--warmup", "1" if dry else "5"]
-            + ["--out", str(work / "profile-graphs"), "--no-progress"],
+            [py, "tools/profile_run.py", *data, *s.model, *size, *batch, "--compile-mode", "reduce-overhead"]
+            + ["--steps", s.count(3, 40), "--warmup", s.count(1, 5), "--out", str(work / "profile-graphs")]
+            + ["--no-progress"],
             300,
             "#31: the same at batch 64 with CUDA graphs (compiled, captions padded to buckets): GPU busy >= 85%?",
             ["profile-graphs/profile.json"],
@@ -272,6 +305,24 @@ def run_step(step: Step, env: dict, work: Path, limit: float) -> dict:
     }
 
 
+def step_results(work: Path) -> dict:
+    """The JSON the steps wrote in ``work``, under the summary's keys (a step that wrote none has none)."""
+    found: dict = {}
+    for name in ("bench_models", "bench_models_256", "bench_loader", "bench_train", "nvml"):
+        f = work / f"{name}.json"
+        if f.exists():
+            try:
+                found[name] = json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                found[name] = {"error": f"unreadable: {e}"}
+    if (run_256 := work / "run-256" / "summary.json").exists():  # #31's end-to-end figures
+        found["train_256"] = json.loads(run_256.read_text())
+    for name in ("profile", "profile-graphs"):
+        if (prof := work / name / "profile.json").exists():
+            found[name.replace("-", "_")] = json.loads(prof.read_text())
+    return found
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_out", help="folder for summary.json, log.txt and gpu_check.tar.gz")
@@ -338,18 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget,
         "steps": results,
     }
-    for name in ("bench_models", "bench_models_256", "bench_loader", "bench_train", "nvml"):
-        f = work / f"{name}.json"
-        if f.exists():
-            try:
-                summary[name] = json.loads(f.read_text())
-            except json.JSONDecodeError as e:
-                summary[name] = {"error": f"unreadable: {e}"}
-    if (run_256 := work / "run-256" / "summary.json").exists():  # #31's end-to-end figures
-        summary["train_256"] = json.loads(run_256.read_text())
-    for name in ("profile", "profile-graphs"):
-        if (prof := work / name / "profile.json").exists():
-            summary[name.replace("-", "_")] = json.loads(prof.read_text())
+    summary.update(step_results(work))
     log("\n" + f"{'step':<14}{'status':<9}{'seconds':>8}")
     for r in results:
         log(f"{r['name']:<14}{r['status']:<9}{r.get('seconds', 0):>8}")

@@ -95,23 +95,30 @@ def text_locked(model) -> bool:
 
 
 def text_feature_parts(
-    dataset: PreparedDataset, model, loader: MultimodalLoader, dtype: str, precision: str
+    dataset: PreparedDataset, model, loader: MultimodalLoader, dtype: str, precision: str, hidden: bool = False
 ) -> dict:
     """What the cached text features depend on: the data, the text tower's weights and the tokens (the token
-    cache's fingerprint, its max length, the batches' padding)."""
+    cache's fingerprint, its max length, the batches' padding). ``hidden``: what the cached lower layers'
+    output depends on instead (``build_text_features``' ``hidden``): the locked part's weights and its depth,
+    and in place of the padding the stored length (the split's longest caption)."""
     tokens = loader.tokens
+    tower = {"class": type(model.text).__name__}
+    token_parts = {"fingerprint": tokens.fingerprint, "max_length": int(tokens.meta["max_length"])}
+    if hidden:
+        tower |= {"weights": weights_digest(model.text.locked_part()), "locked_layers": model.text.frozen_layers}
+        token_parts["length"] = int(tokens.lengths.max(initial=1))
+    else:
+        tower["weights"] = weights_digest(model.text)
+        token_parts["padding"] = loader.text_padding
     return {
         "data": dataset.fingerprint,
         "split": "train",
-        "tower": {"class": type(model.text).__name__, "weights": weights_digest(model.text)},
-        "tokens": {
-            "fingerprint": tokens.fingerprint, "max_length": int(tokens.meta["max_length"]),
-            "padding": loader.text_padding,
-        },
+        "tower": tower,
+        "tokens": token_parts,
         "views": {"count": 0},
         "dtype": dtype,
         "precision": precision,
-    }  # fmt: skip
+    }
 
 
 def text_partly_locked(model) -> bool:
@@ -119,30 +126,6 @@ def text_partly_locked(model) -> bool:
     the locked lower layers' output is what a cache can hold."""
     text = getattr(model, "text", None)
     return bool(getattr(model, "takes_text_features", False) and getattr(text, "frozen_layers", 0))
-
-
-def text_hidden_parts(
-    dataset: PreparedDataset, model, loader: MultimodalLoader, dtype: str, precision: str
-) -> dict:
-    """What the cached lower layers' output depends on: the data, the locked part's weights and its depth, and
-    the tokens (the token cache's fingerprint, its max length, the stored length: the split's longest caption)."""
-    tokens = loader.tokens
-    locked = model.text.locked_part()
-    return {
-        "data": dataset.fingerprint,
-        "split": "train",
-        "tower": {
-            "class": type(model.text).__name__, "weights": weights_digest(locked),
-            "locked_layers": model.text.frozen_layers,
-        },
-        "tokens": {
-            "fingerprint": tokens.fingerprint, "max_length": int(tokens.meta["max_length"]),
-            "length": int(tokens.lengths.max(initial=1)),
-        },
-        "views": {"count": 0},
-        "dtype": dtype,
-        "precision": precision,
-    }  # fmt: skip
 
 
 def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset) -> Path:
@@ -239,8 +222,7 @@ def build_text_features(
     """
     t0 = time.perf_counter()
     dtype = "float32" if accelerator.mixed_precision == "no" else "float16"
-    make_parts = text_hidden_parts if hidden else text_feature_parts
-    parts = make_parts(dataset, model, loader, dtype, accelerator.mixed_precision)
+    parts = text_feature_parts(dataset, model, loader, dtype, accelerator.mixed_precision, hidden)
     ids = dataset.table("train", images=False).ids
     length = parts["tokens"]["length"] if hidden else None
 

@@ -439,12 +439,26 @@ def test_a_stopped_rank_makes_the_other_exit_naming_it(prepared, tmp_path):
     pids = _rank_pids(proc.pid)
     os.kill(pids[1], signal.SIGSTOP)
     try:
-        _, err = proc.communicate(timeout=240)  # bounded: the timeout, then the launcher's own shutdown
+        deadline = time.time() + 240  # bounded: the --dist-timeout, then rank 0's own exit
+        while _running(pids[0]) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _running(pids[0]), "rank 0 did not exit with rank 1 stopped"
+        # the launcher would wait 30 s for the stopped rank to take its SIGTERM (torchrun's fixed grace)
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
     finally:
         for pid in pids.values():
             with_suppress_kill(pid)
     assert proc.returncode != 0
     assert "rank 0: waiting for the other processes failed" in err and "rank(s) 1 stopped responding" in err
+
+
+def _running(pid: int) -> bool:
+    """Whether the process ``pid`` runs (not exited, nor a zombie left for its parent to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def with_suppress_kill(pid: int) -> None:
