@@ -16,7 +16,8 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   the last epoch's evaluation (not the best one: choosing it would be tuning on val). clip-top2 / clip-top1 /
   clip-locked / siglip-top2 (``RECIPES``): the same with only the text tower's top 2 or 1 layers training, or
   none, on cached features (--feature-cache on, one cache folder per set under --out); a "-16" recipe trains 16
-  epochs on 2 stored views.
+  epochs on 2 stored views. siglip-top1 / siglip-locked: SigLIP with the top layer training, or none;
+  siglip-top2-slow: siglip-top2 with the text tower's learning rate at 1e-5 (the preset's: 3e-5).
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
