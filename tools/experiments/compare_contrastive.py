@@ -10,18 +10,14 @@ tools/datasets/build_xfce_icons_set.py), a manifest / image folder, or a prepare
 prepared once (the captions tokenized for the preset's text model) into --cache. Every method is scored on the same
 val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the contrastive task groups them):
 
-- ridge: the preset's towers frozen (the image tower's pooled features, the text model's mean-pooled features,
-  L2-normalized: T); the closed-form ridge map W = argmin ||X W - T||^2 + lambda ||W||^2 from standardized
-  image features X to T, fitted on the train split, lambda picked on a held-out fifth of it. Images are
-  normalize(X W), texts normalize(T); no training.
-- probe: the same cached features, two bias-free linear projections into --embed-dim trained with the CLIP loss
-  (mmfast's, learnable temperature) by Adam; the epoch count is picked on the held-out fifth of train, then the
-  projections are trained again on the whole train split.
+- ridge and probe: the preset's towers frozen, their features aligned by a closed-form ridge map or by two
+  linear projections trained with the CLIP loss (``contrastive_baselines.py``, beside this file).
 - clip / siglip: ``mmfast.train.train`` with the preset's recipe and that loss, for every seed; the figures are
   the last epoch's evaluation (not the best one: choosing it would be tuning on val). clip-top2 / clip-top1 /
   clip-locked / siglip-top2 (``RECIPES``): the same with only the text tower's top 2 or 1 layers training, or
   none, on cached features (--feature-cache on, one cache folder per set under --out); a "-16" recipe trains 16
-  epochs on 2 stored views.
+  epochs on 2 stored views. siglip-top1 / siglip-locked: SigLIP with the top layer training, or none;
+  siglip-top2-slow: siglip-top2 with the text tower's learning rate at 1e-5 (the preset's: 3e-5).
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -36,8 +32,12 @@ import logging
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+try:  # imported as tools.experiments.compare_contrastive (the tests), or run as a script from this folder
+    from tools.experiments.contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge
+except ImportError:
+    from contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = {  # set name -> its builder script, run as ``python SCRIPT OUT_DIR``
@@ -58,13 +58,12 @@ RECIPES = {
     "siglip-top2": ("siglip", {"text_train_layers": 2, "feature_cache": "on"}),
     "clip-top2-16": ("clip", {"text_train_layers": 2, "feature_cache": "on", **LONGER}),
     "siglip-top2-16": ("siglip", {"text_train_layers": 2, "feature_cache": "on", **LONGER}),
+    "siglip-top1": ("siglip", {"text_train_layers": 1, "feature_cache": "on"}),
+    "siglip-locked": ("siglip", {"freeze_text": True, "feature_cache": "on"}),
+    "siglip-top2-slow": ("siglip", {"text_train_layers": 2, "feature_cache": "on", "encoder_lr": 1e-5}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
-RIDGE_LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)  # times the number of training samples
-PROBE = {"every": 2, "lr": 1e-3, "batch_size": 64}  # the probe's Adam; its epochs checked every "every"
-HELD_OUT = 0.2  # share of the train split the baselines choose lambda / epochs on
 QUICK_ROWS = 120
-MAX_LENGTH = 32  # tokens per caption and prompt: TrainConfig's default when a run prepares its own data
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -162,228 +161,6 @@ def prepared_set(name: str, cache: Path, preset: str, limit: int | None) -> Path
             )
         )
     return target
-
-
-# ------------------------------------------------------------------------------------ frozen tower features
-
-
-def frozen_features(data_dir: Path, preset: str, threads: int | None) -> dict:
-    """The preset's pretrained towers, frozen, over both splits as the training run's evaluation sees them (the
-    eval loader: resize + center crop at the preset's size, the encoder's mean / std).
-
-    Returns:
-        {"train"/"val": {"x": (N, C_img) image features, "t": (N, D_txt) normalized text features, "label",
-        "group": (N,) image group (the contrastive task's)}, "prompts": (C, T, D_txt) normalized prompt
-        features, "seconds": the time it took}.
-    """
-    import torch
-
-    from mmfast.data.dataset import PreparedDataset
-    from mmfast.data.tokenizer import load_tokenizer
-    from mmfast.models import get_preset
-    from mmfast.models.encoders import ImageEncoder, TextEncoder
-    from mmfast.tasks.contrastive import sample_groups
-    from mmfast.tasks.retrieval import DEFAULT_TEMPLATES, class_prompts
-
-    t0 = time.perf_counter()
-    spec = get_preset(preset)
-    dataset = PreparedDataset(data_dir)
-    image = ImageEncoder(spec.image_backbone, freeze=True).eval()
-    text = TextEncoder(spec.text_model, freeze=True).eval()
-    groups = sample_groups(dataset)[0]
-    out = {
-        split: _split_features(dataset, split, image, text, spec.image_size, threads) for split in ("train", "val")
-    }
-    for split in out.values():
-        split["group"] = groups[split.pop("id")]
-    names = sorted(dataset.labels, key=dataset.labels.get)
-    flat = [p for per in class_prompts(names, DEFAULT_TEMPLATES) for p in per]
-    enc = load_tokenizer(dataset.tokenizer_dir)(
-        flat, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
-    )
-    with torch.no_grad():
-        prompts = torch.nn.functional.normalize(text(enc["input_ids"], enc["attention_mask"]), dim=-1)
-    out["prompts"] = prompts.reshape(len(names), len(DEFAULT_TEMPLATES), -1)
-    out["seconds"] = time.perf_counter() - t0
-    return out
-
-
-def _split_features(dataset, split: str, image, text, size: int, threads: int | None) -> dict:
-    import torch
-
-    from mmfast.loading.multimodal import MultimodalLoader
-
-    norm = {"mean": tuple(255 * m for m in image.mean), "std": tuple(255 * s for s in image.std)}
-    loader = MultimodalLoader(
-        dataset,
-        split,
-        64,
-        shuffle=False,
-        drop_last=False,
-        train=False,
-        size=size,
-        fp16=False,
-        num_workers=threads,
-        **norm,
-    )
-    parts: dict[str, list] = {"x": [], "t": [], "label": [], "id": []}
-    with torch.no_grad():
-        for batch in loader:
-            keep = batch["id"] >= 0  # padding of the last batch
-            parts["x"].append(image(batch["image"].float())[0][keep])
-            pooled = text(batch["input_ids"], batch["attention_mask"])[keep]
-            parts["t"].append(torch.nn.functional.normalize(pooled, dim=-1))
-            parts["label"].append(batch["label"][keep])
-            parts["id"].append(batch["id"][keep])
-    got = {k: torch.cat(v) for k, v in parts.items()}
-    order = got["id"].argsort()
-    return {k: v[order] for k, v in got.items()}
-
-
-def score(img, txt, split: dict, class_emb) -> dict:
-    """Retrieval both ways (one entry per distinct image, its captions grouped) and zero-shot accuracy of the
-    embeddings of ``split``'s samples (row i: sample i), in the task's own figures."""
-    import torch
-
-    from mmfast.tasks.retrieval import caption_groups, retrieval_figures, zero_shot_figures
-
-    img, txt = torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1)
-    first, text_image = caption_groups(split["group"].tolist())
-    figures = retrieval_figures(img[first], txt, text_image)
-    figures |= zero_shot_figures(img[first], split["label"][first], class_emb)
-    return {**figures, "images": len(first)}
-
-
-def _held_out(split: dict, seed: int = 0) -> tuple[dict, dict]:
-    """(fit, held-out): the train split cut by image group, HELD_OUT of the groups held out."""
-    import torch
-
-    groups = split["group"].unique()
-    g = torch.Generator().manual_seed(seed)
-    held = set(groups[torch.randperm(len(groups), generator=g)[: max(1, int(HELD_OUT * len(groups)))]].tolist())
-    mask = torch.tensor([int(x) in held for x in split["group"]])
-    return {k: v[~mask] for k, v in split.items()}, {k: v[mask] for k, v in split.items()}
-
-
-def _standardize(train_x):
-    mean, std = train_x.mean(0), train_x.std(0).clamp(min=1e-6)
-    return lambda x: (x - mean) / std
-
-
-# ----------------------------------------------------------------------------------------------- (a) ridge
-
-
-def _ridge_fit(x, t, lam: float):
-    """W (C, D) and the mean of T: ridge from centered x to centered t, closed form (the dual when N < C)."""
-    import torch
-
-    x, t = x.double(), t.double()
-    t_mean = t.mean(0)
-    tc = t - t_mean
-    n, c = x.shape
-    if n < c:
-        w = x.T @ torch.linalg.solve(x @ x.T + lam * torch.eye(n, dtype=x.dtype), tc)
-    else:
-        w = torch.linalg.solve(x.T @ x + lam * torch.eye(c, dtype=x.dtype), x.T @ tc)
-    return w.float(), t_mean.float()
-
-
-def ridge(feats: dict) -> dict:
-    """(a): image features mapped into the text model's space by ridge; lambda by held-out mean recall."""
-    from mmfast.tasks.retrieval import class_embeddings
-
-    t0 = time.perf_counter()
-    class_emb = class_embeddings(feats["prompts"])
-    fit, held = _held_out(feats["train"])
-    std = _standardize(fit["x"])
-    picks = {}
-    for k in RIDGE_LAMBDAS:
-        w, t_mean = _ridge_fit(std(fit["x"]), fit["t"], k * len(fit["x"]))
-        picks[k] = score(std(held["x"]) @ w + t_mean, held["t"], held, class_emb)["mean_recall"]
-    lam = max(picks, key=picks.get)
-    train, val = feats["train"], feats["val"]
-    std = _standardize(train["x"])
-    w, t_mean = _ridge_fit(std(train["x"]), train["t"], lam * len(train["x"]))
-    figures = score(std(val["x"]) @ w + t_mean, val["t"], val, class_emb)
-    return {**figures, "lambda_per_sample": lam, "train_s": time.perf_counter() - t0}
-
-
-# ------------------------------------------------------------------------------------ (b) the linear probe
-
-
-def _probe_train(train: dict, epochs: int, dim: int, seed: int, check=None) -> tuple:
-    """Two linear projections trained with mmfast's CLIP loss on cached features; ``check(project)`` is called
-    every PROBE["every"] epochs. Returns (project: x, t -> (image emb, text emb), the checks' results)."""
-    import math
-
-    import torch
-
-    from mmfast.tasks.contrastive import contrastive_loss
-
-    torch.manual_seed(seed)
-    std = _standardize(train["x"])
-    x, t, group = std(train["x"]), train["t"], train["group"]
-    img_proj = torch.nn.Linear(x.shape[1], dim, bias=False)
-    txt_proj = torch.nn.Linear(t.shape[1], dim, bias=False)
-    logit_scale = torch.nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-    params = [*img_proj.parameters(), *txt_proj.parameters(), logit_scale]
-    opt = torch.optim.Adam(params, lr=PROBE["lr"])
-    text_group = _caption_groups_of(train)
-
-    def project(xs, ts):
-        with torch.no_grad():
-            return img_proj(std(xs)), txt_proj(ts)
-
-    results = []
-    for epoch in range(1, epochs + 1):
-        for idx in torch.randperm(len(x)).split(PROBE["batch_size"]):
-            out = {
-                "image": torch.nn.functional.normalize(img_proj(x[idx]), dim=-1),
-                "text": torch.nn.functional.normalize(txt_proj(t[idx]), dim=-1),
-                "logit_scale": logit_scale.clamp(max=math.log(100.0)).exp(),
-                "logit_bias": torch.zeros(()),
-            }
-            ids = torch.arange(len(idx))
-            loss = contrastive_loss("clip", out, ids, torch.stack([group[idx], text_group[idx]]))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        if check is not None and epoch % PROBE["every"] == 0:
-            results.append((epoch, check(project)))
-    return project, results
-
-
-def _caption_groups_of(split: dict):
-    """(N,) a group per distinct text feature (identical captions embed identically): not each other's
-    negatives, as in the task's loss."""
-    import torch
-
-    _, inverse = torch.unique(split["t"], dim=0, return_inverse=True)
-    return inverse
-
-
-def _probe_score(project, split: dict, prompts) -> dict:
-    """``score`` of the projected features of ``split``, zero-shot with the projected prompts (C, T, D_txt)."""
-    from mmfast.tasks.retrieval import class_embeddings
-
-    img, txt = project(split["x"], split["t"])
-    _, cls = project(split["x"][:1], prompts.flatten(0, 1))
-    return score(img, txt, split, class_embeddings(cls.reshape(*prompts.shape[:2], -1)))
-
-
-def probe(feats: dict, dim: int, seed: int, max_epochs: int) -> dict:
-    """(b): the linear probe; its epochs by held-out mean recall, then trained again on the whole train split."""
-    t0 = time.perf_counter()
-    fit, held = _held_out(feats["train"])
-
-    def check(project) -> float:
-        return _probe_score(project, held, feats["prompts"])["mean_recall"]
-
-    _, curve = _probe_train(fit, max_epochs, dim, seed, check)
-    epochs = max(curve, key=lambda c: c[1])[0]
-    project, _ = _probe_train(feats["train"], epochs, dim, seed)
-    figures = _probe_score(project, feats["val"], feats["prompts"])
-    return {**figures, "epochs": epochs, "seed": seed, "train_s": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------- (c) mmfast's dual encoder
