@@ -14,6 +14,7 @@ from torch import nn
 from mmfast.data.preprocessing import EVAL_CROP_RATIO, INTERPOLATIONS, RESIZE_MODES
 from mmfast.data.tokenizer import load_tokenizer
 from mmfast.models import model_class
+from mmfast.models.catalog import IMAGE_POOLS
 from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
 from mmfast.tasks.retrieval import read_templates
 
@@ -50,6 +51,7 @@ class ModelConfig:
     freeze_image: bool | None
     freeze_text: bool
     text_train_layers: int | None
+    image_pool: str | None
     dropout: float
     task: str | None
     loss: str
@@ -106,6 +108,7 @@ def model_config(
         "num_classes": dataset.num_classes,
         "class_names": sorted(dataset.labels, key=dataset.labels.get),
         "image_backbone": cfg.image_backbone,
+        **({"image_pool": cfg.image_pool} if cfg.image_pool not in (None, "last") else {}),  # absent: last
         "text_model": cfg.text_model,
         **({"text_config": text_config} if text_config is not None else {}),
         **{k: v for k, v in records.items() if v is not None},
@@ -166,6 +169,7 @@ _OPTIONAL_FIELDS = {
     "max_pixels": (lambda v: v is None or _positive_int(v), "a positive integer"),
     "text_config": (lambda v: isinstance(v, dict) and isinstance(v.get("model_type"), str), "a model config"),
     "embed_dim": (_positive_int, "a positive integer"),
+    "image_pool": (lambda v: v in IMAGE_POOLS, " or ".join(IMAGE_POOLS)),
     "loss": (lambda v: isinstance(v, str), "a loss name"),
     "zero_shot_templates": (_templates, "a list of templates, each with one {}"),
     "image_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),

@@ -90,6 +90,7 @@ class MmfastModel(
                 config["model"],
                 config["num_classes"],
                 image_backbone=config["image_backbone"],
+                image_pool=config.get("image_pool", "last"),
                 text_model=text_model,
                 vocab_size=config["vocab_size"],
                 hidden=config["hidden"],
@@ -234,7 +235,7 @@ def _recorded_towers(config: dict) -> dict:
     """The towers config.json records as started from a directory (``image_tower`` / ``text_tower``), rebuilt
     with random weights without it, as ``build_model``'s ``image_encoder`` / ``text_encoder``."""
     return {
-        f"{name}_encoder": tower_from_record(config[f"{name}_tower"], name)
+        f"{name}_encoder": tower_from_record(config[f"{name}_tower"], name, config.get("image_pool", "last"))
         for name in ("image", "text")
         if f"{name}_tower" in config
     }

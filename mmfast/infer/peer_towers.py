@@ -88,6 +88,11 @@ def timm_image(model, fmt: str) -> TimmImage:
         raise FormatRefusal(f"--format {fmt}: a '{model.config['model']}' model has no image tower")
     if not hasattr(image, "net"):
         raise FormatRefusal(f"--format {fmt}: image tower '{backbone}' is not a timm model; {INSTEAD}")
+    if getattr(image, "pool", "last") != "last":
+        raise FormatRefusal(
+            f"--format {fmt}: the image tower pools its stages too (--image-pool {image.pool}), which a timm "
+            f"model built by name does not; {INSTEAD}"
+        )
     trunk = {k: v.detach().cpu() for k, v in image.net.state_dict().items()}
     if getattr(image, "timm", False):
         name = getattr(image.net, "pretrained_cfg", {}).get("architecture") or backbone.removeprefix("timm:")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
 COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
+IMAGE_POOLS = ("last", "multiscale")  # the image tower's pooled features: the last map's, or also late stages'
 INIT_PROJ = ("ridge", "random")  # how the dual encoder's projections start (mmfast/train/warm_start.py)
 
 
@@ -29,6 +30,7 @@ class Preset:
     batch_size: int = 64
     init_proj: str = "random"  # the dual encoder's projections: random, or a closed-form ridge start
     text_train_layers: int | None = None  # the text encoder's top layers that train (None: all of them)
+    image_pool: str = "last"  # the image tower's pooled features (encoders.ImageEncoder's pool)
 
 
 PRESETS = {

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mmfast.data.tokenizer import minilm_path
-from mmfast.models.catalog import IMAGE_BACKBONES
+from mmfast.models.catalog import IMAGE_BACKBONES, IMAGE_POOLS
 from mmfast.util.fsutil import file_sha256
 from mmfast.util.voice import setting
 
@@ -102,6 +102,11 @@ class ImageEncoder(nn.Module):
     Returns pooled features (B, C) and the last feature map (B, C, h, w): C = 2048 for ResNet-50/101, 512 for
     ResNet-10/18/34, 1280 for EfficientNet-Lite0. ``mean`` / ``std`` (0..1 scale) are the normalization the
     weights expect; the loader normalizes with them.
+
+    ``pool="multiscale"``: the pooled features are the average-pooled outputs of the trunk's stages at stride 16
+    and 32, then the last feature map's, concatenated (EfficientNet-Lite0: 80 + 112 + 192 + 320 + 1280 = 1984).
+    A locked tower's later stages hold the shapes and colours an ImageNet head pools away; a projection trained
+    on them retrieves better (docs/benchmarks/notes/2026-12-05-recipes-3.md). ``pool="last"``: the last map's only.
     """
 
     def __init__(
@@ -110,8 +115,11 @@ class ImageEncoder(nn.Module):
         weights: str | os.PathLike | None = None,
         freeze: bool = False,
         model_args: dict | None = None,
+        pool: str = "last",
     ):
         super().__init__()
+        if pool not in IMAGE_POOLS:
+            raise ValueError(f"{setting('image_pool', value=pool)}: choose from {', '.join(IMAGE_POOLS)}")
         local = os.path.isdir(backbone)  # a timm model in timm's Hugging Face layout (start_dirs.start_kind)
         self.timm = local or backbone == "efficientnet-lite0" or backbone.startswith(TIMM_PREFIX)
         if self.timm:
@@ -140,9 +148,20 @@ class ImageEncoder(nn.Module):
             arch = net.pretrained_cfg.get("architecture") or net.default_cfg.get("architecture")
             self.record = {"kind": "timm", "architecture": arch, "model_args": _local_args(backbone)}
         self.net = net
+        self.pool = pool
+        self.taps: list[nn.Module] = []  # the stages whose pooled outputs precede the last map's (multiscale)
+        self._tapped: list[torch.Tensor] = []
+        if pool == "multiscale":
+            self.taps, widths = _late_stages(self, backbone)
+            for stage in self.taps:
+                stage.register_forward_hook(self._tap)
+            self.width += sum(widths)
         self.frozen = freeze
         if freeze:
             self.requires_grad_(False)
+
+    def _tap(self, module, args, output) -> None:
+        self._tapped.append(output)
 
     def train(self, mode: bool = True):
         # A frozen encoder keeps its batch-norm statistics: it stays in eval mode.
@@ -158,14 +177,55 @@ class ImageEncoder(nn.Module):
             else None
         )
         images = images.to(dtype=first.dtype, memory_format=fmt or torch.contiguous_format)
-        if self.timm:
-            fmap = self.net.forward_features(images)  # (B, C, h, w)
-        else:
-            n = self.net
-            x = n.maxpool(n.relu(n.bn1(n.conv1(images))))
-            fmap = n.layer4(n.layer3(n.layer2(n.layer1(x))))  # (B, C, h, w)
+        fmap = self.feature_map(images)
         pooled = fmap.mean(dim=(2, 3))  # (B, C): global average pooling
+        if self.taps:
+            tapped, self._tapped = self._tapped, []
+            pooled = torch.cat([t.mean(dim=(2, 3)) for t in tapped] + [pooled], dim=1)
         return pooled, fmap
+
+    def feature_map(self, images: torch.Tensor) -> torch.Tensor:
+        """The trunk's last feature map (B, C, h, w); the multiscale taps fill ``_tapped`` on the way."""
+        self._tapped = []
+        if self.timm:
+            return self.net.forward_features(images)
+        n = self.net
+        x = n.maxpool(n.relu(n.bn1(n.conv1(images))))
+        return n.layer4(n.layer3(n.layer2(n.layer1(x))))
+
+
+STAGE_LISTS = ("blocks", "stages")  # where timm's CNNs keep their stages (EfficientNet / MobileNet, ConvNeXt)
+LATE_STRIDE = 16  # multiscale pools the stages from this output stride on
+
+
+@torch.no_grad()
+def _late_stages(encoder: ImageEncoder, backbone: str) -> tuple[list[nn.Module], list[int]]:
+    """The trunk's stages at output stride >= LATE_STRIDE, less the one whose output is the last feature map
+    itself (a ResNet's layer4), and their channels: found by one pass of a 64 x 64 image."""
+    net = encoder.net
+    lists = [getattr(net, a, None) for a in STAGE_LISTS]
+    stages = next((list(s) for s in lists if isinstance(s, nn.Sequential)), None)
+    if stages is None and all(hasattr(net, f"layer{i}") for i in range(1, 5)):
+        stages = [getattr(net, f"layer{i}") for i in range(1, 5)]
+    if not stages:
+        raise ValueError(
+            f"{setting('image_pool', value='multiscale')}: image backbone '{backbone}' has no stages mmfast "
+            "can read (blocks, stages or layer1-4); use --image-pool last"
+        )
+    seen: list[tuple[nn.Module, torch.Tensor]] = []
+    hooks = [s.register_forward_hook(lambda m, a, out, s=s: seen.append((s, out))) for s in stages]
+    side = 64
+    was_training = net.training
+    net.eval()
+    try:
+        fmap = encoder.feature_map(torch.zeros(1, 3, side, side, dtype=next(net.parameters()).dtype))
+    finally:
+        net.train(was_training)
+        for h in hooks:
+            h.remove()
+    late = [(s, out) for s, out in seen if out.dim() == 4 and side // out.shape[-1] >= LATE_STRIDE]
+    late = [(s, out) for s, out in late if out is not fmap]
+    return [s for s, _ in late], [int(out.shape[1]) for _, out in late]
 
 
 def _local_args(folder: str) -> dict:

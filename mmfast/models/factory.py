@@ -32,6 +32,7 @@ def build_model(
     freeze_image: bool = False,
     freeze_text: bool = False,
     text_train_layers: int | None = None,
+    image_pool: str = "last",
     hidden: int = 512,
     dropout: float = 0.1,
     channels_last: bool = False,
@@ -53,6 +54,7 @@ def build_model(
         image_weights: optional local state dict for the image backbone (strict).
         freeze_image, freeze_text: no gradients into that encoder.
         text_train_layers: the text encoder's top layers that train (None or -1: all; ``TextEncoder``).
+        image_pool: the image encoder's pooled features, "last" or "multiscale" (``ImageEncoder``'s pool).
         channels_last: NHWC memory format for the CNN (faster convolutions on tensor cores).
         image_encoder, text_encoder: towers already built (a model directory's, rebuilt from its records),
             used instead of building them from ``image_backbone`` / ``text_model``.
@@ -71,7 +73,7 @@ def build_model(
     # A model builds only the encoders it uses (the single-modality baselines one).
     image = text = None
     if "image" in cls.modalities:
-        image = image_encoder or _image_encoder(image_backbone, image_weights, freeze_image)
+        image = image_encoder or _image_encoder(image_backbone, image_weights, freeze_image, image_pool)
     if "text" in cls.modalities:
         text = text_encoder or _text_encoder(text_model, vocab_size, freeze_text, dropout, text_train_layers)
     model = cls(image, text, num_classes, hidden=hidden, dropout=dropout, **kwargs)
@@ -80,12 +82,18 @@ def build_model(
     return model
 
 
-def _image_encoder(backbone: str, weights: str | None, freeze: bool) -> nn.Module:
+def _image_encoder(backbone: str, weights: str | None, freeze: bool, pool: str) -> nn.Module:
     """A catalogue backbone or a timm directory (``ImageEncoder``), else the tower a model directory holds."""
     if start_kind(backbone) in (None, "timm"):
-        return ImageEncoder(backbone, weights=weights, freeze=freeze)
+        return ImageEncoder(backbone, weights=weights, freeze=freeze, pool=pool)
     if weights is not None:
         raise ValueError(f"--image-weights {weights}: image backbone {backbone} is a directory with its weights")
+    if pool != "last":
+        raise ValueError(
+            f"{setting('image_pool', value=pool)}: image backbone {backbone} is a CLIP, open_clip or Hugging Face "
+            "tower, which pools as it was trained to; multiscale reads a CNN's stages (a catalogue backbone, "
+            "timm:<name> or a timm directory): use --image-pool last"
+        )
     return image_tower_from(backbone, freeze)
 
 

@@ -168,10 +168,11 @@ def text_tower_from(path: str | os.PathLike, freeze: bool = False) -> TextStart:
     return TextStart(module, module.config.projection_dim, record, freeze, _start(path, kind))
 
 
-def tower_from_record(record: dict, modality: str) -> nn.Module:
-    """A tower rebuilt from its ``record`` with random weights (a model directory's replace them), offline."""
+def tower_from_record(record: dict, modality: str, pool: str = "last") -> nn.Module:
+    """A tower rebuilt from its ``record`` with random weights (a model directory's replace them), offline; a
+    timm tower pools as ``pool`` says (``ImageEncoder``)."""
     if record["kind"] == "timm":
-        return ImageEncoder(f"timm:{record['architecture']}", model_args=record.get("model_args"))
+        return ImageEncoder(f"timm:{record['architecture']}", model_args=record.get("model_args"), pool=pool)
     if record["kind"] == "open_clip":
         with tempfile.TemporaryDirectory(prefix="mmfast-open_clip-") as tmp:
             module = _open_clip_part(Path(tmp), {"model_cfg": record["model_cfg"]}, record["part"], record)

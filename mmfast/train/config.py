@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCES
-from mmfast.models.catalog import COMBINE, INIT_PROJ, PRESETS
+from mmfast.models.catalog import COMBINE, IMAGE_POOLS, INIT_PROJ, PRESETS
 from mmfast.models.registry import MODELS
 from mmfast.tasks.registry import LOSSES, TASKS
 from mmfast.util.args import parse_size
@@ -27,7 +27,8 @@ def _opt(default, group: str, help: str):
 GROUPS = ("data", "model", "optimization", "evaluation", "precision", "checkpoints", "logging", "profiling")
 GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
-FROM_RESOLVE = ("task", "preset", "init_proj")  # choice fields None stands for until resolve_preset fills them
+# choice fields None stands for until resolve_preset fills them
+FROM_RESOLVE = ("task", "preset", "init_proj", "image_pool")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (mmfast/train/hardware.py)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 TEXT_PADDINGS = ("auto", "longest", "buckets", "max")  # --text-padding (auto: hardware.resolve_text_padding)
@@ -93,6 +94,13 @@ class TrainConfig:
     hidden: int | None = _opt(None, "model", "width of the fusion layers; none: the preset's")
     combine: str = _opt("mean", "model", "late fusion: how the two branches' logits combine")
     freeze_image: bool | None = _opt(None, "model", "no gradients into the image encoder; none: the preset's")
+    image_pool: str | None = _opt(
+        None,
+        "model",
+        "the image encoder's pooled features: last (its last feature map, average-pooled) or multiscale (also "
+        "its stages' at stride 16 and 32, concatenated: richer features for a locked tower's projection); none: "
+        "the preset's (last for a tower from a directory)",
+    )
     freeze_text: bool = _opt(False, "model", "no gradients into the text encoder")
     text_train_layers: int | None = _opt(
         None,
@@ -381,6 +389,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "task": tuple(TASKS),
         "loss": tuple(LOSSES),
         "init_proj": INIT_PROJ,
+        "image_pool": IMAGE_POOLS,
         "feature_cache": FEATURE_CACHE,
         "combine": COMBINE,
         "scheduler": SCHEDULERS,
@@ -450,3 +459,4 @@ def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
 
 PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
 PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj", "text_train_layers")
+PRESET_FIELDS += ("image_pool",)

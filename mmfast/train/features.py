@@ -73,7 +73,10 @@ def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dty
     return {
         "data": dataset.fingerprint,
         "split": "train",
-        "tower": {"class": type(model.image).__name__, "weights": weights_digest(model.image)},
+        "tower": {
+            "class": type(model.image).__name__, "weights": weights_digest(model.image),
+            **({"pool": model.image.pool} if getattr(model.image, "pool", "last") != "last" else {}),
+        },  # fmt: skip
         "preprocessing": {
             "image_size": cfg.image_size, "mean": mean, "std": std, "augment": cfg.augment,
             "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from mmfast.models.catalog import get_preset
 from mmfast.models.registry import MODELS
-from mmfast.models.start_dirs import StartFlags, start_embed_dim, start_fields
+from mmfast.models.start_dirs import StartFlags, start_embed_dim, start_fields, start_kind
 from mmfast.train.config import PRESET_FIELDS, TrainConfig
 
 
@@ -35,6 +35,8 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         filled["init_proj"] = (
             "random"  # a preset's start is for the dual encoder; another model has no projections
         )
+    if cfg.image_pool is None and start_kind(filled["image_backbone"]) not in (None, "timm"):
+        filled["image_pool"] = "last"  # a CLIP / open_clip / Hugging Face tower pools as it was trained to
     # a tower that brings its projection sets the width (models/start_dirs.py); else 256
     starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
     filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)

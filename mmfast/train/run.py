@@ -348,6 +348,7 @@ def build_run_model(cfg: ModelConfig, dataset: PreparedDataset, task: Task) -> t
         freeze_image=cfg.freeze_image,
         freeze_text=cfg.freeze_text,
         text_train_layers=cfg.text_train_layers,
+        image_pool=cfg.image_pool,
         hidden=cfg.hidden,
         dropout=cfg.dropout,
         channels_last=cfg.channels_last,

@@ -47,6 +47,9 @@ BUILDERS = {  # set name -> its builder script, run as ``python SCRIPT OUT_DIR``
 }
 METHODS = ("ridge", "probe", "clip", "siglip")
 LONGER = {"epochs": 16, "feature_views": 2}  # what the cache's cheaper epochs may buy
+# both towers locked on multiscale features, the centre view only (augmented views trained worse on these sets)
+MS_LOCKED = {"image_pool": "multiscale", "freeze_text": True, "feature_cache": "on", "augment": False}
+MS_LOCKED["feature_views"] = 1
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -61,6 +64,13 @@ RECIPES = {
     "siglip-top1": ("siglip", {"text_train_layers": 1, "feature_cache": "on"}),
     "siglip-locked": ("siglip", {"freeze_text": True, "feature_cache": "on"}),
     "siglip-top2-slow": ("siglip", {"text_train_layers": 2, "feature_cache": "on", "encoder_lr": 1e-5}),
+    # multiscale image features (--image-pool multiscale): today's recipe on them, and both towers locked
+    "clip-ms": ("clip", {"image_pool": "multiscale"}),
+    **{
+        f"{loss}-locked-ms-{epochs}": (loss, {**MS_LOCKED, "epochs": epochs})
+        for loss in ("clip", "siglip")
+        for epochs in (8, 16, 32)
+    },
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 QUICK_ROWS = 120
