@@ -225,6 +225,11 @@ def _late_stages(encoder: ImageEncoder, backbone: str) -> tuple[list[nn.Module],
             h.remove()
     late = [(s, out) for s, out in seen if out.dim() == 4 and side // out.shape[-1] >= LATE_STRIDE]
     late = [(s, out) for s, out in late if out is not fmap]
+    if not late:
+        raise ValueError(
+            f"{setting('image_pool', value='multiscale')}: image backbone '{backbone}' has no convolutional stage "
+            f"at stride {LATE_STRIDE} or more besides its last; use --image-pool last"
+        )
     return [s for s, _ in late], [int(out.shape[1]) for _, out in late]
 
 

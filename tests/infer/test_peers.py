@@ -157,6 +157,7 @@ def _model_dir(prepared: Path, tmp_path: Path, **fields) -> Path:
         ({}, "open_clip", ["image backbone 'resnet10'", "timm's resnet18 with {'layers': [1, 1, 1, 1]}"]),
         ({"model": "concat"}, "open_clip", ["holds image-text dual encoders", "'concat' model is a classifier"]),
         ({"model": "concat"}, "all", ["holds image-text dual encoders", "--format hf"]),
+        ({"image_backbone": "timm:test_efficientnet", "image_pool": "multiscale"}, "hf", ["pools its stages"]),
     ],
 )
 def test_a_format_that_cannot_hold_the_model_is_refused_before_anything_is_written(

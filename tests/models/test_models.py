@@ -302,3 +302,40 @@ def test_the_scheduler_is_the_warmup_cosine_curve():
         return 0.1 * (s / 3 if s < 3 else 0.5 * (1 + math.cos(math.pi * (s - 3) / (20 - 3))))
 
     assert got == pytest.approx([want(s) for s in range(20)], abs=1e-12)
+
+
+@pytest.mark.parametrize(("backbone", "stages"), [("efficientnet-lite0", 80 + 112 + 192 + 320), ("resnet10", 256)])
+def test_multiscale_pooling_adds_the_late_stages_before_the_last_maps_features(backbone, stages):
+    """--image-pool multiscale: the pooled outputs of the stages at stride 16 and 32 (EfficientNet-Lite0's last
+    four block stages; a ResNet's layer3, its layer4 being the last map itself), then the last map's own."""
+    last = ImageEncoder(backbone, freeze=True).eval()
+    multi = ImageEncoder(backbone, freeze=True, pool="multiscale").eval()
+    multi.load_state_dict(last.state_dict())  # the same weights: the pooling adds no parameter
+    images = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        (plain, fmap), (pooled, fmap2) = last(images), multi(images)
+    assert multi.width == last.width + stages and pooled.shape == (2, multi.width)
+    assert torch.equal(pooled[:, -last.width :], plain) and torch.equal(fmap, fmap2)
+    tapped = [t.mean(dim=(2, 3)) for t in _stage_outputs(multi, images)]
+    assert torch.equal(pooled[:, : -last.width], torch.cat(tapped, dim=1))
+    with torch.no_grad():
+        again, _ = multi(images[:1])  # nothing of the earlier batch is kept
+    assert torch.allclose(again, pooled[:1], atol=1e-5)
+
+
+def _stage_outputs(encoder, images) -> list[torch.Tensor]:
+    """The late stages' outputs, read by hooks of the test's own on the modules the encoder taps."""
+    got: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda m, a, out: got.append(out)) for m in encoder.taps]
+    with torch.no_grad():
+        encoder(images)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+def test_multiscale_pooling_refuses_a_tower_without_late_convolutional_stages():
+    with pytest.raises(ValueError, match="has no convolutional stage at stride 16 or more"):
+        ImageEncoder("timm:test_vit", pool="multiscale")
+    with pytest.raises(ValueError, match="choose from last, multiscale"):
+        ImageEncoder("resnet10", pool="max")

@@ -227,3 +227,23 @@ def test_init_from_refuses_what_is_not_a_pair(minilm_dir):
 
     with pytest.raises(ValueError, match="--init-from .*: not an open_clip model directory"):
         start_fields(TrainConfig(model="clip", init_from=minilm_dir))
+
+
+def test_a_tower_from_a_directory_pools_as_it_was_trained(minilm_dir, tmp_path, monkeypatch):
+    """A preset's --image-pool multiscale is for the CNNs it names: --init-from's tower keeps its own pooling,
+    and asking a directory's tower for multiscale by flag is refused, naming the flag."""
+    from dataclasses import replace
+
+    from mmfast.models import build_model
+    from mmfast.models.catalog import PRESETS
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.resolve import resolve_preset
+
+    clip = hf_clip_dir(tmp_path, minilm_dir)
+    preset = replace(PRESETS["clip-lite0-minilm"], image_pool="multiscale")
+    monkeypatch.setitem(PRESETS, "clip-lite0-minilm", preset)
+    assert resolve_preset(TrainConfig(model="clip")).image_pool == "multiscale"
+    assert resolve_preset(TrainConfig(model="clip", init_from=str(clip))).image_pool == "last"
+    assert resolve_preset(TrainConfig(model="clip", image_pool="last")).image_pool == "last"
+    with pytest.raises(ValueError, match="pools as it was trained to; multiscale reads a CNN's stages"):
+        build_model("clip", 2, image_backbone=str(clip), text_model=str(clip), image_pool="multiscale")

@@ -258,6 +258,42 @@ def test_a_run_trains_on_cached_features_and_its_model_takes_images(prepared, tm
     assert emb.shape == (2, 16)
 
 
+@pytest.mark.timeout(300)
+def test_a_multiscale_run_caches_the_stages_features_and_its_model_takes_images(prepared, tmp_path):
+    """--image-pool multiscale on cached features: the cache holds the wider features (the decoded run's losses),
+    config.json records the pooling, and the model directory rebuilds the same tower: its embeddings of the
+    val images equal the ones the run's own checkpoint gives."""
+    from safetensors.torch import load_file
+
+    from mmfast.infer.model_dir import load_model
+    from mmfast.models import build_model
+    from mmfast.train import parse_config, train
+
+    common = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "1"]
+    common += ["--batch-size", "32", "--image-pool", "multiscale"]
+    off = train(parse_config([*common, "--out", str(tmp_path / "off")]))
+    on = train(parse_config([*common, "--out", str(tmp_path / "on"), "--feature-cache", "on"]))
+    assert on["feature_cache"]["built"] == "no cache yet"
+
+    def losses(run):
+        return [json.loads(x)["train_loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert on["global_step"] == off["global_step"] and np.allclose(losses("on"), losses("off"), rtol=1e-5)
+    config = json.loads((tmp_path / "on" / "model-last" / "config.json").read_text())
+    assert config["image_pool"] == "multiscale"
+    model = load_model(tmp_path / "on" / "model-last")
+    assert model.model.image.width == 512 + 256  # resnet10: layer3's pooled output, then layer4's
+    own = build_model(
+        "clip", 2, image_backbone="resnet10", text_model="bert-tiny", vocab_size=config["vocab_size"],
+        embed_dim=16, hidden=config["hidden"], image_pool="multiscale",
+    )  # fmt: skip
+    saved = load_file(tmp_path / "on" / "model-last" / "model.safetensors")
+    own.load_state_dict({k.removeprefix("model."): v for k, v in saved.items()})
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.encode_image(images), own.eval().encode_image(images), atol=1e-6)
+
+
 def test_feature_cache_on_refuses_a_tower_that_trains(prepared, tmp_path, capsys):
     from mmfast.cli.train import main
 
@@ -294,6 +330,11 @@ def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_view
         parts(norm=((0.4,) * 3, (0.5,) * 3)),
         parts(dtype="float16"),
     ]
+    tower.pool = "last"  # the default pooling keeps the keys of the caches built before --image-pool
+    assert parts() == first
+    tower.pool = "multiscale"
+    changed.append(parts())
+    del tower.pool
     tower[1].running_var += 1.0
     changed.append(parts())
     assert first not in changed and len(set(changed)) == len(changed)
