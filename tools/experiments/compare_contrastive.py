@@ -17,7 +17,9 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   clip-locked / siglip-top2 (``RECIPES``): the same with only the text tower's top 2 or 1 layers training, or
   none, on cached features (--feature-cache on, one cache folder per set under --out); a "-16" recipe trains 16
   epochs on 2 stored views. siglip-top1 / siglip-locked: SigLIP with the top layer training, or none;
-  siglip-top2-slow: siglip-top2 with the text tower's learning rate at 1e-5 (the preset's: 3e-5).
+  siglip-top2-slow: siglip-top2 with the text tower's learning rate at 1e-5 (the preset's: 3e-5). clip-ms: the
+  preset's recipe on --image-pool multiscale features; clip-locked-ms-E / siglip-locked-ms-E: both towers locked on
+  them, E epochs on the cached centre view. ridge-ms / probe-ms: the baselines on multiscale features.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -46,6 +48,7 @@ BUILDERS = {  # set name -> its builder script, run as ``python SCRIPT OUT_DIR``
     "xfce": ROOT / "tools" / "datasets" / "build_xfce_icons_set.py",
 }
 METHODS = ("ridge", "probe", "clip", "siglip")
+POOLED = {"": None, "-ms": "multiscale"}  # the baselines on the preset's pooled features, or on multiscale ones
 LONGER = {"epochs": 16, "feature_views": 2}  # what the cache's cheaper epochs may buy
 # both towers locked on multiscale features, the centre view only (augmented views trained worse on these sets)
 MS_LOCKED = {"image_pool": "multiscale", "freeze_text": True, "feature_cache": "on", "augment": False}
@@ -79,7 +82,8 @@ QUICK_ROWS = 120
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", nargs="+", default=["icons", "emoji"], help="icons, emoji, or paths")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *RECIPES])
+    baselines = [f"{b}{suffix}" for suffix in POOLED for b in ("ridge", "probe")]
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *baselines, *RECIPES])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="clip-lite0-minilm", help="the towers and the recipe of clip / siglip")
     p.add_argument("--embed-dim", type=int, default=256, help="the probe's and the dual encoder's embedding width")
@@ -251,8 +255,10 @@ def print_table(rows: list[dict], facts: dict[str, dict]) -> None:
         cells = "".join(f"{r[k]:>8.1f} ± {r[k + '_std']:<3.1f}" for k in FIGURES)
         print(f"{r['set']:<10}{r['method']:<12}{r['runs']:>2}{cells}{r['train_s']:>9.0f}{r['train_s_min']:>7.0f}")
     for name, f in facts.items():
-        if "features_s" in f:
-            print(f"{name}: the frozen towers' features (ridge and probe share them) took {f['features_s']:.0f} s")
+        for suffix in POOLED:
+            if f"features{suffix}_s" in f:
+                took = f[f"features{suffix}_s"]
+                print(f"{name}: the frozen towers' features (ridge{suffix}, probe{suffix}) took {took:.0f} s")
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
@@ -293,16 +299,19 @@ def baselines(args: argparse.Namespace, name: str, cache: Path, save) -> tuple[s
     prep = json.loads((data_dir / "prepare.json").read_text())
     facts = save.facts[label] = {"prepared": str(data_dir), "counts": prep.get("counts")}
     got = save.results.setdefault(label, {})
-    if {"ridge", "probe"} & set(args.methods):
-        feats = frozen_features(data_dir, args.preset, args.threads)
-        facts["features_s"] = feats["seconds"]
-        if "ridge" in args.methods:
-            got["ridge"] = [ridge(feats)]
-            save(f"{label}: ridge {_line(got['ridge'][0])}")
-        if "probe" in args.methods:
+    for suffix, pool in POOLED.items():
+        names = {"ridge": f"ridge{suffix}", "probe": f"probe{suffix}"}
+        if not set(names.values()) & set(args.methods):
+            continue
+        feats = frozen_features(data_dir, args.preset, args.threads, pool)
+        facts[f"features{suffix}_s"] = feats["seconds"]
+        if names["ridge"] in args.methods:
+            got[names["ridge"]] = [ridge(feats)]
+            save(f"{label}: {names['ridge']} {_line(got[names['ridge']][0])}")
+        if names["probe"] in args.methods:
             for seed in args.seeds:
-                got.setdefault("probe", []).append(probe(feats, args.embed_dim, seed, args.probe_epochs))
-                save(f"{label}: probe seed {seed} {_line(got['probe'][-1])}")
+                got.setdefault(names["probe"], []).append(probe(feats, args.embed_dim, seed, args.probe_epochs))
+                save(f"{label}: {names['probe']} seed {seed} {_line(got[names['probe']][-1])}")
     return label, data_dir
 
 

@@ -27,9 +27,10 @@ MAX_LENGTH = 32  # tokens per caption and prompt: TrainConfig's default when a r
 # ------------------------------------------------------------------------------------ frozen tower features
 
 
-def frozen_features(data_dir: Path, preset: str, threads: int | None) -> dict:
+def frozen_features(data_dir: Path, preset: str, threads: int | None, pool: str | None = None) -> dict:
     """The preset's pretrained towers, frozen, over both splits as the training run's evaluation sees them (the
-    eval loader: resize + center crop at the preset's size, the encoder's mean / std).
+    eval loader: resize + center crop at the preset's size, the encoder's mean / std); the image tower's
+    features pooled as ``pool`` says (``ImageEncoder``'s; None: the preset's).
 
     Returns:
         {"train"/"val": {"x": (N, C_img) image features, "t": (N, D_txt) normalized text features, "label",
@@ -48,7 +49,7 @@ def frozen_features(data_dir: Path, preset: str, threads: int | None) -> dict:
     t0 = time.perf_counter()
     spec = get_preset(preset)
     dataset = PreparedDataset(data_dir)
-    image = ImageEncoder(spec.image_backbone, freeze=True).eval()
+    image = ImageEncoder(spec.image_backbone, freeze=True, pool=pool or spec.image_pool).eval()
     text = TextEncoder(spec.text_model, freeze=True).eval()
     groups = sample_groups(dataset)[0]
     out = {
