@@ -108,7 +108,8 @@ def model_config(
         "num_classes": dataset.num_classes,
         "class_names": sorted(dataset.labels, key=dataset.labels.get),
         "image_backbone": cfg.image_backbone,
-        **({"image_pool": cfg.image_pool} if cfg.image_pool not in (None, "last") else {}),  # absent: last
+        # the tower's own pooling (``ImageEncoder``'s); absent: the last map's, as before --image-pool
+        **({"image_pool": image.pool} if getattr(image, "pool", "last") != "last" else {}),
         "text_model": cfg.text_model,
         **({"text_config": text_config} if text_config is not None else {}),
         **{k: v for k, v in records.items() if v is not None},
