@@ -53,7 +53,7 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     "name: saved -> now" lines (empty when the run may resume)."""
     saved = {"task": "classification", **saved}  # a run that recorded no task trained a classifier
     # a record without the feature cache's fields (an earlier run's) decoded every epoch: on either side
-    saved, now = ({"feature_cache": "off", "feature_views": 4, **r} for r in (saved, now))
-    saved = {"image_pool": "last", **saved}  # a run before --image-pool pooled the last feature map
+    # and one without --image-pool's pooled the last feature map
+    saved, now = ({"feature_cache": "off", "feature_views": 4, "image_pool": "last", **r} for r in (saved, now))
     keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]

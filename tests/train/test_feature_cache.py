@@ -522,3 +522,14 @@ def test_a_profile_says_it_read_cached_features_how_many_views_their_size_and_bu
     printed = capsys.readouterr().out
     assert "note: train read as cached features: 2 views and the captions" in printed
     assert "read from an earlier run's cache in" in printed
+
+
+def test_a_run_recorded_before_image_pool_resumes_as_last_and_refuses_multiscale():
+    """config.json of a run before --image-pool has no such field: it pooled the last map, so a resume with
+    ``last`` continues it and one with ``multiscale`` (another model) is refused, naming the setting."""
+    from mmfast.train.resume_rules import resume_differences
+
+    saved = {"task": "contrastive", "seed": 0}
+    assert resume_differences(saved, {"task": "contrastive", "seed": 0, "image_pool": "last"}) == []
+    now = {"task": "contrastive", "seed": 0, "image_pool": "multiscale"}
+    assert resume_differences(saved, now) == ["image_pool: 'last' -> 'multiscale'"]
