@@ -15,7 +15,7 @@ from mmfast.data.preprocessing import EVAL_CROP_RATIO, INTERPOLATIONS, RESIZE_MO
 from mmfast.data.tokenizer import load_tokenizer
 from mmfast.models import model_class
 from mmfast.models.catalog import IMAGE_POOLS
-from mmfast.models.encoders import RANDOM_TEXT_CONFIGS
+from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, pools_stages
 from mmfast.tasks.retrieval import read_templates
 
 FORMAT = "mmfast-model/1"
@@ -109,7 +109,7 @@ def model_config(
         "class_names": sorted(dataset.labels, key=dataset.labels.get),
         "image_backbone": cfg.image_backbone,
         # the tower's own pooling (``ImageEncoder``'s); absent: the last map's, as before --image-pool
-        **({"image_pool": image.pool} if getattr(image, "pool", "last") != "last" else {}),
+        **({"image_pool": image.pool} if pools_stages(image) else {}),
         "text_model": cfg.text_model,
         **({"text_config": text_config} if text_config is not None else {}),
         **{k: v for k, v in records.items() if v is not None},

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.models.encoders import pools_stages
 from mmfast.tasks.registry import LOSSES
 
 # torchvision's ResNets as timm builds them: its name and the keyword arguments that give the same network
@@ -88,7 +89,7 @@ def timm_image(model, fmt: str) -> TimmImage:
         raise FormatRefusal(f"--format {fmt}: a '{model.config['model']}' model has no image tower")
     if not hasattr(image, "net"):
         raise FormatRefusal(f"--format {fmt}: image tower '{backbone}' is not a timm model; {INSTEAD}")
-    if getattr(image, "pool", "last") != "last":
+    if pools_stages(image):
         raise FormatRefusal(
             f"--format {fmt}: the image tower pools its stages too (--image-pool {image.pool}), which a timm "
             f"model built by name does not; {INSTEAD}"

@@ -96,6 +96,12 @@ def _load_lite0(net: nn.Module) -> None:
     net.load_state_dict(mapped, strict=True)
 
 
+def pools_stages(tower: nn.Module) -> bool:
+    """Whether an image tower pools its late stages beside the last map (``--image-pool multiscale``); a tower
+    without the option (a CLIP, open_clip or Hugging Face start's) pools the last map only."""
+    return getattr(tower, "pool", "last") != "last"
+
+
 class ImageEncoder(nn.Module):
     """A CNN without its classifier: a torchvision ResNet, EfficientNet-Lite0 (ImageNet weights) or a timm model.
 

@@ -30,6 +30,7 @@ from mmfast.data.feature_cache import FeatureCache, weights_digest
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.models.encoders import pools_stages
 from mmfast.train.data import cache_plans, feature_view_loader
 from mmfast.train.feature_build import build_shared
 from mmfast.train.slices import FeatureConfig
@@ -75,7 +76,7 @@ def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dty
         "split": "train",
         "tower": {
             "class": type(model.image).__name__, "weights": weights_digest(model.image),
-            **({"pool": model.image.pool} if getattr(model.image, "pool", "last") != "last" else {}),
+            **({"pool": model.image.pool} if pools_stages(model.image) else {}),
         },  # fmt: skip
         "preprocessing": {
             "image_size": cfg.image_size, "mean": mean, "std": std, "augment": cfg.augment,
