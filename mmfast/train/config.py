@@ -138,6 +138,12 @@ class TrainConfig:
         "contrastive: how the projections start; ridge: the closed-form ridge map between the towers' features "
         "of the train split (one pass), then trained; none: the preset's",
     )
+    eval_every: int = _opt(
+        1,
+        "evaluation",
+        "evaluate the val split after every N-th epoch and after the last; the best checkpoint is the best of "
+        "those evaluated",
+    )
     zero_shot_templates: str | None = _opt(
         None,
         "evaluation",
@@ -313,7 +319,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{flag(name)} must be a finite number, got {value!r}")
         positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length", "log_every")
-        positive_ints += ("feature_views",)
+        positive_ints += ("feature_views", "eval_every")
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -365,6 +371,7 @@ class TrainConfig:
             (0 < self.crop_scale_min <= 1, f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}"),
             (self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
+            (self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -118,8 +118,8 @@ class EpochRunner:
         self.tally = SourceTally([m["name"] for m in mix], accelerator.device) if mix else None
 
     def fit(self, val_loader) -> dict:
-        """Train the epochs left, evaluating (``val_loader``: None for none) and checkpointing after each;
-        returns the last epoch's metrics."""
+        """Train the epochs left, checkpointing after each and evaluating (``val_loader``: None for none) after
+        every --eval-every-th and the last; returns the last epoch's metrics."""
         metrics = {}
         for epoch in range(self.state["epoch"], self.cfg.epochs):
             if self.done():  # resumed at or past --max-steps: nothing left to train
@@ -128,8 +128,10 @@ class EpochRunner:
             train_stats = self.train_epoch(epoch)
             if self.interrupted:
                 break
+            # every --eval-every epochs, and after the last one (--epochs, or --max-steps reached in this one)
+            due = (epoch + 1) % self.cfg.eval_every == 0 or epoch + 1 == self.cfg.epochs or self.done()
             with self.timer.phase("eval"):
-                val_metrics = self.evaluate(val_loader, epoch) if val_loader is not None else {}
+                val_metrics = self.evaluate(val_loader, epoch) if val_loader is not None and due else {}
             metrics = {
                 "epoch": epoch,
                 "step": self.state["global_step"],
@@ -140,7 +142,7 @@ class EpochRunner:
                 "skipped_samples": len(self.loader.bad),
                 **shard_figures(self.acc, self.shard_cache),
             }
-            if self.task.improves(metrics, self.state) or self.state.get("best_step") is None:
+            if (val_metrics and self.task.improves(metrics, self.state)) or self.state.get("best_step") is None:
                 # This step's checkpoint (written just below) is the best one: retention never removes it.
                 self.state.update(
                     **self.task.best_figures(metrics), best_epoch=epoch, best_step=self.state["global_step"]

@@ -29,6 +29,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "record_ids",
         "num_threads",
         "eval_batch_size",
+        "eval_every",  # when the val split is evaluated: the same training
         "max_nan_steps",
         "on_bad_image",
         "verify_files",

@@ -119,8 +119,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class LoopConfig:
     """The training loop (``engine.EpochRunner`` and its ``report.StepLog``): the epochs and their accumulation
-    windows, clipping, the log lines, the checkpoints, the stop on non-finite steps, and what a profile or a
-    debugging run records."""
+    windows, clipping, the log lines, the checkpoints and evaluations, the stop on non-finite steps, and what a
+    profile or a debugging run records."""
 
     epochs: int | None
     grad_accum: int
@@ -131,6 +131,7 @@ class LoopConfig:
     checkpoint_every: int
     keep_checkpoints: int
     checkpoints: bool
+    eval_every: int
     record_ids: bool
     profile: bool
     compile_mode: str

@@ -348,6 +348,34 @@ def test_pretrained_text_model_needs_its_own_tokenizer(prepared, demo_manifest, 
         assert encoder / heads == pytest.approx(1e-5 / lr, rel=1e-3) and 0 < encoder < heads  # one schedule
 
 
+def test_eval_every_evaluates_every_nth_epoch_and_the_last(prepared, tmp_path, monkeypatch):
+    from mmfast.tasks import classification
+
+    accs = iter([0.6, 0.4])
+    real, calls = classification.evaluate, []
+
+    def scripted(*args, **kwargs):  # the real evaluation, with the accuracy of a run that peaks at epoch 1
+        calls.append(1)
+        return {**real(*args, **kwargs), "val_acc": next(accs)}
+
+    monkeypatch.setattr(classification, "evaluate", scripted)
+    out = tmp_path / "run"
+    flags = ["--epochs", "3", "--eval-every", "2", *FAST[2:]]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
+    rows = _jsonl(out / "metrics.jsonl")
+    assert [("val_acc" in m) for m in rows] == [False, True, True] and len(calls) == 2  # epochs 1 and the last
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["val_acc"], summary["best_val_acc"], summary["best_epoch"]) == (0.4, 0.6, 1)
+    # --max-steps ending the run inside the first epoch: that epoch is the last, so it is evaluated
+    accs, out = iter([0.5]), tmp_path / "short"
+    flags = ["--epochs", "3", "--eval-every", "5", "--max-steps", "4", *FAST[2:]]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
+    (row,) = _jsonl(out / "metrics.jsonl")
+    assert row["step"] == 4 and row["val_acc"] == 0.5 and len(calls) == 3
+    with pytest.raises(ValueError, match="--eval-every must be >= 1, got 0"):
+        parse_config(["--data", str(prepared), "--eval-every", "0"])
+
+
 def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):
     from mmfast.tasks import classification
 
