@@ -139,6 +139,15 @@ def n_rows(prepared: Path, split: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def val_figures(run: Path) -> list[float]:
+    """Every epoch's retrieval and zero-shot figures of ``run``'s evaluations, in order."""
+    keys = ("val_i2t_r1", "val_i2t_r5", "val_t2i_r1", "val_t2i_r5", "val_median_rank_i2t", "val_zero_shot_acc")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    figures = [row[k] for row in rows for k in keys if k in row]
+    assert len(figures) >= 2 * len(rows) * 2  # retrieval both ways, every epoch
+    return figures
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     with open(path, "w") as f:
         for r in rows:

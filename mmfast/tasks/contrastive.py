@@ -288,7 +288,7 @@ def _embed_split(model, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         # copies: a compiled model's next call may reuse its outputs' memory (CUDA graphs)
         img.append(out["image"].to(torch.float32, copy=True))
         txt.append(out["text"].to(torch.float32, copy=True))
-        length = int(batch["input_ids"].shape[1])
+        length = int(batch["input_ids"].shape[1]) if "input_ids" in batch else 0  # none: cached text features
     device = next(model.parameters()).device
     # every process takes part in the gathers, one that had no batch too (with the others' widths)
     width = max(gather_sizes(int(img[0].shape[1]) if img else 0, device))

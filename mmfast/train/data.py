@@ -134,9 +134,10 @@ def feature_view_loader(
     train: bool,
     cache_decoded=False,
     shard: tuple[int, int] = (0, 1),
+    split: str = "train",
 ) -> MultimodalLoader:
-    """The train split's samples of ``shard`` ((index, count): all of them by default), in id order, augmented
-    as training augments it (``train``; its epoch is the view) or as evaluation sees it: what a feature cache
+    """``split``'s samples of ``shard`` ((index, count): all of them by default), in id order, augmented as
+    training augments it (``train``; its epoch is the view) or as evaluation sees it: what a feature cache
     stores (``mmfast.train.features``)."""
     view = replace(
         _augmented(cfg, _loader_options(cfg, accelerator, norm)),
@@ -148,7 +149,7 @@ def feature_view_loader(
         shard_id=shard[0],
         num_shards=shard[1],
     )
-    return _loader(dataset, "train", view, accelerator, cache)
+    return _loader(dataset, split, view, accelerator, cache)
 
 
 def _loader(

@@ -1,10 +1,12 @@
 """--feature-cache: whether a run trains on its locked image tower's cached features (``feature_cache_plan``), the
-pass that computes them once per stored view (``build_train_features``), and the train loader that serves them
+pass that computes them once per stored view (``build_image_features``), and the train loader that serves them
 (``mmfast.loading.feature_loader``). The cache's layout and its fingerprint: ``mmfast.data.feature_cache``.
 
 View v of a sample is the train augmentation of epoch v (its draws from (seed, v, sample id):
 ``mmfast.loading.draws``), so epoch e < K trains on exactly the pixels the decoded path would, and epoch e reads
-view e mod K. Evaluation and the model directories are unchanged: they take images. Each function takes the
+view e mod K. The val split gets a cache of its own, of the centre view that evaluation decodes
+(``feature_val_loader``): evaluation's figures are the same, without a decode or a tower pass. The model
+directories are unchanged: they take images. Each function takes the
 run's ``FeatureConfig`` (``train/slices.py``), a ``LoaderConfig`` with the cache's fields; a whole
 ``TrainConfig`` stands for it too.
 
@@ -67,13 +69,16 @@ def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader) -> t
     return True, ""
 
 
-def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dtype: str, precision: str) -> dict:
-    """What the stored features depend on: the data, the tower's weights, the preprocessing and the views."""
+def feature_parts(
+    cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dtype: str, precision: str, split: str = "train"
+) -> dict:
+    """What the stored features depend on: the data and split, the tower's weights, the preprocessing and the
+    views (the val split stores the centre view only)."""
     mean, std, *geometry = norm if norm is not None else (None, None)  # image_norm's, or (mean, std)
     geometry = geometry[0] if geometry else {}
     return {
         "data": dataset.fingerprint,
-        "split": "train",
+        "split": split,
         "tower": {
             "class": type(model.image).__name__, "weights": weights_digest(model.image),
             **({"pool": model.image.pool} if pools_stages(model.image) else {}),
@@ -84,7 +89,7 @@ def feature_parts(cfg: FeatureConfig, dataset: PreparedDataset, model, norm, dty
             "cpu_resize": cfg.cpu_resize, "source": cfg.source, "eval_crop_ratio": EVAL_CROP_RATIO,
             **({"geometry": geometry} if geometry else {}),  # a start's resize (its key as before without one)
         },
-        "views": {"count": cfg.feature_views, "seed": cfg.seed},
+        "views": {"count": cfg.feature_views, "seed": cfg.seed} if split == "train" else {"count": 0},
         "dtype": dtype,
         "precision": precision,  # the autocast the tower ran under
     }  # fmt: skip
@@ -99,7 +104,13 @@ def text_locked(model) -> bool:
 
 
 def text_feature_parts(
-    dataset: PreparedDataset, model, loader: MultimodalLoader, dtype: str, precision: str, hidden: bool = False
+    dataset: PreparedDataset,
+    model,
+    loader: MultimodalLoader,
+    dtype: str,
+    precision: str,
+    hidden: bool = False,
+    split: str = "train",
 ) -> dict:
     """What the cached text features depend on: the data, the text tower's weights and the tokens (the token
     cache's fingerprint, its max length, the batches' padding). ``hidden``: what the cached lower layers'
@@ -116,7 +127,7 @@ def text_feature_parts(
         token_parts["padding"] = loader.text_padding
     return {
         "data": dataset.fingerprint,
-        "split": "train",
+        "split": split,
         "tower": tower,
         "tokens": token_parts,
         "views": {"count": 0},
@@ -132,37 +143,40 @@ def text_partly_locked(model) -> bool:
     return bool(getattr(model, "takes_text_features", False) and getattr(text, "frozen_layers", 0))
 
 
-def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset) -> Path:
-    """The train split's cache folder: --feature-cache-dir's, else one per dataset under ``CACHE_HOME``."""
+def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset, split: str = "train") -> Path:
+    """A split's cache folder: in --feature-cache-dir, else in one per dataset under ``CACHE_HOME``."""
     if cfg.feature_cache_dir:
-        return Path(cfg.feature_cache_dir).expanduser() / "train"
+        return Path(cfg.feature_cache_dir).expanduser() / split
     key = hashlib.sha256(os.fsencode(os.path.realpath(dataset.root))).hexdigest()[:16]
-    return CACHE_HOME.expanduser() / f"{Path(dataset.root).name}-{key}" / "train"
+    return CACHE_HOME.expanduser() / f"{Path(dataset.root).name}-{key}" / split
 
 
-def build_train_features(
-    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache=None
+def build_image_features(
+    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache=None, split: str = "train"
 ) -> tuple[FeatureCache, dict]:
-    """The train split's feature cache, read when current, else computed: each stored view and the centre view of
-    every train sample through ``model``'s locked image tower, without gradient.
+    """``split``'s feature cache, read when current, else computed through ``model``'s locked image tower,
+    without gradient: each stored view and the centre view of every train sample, the centre view of every val
+    sample.
 
     Returns:
         (the cache, the summary's figures: views, dtype, size, whether it was built and how long that took).
     """
     t0 = time.perf_counter()
     dtype = "float32" if accelerator.mixed_precision == "no" else "float16"
-    parts = feature_parts(cfg, dataset, model, norm, dtype, accelerator.mixed_precision)
-    ids = dataset.table("train", images=False).ids
+    parts = feature_parts(cfg, dataset, model, norm, dtype, accelerator.mixed_precision, split)
+    ids = dataset.table(split, images=False).ids
 
     def compute(shard: int, shards: int):
-        return _view_steps(cfg, accelerator, dataset, model.image, norm, shard_cache, (shard, shards))
+        return _view_steps(cfg, accelerator, dataset, model.image, norm, shard_cache, (shard, shards), split)
 
     model.to(accelerator.device)
-    shape = (cfg.feature_views, model.image.width, cfg.eval_batch_size or cfg.batch_size)
+    views = cfg.feature_views if split == "train" else 0
+    shape = (views, model.image.width, cfg.eval_batch_size or cfg.batch_size)
     with _eval_mode(model.image):
         features, reason, writers = build_shared(
-            accelerator, cache_dir(cfg, dataset), parts, ids, shape, dtype, compute, _wait_s(cfg, accelerator)
-        )
+            accelerator, cache_dir(cfg, dataset, split), parts, ids, shape, dtype, compute,
+            _wait_s(cfg, accelerator),
+        )  # fmt: skip
     figures = {
         "dir": str(features.dir),
         "views": features.views,
@@ -193,17 +207,21 @@ def _wait_s(cfg: FeatureConfig, accelerator) -> float:
 
 
 @torch.no_grad()
-def _view_steps(cfg: FeatureConfig, accelerator, dataset, tower, norm, shard_cache, shard: tuple[int, int]):
-    """This process's share (``shard``: (index, count)) of every view of every train sample: view v from the
-    train loader's epoch v, then the centre view; as (view, ids, features) steps."""
-    plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
-    views = feature_view_loader(
-        cfg, accelerator, dataset, norm, shard_cache, True, cache_decoded=plan, shard=shard
-    )
-    for v in range(cfg.feature_views):
-        views.set_epoch(v)
-        yield from _tower_steps(accelerator, tower, views, v)
-    centre = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, train=False, shard=shard)
+def _view_steps(
+    cfg: FeatureConfig, accelerator, dataset, tower, norm, shard_cache, shard: tuple[int, int], split="train"
+):
+    """This process's share (``shard``: (index, count)) of every view of every sample of ``split``: of the train
+    split view v from the train loader's epoch v, then the centre view; of the val split the centre view only;
+    as (view, ids, features) steps."""
+    if split == "train":
+        plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
+        views = feature_view_loader(
+            cfg, accelerator, dataset, norm, shard_cache, True, cache_decoded=plan, shard=shard
+        )
+        for v in range(cfg.feature_views):
+            views.set_epoch(v)
+            yield from _tower_steps(accelerator, tower, views, v)
+    centre = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, False, shard=shard, split=split)
     yield from _tower_steps(accelerator, tower, centre, None)
 
 
@@ -214,9 +232,11 @@ def build_text_features(
     model,
     loader: MultimodalLoader,
     hidden: bool = False,
+    split: str = "train",
 ) -> tuple[FeatureCache, dict]:
-    """The train split's cache of the locked text tower's features, one per caption (``train-text`` beside the
-    image views' folder), read when current, else computed in eval mode without gradient. ``hidden``: the
+    """``split``'s cache of the locked text tower's features, one per caption (``train-text`` beside the train
+    image views' folder; ``loader``: the split's), read when current, else computed in eval mode without
+    gradient. ``hidden``: the
     locked lower layers' output of each caption instead (``train-text-hidden``), its tokens padded to the
     split's longest caption and flattened: a row is (length x D_txt).
 
@@ -226,15 +246,15 @@ def build_text_features(
     """
     t0 = time.perf_counter()
     dtype = "float32" if accelerator.mixed_precision == "no" else "float16"
-    parts = text_feature_parts(dataset, model, loader, dtype, accelerator.mixed_precision, hidden)
-    ids = dataset.table("train", images=False).ids
+    parts = text_feature_parts(dataset, model, loader, dtype, accelerator.mixed_precision, hidden, split)
+    ids = dataset.table(split, images=False).ids
     length = parts["tokens"]["length"] if hidden else None
 
     def compute(shard: int, shards: int):
         return _text_steps(cfg, accelerator, model.text, loader, ids, (shard, shards), length)
 
     model.to(accelerator.device)
-    directory = cache_dir(cfg, dataset).with_name("train-text-hidden" if hidden else "train-text")
+    directory = cache_dir(cfg, dataset, split).with_name(f"{split}-text-hidden" if hidden else f"{split}-text")
     width = model.text.width * (length or 1)
     with _eval_mode(model.text):
         features, reason, writers = build_shared(
@@ -284,8 +304,8 @@ def _tower_steps(accelerator, tower, loader, view: int | None):
 
 
 def feature_note(figures: dict) -> str:
-    """One line on a run's feature cache (``build_train_features``' figures, with ``text`` where the captions'
-    are cached too): the note of a profile's report."""
+    """One line on a run's feature cache (``build_image_features``' figures, with ``text`` where the captions'
+    are cached too, and ``val`` where the val split's are): the note of a profile's report."""
     text = figures.get("text")
     what = f"{figures['views']} views" + (" and the captions" if text else "")
     if text and "locked_layers" in text:
@@ -294,7 +314,11 @@ def feature_note(figures: dict) -> str:
     built = [f for f in (figures, text) if f and f["built"]]
     how = f"computed ({built[0]['built']})" if built else "read from an earlier run's cache"
     seconds = figures["seconds"] + (text["seconds"] if text else 0.0)
-    return f"train read as cached features: {what}, {mib:.1f} MiB, {how} in {seconds:.1f} s"
+    note = f"train read as cached features: {what}, {mib:.1f} MiB, {how} in {seconds:.1f} s"
+    if "val" in figures:  # evaluation too: its split's centre view (and captions)
+        val = [figures["val"], figures["val"].get("text")]
+        note += f"; val too, {sum(f['mib'] for f in val if f):.1f} MiB"
+    return note
 
 
 def feature_train_loader(
@@ -307,7 +331,7 @@ def feature_train_loader(
         if cfg.feature_cache == "auto":
             accelerator.print(f"--feature-cache auto: decoding every epoch ({why})")
         return loader, None
-    features, figures = build_train_features(cfg, accelerator, dataset, model, norm, shard_cache)
+    features, figures = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache)
     verb = f"computed ({figures['built']})" if figures["built"] else "read"
     accelerator.print(
         f"train image features {verb}: {figures['views']} views, {figures['mib']} MiB in {features.dir} "
@@ -322,3 +346,28 @@ def feature_train_loader(
         what = "text features" if not hidden else f"text tower's {t['locked_layers']} locked layers' output"
         accelerator.print(f"train {what} {verb}: {t['mib']} MiB in {text.dir} ({t['seconds']} s)")
     return FeatureLoader(loader, features, text=text), figures
+
+
+def feature_val_loader(
+    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache, loader, figures
+) -> MultimodalLoader | FeatureLoader | None:
+    """The run's val loader: ``loader`` itself (None: no val split), or, when the train split is read as cached
+    features (``figures``: ``feature_train_loader``'s, None without), one that serves the val split from a
+    cache of its own: the centre view ``loader`` decodes, through the locked tower, and the captions' features
+    where the train split's are cached. Evaluation's figures stay the same; ``figures["val"]`` gets the cache's.
+    """
+    if loader is None or figures is None:
+        return loader
+    features, val = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache, split="val")
+    text = None
+    if "text" in figures:
+        hidden = "locked_layers" in figures["text"]
+        text, val["text"] = build_text_features(cfg, accelerator, dataset, model, loader, hidden, split="val")
+    figures["val"] = val
+    built = [f for f in (val, val.get("text")) if f and f["built"]]
+    verb = f"computed ({built[0]['built']})" if built else "read"
+    mib = val["mib"] + (val["text"]["mib"] if text is not None else 0.0)
+    seconds = val["seconds"] + (val["text"]["seconds"] if text is not None else 0.0)
+    what = "centre view" + (" and captions" if text is not None else "")
+    accelerator.print(f"val features {verb}: {what}, {mib:.1f} MiB in {features.dir.parent} ({seconds:.2f} s)")
+    return FeatureLoader(loader, features, centre=True, text=text)

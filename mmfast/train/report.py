@@ -236,7 +236,7 @@ def write_profile(
     out) and profile.png of this process. Returns the report, without its timeline.
 
     Args:
-        features: the run's feature cache figures (``build_train_features``'; None: it decodes every epoch):
+        features: the run's feature cache figures (``build_image_features``'; None: it decodes every epoch):
             the settings carry them and a note says what the steps read.
     """
     settings = {

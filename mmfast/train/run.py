@@ -24,7 +24,7 @@ from mmfast.train.config import TrainConfig
 from mmfast.train.data import build_loaders, image_norm, images_note, train_view_loader
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
-from mmfast.train.features import feature_train_loader
+from mmfast.train.features import feature_train_loader, feature_val_loader
 from mmfast.train.hardware import check_compile_fits, choices_made, compile_options, resolve_channels_last
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
@@ -206,6 +206,9 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         # --feature-cache: the locked image tower's features of every stored view, computed once (or read)
         train_loader, features = feature_train_loader(
             parts.features, accelerator, dataset, model, norm, cache, train_loader
+        )
+        val_loader = feature_val_loader(
+            parts.features, accelerator, dataset, model, norm, cache, val_loader, features
         )
         fresh = resume_from is None
         warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None

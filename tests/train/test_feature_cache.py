@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import val_figures
 
 from mmfast.data.feature_cache import FeatureCache, open_or_build, stale_reason, weights_digest
 
@@ -194,10 +195,10 @@ def test_cached_features_give_the_loss_of_the_pixels_they_were_computed_from(pre
     """Epochs 0 and 1 read views 0 and 1: the first batch's loss from the cached features equals the loss from
     the pixels the train loader decodes in that epoch, through the frozen tower. Epoch 2 reads view 0 again."""
     from mmfast.loading.feature_loader import FeatureLoader
-    from mmfast.train.features import build_train_features
+    from mmfast.train.features import build_image_features
 
     cfg, dataset, task, model, norm, pixels = _setup(prepared, tmp_path, cpu_accelerator, "--feature-cache", "on")
-    features, figures = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    features, figures = build_image_features(cfg, cpu_accelerator, dataset, model, norm)
     assert figures["built"] == "no cache yet" and figures["dtype"] == "float32"
     cached = FeatureLoader(pixels, features)
     assert len(cached) == len(pixels)
@@ -253,6 +254,10 @@ def test_a_run_trains_on_cached_features_and_its_model_takes_images(prepared, tm
 
     assert len(losses("on")) == 2 and on["global_step"] == off["global_step"] == 8
     assert np.allclose(losses("on"), losses("off"), rtol=1e-5) and losses("again") == losses("on")
+    # evaluation read the val split's own cache of the centre view: the decoded run's figures
+    assert on["feature_cache"]["val"]["built"] == "no cache yet" and "text" not in on["feature_cache"]["val"]
+    assert again["feature_cache"]["val"]["built"] is None
+    assert val_figures(tmp_path / "on") == pytest.approx(val_figures(tmp_path / "off"), abs=1e-6)
     model = load_model(tmp_path / "on" / "model-last")
     emb = model.encode_image(torch.zeros(2, 3, 32, 32))
     assert emb.shape == (2, 16)
@@ -384,11 +389,11 @@ def test_the_ridge_start_from_the_cached_centre_view_equals_the_one_from_pixels(
     decodes the train split as evaluation sees it."""
     from mmfast.loading.feature_loader import FeatureLoader
     from mmfast.train.data import train_view_loader
-    from mmfast.train.features import build_train_features
+    from mmfast.train.features import build_image_features
     from mmfast.train.warm_start import ridge_start
 
     cfg, dataset, _, model, norm, _ = _setup(prepared, tmp_path, cpu_accelerator, "--feature-cache", "on")
-    features, _ = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    features, _ = build_image_features(cfg, cpu_accelerator, dataset, model, norm)
     view = train_view_loader(cfg, cpu_accelerator, dataset, norm, None)
     ridge_start(model, view, cpu_accelerator)
     from_pixels = model.image_proj.weight.detach().clone(), model.text_proj.weight.detach().clone()
@@ -415,7 +420,7 @@ def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_wei
     off), the tower's mode is left as it was, and the batches carry them in place of tokens. A second build
     reads them; other weights or another padding of the tokens rebuild them."""
     from mmfast.loading.feature_loader import FeatureLoader
-    from mmfast.train.features import build_text_features, build_train_features, text_locked
+    from mmfast.train.features import build_image_features, build_text_features, text_locked
 
     cfg, dataset, _, model, norm, loader = _setup(
         prepared, tmp_path, cpu_accelerator, "--feature-cache", "on", "--freeze-text"
@@ -436,7 +441,7 @@ def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_wei
     with torch.no_grad():  # the tower in training mode differs: dropout is on, so eval mode was used
         assert not torch.allclose(model.text(tokens["input_ids"], tokens["attention_mask"]), want, atol=1e-4)
 
-    images, _ = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    images, _ = build_image_features(cfg, cpu_accelerator, dataset, model, norm)
     batch = next(iter(FeatureLoader(loader, images, text=text)))
     assert "input_ids" not in batch and "image" not in batch
     assert torch.equal(batch["text_features"], text.gather(batch["id"], None))
@@ -495,6 +500,9 @@ def test_a_run_with_both_towers_locked_trains_on_cached_features_of_both(prepare
 
     assert len(losses("on")) == 2 and on["global_step"] == off["global_step"]
     assert np.allclose(losses("on"), losses("off"), rtol=1e-5)
+    # evaluation read the val split's cached centre view and captions: the decoded run's figures
+    assert on["feature_cache"]["val"]["text"]["built"] == "no cache yet"
+    assert val_figures(tmp_path / "on") == pytest.approx(val_figures(tmp_path / "off"), abs=1e-6)
 
 
 @pytest.mark.timeout(400)

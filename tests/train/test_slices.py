@@ -39,7 +39,8 @@ BUILDERS = {
     | {name: DataConfig for name in ("resolve_data", "_prepare_raw", "check_data_exists", "_mix")},
     optim: {"total_steps": OptimConfig, "build_optimizer": OptimConfig},
     features: {name: FeatureConfig for name in ("feature_cache_plan", "feature_parts", "cache_dir")}
-    | {name: FeatureConfig for name in ("build_train_features", "_view_steps", "feature_train_loader", "_wait_s")}
+    | {name: FeatureConfig for name in ("build_image_features", "_view_steps", "feature_train_loader", "_wait_s")}
+    | {"feature_val_loader": FeatureConfig}
     | {"_text_steps": FeatureConfig},
     hardware: {name: CompileConfig for name in ("compiles", "compile_options", "resolve_text_padding")}
     | {name: CompileConfig for name in ("check_compile_fits", "uses_cuda_graphs", "choices_made")},

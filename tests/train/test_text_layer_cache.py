@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import val_figures
 from test_feature_cache import FLAGS, _setup
 
 
@@ -44,12 +45,12 @@ def test_cached_lower_layers_give_the_loss_of_the_tokens_and_are_rebuilt_for_oth
     draws in the top layer) and the same gradient. A second build reads the cache; another N or other locked
     weights rebuild it; a change to the layer that trains does not."""
     from mmfast.loading.feature_loader import FeatureLoader
-    from mmfast.train.features import build_text_features, build_train_features, text_partly_locked
+    from mmfast.train.features import build_image_features, build_text_features, text_partly_locked
 
     flags = ("--feature-cache", "on", "--text-model", "bert-mini", "--text-train-layers", "1")
     cfg, dataset, task, model, norm, pixels = _setup(prepared, tmp_path, cpu_accelerator, *flags)
     assert text_partly_locked(model) and model.text.frozen_layers == 3
-    images, _ = build_train_features(cfg, cpu_accelerator, dataset, model, norm)
+    images, _ = build_image_features(cfg, cpu_accelerator, dataset, model, norm)
     hidden, figures = build_text_features(cfg, cpu_accelerator, dataset, model, pixels, hidden=True)
     assert figures["built"] == "no cache yet" and figures["locked_layers"] == 3
     assert hidden.dir.name == "train-text-hidden" and hidden.width % model.text.width == 0
@@ -111,3 +112,6 @@ def test_a_run_with_the_top_text_layer_training_has_the_decoded_runs_losses(prep
 
     assert len(losses("on")) == 2 and on["global_step"] == off["global_step"]
     assert np.allclose(losses("on"), losses("off"), rtol=1e-5) and losses("again") == losses("on")
+    # evaluation read the val split's cached centre view and lower layers' output: the decoded run's figures
+    assert on["feature_cache"]["val"]["text"]["locked_layers"] == on["feature_cache"]["text"]["locked_layers"]
+    assert val_figures(tmp_path / "on") == pytest.approx(val_figures(tmp_path / "off"), abs=1e-6)
