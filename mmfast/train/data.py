@@ -250,7 +250,8 @@ def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str,
         if loader is None:
             continue
         if (features := getattr(loader, "features", None)) is not None:  # --feature-cache
-            size = f"{features.views} views, {features.nbytes / 2**20:.0f} MiB"
+            views = f"{features.views} views" if features.views else "the centre view"  # val: that only
+            size = f"{views}, {features.nbytes / 2**20:.0f} MiB"
             if (text := getattr(loader, "text", None)) is not None:
                 what = "captions too" if loader.text_length is None else "captions' locked text layers"
                 size += f"; {what}, {text.nbytes / 2**20:.0f} MiB"

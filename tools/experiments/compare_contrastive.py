@@ -74,6 +74,8 @@ RECIPES = {
         for loss in ("clip", "siglip")
         for epochs in (8, 16, 32)
     },
+    "siglip-locked-ms-32-slow": ("siglip", {**MS_LOCKED, "epochs": 32, "lr": 3e-4}),
+    "siglip-ms-slow": ("siglip", {"image_pool": "multiscale", "lr": 3e-4}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 QUICK_ROWS = 120
