@@ -19,7 +19,9 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   epochs on 2 stored views. siglip-top1 / siglip-locked: SigLIP with the top layer training, or none;
   siglip-top2-slow: siglip-top2 with the text tower's learning rate at 1e-5 (the preset's: 3e-5). clip-ms: the
   preset's recipe on --image-pool multiscale features; clip-locked-ms-E / siglip-locked-ms-E: both towers locked on
-  them, E epochs on the cached centre view. ridge-ms / probe-ms: the baselines on multiscale features.
+  them, E epochs on the cached centre view; siglip-locked-ms-32-slow: siglip-locked-ms-32 at --lr 3e-4 (the
+  preset's: 1e-3); siglip-ms-slow: SigLIP at that rate on multiscale features, the text tower training as in the
+  preset. ridge-ms / probe-ms: the baselines on multiscale features.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
