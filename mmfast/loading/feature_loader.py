@@ -1,12 +1,11 @@
-"""``FeatureLoader``: a train split served from a feature cache (``mmfast.data.feature_cache``) instead of pixels.
+"""``FeatureLoader``: a split served from a feature cache (``mmfast.data.feature_cache``) instead of pixels.
 
 It has the batches of the ``MultimodalLoader`` it is built on (the same whole-batch order of each epoch, the same
-sample ids on every process, the same tokens, or a locked text tower's cached ``text_features`` in their place,
-or beside them its locked lower layers' cached output ``text_hidden``), with ``image_features`` (B, C) float32 in
-place of ``image``:
-epoch e reads stored view e mod K, the pixels that loader's epoch e mod K would decode. Nothing is decoded and
-no DALI pipeline runs. Its position (epoch, step) is the image loader's, so a checkpoint of either resumes in
-the other.
+sample ids on every process, the same tokens, or a locked text tower's cached ``text_features`` in their place, or
+beside them its locked lower layers' cached output ``text_hidden``), with ``image_features`` (B, C) float32 in
+place of ``image``: epoch e reads stored view e mod K, the pixels that loader's epoch e mod K would decode (the val
+split: its centre view, every epoch). Nothing is decoded and no DALI pipeline runs. Its position (epoch, step) is
+the image loader's, so a checkpoint of either resumes in the other.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ class FeatureLoader:
     """The epochs of ``loader`` (never iterated itself) with each sample's cached features.
 
     Args:
-        loader: the train split's loader, as the run built it (order, batch, shards, tokens, device).
+        loader: the split's loader, as the run built it (order, batch, shards, tokens, device).
         features: the split's cache; it must hold every sample id of ``loader``.
         centre: serve the centre view every epoch (what evaluation's crop sees: the ridge start's pass).
         text: the split's cache of the locked text tower's features (one per caption): batches carry

@@ -138,9 +138,11 @@ def feature_view_loader(
 ) -> MultimodalLoader:
     """``split``'s samples of ``shard`` ((index, count): all of them by default), in id order, augmented as
     training augments it (``train``; its epoch is the view) or as evaluation sees it: what a feature cache
-    stores (``mmfast.train.features``)."""
+    stores (``mmfast.train.features``). The val split is read as the run's val loader reads it (without the
+    train split's --cpu-resize), so its cached features are the ones evaluation would compute."""
+    common = _loader_options(cfg, accelerator, norm)
     view = replace(
-        _augmented(cfg, _loader_options(cfg, accelerator, norm)),
+        _augmented(cfg, common) if split == "train" else common,
         batch_size=cfg.eval_batch_size or cfg.batch_size,
         shuffle=False,
         drop_last=False,

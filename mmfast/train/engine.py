@@ -1,5 +1,5 @@
 """The training loop, plain and visible: epochs of micro-batches, gradient accumulation (the loop closes the
-last window of an epoch), optimizer steps, stop signals, checkpoints, and an evaluation at each epoch's end.
+last window of an epoch), optimizer steps, stop signals, checkpoints, and evaluations at epochs' ends.
 Accelerate owns processes, devices and mixed precision; the task (``mmfast.tasks``) owns what the model takes
 from a batch, the loss, the evaluation and what "best" means (a task that declares ``whole_window`` is handed
 each accumulation window's micro-batches at once: ``EpochRunner.window_step``); ``mmfast.train.run`` sets a run
@@ -119,8 +119,9 @@ class EpochRunner:
 
     def fit(self, val_loader) -> dict:
         """Train the epochs left, checkpointing after each and evaluating (``val_loader``: None for none) after
-        every --eval-every-th and the last; returns the last epoch's metrics."""
-        metrics = {}
+        every --eval-every-th and the last; returns the last epoch's metrics, with the last evaluation's figures
+        where that epoch was not evaluated (a stop signal ended the run before its evaluation)."""
+        metrics, evaluated = {}, {}
         for epoch in range(self.state["epoch"], self.cfg.epochs):
             if self.done():  # resumed at or past --max-steps: nothing left to train
                 break
@@ -142,11 +143,17 @@ class EpochRunner:
                 "skipped_samples": len(self.loader.bad),
                 **shard_figures(self.acc, self.shard_cache),
             }
-            if (val_metrics and self.task.improves(metrics, self.state)) or self.state.get("best_step") is None:
+            evaluated = val_metrics or evaluated
+            # The best: an evaluation above the best so far, or the first one where an epoch that was not
+            # evaluated holds the place (a run's first epoch is the best until an evaluation says otherwise).
+            first = bool(val_metrics) and not self.state.get("best_evaluated", True)
+            better = bool(val_metrics) and (first or self.task.improves(metrics, self.state))
+            if better or self.state["best_step"] is None:
                 # This step's checkpoint (written just below) is the best one: retention never removes it.
                 self.state.update(
                     **self.task.best_figures(metrics), best_epoch=epoch, best_step=self.state["global_step"]
                 )
+                self.state["best_evaluated"] = bool(val_metrics)
             if train_stats["epoch_complete"]:
                 self.state.update(epoch=epoch + 1, epoch_stats=None, loader=self.loader_states())
             # else: --max-steps stopped the epoch; train_epoch saved its position, so a resume with a
@@ -155,7 +162,7 @@ class EpochRunner:
             self.checkpoint()
             if self.done():
                 break
-        return metrics
+        return {**evaluated, **metrics}
 
     def run_steps(self) -> None:
         """Train until ``total_steps`` optimizer steps, epoch after epoch, with nothing between the epochs: no

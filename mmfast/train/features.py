@@ -234,11 +234,11 @@ def build_text_features(
     hidden: bool = False,
     split: str = "train",
 ) -> tuple[FeatureCache, dict]:
-    """``split``'s cache of the locked text tower's features, one per caption (``train-text`` beside the train
-    image views' folder; ``loader``: the split's), read when current, else computed in eval mode without
-    gradient. ``hidden``: the
-    locked lower layers' output of each caption instead (``train-text-hidden``), its tokens padded to the
-    split's longest caption and flattened: a row is (length x D_txt).
+    """``split``'s cache of the locked text tower's features, one per caption (``train-text`` or ``val-text``
+    beside the split's image folder; ``loader``: the split's), read when current, else computed in eval mode
+    without gradient. ``hidden``: the
+    locked lower layers' output of each caption instead (``train-text-hidden`` or ``val-text-hidden``), its
+    tokens padded to the split's longest caption and flattened: a row is (length x D_txt).
 
     Returns:
         (the cache, the summary's figures: dtype, size, whether it was built and how long that took; with
@@ -358,11 +358,15 @@ def feature_val_loader(
     """
     if loader is None or figures is None:
         return loader
-    features, val = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache, split="val")
-    text = None
-    if "text" in figures:
-        hidden = "locked_layers" in figures["text"]
-        text, val["text"] = build_text_features(cfg, accelerator, dataset, model, loader, hidden, split="val")
+    try:  # every process raises alike when the build stops on one (feature_build.build_shared)
+        features, val = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache, split="val")
+        text = None
+        if "text" in figures:
+            hidden = "locked_layers" in figures["text"]
+            text, val["text"] = build_text_features(cfg, accelerator, dataset, model, loader, hidden, split="val")
+    except RuntimeError as e:  # e.g. a val image that cannot be read: evaluation decodes, and masks it out
+        accelerator.print(f"val features not cached ({e}): evaluation decodes the val split")
+        return loader
     figures["val"] = val
     built = [f for f in (val, val.get("text")) if f and f["built"]]
     verb = f"computed ({built[0]['built']})" if built else "read"

@@ -458,6 +458,60 @@ def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_wei
     assert other["built"] == "built for another tower"
 
 
+def test_the_val_cache_serves_what_evaluation_computes_from_the_decoded_val_batches(
+    prepared, tmp_path, cpu_accelerator
+):
+    """The val split's cache, served in the val loader's order: each batch's image features are the locked
+    tower's output on the decoded val batch (the val loader's resize, not the train split's --cpu-resize), and
+    its text features the locked text tower's on the batch's tokens; a sample padding a batch is -1 there too."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.data import build_loaders
+    from mmfast.train.features import feature_val_loader
+
+    cfg, dataset, _, model, norm, loader = _setup(
+        prepared, tmp_path, cpu_accelerator, "--feature-cache", "on", "--freeze-text", "--cpu-resize", "dali"
+    )
+    _, val_loader, _, _ = build_loaders(cfg, cpu_accelerator, dataset, norm)
+    figures = {"text": {"built": None}}  # the train split's cache figures: the captions' cached too
+    served = feature_val_loader(cfg, cpu_accelerator, dataset, model, norm, None, val_loader, figures)
+    assert isinstance(served, FeatureLoader) and figures["val"]["views"] == 0
+    assert figures["val"]["built"] == "no cache yet" and figures["val"]["text"]["built"] == "no cache yet"
+    model.eval()
+    seen = 0
+    with torch.no_grad():
+        for decoded, cached in zip(val_loader, served, strict=True):
+            assert torch.equal(decoded["id"], cached["id"])
+            keep = decoded["id"] >= 0
+            want = model.image(decoded["image"].float())[0][keep]
+            assert torch.allclose(cached["image_features"][keep], want, rtol=1e-4, atol=1e-5)
+            text = model.text(decoded["input_ids"], decoded["attention_mask"])[keep]
+            assert torch.allclose(cached["text_features"][keep], text, rtol=1e-4, atol=1e-5)
+            seen += int(keep.sum())
+    assert seen == len(val_loader.ids)
+
+
+def test_a_val_cache_that_cannot_be_built_leaves_evaluation_decoding(prepared, tmp_path, monkeypatch, capsys):
+    """A val split whose cache build stops (as it does on a val image that cannot be read) does not stop the
+    run: it says so, and evaluation decodes the val split as without a cache."""
+    from mmfast.train import features, parse_config, train
+
+    real = features.build_image_features
+
+    def stops_on_val(*args, split="train", **kwargs):
+        if split == "val":
+            raise RuntimeError("the feature cache's build stopped on process 0: a val image; no cache was left")
+        return real(*args, split=split, **kwargs)
+
+    monkeypatch.setattr(features, "build_image_features", stops_on_val)
+    common = ["--data", str(prepared), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "1"]
+    summary = train(
+        parse_config([*common, "--no-checkpoints", "--feature-cache", "on", "--out", str(tmp_path / "r")])
+    )
+    assert "val features not cached (the feature cache's build stopped" in capsys.readouterr().out
+    assert "val" not in summary["feature_cache"] and summary["val_mean_recall"] > 0
+    assert "val decoded" in summary["images"] or "val streamed" in summary["images"]
+
+
 def test_the_text_fingerprint_parts_follow_the_tower_and_the_tokens():
     """What a text cache is compared by changes with the tower's weights, the token cache's fingerprint, its
     max length and the padding."""

@@ -372,6 +372,11 @@ def test_eval_every_evaluates_every_nth_epoch_and_the_last(prepared, tmp_path, m
     assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
     (row,) = _jsonl(out / "metrics.jsonl")
     assert row["step"] == 4 and row["val_acc"] == 0.5 and len(calls) == 3
+    # an evaluation at 0.0 still replaces the epoch that was not evaluated as the best
+    accs, out = iter([0.0, 0.0]), tmp_path / "zero"
+    flags = ["--epochs", "3", "--eval-every", "2", *FAST[2:]]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 0
+    assert json.loads((out / "summary.json").read_text())["best_epoch"] == 1
     with pytest.raises(ValueError, match="--eval-every must be >= 1, got 0"):
         parse_config(["--data", str(prepared), "--eval-every", "0"])
 
