@@ -30,6 +30,7 @@ import torch
 from mmfast.data.dataset import PreparedDataset
 from mmfast.data.feature_cache import FeatureCache, weights_digest
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
+from mmfast.loading.arguments import LoaderOptions
 from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.models.encoders import pools_stages
@@ -84,9 +85,11 @@ def feature_parts(
             **({"pool": model.image.pool} if pools_stages(model.image) else {}),
         },  # fmt: skip
         "preprocessing": {
-            "image_size": cfg.image_size, "mean": mean, "std": std, "augment": cfg.augment,
-            "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,
-            "cpu_resize": cfg.cpu_resize, "source": cfg.source, "eval_crop_ratio": EVAL_CROP_RATIO,
+            "image_size": cfg.image_size, "mean": mean, "std": std, "source": cfg.source,
+            "eval_crop_ratio": EVAL_CROP_RATIO,
+            # the train split's augmentation and resize; the val split is read as its loader reads it
+            **({"augment": cfg.augment, "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,
+                "cpu_resize": cfg.cpu_resize} if split == "train" else {"cpu_resize": LoaderOptions.cpu_resize}),
             **({"geometry": geometry} if geometry else {}),  # a start's resize (its key as before without one)
         },
         "views": {"count": cfg.feature_views, "seed": cfg.seed} if split == "train" else {"count": 0},

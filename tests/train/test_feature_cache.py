@@ -321,8 +321,8 @@ def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_view
     model, data = SimpleNamespace(image=tower), SimpleNamespace(fingerprint="d1")
     norm = ((0.5,) * 3, (0.5,) * 3)
 
-    def parts(cfg=TrainConfig(), dataset=data, norm=norm, dtype="float32"):
-        return json.dumps(feature_parts(cfg, dataset, model, norm, dtype, "no"), sort_keys=True)
+    def parts(cfg=TrainConfig(), dataset=data, norm=norm, dtype="float32", split="train"):
+        return json.dumps(feature_parts(cfg, dataset, model, norm, dtype, "no", split), sort_keys=True)
 
     first = parts()
     assert parts() == first
@@ -344,6 +344,16 @@ def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_view
     tower[1].running_var += 1.0
     changed.append(parts())
     assert first not in changed and len(set(changed)) == len(changed)
+    # the val split's centre view: not the train split's, and not its augmentation, views or resize
+    val = parts(split="val")
+    assert val != parts() and val != parts(dataset=SimpleNamespace(fingerprint="d2"), split="val")
+    for cfg in (TrainConfig(feature_views=5), TrainConfig(augment=False), TrainConfig(color_jitter=0.2)):
+        assert parts(cfg=cfg, split="val") == val
+    assert (
+        parts(cfg=TrainConfig(cpu_resize="dali"), split="val")
+        == val
+        != parts(cfg=TrainConfig(image_size=48), split="val")
+    )
 
 
 @pytest.mark.timeout(400)
