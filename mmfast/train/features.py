@@ -313,15 +313,20 @@ def feature_note(figures: dict) -> str:
     what = f"{figures['views']} views" + (" and the captions" if text else "")
     if text and "locked_layers" in text:
         what += f" (the text tower's {text['locked_layers']} locked layers)"
-    mib = figures["mib"] + (text["mib"] if text else 0.0)
-    built = [f for f in (figures, text) if f and f["built"]]
-    how = f"computed ({built[0]['built']})" if built else "read from an earlier run's cache"
-    seconds = figures["seconds"] + (text["seconds"] if text else 0.0)
+    built, mib, seconds = _totals(figures, text)
+    how = f"computed ({built})" if built else "read from an earlier run's cache"
     note = f"train read as cached features: {what}, {mib:.1f} MiB, {how} in {seconds:.1f} s"
     if "val" in figures:  # evaluation too: its split's centre view (and captions)
-        val = [figures["val"], figures["val"].get("text")]
-        note += f"; val too, {sum(f['mib'] for f in val if f):.1f} MiB"
+        note += f"; val too, {_totals(figures['val'], figures['val'].get('text'))[1]:.1f} MiB"
     return note
+
+
+def _totals(image: dict, text: dict | None) -> tuple[str, float, float]:
+    """A split's image and text caches' figures together: why the first built one was computed ("" when both
+    were read), their MiB and their seconds."""
+    parts = [f for f in (image, text) if f]
+    built = next((f["built"] for f in parts if f["built"]), "")
+    return built, sum(f["mib"] for f in parts), sum(f["seconds"] for f in parts)
 
 
 def feature_train_loader(
@@ -371,10 +376,8 @@ def feature_val_loader(
         accelerator.print(f"val features not cached ({e}): evaluation decodes the val split")
         return loader
     figures["val"] = val
-    built = [f for f in (val, val.get("text")) if f and f["built"]]
-    verb = f"computed ({built[0]['built']})" if built else "read"
-    mib = val["mib"] + (val["text"]["mib"] if text is not None else 0.0)
-    seconds = val["seconds"] + (val["text"]["seconds"] if text is not None else 0.0)
+    built, mib, seconds = _totals(val, val.get("text"))
+    verb = f"computed ({built})" if built else "read"
     what = "centre view" + (" and captions" if text is not None else "")
     accelerator.print(f"val features {verb}: {what}, {mib:.1f} MiB in {features.dir.parent} ({seconds:.2f} s)")
     return FeatureLoader(loader, features, centre=True, text=text)
