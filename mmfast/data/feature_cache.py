@@ -8,6 +8,9 @@ Layout of a cache directory (one per split), swapped in whole by ``fsutil.atomic
     meta.json    the fingerprint, its parts, the dtype and the shapes; written last
 A cache of one feature per sample (K = 0: a locked text tower's feature of each caption) has no views.bin; its
 centre.bin holds the one feature.
+A sample whose image cannot be read (the loader skips it: ``FileHealth``) has zeros in every view and is listed in
+the meta's ``absent``, with its file, why and the file's stat then: the loader serves it masked, as the decoded
+path does, and a cache whose absent file has changed since (replaced by a good one) is stale.
 The fingerprint covers the data (the prepared directory's fingerprint), the tower's weights (``weights_digest``),
 the preprocessing and the views. ``open_or_build`` reads a cache whose fingerprint and files match; otherwise it
 builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read.
@@ -74,6 +77,8 @@ class FeatureCache:
             else None  # one feature per sample: centre.bin only
         )
         self._centre = np.memmap(self.dir / "centre.bin", dtype=dtype, mode="r", shape=(n, self.width))
+        # sample id -> {"image", "reason", ...}: the samples whose image could not be read (zeros here)
+        self.absent = {int(e["id"]): e for e in meta.get("absent", [])}
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -129,6 +134,7 @@ class FeatureWriter:
         )
         self._centre = np.memmap(self.dir / "centre.bin", dtype=dtype, mode="w+", shape=(max(n, 1), width))
         self._filled = np.zeros((views + 1, n), dtype=bool)  # the centre view last
+        self._absent: dict[int, dict] = {}  # sample id -> its ``absent`` entry
 
     def put(self, view: int | None, ids: np.ndarray | torch.Tensor, features: torch.Tensor) -> None:
         """Store ``features`` (B, C) of sample ``ids`` (B,) for ``view`` (None: the centre view); rows of
@@ -145,11 +151,24 @@ class FeatureWriter:
         table[rows] = feats[keep].astype(self.dtype)
         self._filled[self.views if view is None else view, rows] = True
 
+    def absent(self, entries: list[dict]) -> None:
+        """The samples whose image could not be read (``FileHealth.skipped``' entries: "id", "image",
+        "reason"): zeros in every view, and listed in the meta with their file's stat now."""
+        for entry in entries:
+            i = int(entry["id"])
+            row = int(np.searchsorted(self.ids, i))
+            if row >= len(self.ids) or self.ids[row] != i:
+                raise IndexError(f"an unreadable image's sample id {i} is outside the cache's {len(self.ids)} ids")
+            for table in (self._centre, *(self._views if self._views is not None else ())):
+                table[row] = 0
+            self._filled[:, row] = True
+            self._absent[i] = {"id": i, "image": entry["image"], "reason": entry["reason"], **_file_stat(entry)}
+
     def finish(self, fingerprint: str, parts: dict) -> None:
         """Flush the arrays and write ``ids.npy`` and ``meta.json`` (last).
 
         Raises:
-            ValueError: a view of some sample was never ``put``.
+            ValueError: a view of some sample was never ``put`` (nor found ``absent``).
         """
         if not self._filled.all():
             view, row = np.argwhere(~self._filled)[0]
@@ -162,6 +181,7 @@ class FeatureWriter:
         meta = {
             "format": FORMAT_VERSION, "fingerprint": fingerprint, "parts": parts, "dtype": self.dtype,
             "views": self.views, "rows": len(self.ids), "width": self.width,
+            "absent": [self._absent[i] for i in sorted(self._absent)],
         }  # fmt: skip
         atomic_write_json(self.dir / "meta.json", meta)
 
@@ -183,7 +203,7 @@ def stale_reason(directory: str | os.PathLike, parts: dict) -> str:
         old = meta.get("parts") or {}
         differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
         return f"built for another {', '.join(differ)}"
-    return _check_files(directory, meta)
+    return _check_files(directory, meta) or _changed_absent(meta)
 
 
 def open_or_build(
@@ -271,4 +291,23 @@ def _check_files(directory: Path, meta: dict) -> str:
         return f"ids.npy unreadable: {e}"
     if ids.shape != (n,):
         return "ids.npy does not match the meta"
+    return ""
+
+
+def _file_stat(entry: dict) -> dict:
+    """An unreadable image's file as it is now ({"stat": [size, mtime_ns]}; None: it cannot be stat'ed, e.g.
+    missing or a member of a shard), so that a later change to it is seen."""
+    try:
+        st = os.stat(entry["image"])
+    except (OSError, TypeError, ValueError):
+        return {"stat": None}
+    return {"stat": [st.st_size, st.st_mtime_ns]}
+
+
+def _changed_absent(meta: dict) -> str:
+    """Why the cache must be built again because an image it could not read has changed since ("" if none
+    has): it may be readable now."""
+    for entry in meta.get("absent", []):
+        if _file_stat(entry)["stat"] != entry.get("stat"):
+            return f"{entry['image']}, unreadable when it was built, has changed"
     return ""

@@ -5,7 +5,8 @@ sample ids on every process, the same tokens, or a locked text tower's cached ``
 beside them its locked lower layers' cached output ``text_hidden``), with ``image_features`` (B, C) float32 in
 place of ``image``: epoch e reads stored view e mod K, the pixels that loader's epoch e mod K would decode (the val
 split: its centre view, every epoch). Nothing is decoded and no DALI pipeline runs. Its position (epoch, step) is
-the image loader's, so a checkpoint of either resumes in the other.
+the image loader's, so a checkpoint of either resumes in the other. A sample whose image the cache's build could
+not read (the cache's ``absent``) is served masked, with id -1 and no label, as the image loader serves it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class FeatureLoader:
                     f"(first: {int(missing[0])})"
                 )
         self.loader, self.features, self.centre, self.text = loader, features, centre, text
+        # the positions of the samples whose image could not be read: served masked
+        self._absent = np.isin(np.asarray(loader.ids), np.fromiter(features.absent, np.int64))
         self.text_length = (text.meta["parts"].get("tokens") or {}).get("length") if text is not None else None
         self.dataset = loader.dataset
         self.epoch, self.step = 0, 0
@@ -61,8 +64,21 @@ class FeatureLoader:
     num_threads = property(lambda self: self.loader.num_threads)  # the image loader's, for a profile's settings
     prefetch = property(lambda self: self.loader.prefetch)
     text_padding = property(lambda self: self.loader.text_padding)
-    bad = property(lambda self: [])  # no image is read: none can be bad
-    skipped = property(lambda self: [])
+
+    @property
+    def bad(self) -> dict[int, str]:
+        """Position -> why, of the samples served masked because the cache's build could not read their image
+        (the image loader's ``bad``)."""
+        ids = np.asarray(self.loader.ids)
+        return {int(p): self.features.absent[int(ids[p])]["reason"] for p in np.flatnonzero(self._absent)}
+
+    @property
+    def skipped(self) -> list[dict]:
+        """Those samples' {"id", "image", "reason"} (the image loader's ``skipped``)."""
+        ids = np.asarray(self.loader.ids)
+        entries = [self.features.absent[int(ids[p])] for p in np.flatnonzero(self._absent)]
+        return [{k: e[k] for k in ("id", "image", "reason")} for e in entries]
+
     holds_decoded = False
     cached_bytes = 0
 
@@ -117,6 +133,7 @@ class FeatureLoader:
         view = self.view(self.epoch)
         while self.step < len(self):
             pos = positions[self.step * b : (self.step + 1) * b]
+            pos = np.where(self._absent[np.maximum(pos, 0)], -1, pos)  # an unreadable image: masked
             ids = np.where(pos >= 0, all_ids[np.maximum(pos, 0)], -1)
             labels = np.where(pos >= 0, labels_of[np.maximum(pos, 0)], IGNORE_LABEL)
             batch = {"image_features": self.features.gather(ids, view).to(self.device)}

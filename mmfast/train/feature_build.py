@@ -14,6 +14,8 @@ How it goes, for a cache directory that every process names:
        ``meta.json`` last (``feature_cache.build_into``).
     5. A failure on any process (its tower, a write, the swap) reaches all of them at the next step, so all
        stop; the temp directory is removed and no cache that looks whole is left.
+    6. The samples whose image a process could not read (``Unreadable``: its loader skipped them) are gathered
+       once every share is done, and the writers store them as absent: training masks them as decoding does.
 A process waiting on another is bounded by --dist-timeout: no collective waits longer than one step.
 """
 
@@ -23,6 +25,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +42,19 @@ from mmfast.data.feature_cache import (
 )
 from mmfast.util.fsutil import dir_lock_path, file_lock
 
+
+@dataclass
+class Unreadable:
+    """Given by a ``compute`` iterator between its steps: samples of its share whose image could not be read
+    (``FileHealth.skipped``' entries), stored as absent (``FeatureWriter.absent``)."""
+
+    entries: list[dict]
+
+
 # One step of the first pass on one process: (stored view or None for the centre view, sample ids (B,),
 # features (B, C)); ids < 0 are padding.
 Step = tuple[int | None, torch.Tensor, torch.Tensor]
-Compute = Callable[[int, int], Iterator[Step]]  # (shard, shards) -> this process's steps
+Compute = Callable[[int, int], Iterator[Step | Unreadable]]  # (shard, shards) -> this process's steps
 
 
 def build_shared(
@@ -69,7 +81,9 @@ def build_shared(
         filesystem that lacked it).
 
     Raises:
-        RuntimeError: the processes' fingerprints differ, or the build failed on some process.
+        RuntimeError: the processes' fingerprints differ.
+        FeatureBuildError: the build failed on some process (``FeatureInputError``, a ValueError too, when
+            that was the data's, the flags' or the disk's doing).
     """
     directory, parts = Path(directory), plain_parts(parts)
     fingerprint = feature_fingerprint(parts)
@@ -135,6 +149,27 @@ def _claim(directory: Path, run: str, rank: int, world: int, held: contextlib.Ex
 _ELSEWHERE = "another process failed"  # what a process that did not fail reports
 
 
+class FeatureBuildError(RuntimeError):
+    """The first pass stopped on some process: nothing was cached."""
+
+
+class FeatureInputError(FeatureBuildError, ValueError):
+    """The first pass stopped on the data, the flags or the disk (a ValueError or OSError on the failing process,
+    e.g. an unreadable image under --on-bad-image error): a user's error, said in one line."""
+
+
+class _Failure(str):
+    """What stopped a process, as "Type: message"; ``about_input``: a ValueError or OSError."""
+
+    about_input = False
+
+
+def _failed(e: BaseException) -> _Failure:
+    failure = _Failure(f"{type(e).__name__}: {e}")
+    failure.about_input = isinstance(e, ValueError | OSError)
+    return failure
+
+
 class _Stopped(Exception):
     """The first pass stopped: on this process or another (its message says which and why)."""
 
@@ -150,14 +185,14 @@ def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, write
                 try:
                     writer = stack.enter_context(build_into(directory, ids, views, width, dtype, parts))
                 except Exception as e:  # noqa: BLE001 - every process hears of it at the first step
-                    failure = f"{type(e).__name__}: {e}"
+                    failure = _failed(e)
             failure = _steps(accelerator, compute, shape, writer, failure)
             if failure:
                 raise _Stopped(failure)  # build_into removes its temp directory
     except _Stopped as e:
-        return str(e)
+        return e.args[0]  # the _Failure itself, which says whether it was the input's doing
     except Exception as e:  # noqa: BLE001 - the finish or the swap: every process hears of it
-        return f"{type(e).__name__}: {e}"
+        return _failed(e)
     return ""
 
 
@@ -166,13 +201,19 @@ def _steps(accelerator, compute: Compute, shape, writer: FeatureWriter | None, f
     share is done or some process failed. Returns this process's failure, or the first process's."""
     _, width, rows = shape
     world, rank = _world()
-    steps = compute(rank, world)
+    steps, unreadable = compute(rank, world), []
     while True:
-        step, failure = _next_step(steps, failure)
+        step, failure = _next_step(steps, failure, unreadable)
         header, got = _gather_step(step, failure, width, rows, accelerator.device, world)
         if header[:, 1].any():
             return failure or _ELSEWHERE
-        if not header[:, 0].any():
+        if not header[:, 0].any():  # every share done: the unreadable images of all of them
+            entries = [e for share in _all_objects(unreadable, world) for e in share]
+            try:
+                if writer is not None and entries:
+                    writer.absent(entries)
+            except Exception as e:  # noqa: BLE001 - every process hears of it (_stop_all_on)
+                return _failed(e)
             return ""
         if writer is None:
             continue
@@ -181,16 +222,22 @@ def _steps(accelerator, compute: Compute, shape, writer: FeatureWriter | None, f
                 if h[0]:
                     writer.put(None if h[2] < 0 else int(h[2]), i, f)
         except Exception as e:  # noqa: BLE001 - told to all at the next step
-            failure = f"{type(e).__name__}: {e}"
+            failure = _failed(e)
 
 
-def _next_step(steps: Iterator[Step], failure: str) -> tuple[Step | None, str]:
+def _next_step(steps: Iterator[Step | Unreadable], failure: str, unreadable: list) -> tuple[Step | None, str]:
+    """The next step of this process (None: none left), the ``Unreadable`` entries before it added to
+    ``unreadable``."""
     if failure:
         return None, failure
     try:
-        return next(steps, None), ""
+        step = next(steps, None)
+        while isinstance(step, Unreadable):
+            unreadable += step.entries
+            step = next(steps, None)
+        return step, ""
     except Exception as e:  # noqa: BLE001 - its process stops all of them at this step
-        return None, f"{type(e).__name__}: {e}"
+        return None, _failed(e)
 
 
 def _gather_step(step: Step | None, failure: str, width: int, rows: int, device, world: int):
@@ -230,7 +277,8 @@ def _stop_all_on(failure: str, world: int) -> None:
     bad = sorted(((f == _ELSEWHERE, r), f) for r, f in enumerate(failures) if f)  # the failing one first
     if bad:
         (_, r), f = bad[0]
-        raise RuntimeError(f"the feature cache's build stopped on process {r}: {f}; no cache was left")
+        error = FeatureInputError if getattr(f, "about_input", False) else FeatureBuildError
+        raise error(f"the feature cache's build stopped on process {r}: {f}; no cache was left")
 
 
 def _world() -> tuple[int, int]:

@@ -35,7 +35,7 @@ from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.models.encoders import pools_stages
 from mmfast.train.data import cache_plans, feature_view_loader
-from mmfast.train.feature_build import build_shared
+from mmfast.train.feature_build import Unreadable, build_shared
 from mmfast.train.slices import FeatureConfig
 
 CACHE_HOME = Path("~/.cache/mmfast/features")  # --feature-cache-dir's default: one folder per dataset under it
@@ -215,7 +215,9 @@ def _view_steps(
 ):
     """This process's share (``shard``: (index, count)) of every view of every sample of ``split``: of the train
     split view v from the train loader's epoch v, then the centre view; of the val split the centre view only;
-    as (view, ids, features) steps."""
+    as (view, ids, features) steps, then the samples whose image could not be read (``Unreadable``: the loader
+    skipped them, and training masks them as the decoded path does)."""
+    skipped = {}
     if split == "train":
         plan = cache_plans(cfg, accelerator, dataset, has_val=False, cache=shard_cache)["train"]
         views = feature_view_loader(
@@ -224,8 +226,11 @@ def _view_steps(
         for v in range(cfg.feature_views):
             views.set_epoch(v)
             yield from _tower_steps(accelerator, tower, views, v)
+        skipped |= {e["id"]: e for e in views.skipped}
     centre = feature_view_loader(cfg, accelerator, dataset, norm, shard_cache, False, shard=shard, split=split)
     yield from _tower_steps(accelerator, tower, centre, None)
+    skipped |= {e["id"]: e for e in centre.skipped}
+    yield Unreadable([skipped[i] for i in sorted(skipped)])
 
 
 def build_text_features(
@@ -329,6 +334,15 @@ def _totals(image: dict, text: dict | None) -> tuple[str, float, float]:
     return built, sum(f["mib"] for f in parts), sum(f["seconds"] for f in parts)
 
 
+def _absent_note(features: FeatureCache) -> str:
+    """What a printed line adds about the samples whose image could not be read when ``features`` was built."""
+    if not features.absent:
+        return ""
+    first = features.absent[min(features.absent)]
+    n, image, why = len(features.absent), first["image"], first["reason"]
+    return f"; {n} unreadable image(s), masked as decoding masks them (the first: {image}: {why})"
+
+
 def feature_train_loader(
     cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache, loader: MultimodalLoader
 ) -> tuple[MultimodalLoader | FeatureLoader, dict | None]:
@@ -343,7 +357,7 @@ def feature_train_loader(
     verb = f"computed ({figures['built']})" if figures["built"] else "read"
     accelerator.print(
         f"train image features {verb}: {figures['views']} views, {figures['mib']} MiB in {features.dir} "
-        f"({figures['seconds']} s)"
+        f"({figures['seconds']} s){_absent_note(features)}"
     )
     text = None
     hidden = text_partly_locked(model)  # the locked lower layers' output: later epochs run the top ones only
@@ -379,5 +393,8 @@ def feature_val_loader(
     built, mib, seconds = _totals(val, val.get("text"))
     verb = f"computed ({built})" if built else "read"
     what = "centre view" + (" and captions" if text is not None else "")
-    accelerator.print(f"val features {verb}: {what}, {mib:.1f} MiB in {features.dir.parent} ({seconds:.2f} s)")
+    accelerator.print(
+        f"val features {verb}: {what}, {mib:.1f} MiB in {features.dir.parent} ({seconds:.2f} s)"
+        f"{_absent_note(features)}"
+    )
     return FeatureLoader(loader, features, centre=True, text=text)

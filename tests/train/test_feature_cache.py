@@ -119,6 +119,35 @@ def test_a_build_that_missed_a_sample_is_refused(tmp_path):
     assert not (tmp_path / "fc").exists()
 
 
+def test_a_sample_whose_image_could_not_be_read_is_stored_absent_and_its_file_watched(tmp_path):
+    """A sample the build declares unreadable has zeros in every view and is listed with its file; any other
+    sample left out still refuses the build; a change to the unreadable file makes the cache stale."""
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not an image")
+    entry = {"id": 7, "image": str(bad), "reason": "not an image"}
+
+    def fill(writer):
+        writer.absent([entry])
+        for view in [*range(writer.views), None]:
+            ids = IDS[IDS != 7]
+            writer.put(view, ids, _value(view, ids))
+
+    cache, _ = open_or_build(tmp_path / "fc", PARTS, IDS, 2, WIDTH, "float32", fill)
+    assert set(cache.absent) == {7} and cache.absent[7]["image"] == str(bad)
+    assert not cache.gather(np.array([7]), 1).any() and torch.equal(cache.gather(IDS[:2], 1), _value(1, IDS[:2]))
+    assert stale_reason(tmp_path / "fc", PARTS) == ""
+    bad.write_bytes(b"now a longer file than before")
+    assert "unreadable when it was built, has changed" in stale_reason(tmp_path / "fc", PARTS)
+
+    def leaves_out_9(writer):
+        writer.absent([entry])
+        for view in [*range(writer.views), None]:
+            writer.put(view, IDS[:2], _value(view, IDS[:2]))
+
+    with pytest.raises(ValueError, match="view 0 of sample 9 was not computed"):
+        open_or_build(tmp_path / "fc2", PARTS, IDS, 2, WIDTH, "float32", leaves_out_9)
+
+
 @pytest.mark.parametrize("damage", ["truncate-views", "truncate-centre", "no-meta", "meta-garbage", "no-ids"])
 def test_a_damaged_cache_is_refused_and_rebuilt(tmp_path, damage):
     fc = tmp_path / "fc"
@@ -500,9 +529,51 @@ def test_the_val_cache_serves_what_evaluation_computes_from_the_decoded_val_batc
     assert seen == len(val_loader.ids)
 
 
+@pytest.mark.timeout(300)
+def test_unreadable_images_are_masked_from_the_cache_as_decoding_masks_them(demo_manifest, tmp_path):
+    """A train image and a val image that stopped being images after preparation: the decoded run skips
+    them, and so does the cached run, which stores them as absent: the same losses, val figures and skipped
+    samples. Under --on-bad-image error the build stops on the file, in one line, and leaves no cache."""
+    import shutil
+
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+    from mmfast.train import parse_config, train
+
+    source = tmp_path / "source"
+    shutil.copytree(demo_manifest.parent, source)
+    data = tmp_path / "prepared"
+    prepare_dataset(PrepareConfig(source=str(source / demo_manifest.name), out=str(data), progress=False))
+    broken = []
+    for split in ("train", "val"):
+        row = json.loads((data / f"{split}.jsonl").read_text().splitlines()[5])
+        Path(row["image"]).write_bytes(b"<html>not found</html>")  # what a failed download leaves
+        broken.append(row["image"])
+
+    common = ["--data", str(data), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "2"]
+    common += ["--no-checkpoints"]
+    train(parse_config([*common, "--out", str(tmp_path / "off")]))
+    on = train(parse_config([*common, "--out", str(tmp_path / "on"), "--feature-cache", "on"]))
+    rows = {
+        run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("off", "on")
+    }
+    assert [x["skipped_samples"] for x in rows["on"]] == [x["skipped_samples"] for x in rows["off"]] == [1, 1]
+    assert np.allclose([x["train_loss"] for x in rows["on"]], [x["train_loss"] for x in rows["off"]], rtol=1e-5)
+    assert val_figures(tmp_path / "on") == pytest.approx(val_figures(tmp_path / "off"), abs=1e-6)
+    assert "val" in on["feature_cache"]  # the val split was cached, its unreadable image absent
+    for split, image in zip(("train", "val"), broken, strict=True):
+        assert [e["image"] for e in FeatureCache(tmp_path / "fc" / split).absent.values()] == [image]
+
+    strict = [str(tmp_path / "fc-err") if a == str(tmp_path / "fc") else a for a in common]
+    strict += ["--out", str(tmp_path / "err"), "--feature-cache", "on", "--on-bad-image", "error"]
+    with pytest.raises(ValueError, match=f"{broken[0]}: not an image.* or pass .*; no cache was left"):
+        train(parse_config(strict))
+    assert not (tmp_path / "fc-err" / "train" / "meta.json").exists()
+
+
 def test_a_val_cache_that_cannot_be_built_leaves_evaluation_decoding(prepared, tmp_path, monkeypatch, capsys):
-    """A val split whose cache build stops (as it does on a val image that cannot be read) does not stop the
-    run: it says so, and evaluation decodes the val split as without a cache."""
+    """A val split whose cache build stops (as one does when the disk fills) does not stop the run: it says so,
+    and evaluation decodes the val split as without a cache."""
     from mmfast.train import features, parse_config, train
 
     real = features.build_image_features
