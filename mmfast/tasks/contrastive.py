@@ -124,6 +124,11 @@ class ContrastiveTask:
         self._on_device: dict[torch.device, torch.Tensor] = {}
         self._tally: torch.Tensor | None = None  # (2,): samples with a negative, samples; since the last read
 
+    @property
+    def image_groups(self) -> torch.Tensor:
+        """(max id + 1,) int64: per sample id its image group (rows of one image file share it), -1 for no row."""
+        return self._groups[0]
+
     def groups(self, ids: torch.Tensor) -> torch.Tensor:
         """(2, B) image and caption groups of sample ids (padding: those of id 0; it never counts)."""
         if ids.device not in self._on_device:

@@ -211,7 +211,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
             parts.features, accelerator, dataset, model, norm, cache, val_loader, features
         )
         fresh = resume_from is None
-        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader) if fresh else None
+        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader, task) if fresh else None
         steps = total_steps(parts.optim, len(train_loader))
         model, optimizer, scheduler = _optimized(parts, accelerator, model, task, steps)
         state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
@@ -298,20 +298,24 @@ def _start_state(
 
 
 def _warm_start(
-    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache, train_loader
+    cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache, train_loader, task
 ) -> dict | None:
     """--init-proj ridge on a fresh run: the dual encoder's projections from one pass over the train split
-    (``warm_start``); None when the projections start at random. A resumed run has its checkpoint's. With a
-    feature cache (``train_loader`` a ``FeatureLoader``) the pass reads its centre view instead of decoding."""
+    (``warm_start``), its lambda picked on the split's held-out images (``task``'s image groups); None when the
+    projections start at random. A resumed run has its checkpoint's. With a feature cache (``train_loader`` a
+    ``FeatureLoader``) the pass reads its centre view instead of decoding."""
     if cfg.init_proj != "ridge":
         return None
     model.to(accelerator.device)
     loader = train_view_loader(slices(cfg).loader, accelerator, dataset, norm, cache)
     if (features := getattr(train_loader, "features", None)) is not None:
         loader = FeatureLoader(loader, features, centre=True, text=train_loader.text)
-    figures = ridge_start(model, loader, accelerator)
+    figures = ridge_start(model, loader, accelerator, image_groups=getattr(task, "image_groups", None))
+    how = f"lambda {figures['lambda_per_sample']:g}"
+    if pick := figures.get("lambda_pick"):
+        how += f", picked on {pick['held_out_images']} held-out images"
     accelerator.print(
-        f"projections started from the ridge map of {figures['samples']} samples ({figures['seconds']} s)"
+        f"projections started from the ridge map of {figures['samples']} samples ({how}; {figures['seconds']} s)"
     )
     return figures
 

@@ -1,5 +1,6 @@
 """--init-proj ridge (mmfast/train/warm_start.py): the dual encoder's projections from the closed-form ridge map
-of the towers' features; the sums over two processes equal one process's; a run records it."""
+of the towers' features, its lambda picked on held-out images; the sums over two processes equal one process's;
+a run records it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmfast.train.warm_start import ridge_projections, ridge_start, tower_grams
+from mmfast.train.warm_start import (
+    RIDGE_LAMBDAS,
+    held_out_samples,
+    pick_lambda,
+    ridge_projections,
+    ridge_start,
+    tower_grams,
+)
 from tests.conftest import free_port, n_rows, spawn_two
 
 DIM = 16
@@ -65,6 +73,31 @@ def test_lambda_shrinks_and_no_samples_is_refused():
         ridge_projections(_grams(x[:0], t[:0]), embed_dim=10)
 
 
+def _noisy_pairs(noise: float, n: int = 400, c: int = 300, d: int = 32):
+    """More image features than a fifth of the samples, text a linear map of them plus ``noise``: a small lambda
+    fits the noise, which only images outside the fit show."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, c, generator=g)
+    t = x @ torch.randn(c, d, generator=g) + noise * c**0.5 * torch.randn(n, d, generator=g)
+    t = torch.nn.functional.normalize(t, dim=-1).double()
+    groups = torch.arange(n)  # an image each
+    held = held_out_samples(groups)
+    grams, held_grams = _grams(x, t), _grams(x[held], t[held])
+    grams |= {"held": held_grams, "held_rows": (groups[held], x[held], t[held].float())}
+    return grams, groups
+
+
+def test_lambda_is_picked_on_held_out_images_the_fit_never_saw():
+    """Noise-free pairs pick the smallest lambda, noisy ones a large one; the held-out images are out of the
+    fit (in it, every lambda would retrieve them almost perfectly and the smallest would win)."""
+    grams, groups = _noisy_pairs(0.0)
+    lam, picked = pick_lambda(grams, 16, groups)
+    assert lam == RIDGE_LAMBDAS[0] and picked["held_out_images"] == 80
+    grams, groups = _noisy_pairs(2.0)
+    lam, picked = pick_lambda(grams, 16, groups)
+    assert lam >= 1.0 and max(picked["mean_recall"].values()) < 50, picked
+
+
 def _tiny_dual(prepared: Path):
     from mmfast.data.dataset import PreparedDataset
     from mmfast.models import build_model
@@ -93,24 +126,45 @@ def _gram_worker(rank: int, port: int, prepared: str, out_dir: str) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    grams = tower_grams(_tiny_dual(Path(prepared)), _view_loader(Path(prepared), accelerator), accelerator)
+    held = held_out_samples(_image_groups(Path(prepared)))
+    grams = tower_grams(
+        _tiny_dual(Path(prepared)), _view_loader(Path(prepared), accelerator), accelerator, held_out=held
+    )
     if rank == 0:
         torch.save(grams, Path(out_dir) / "grams.pt")
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
 
 
+def _image_groups(prepared: Path) -> torch.Tensor:
+    from mmfast.data.dataset import PreparedDataset
+    from mmfast.tasks.contrastive import ContrastiveTask
+
+    return ContrastiveTask(PreparedDataset(prepared)).image_groups
+
+
 @pytest.mark.timeout(180)
 def test_two_processes_sum_the_same_grams_as_one(prepared, tmp_path, cpu_accelerator):
     """Each of two processes reads half of the train split; the summed Gram matrices (and so the projections)
-    equal one process's over the whole split, every sample counted once."""
+    equal one process's over the whole split, every sample counted once; so do the held-out part's sums and
+    rows, and so the lambda picked."""
     spawn_two(_gram_worker, (free_port(), str(prepared), str(tmp_path)), 150)
     two = torch.load(tmp_path / "grams.pt")
     accelerator = cpu_accelerator
-    one = tower_grams(_tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator)
+    groups = _image_groups(prepared)
+    one = tower_grams(
+        _tiny_dual(prepared), _view_loader(prepared, accelerator), accelerator, held_out=held_out_samples(groups)
+    )
     assert int(one["n"]) == int(two["n"]) == n_rows(prepared, "train")
-    for key in ("xx", "xt", "tt"):
-        assert torch.allclose(two[key], one[key], rtol=1e-6, atol=1e-6 * float(one[key].abs().max())), key
+    assert 0 < int(one["held"]["n"]) == int(two["held"]["n"]) == len(one["held_rows"][0]) < int(one["n"]) / 3
+    for a, b in [(one[k], two[k]) for k in ("xx", "xt", "tt")] + [
+        (one["held"][k], two["held"][k]) for k in ("xx", "xt")
+    ]:
+        assert torch.allclose(b, a, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
+    assert torch.equal(one["held_rows"][0], two["held_rows"][0])
+    for a, b in zip(one["held_rows"][1:], two["held_rows"][1:], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert pick_lambda(one, DIM, groups) == pick_lambda(two, DIM, groups)
 
 
 def test_the_ridge_start_embeds_train_images_near_their_captions(prepared, cpu_accelerator):
@@ -142,6 +196,11 @@ def test_a_run_records_its_start_and_a_classifier_refuses_it(prepared, tmp_path,
     summary = json.loads((run / "summary.json").read_text())
     assert summary["init_proj"]["method"] == "ridge"
     assert summary["init_proj"]["samples"] == n_rows(prepared, "train")
+    picked = summary["init_proj"]["lambda_pick"]  # on the held-out fifth of the train images
+    assert 20 <= picked["held_out_images"] < n_rows(prepared, "train") / 3
+    assert summary["init_proj"]["lambda_per_sample"] == float(
+        max(picked["mean_recall"], key=picked["mean_recall"].get)
+    )
     choices = summary["hardware_choices"]  # on this CPU (mmfast/train/hardware.py)
     assert (choices["channels_last"], choices["optimizer_impl"], choices["grad_scaler"]) == (
         False,
