@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch
 from mmfast.util.fsutil import atomic_dir, atomic_write_json, dir_lock_path, file_lock
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: unreadable images' samples listed as absent
 KIND = "mmfast feature cache"  # the marker's kind: only a directory of this kind is replaced
 DTYPES = ("float16", "float32")
 _NO_CACHE = "no cache yet"
@@ -162,7 +163,8 @@ class FeatureWriter:
             for table in (self._centre, *(self._views if self._views is not None else ())):
                 table[row] = 0
             self._filled[:, row] = True
-            self._absent[i] = {"id": i, "image": entry["image"], "reason": entry["reason"], **_file_stat(entry)}
+            found = entry.get("stat") or _file_stat(entry["image"])  # when the loader found it bad, else now
+            self._absent[i] = {"id": i, "image": entry["image"], "reason": entry["reason"], "stat": list(found)}
 
     def finish(self, fingerprint: str, parts: dict) -> None:
         """Flush the arrays and write ``ids.npy`` and ``meta.json`` (last).
@@ -294,20 +296,20 @@ def _check_files(directory: Path, meta: dict) -> str:
     return ""
 
 
-def _file_stat(entry: dict) -> dict:
-    """An unreadable image's file as it is now ({"stat": [size, mtime_ns]}; None: it cannot be stat'ed, e.g.
-    missing or a member of a shard), so that a later change to it is seen."""
+def _file_stat(path: str) -> list[int]:
+    """[size, mtime_ns] of an unreadable image's file now; [-1, -1] when it is missing, not a regular file or no
+    file (a member of a shard): what ``FileHealth`` records when it finds a file bad."""
     try:
-        st = os.stat(entry["image"])
+        st = os.stat(path)
     except (OSError, TypeError, ValueError):
-        return {"stat": None}
-    return {"stat": [st.st_size, st.st_mtime_ns]}
+        return [-1, -1]
+    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else [-1, -1]
 
 
 def _changed_absent(meta: dict) -> str:
     """Why the cache must be built again because an image it could not read has changed since ("" if none
     has): it may be readable now."""
     for entry in meta.get("absent", []):
-        if _file_stat(entry)["stat"] != entry.get("stat"):
+        if _file_stat(entry["image"]) != entry.get("stat"):
             return f"{entry['image']}, unreadable when it was built, has changed"
     return ""

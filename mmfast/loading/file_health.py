@@ -67,6 +67,7 @@ class FileHealth:
         self.max_pixels = max_pixels
         self.num_threads = num_threads
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
+        self._bad_stat: dict[int, list[int]] = {}  # position -> [size, mtime_ns] when found bad ([-1, -1]: none)
         self.prepared = False  # the files come from a prepared directory (its tool is named in errors)
         # (size, mtime_ns) of each file when last known good
         if file_stats is not None:
@@ -90,8 +91,12 @@ class FileHealth:
 
     @property
     def skipped(self) -> list[dict]:
-        """The samples served masked because their image is missing or undecodable."""
-        return [{"id": int(self.ids[p]), "image": self.files[p], "reason": r} for p, r in sorted(self.bad.items())]
+        """The samples served masked because their image is missing or undecodable: {"id", "image", "reason",
+        "stat": the file's [size, mtime_ns] when it was found bad, [-1, -1] when it could not be stat'ed}."""
+        return [
+            {"id": int(self.ids[p]), "image": self.files[p], "reason": r, "stat": self._bad_stat.get(p, [-1, -1])}
+            for p, r in sorted(self.bad.items())
+        ]
 
     def mark_bad(self, positions: list[int], reasons: list[str]) -> None:
         for p, reason in zip(positions, reasons, strict=True):
@@ -103,6 +108,7 @@ class FileHealth:
                 )
             log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             self.bad[p] = reason
+            self._bad_stat[p] = _stat_files([self.files[p]])[0].tolist()  # a later change to it can be seen
         if len(self.bad) == len(self.files):
             first = min(self.bad)
             moved = (

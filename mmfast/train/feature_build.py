@@ -154,19 +154,22 @@ class FeatureBuildError(RuntimeError):
 
 
 class FeatureInputError(FeatureBuildError, ValueError):
-    """The first pass stopped on the data, the flags or the disk (a ValueError or OSError on the failing process,
-    e.g. an unreadable image under --on-bad-image error): a user's error, said in one line."""
+    """The first pass stopped on the data or the disk: a ValueError or OSError while a process read its share
+    (e.g. an unreadable image under --on-bad-image error), or an OSError making the cache's folder. A user's
+    error, said in one line."""
 
 
 class _Failure(str):
-    """What stopped a process, as "Type: message"; ``about_input``: a ValueError or OSError."""
+    """What stopped a process, as "Type: message"; ``about_input``: the data's or the disk's doing."""
 
     about_input = False
 
 
-def _failed(e: BaseException) -> _Failure:
+def _failed(e: BaseException, reading: bool = False) -> _Failure:
+    """``e`` as a failure; ``reading``: it came from reading the share (the loader, the tower), where a
+    ValueError or OSError is the data's; else only an OSError (the disk) is the user's to fix."""
     failure = _Failure(f"{type(e).__name__}: {e}")
-    failure.about_input = isinstance(e, ValueError | OSError)
+    failure.about_input = isinstance(e, OSError) or (reading and isinstance(e, ValueError))
     return failure
 
 
@@ -237,7 +240,7 @@ def _next_step(steps: Iterator[Step | Unreadable], failure: str, unreadable: lis
             step = next(steps, None)
         return step, ""
     except Exception as e:  # noqa: BLE001 - its process stops all of them at this step
-        return None, _failed(e)
+        return None, _failed(e, reading=True)
 
 
 def _gather_step(step: Step | None, failure: str, width: int, rows: int, device, world: int):

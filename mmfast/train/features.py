@@ -37,6 +37,8 @@ from mmfast.models.encoders import pools_stages
 from mmfast.train.data import cache_plans, feature_view_loader
 from mmfast.train.feature_build import Unreadable, build_shared
 from mmfast.train.slices import FeatureConfig
+from mmfast.util.commands import PREPARE
+from mmfast.util.voice import setting
 
 CACHE_HOME = Path("~/.cache/mmfast/features")  # --feature-cache-dir's default: one folder per dataset under it
 
@@ -334,6 +336,22 @@ def _totals(image: dict, text: dict | None) -> tuple[str, float, float]:
     return built, sum(f["mib"] for f in parts), sum(f["seconds"] for f in parts)
 
 
+def _refuse_absent(cfg: FeatureConfig, features: FeatureCache) -> None:
+    """Under --on-bad-image error, a cache built with an unreadable image skipped stops the run as decoding
+    would, naming the file.
+
+    Raises:
+        ValueError: ``features`` lists an absent sample and --on-bad-image is error.
+    """
+    if cfg.on_bad_image != "error" or not features.absent:
+        return
+    first = features.absent[min(features.absent)]
+    raise ValueError(
+        f"{first['image']}: {first['reason']} (the feature cache {features.dir} was built with it skipped). Fix "
+        f"or remove it and re-run {PREPARE}, or pass {setting('on_bad_image', value='skip')}"
+    )
+
+
 def _absent_note(features: FeatureCache) -> str:
     """What a printed line adds about the samples whose image could not be read when ``features`` was built."""
     if not features.absent:
@@ -354,6 +372,7 @@ def feature_train_loader(
             accelerator.print(f"--feature-cache auto: decoding every epoch ({why})")
         return loader, None
     features, figures = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache)
+    _refuse_absent(cfg, features)
     verb = f"computed ({figures['built']})" if figures["built"] else "read"
     accelerator.print(
         f"train image features {verb}: {figures['views']} views, {figures['mib']} MiB in {features.dir} "
@@ -386,9 +405,10 @@ def feature_val_loader(
         if "text" in figures:
             hidden = "locked_layers" in figures["text"]
             text, val["text"] = build_text_features(cfg, accelerator, dataset, model, loader, hidden, split="val")
-    except RuntimeError as e:  # e.g. a val image that cannot be read: evaluation decodes, and masks it out
+    except RuntimeError as e:  # e.g. a full disk: evaluation decodes
         accelerator.print(f"val features not cached ({e}): evaluation decodes the val split")
         return loader
+    _refuse_absent(cfg, features)
     figures["val"] = val
     built, mib, seconds = _totals(val, val.get("text"))
     verb = f"computed ({built})" if built else "read"

@@ -127,6 +127,7 @@ def test_a_sample_whose_image_could_not_be_read_is_stored_absent_and_its_file_wa
     entry = {"id": 7, "image": str(bad), "reason": "not an image"}
 
     def fill(writer):
+        writer.put(0, IDS, _value(0, IDS))  # sample 7 too: absent() zeroes what was put
         writer.absent([entry])
         for view in [*range(writer.views), None]:
             ids = IDS[IDS != 7]
@@ -134,7 +135,7 @@ def test_a_sample_whose_image_could_not_be_read_is_stored_absent_and_its_file_wa
 
     cache, _ = open_or_build(tmp_path / "fc", PARTS, IDS, 2, WIDTH, "float32", fill)
     assert set(cache.absent) == {7} and cache.absent[7]["image"] == str(bad)
-    assert not cache.gather(np.array([7]), 1).any() and torch.equal(cache.gather(IDS[:2], 1), _value(1, IDS[:2]))
+    assert not cache.gather(np.array([7]), 0).any() and torch.equal(cache.gather(IDS[:2], 1), _value(1, IDS[:2]))
     assert stale_reason(tmp_path / "fc", PARTS) == ""
     bad.write_bytes(b"now a longer file than before")
     assert "unreadable when it was built, has changed" in stale_reason(tmp_path / "fc", PARTS)
@@ -569,6 +570,15 @@ def test_unreadable_images_are_masked_from_the_cache_as_decoding_masks_them(demo
     with pytest.raises(ValueError, match=f"{broken[0]}: not an image.* or pass .*; no cache was left"):
         train(parse_config(strict))
     assert not (tmp_path / "fc-err" / "train" / "meta.json").exists()
+    strict[strict.index(str(tmp_path / "fc-err"))] = str(tmp_path / "fc")  # the cache that skipped it
+    with pytest.raises(ValueError, match=f"{broken[0]}: not an image .*built with it skipped"):
+        train(parse_config(strict))
+
+    # the train image fixed: the cache is built again and reads it, as the decoded run does
+    shutil.copy(Path(broken[0]).with_name("00000.jpg"), broken[0])
+    fixed = train(parse_config([*common, "--out", str(tmp_path / "fixed"), "--feature-cache", "on"]))
+    assert "unreadable when it was built, has changed" in fixed["feature_cache"]["built"]
+    assert list(FeatureCache(tmp_path / "fc" / "train").absent) == []
 
 
 def test_a_val_cache_that_cannot_be_built_leaves_evaluation_decoding(prepared, tmp_path, monkeypatch, capsys):

@@ -98,7 +98,7 @@ def _build_worker(rank: int, port: int, directory: str, fail_rank: int, out: str
     )  # fmt: skip
     from accelerate import Accelerator
 
-    from mmfast.train.feature_build import build_shared
+    from mmfast.train.feature_build import Unreadable, build_shared
 
     accelerator = Accelerator(cpu=True)
     ids = np.arange(0, 20, 2)
@@ -108,13 +108,17 @@ def _build_worker(rank: int, port: int, directory: str, fail_rank: int, out: str
             if shard == fail_rank and k == 1:
                 raise OSError("disk gone")
             mine = torch.from_numpy(ids[shard::shards])
+            mine = mine[mine != 2]  # process 1's sample 2: its image could not be read
             yield view, mine, mine[:, None].float().repeat(1, 3) + (0 if view is None else 100 * (view + 1))
+        if shard == 1:
+            yield Unreadable([{"id": 2, "image": "/nowhere/2.jpg", "reason": "not an image"}])
 
     try:
         features, built, writers = build_shared(
             accelerator, directory, {"k": 1}, ids, (2, 3, 8), "float32", compute
         )
-        result = {"built": built, "writers": writers, "v1": features.gather(ids, 1)[:, 0].tolist()}
+        v1 = features.gather(ids, 1)[:, 0].tolist()
+        result = {"built": built, "writers": writers, "v1": v1, "absent": sorted(features.absent)}
     except RuntimeError as e:
         result = {"error": str(e)}
     finally:
@@ -135,8 +139,9 @@ LAYOUTS = [
 @pytest.mark.parametrize(("layout", "fail_rank"), LAYOUTS)
 def test_two_processes_build_one_cache_and_a_failure_on_one_stops_both(tmp_path, layout, fail_rank):
     """Each process computes half the samples, every process reads all of them; one process writes them, also
-    when each process is the main one of its machine and the machines share the cache's folder. When process
-    1's share fails, both processes raise, naming it, and no cache is left."""
+    when each process is the main one of its machine and the machines share the cache's folder; a sample whose
+    image process 1 could not read is absent on both. When process 1's share fails, both processes raise,
+    naming it, and no cache is left."""
     import torch.multiprocessing as mp
     from conftest import free_port
 
@@ -148,8 +153,9 @@ def test_two_processes_build_one_cache_and_a_failure_on_one_stops_both(tmp_path,
     )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if fail_rank < 0:
+        v1 = [0.0 if i == 2 else 200.0 + i for i in range(0, 20, 2)]  # the unreadable one stored as zeros
         for r in results:
-            assert r == {"built": "no cache yet", "writers": 1, "v1": [200.0 + i for i in range(0, 20, 2)]}
+            assert r == {"built": "no cache yet", "writers": 1, "v1": v1, "absent": [2]}
         assert stale_reason(directory, {"k": 1}) == "" and not list(directory.parent.glob(".*claim*"))
     else:
         for r in results:
