@@ -530,6 +530,37 @@ def test_the_val_cache_serves_what_evaluation_computes_from_the_decoded_val_batc
     assert seen == len(val_loader.ids)
 
 
+def test_the_val_cache_of_the_locked_lower_text_layers_is_their_output_on_each_batchs_tokens(
+    prepared, tmp_path, cpu_accelerator
+):
+    """With the top text layer training (--text-train-layers 1), the val split caches the locked lower layers'
+    output: each batch's ``text_hidden`` is those layers' output on the batch's tokens, its padding masked."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.data import build_loaders
+    from mmfast.train.features import feature_val_loader
+
+    cfg, dataset, _, model, norm, _ = _setup(
+        prepared, tmp_path, cpu_accelerator, "--feature-cache", "on", "--text-train-layers", "1"
+    )
+    _, val_loader, _, _ = build_loaders(cfg, cpu_accelerator, dataset, norm)
+    figures = {"text": {"built": None, "locked_layers": 1}}  # the train split's: the lower layers' output cached
+    served = feature_val_loader(cfg, cpu_accelerator, dataset, model, norm, None, val_loader, figures)
+    assert isinstance(served, FeatureLoader) and figures["val"]["text"]["locked_layers"] == 1
+    model.eval()
+    seen = 0
+    with torch.no_grad():
+        for decoded, cached in zip(val_loader, served, strict=True):
+            assert torch.equal(decoded["input_ids"], cached["input_ids"])
+            keep = decoded["id"] >= 0
+            mask = decoded["attention_mask"][keep].bool()
+            want = model.text.lower(decoded["input_ids"], decoded["attention_mask"])[keep]
+            assert cached["text_hidden"].shape == (len(keep), *want.shape[1:])
+            got = cached["text_hidden"][keep]
+            assert torch.allclose(got[mask], want[mask], rtol=1e-4, atol=1e-5)  # every real token's output
+            seen += int(keep.sum())
+    assert seen == len(val_loader.ids)
+
+
 @pytest.mark.timeout(300)
 def test_unreadable_images_are_masked_from_the_cache_as_decoding_masks_them(demo_manifest, tmp_path):
     """A train image and a val image that stopped being images after preparation: the decoded run skips
