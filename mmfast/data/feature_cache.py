@@ -5,15 +5,18 @@ Layout of a cache directory (one per split), swapped in whole by ``fsutil.atomic
                  is the train augmentation drawn from (seed, v, i), the pixels training epoch v would see
     centre.bin   (N, C) the features of the centre view (resized and center-cropped, as evaluation sees it)
     ids.npy      (N,) int64 sample ids, ascending: row r of both arrays is sample ids[r]
-    meta.json    the fingerprint, its parts, the dtype and the shapes; written last
+    meta.json    the fingerprint, its parts, the dtype and the shapes, and a digest of the image files' size and
+                 mtime when it was built ("files"); written last
 A cache of one feature per sample (K = 0: a locked text tower's feature of each caption) has no views.bin; its
 centre.bin holds the one feature.
 A sample whose image cannot be read (the loader skips it: ``FileHealth``) has zeros in every view and is listed in
-the meta's ``absent``, with its file, why and the file's stat then: the loader serves it masked, as the decoded
-path does, and a cache whose absent file has changed since (replaced by a good one) is stale.
+the meta's ``absent``, with its file and why: the loader serves it masked, as the decoded path does. Once the file
+is fixed, the files' digest (below) makes the cache stale.
 The fingerprint covers the data (the prepared directory's fingerprint), the tower's weights (``weights_digest``),
 the preprocessing and the views. ``open_or_build`` reads a cache whose fingerprint and files match; otherwise it
-builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read.
+builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read. The image
+files' digest is not part of the fingerprint (machines with copies of the data may stat them differently): each
+machine compares it with its own files, and a file changed in place since the build makes the cache stale.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -154,7 +156,7 @@ class FeatureWriter:
 
     def absent(self, entries: list[dict]) -> None:
         """The samples whose image could not be read (``FileHealth.skipped``' entries: "id", "image",
-        "reason"): zeros in every view, and listed in the meta with their file's stat now."""
+        "reason"): zeros in every view, and listed in the meta."""
         for entry in entries:
             i = int(entry["id"])
             row = int(np.searchsorted(self.ids, i))
@@ -163,10 +165,9 @@ class FeatureWriter:
             for table in (self._centre, *(self._views if self._views is not None else ())):
                 table[row] = 0
             self._filled[:, row] = True
-            found = entry.get("stat") or _file_stat(entry["image"])  # when the loader found it bad, else now
-            self._absent[i] = {"id": i, "image": entry["image"], "reason": entry["reason"], "stat": list(found)}
+            self._absent[i] = {"id": i, "image": entry["image"], "reason": entry["reason"]}
 
-    def finish(self, fingerprint: str, parts: dict) -> None:
+    def finish(self, fingerprint: str, parts: dict, files: str | None = None) -> None:
         """Flush the arrays and write ``ids.npy`` and ``meta.json`` (last).
 
         Raises:
@@ -184,6 +185,7 @@ class FeatureWriter:
             "format": FORMAT_VERSION, "fingerprint": fingerprint, "parts": parts, "dtype": self.dtype,
             "views": self.views, "rows": len(self.ids), "width": self.width,
             "absent": [self._absent[i] for i in sorted(self._absent)],
+            **({"files": files} if files is not None else {}),
         }  # fmt: skip
         atomic_write_json(self.dir / "meta.json", meta)
 
@@ -192,9 +194,10 @@ class FeatureWriter:
         self._views = self._centre = None
 
 
-def stale_reason(directory: str | os.PathLike, parts: dict) -> str:
+def stale_reason(directory: str | os.PathLike, parts: dict, files: str | None = None) -> str:
     """Why the cache in ``directory`` cannot be read for ``parts`` ("" when it can): missing, incomplete,
-    damaged, or built for other data, weights, preprocessing or views (the parts that differ are named)."""
+    damaged, or built for other data, weights, preprocessing or views (the parts that differ are named), or, with
+    ``files`` (the image files' digest now: ``files_digest``), from image files that have changed since."""
     directory, parts = Path(directory), plain_parts(parts)
     if not directory.exists():
         return _NO_CACHE
@@ -205,7 +208,10 @@ def stale_reason(directory: str | os.PathLike, parts: dict) -> str:
         old = meta.get("parts") or {}
         differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
         return f"built for another {', '.join(differ)}"
-    return _check_files(directory, meta) or _changed_absent(meta)
+    problem = _check_files(directory, meta)
+    if not problem and files is not None and meta.get("files") != files:
+        problem = "image files changed since it was built"
+    return problem
 
 
 def open_or_build(
@@ -242,16 +248,17 @@ def open_or_build(
 
 @contextlib.contextmanager
 def build_into(
-    directory: Path, ids: np.ndarray, views: int, width: int, dtype: str, parts: dict
+    directory: Path, ids: np.ndarray, views: int, width: int, dtype: str, parts: dict, files: str | None = None
 ) -> Iterator[FeatureWriter]:
     """A ``FeatureWriter`` on a temp directory that replaces ``directory`` once the block ends and the writer
-    ``finish``es; an exception leaves ``directory`` as it was. The caller holds ``directory``'s lock."""
+    ``finish``es; an exception leaves ``directory`` as it was. The caller holds ``directory``'s lock. ``files``:
+    the image files' digest the meta records (``stale_reason``)."""
     parts = plain_parts(parts)
     with atomic_dir(directory, kind=KIND) as tmp:
         writer = FeatureWriter(tmp, ids, views, width, dtype)
         try:
             yield writer
-            writer.finish(feature_fingerprint(parts), parts)
+            writer.finish(feature_fingerprint(parts), parts, files)
         finally:
             writer.close()  # its memory maps are closed before the directory moves or goes
 
@@ -296,20 +303,6 @@ def _check_files(directory: Path, meta: dict) -> str:
     return ""
 
 
-def _file_stat(path: str) -> list[int]:
-    """[size, mtime_ns] of an unreadable image's file now; [-1, -1] when it is missing, not a regular file or no
-    file (a member of a shard): what ``FileHealth`` records when it finds a file bad."""
-    try:
-        st = os.stat(path)
-    except (OSError, TypeError, ValueError):
-        return [-1, -1]
-    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else [-1, -1]
-
-
-def _changed_absent(meta: dict) -> str:
-    """Why the cache must be built again because an image it could not read has changed since ("" if none
-    has): it may be readable now."""
-    for entry in meta.get("absent", []):
-        if _file_stat(entry["image"]) != entry.get("stat"):
-            return f"{entry['image']}, unreadable when it was built, has changed"
-    return ""
+def files_digest(stats: np.ndarray) -> str:
+    """The digest ``stale_reason`` compares: of the image files' (size, mtime_ns) (N, 2), in the split's order."""
+    return hashlib.sha256(np.ascontiguousarray(stats, dtype=np.int64).tobytes()).hexdigest()

@@ -67,7 +67,6 @@ class FileHealth:
         self.max_pixels = max_pixels
         self.num_threads = num_threads
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
-        self._bad_stat: dict[int, list[int]] = {}  # position -> [size, mtime_ns] when found bad ([-1, -1]: none)
         self.prepared = False  # the files come from a prepared directory (its tool is named in errors)
         # (size, mtime_ns) of each file when last known good
         if file_stats is not None:
@@ -91,12 +90,8 @@ class FileHealth:
 
     @property
     def skipped(self) -> list[dict]:
-        """The samples served masked because their image is missing or undecodable: {"id", "image", "reason",
-        "stat": the file's [size, mtime_ns] when it was found bad, [-1, -1] when it could not be stat'ed}."""
-        return [
-            {"id": int(self.ids[p]), "image": self.files[p], "reason": r, "stat": self._bad_stat.get(p, [-1, -1])}
-            for p, r in sorted(self.bad.items())
-        ]
+        """The samples served masked because their image is missing or undecodable."""
+        return [{"id": int(self.ids[p]), "image": self.files[p], "reason": r} for p, r in sorted(self.bad.items())]
 
     def mark_bad(self, positions: list[int], reasons: list[str]) -> None:
         for p, reason in zip(positions, reasons, strict=True):
@@ -108,7 +103,6 @@ class FileHealth:
                 )
             log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             self.bad[p] = reason
-            self._bad_stat[p] = _stat_files([self.files[p]])[0].tolist()  # a later change to it can be seen
         if len(self.bad) == len(self.files):
             first = min(self.bad)
             moved = (
@@ -145,7 +139,7 @@ class FileHealth:
         todo = np.unique(positions[positions >= 0])
         if self.bad:
             todo = todo[~np.isin(todo, np.fromiter(self.bad, dtype=np.int64))]
-        now = _stat_files([self.files[p] for p in todo.tolist()])  # (n, 2); -1: not a regular file
+        now = stat_files([self.files[p] for p in todo.tolist()])  # (n, 2); -1: not a regular file
         known = self._known[todo]
         fresh = known[:, 0] == _UNKNOWN
         suspect = (now[:, 0] <= 0) | (~fresh & (now != known).any(axis=1))
@@ -156,7 +150,7 @@ class FileHealth:
             log.info("%d image file(s) missing or changed since they were checked: checking them", len(suspects))
             self._check(suspects)
             good = [p for p in suspects if p not in self.bad]
-            self._known[good] = _stat_files([self.files[p] for p in good])
+            self._known[good] = stat_files([self.files[p] for p in good])
         return suspects + over
 
     def _check_budget(self, positions: list[int]) -> list[int]:
@@ -199,7 +193,7 @@ class FileHealth:
         return files, ids
 
 
-def _stat_files(paths: list[str]) -> np.ndarray:
+def stat_files(paths: list[str]) -> np.ndarray:
     """(n, 2) int64 (size, mtime_ns) of each path; (-1, -1) for one that is missing or not a regular file."""
 
     def one(path: str) -> tuple[int, int]:

@@ -66,6 +66,7 @@ def build_shared(
     dtype: str,
     compute: Compute,
     wait_s: float = -1,
+    files: Callable[[], str | None] | None = None,
 ) -> tuple[FeatureCache, str, int]:
     """The cache of ``parts`` in ``directory`` on every process: read when whole and current, else built once
     per filesystem from the steps ``compute`` gives each process for its share.
@@ -75,6 +76,8 @@ def build_shared(
             one step of ``compute`` gives.
         wait_s: how long a local main process waits for another run's build of the same cache (-1: as long
             as it takes).
+        files: the digest of the image files as they are now (``feature_cache.files_digest``), computed by the
+            local main process of each machine only: a cache built from files that changed since is stale there.
 
     Returns:
         (the cache, why it was built: "" when an existing one was read, how many processes wrote it: one per
@@ -88,8 +91,9 @@ def build_shared(
     directory, parts = Path(directory), plain_parts(parts)
     fingerprint = feature_fingerprint(parts)
     world, rank = _world()
+    digest = files() if files is not None and accelerator.is_local_main_process else None
     with contextlib.ExitStack() as held:
-        role, reason = _local_role(accelerator, directory, parts, held)
+        role, reason = _local_role(accelerator, directory, parts, held, digest)
         seen = _all_objects((fingerprint, role, reason, secrets.token_hex(8)), world)
         if len({s[0] for s in seen}) > 1:
             raise RuntimeError(
@@ -102,10 +106,11 @@ def build_shared(
         built = next((s[2] for s, r in zip(seen, roles, strict=True) if r == "write"), "")
         failure = ""
         if "write" in roles:
-            failure = _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, role == "write")
+            writes = role == "write"
+            failure = _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, writes, digest)
     # the lock is free again: a machine that waits for it may be waiting for this run's writer
     if role == "wait" and not failure:
-        failure = _wait_for(directory, parts, wait_s)
+        failure = _wait_for(directory, parts, wait_s, digest)
     _stop_all_on(failure, world)
     features = FeatureCache(directory)
     if features.fingerprint != fingerprint:
@@ -113,19 +118,21 @@ def build_shared(
     return features, built, roles.count("write")
 
 
-def _local_role(accelerator, directory: Path, parts: dict, held: contextlib.ExitStack) -> tuple[str, str]:
+def _local_role(
+    accelerator, directory: Path, parts: dict, held: contextlib.ExitStack, files: str | None
+) -> tuple[str, str]:
     """This process's part: "write" (the local main process, the cache stale, its lock taken: kept held
     in ``held``), "wait" (stale, another run holds the lock), "read" (current, or not the local main)."""
     if not accelerator.is_local_main_process:
         return "read", ""
-    reason = stale_reason(directory, parts)
+    reason = stale_reason(directory, parts, files)
     if not reason:
         return "read", ""
     try:
         held.enter_context(file_lock(dir_lock_path(directory), timeout=0))
     except TimeoutError:
         return "wait", reason
-    reason = stale_reason(directory, parts)  # another run may have finished it just before
+    reason = stale_reason(directory, parts, files)  # another run may have finished it just before
     return ("write", reason) if reason else ("read", "")
 
 
@@ -177,7 +184,7 @@ class _Stopped(Exception):
     """The first pass stopped: on this process or another (its message says which and why)."""
 
 
-def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, writes: bool) -> str:
+def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, writes: bool, files: str | None) -> str:
     """Run this process's share of the first pass, gathering every step's features to every process; a
     writer puts them in a temp directory swapped in at the end. Returns what failed ("" when nothing did)."""
     views, width, _ = shape
@@ -186,7 +193,7 @@ def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, write
             writer, failure = None, ""
             if writes:
                 try:
-                    writer = stack.enter_context(build_into(directory, ids, views, width, dtype, parts))
+                    writer = stack.enter_context(build_into(directory, ids, views, width, dtype, parts, files))
                 except Exception as e:  # noqa: BLE001 - every process hears of it at the first step
                     failure = _failed(e)
             failure = _steps(accelerator, compute, shape, writer, failure)
@@ -264,11 +271,11 @@ def _gather_step(step: Step | None, failure: str, width: int, rows: int, device,
     return headers, [(parts[world + r].cpu(), parts[2 * world + r].cpu()) for r in range(world)]
 
 
-def _wait_for(directory: Path, parts: dict, wait_s: float) -> str:
+def _wait_for(directory: Path, parts: dict, wait_s: float, files: str | None) -> str:
     """Wait for another run's build of ``directory`` (its lock, ``wait_s`` at most); what went wrong or ""."""
     try:
         with file_lock(dir_lock_path(directory), timeout=wait_s):
-            reason = stale_reason(directory, parts)
+            reason = stale_reason(directory, parts, files)
     except TimeoutError:
         return f"another run has been building the feature cache {directory} for over {wait_s:.0f} s"
     return f"another run's build of the feature cache {directory} did not finish ({reason})" if reason else ""

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from mmfast.data.dataset import PreparedDataset
-from mmfast.data.feature_cache import FeatureCache, weights_digest
+from mmfast.data.feature_cache import FeatureCache, files_digest, weights_digest
 from mmfast.data.preprocessing import EVAL_CROP_RATIO
 from mmfast.loading.arguments import LoaderOptions
 from mmfast.loading.feature_loader import FeatureLoader
+from mmfast.loading.file_health import stat_files
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.models.encoders import pools_stages
 from mmfast.train.data import cache_plans, feature_view_loader
@@ -157,11 +158,19 @@ def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset, split: str = "train"
 
 
 def build_image_features(
-    cfg: FeatureConfig, accelerator, dataset: PreparedDataset, model, norm, shard_cache=None, split: str = "train"
+    cfg: FeatureConfig,
+    accelerator,
+    dataset: PreparedDataset,
+    model,
+    norm,
+    shard_cache=None,
+    split: str = "train",
+    files: list[str] | None = None,
 ) -> tuple[FeatureCache, dict]:
     """``split``'s feature cache, read when current, else computed through ``model``'s locked image tower,
     without gradient: each stored view and the centre view of every train sample, the centre view of every val
-    sample.
+    sample. ``files``: the split's image files (None: it is read from shards), stat'ed by each machine's main
+    process: a cache built before one of them changed in place is stale.
 
     Returns:
         (the cache, the summary's figures: views, dtype, size, whether it was built and how long that took).
@@ -180,7 +189,7 @@ def build_image_features(
     with _eval_mode(model.image):
         features, reason, writers = build_shared(
             accelerator, cache_dir(cfg, dataset, split), parts, ids, shape, dtype, compute,
-            _wait_s(cfg, accelerator),
+            _wait_s(cfg, accelerator), (lambda: files_digest(stat_files(files))) if files is not None else None,
         )  # fmt: skip
     figures = {
         "dir": str(features.dir),
@@ -336,6 +345,12 @@ def _totals(image: dict, text: dict | None) -> tuple[str, float, float]:
     return built, sum(f["mib"] for f in parts), sum(f["seconds"] for f in parts)
 
 
+def _image_files(loader: MultimodalLoader) -> list[str] | None:
+    """The split's image files, whose changes in place make its cache stale; None when it reads shards."""
+    images = loader.images
+    return list(images.files) if images.source.needs_paths else None
+
+
 def _refuse_absent(cfg: FeatureConfig, features: FeatureCache) -> None:
     """Under --on-bad-image error, a cache built with an unreadable image skipped stops the run as decoding
     would, naming the file.
@@ -371,7 +386,8 @@ def feature_train_loader(
         if cfg.feature_cache == "auto":
             accelerator.print(f"--feature-cache auto: decoding every epoch ({why})")
         return loader, None
-    features, figures = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache)
+    files = _image_files(loader)
+    features, figures = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache, files=files)
     _refuse_absent(cfg, features)
     verb = f"computed ({figures['built']})" if figures["built"] else "read"
     accelerator.print(
@@ -400,7 +416,9 @@ def feature_val_loader(
     if loader is None or figures is None:
         return loader
     try:  # every process raises alike when the build stops on one (feature_build.build_shared)
-        features, val = build_image_features(cfg, accelerator, dataset, model, norm, shard_cache, split="val")
+        features, val = build_image_features(
+            cfg, accelerator, dataset, model, norm, shard_cache, split="val", files=_image_files(loader)
+        )
         text = None
         if "text" in figures:
             hidden = "locked_layers" in figures["text"]
