@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +35,9 @@ from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
 _UNKNOWN = -1  # a baseline not taken yet
-_STAT_THREADS_FROM = 4096  # files from which ``watch`` stats on several threads (a network file system's latency)
+_STAT_THREADS_FROM = 4096  # files from which ``stat_files`` may stat on several threads
+_STAT_PROBE = 512  # the files stat'ed in turn first, to tell a local file system from a network one
+_STAT_SLOW_S = 100e-6  # a stat slower than this on average: a network's round trip, which threads overlap
 
 
 class FileHealth:
@@ -194,7 +197,11 @@ class FileHealth:
 
 
 def stat_files(paths: list[str]) -> np.ndarray:
-    """(n, 2) int64 (size, mtime_ns) of each path; (-1, -1) for one that is missing or not a regular file."""
+    """(n, 2) int64 (size, mtime_ns) of each path; (-1, -1) for one that is missing or not a regular file.
+
+    Many paths: the first ``_STAT_PROBE`` are stat'ed in turn and timed. On a network file system (a stat slower
+    than ``_STAT_SLOW_S``) the rest go to 16 threads, which overlap its round trips (os.stat releases the GIL).
+    On a local one threads only add switching, so the rest are stat'ed in turn too."""
 
     def one(path: str) -> tuple[int, int]:
         try:
@@ -205,9 +212,14 @@ def stat_files(paths: list[str]) -> np.ndarray:
 
     if len(paths) < _STAT_THREADS_FROM:
         rows = [one(p) for p in paths]
-    else:  # os.stat releases the GIL: threads hide a network file system's round trips
-        with ThreadPoolExecutor(16) as pool:
-            rows = list(pool.map(one, paths, chunksize=1024))
+    else:
+        t0 = time.perf_counter()
+        rows = [one(p) for p in paths[:_STAT_PROBE]]
+        if time.perf_counter() - t0 < _STAT_SLOW_S * _STAT_PROBE:
+            rows += [one(p) for p in paths[_STAT_PROBE:]]
+        else:
+            with ThreadPoolExecutor(16) as pool:
+                rows += pool.map(one, paths[_STAT_PROBE:], chunksize=256)
     return np.array(rows, dtype=np.int64).reshape(len(paths), 2)
 
 

@@ -255,3 +255,23 @@ def test_a_prepared_set_whose_images_all_moved_says_to_prepare_again(tmp_path):
     with pytest.raises(ValueError, match=r"every image is missing or undecodable \(40 of them; the first, ") as e:
         next(iter(MultimodalLoader(d, "train", batch_size=8, size=16)))
     assert "missing file" in str(e.value) and "if they moved, prepare it again" in str(e.value)
+
+
+@pytest.mark.parametrize("slow_stat_s", [1.0, 0.0], ids=["local: in turn", "network: threads"])
+def test_many_files_are_stat_ed_alike_in_turn_or_on_threads(tmp_path, monkeypatch, slow_stat_s):
+    """``stat_files`` over more paths than its probe: the rows are each path's (size, mtime_ns), in order, and
+    (-1, -1) for a missing path or a folder, whether the probe judged the file system local or a network's."""
+    from mmfast.loading import file_health
+
+    monkeypatch.setattr(file_health, "_STAT_THREADS_FROM", 8)
+    monkeypatch.setattr(file_health, "_STAT_PROBE", 4)
+    monkeypatch.setattr(file_health, "_STAT_SLOW_S", slow_stat_s)  # 0: every probe counts as slow
+    paths = []
+    for i in range(40):
+        path = tmp_path / f"{i}.jpg"
+        path.write_bytes(b"x" * i)
+        paths.append(str(path))
+    paths[5], paths[30] = str(tmp_path / "gone.jpg"), str(tmp_path)
+    rows = file_health.stat_files(paths)
+    want = [(os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.isfile(p) else (-1, -1) for p in paths]
+    assert rows.tolist() == [list(w) for w in want] and rows[7, 0] == 7
