@@ -591,7 +591,9 @@ def test_unreadable_images_are_masked_from_the_cache_as_decoding_masks_them(demo
     prepare_dataset(PrepareConfig(source=str(source / demo_manifest.name), out=str(data), progress=False))
     common = ["--data", str(data), "--feature-cache-dir", str(tmp_path / "fc"), *FLAGS, "--epochs", "2"]
     common += ["--no-checkpoints"]
-    first = train(parse_config([*common, "--out", str(tmp_path / "first"), "--feature-cache", "on"]))
+    first = train(
+        parse_config([*common, "--out", str(tmp_path / "first"), "--feature-cache", "on", "--epochs", "1"])
+    )
     assert first["feature_cache"]["built"] == "no cache yet"
     broken = []
     for split in ("train", "val"):  # replaced in place after the first cache was built
@@ -628,7 +630,9 @@ def test_unreadable_images_are_masked_from_the_cache_as_decoding_masks_them(demo
 
     # the train image fixed: the cache is built again and reads it, as the decoded run does
     shutil.copy(Path(broken[0]).with_name("00000.jpg"), broken[0])
-    fixed = train(parse_config([*common, "--out", str(tmp_path / "fixed"), "--feature-cache", "on"]))
+    fixed = train(
+        parse_config([*common, "--out", str(tmp_path / "fixed"), "--feature-cache", "on", "--epochs", "1"])
+    )
     assert fixed["feature_cache"]["built"] == "image files changed since it was built"
     assert list(FeatureCache(tmp_path / "fc" / "train").absent) == []
 
