@@ -153,8 +153,11 @@ def summarize(
     it got."""
     run_dir = Path(cfg.out)
     best = state.get("best_step")
+    figures = task.summary(last_metrics, state)
+    if best is None or state.get("best_evaluated") is False:  # stopped before any evaluation: no best figures
+        figures = {k: None if k.startswith("best_") else v for k, v in figures.items()}
     return {
-        **task.summary(last_metrics, state),
+        **figures,
         "best_epoch": state.get("best_epoch"),
         "best_checkpoint": (
             str(checkpoint_dir(run_dir) / f"step-{best:08d}") if best is not None and cfg.checkpoints else None

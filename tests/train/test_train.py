@@ -381,6 +381,23 @@ def test_eval_every_evaluates_every_nth_epoch_and_the_last(prepared, tmp_path, m
         parse_config(["--data", str(prepared), "--eval-every", "0"])
 
 
+def test_a_run_stopped_before_its_first_evaluation_reports_no_best_figures(prepared, tmp_path, monkeypatch):
+    """Stopped (as by SIGTERM) in epoch 1 of an --eval-every 2 run: epoch 0 holds the best place, but nothing
+    was evaluated, so summary.json's best figures are None, not 0.0."""
+    from mmfast.train.engine import EpochRunner
+
+    def stop_in_epoch_1(self) -> bool:  # two steps into the second epoch (one optimizer step a batch)
+        return self.state["global_step"] >= len(self.loader) + 2
+
+    monkeypatch.setattr(EpochRunner, "stop_requested", stop_in_epoch_1)
+    out = tmp_path / "run"
+    flags = ["--epochs", "3", "--eval-every", "2", *FAST[2:]]
+    assert train_tool.main(["--data", str(prepared), "--out", str(out), *flags]) == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and summary["best_epoch"] == 0
+    assert (summary["val_acc"], summary["best_val_acc"], summary["best_val_macro_f1"]) == (None, None, None)
+
+
 def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):
     from mmfast.tasks import classification
 
