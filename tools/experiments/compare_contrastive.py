@@ -21,7 +21,8 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   preset's recipe on --image-pool multiscale features; clip-locked-ms-E / siglip-locked-ms-E: both towers locked on
   them, E epochs on the cached centre view; siglip-locked-ms-32-slow: siglip-locked-ms-32 at --lr 3e-4 (the
   preset's: 1e-3); siglip-ms-slow: SigLIP at that rate on multiscale features, the text tower training as in the
-  preset. ridge-ms / probe-ms: the baselines on multiscale features.
+  preset. siglip-locked-32 / siglip-locked-32-slow: the locked recipes on the head's pooled features (what an
+  open_clip or transformers folder can hold). ridge-ms / probe-ms: the baselines on multiscale features.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -55,6 +56,7 @@ LONGER = {"epochs": 16, "feature_views": 2}  # what the cache's cheaper epochs m
 # both towers locked on multiscale features, the centre view only (augmented views trained worse on these sets)
 MS_LOCKED = {"image_pool": "multiscale", "freeze_text": True, "feature_cache": "on", "augment": False}
 MS_LOCKED["feature_views"] = 1
+LOCKED = {k: v for k, v in MS_LOCKED.items() if k != "image_pool"}  # both locked, the head's pooled features
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -77,6 +79,9 @@ RECIPES = {
         for epochs in (8, 16, 32)
     },
     "siglip-locked-ms-32-slow": ("siglip", {**MS_LOCKED, "epochs": 32, "lr": 3e-4}),
+    # the same on the head's pooled features, which open_clip and transformers can hold
+    "siglip-locked-32": ("siglip", {**LOCKED, "epochs": 32}),
+    "siglip-locked-32-slow": ("siglip", {**LOCKED, "epochs": 32, "lr": 3e-4}),
     "siglip-ms-slow": ("siglip", {"image_pool": "multiscale", "lr": 3e-4}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
