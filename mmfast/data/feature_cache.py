@@ -5,8 +5,8 @@ Layout of a cache directory (one per split), swapped in whole by ``fsutil.atomic
                  is the train augmentation drawn from (seed, v, i), the pixels training epoch v would see
     centre.bin   (N, C) the features of the centre view (resized and center-cropped, as evaluation sees it)
     ids.npy      (N,) int64 sample ids, ascending: row r of both arrays is sample ids[r]
-    meta.json    the fingerprint, its parts, the dtype and the shapes, and a digest of the image files' size and
-                 mtime when it was built ("files"); written last
+    meta.json    the fingerprint, its parts, the dtype and the shapes, and a digest of the image files' sizes when
+                 it was built ("files"); written last
 A cache of one feature per sample (K = 0: a locked text tower's feature of each caption) has no views.bin; its
 centre.bin holds the one feature.
 A sample whose image cannot be read (the loader skips it: ``FileHealth``) has zeros in every view and is listed in
@@ -14,9 +14,10 @@ the meta's ``absent``, with its file and why: the loader serves it masked, as th
 is fixed, the files' digest (below) makes the cache stale.
 The fingerprint covers the data (the prepared directory's fingerprint), the tower's weights (``weights_digest``),
 the preprocessing and the views. ``open_or_build`` reads a cache whose fingerprint and files match; otherwise it
-builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read. The image
-files' digest is not part of the fingerprint (machines with copies of the data may stat them differently): each
-machine compares it with its own files, and a file changed in place since the build makes the cache stale.
+builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read. An image
+file replaced in place since the build by one of another size (an image fixed, or a failed download's error page)
+makes it stale too: the digest of the files' sizes. Sizes, not mtimes: copies of the data on several machines
+agree on them, so every machine judges a shared cache alike.
 """
 
 from __future__ import annotations
@@ -194,10 +195,11 @@ class FeatureWriter:
         self._views = self._centre = None
 
 
-def stale_reason(directory: str | os.PathLike, parts: dict, files: str | None = None) -> str:
+def stale_reason(directory: str | os.PathLike, parts: dict, files: Callable[[], str] | None = None) -> str:
     """Why the cache in ``directory`` cannot be read for ``parts`` ("" when it can): missing, incomplete,
     damaged, or built for other data, weights, preprocessing or views (the parts that differ are named), or, with
-    ``files`` (the image files' digest now: ``files_digest``), from image files that have changed since."""
+    ``files`` (gives the image files' digest now: ``files_digest``; called only when all else is current), from
+    image files that have changed since."""
     directory, parts = Path(directory), plain_parts(parts)
     if not directory.exists():
         return _NO_CACHE
@@ -209,7 +211,7 @@ def stale_reason(directory: str | os.PathLike, parts: dict, files: str | None = 
         differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
         return f"built for another {', '.join(differ)}"
     problem = _check_files(directory, meta)
-    if not problem and files is not None and meta.get("files") != files:
+    if not problem and files is not None and meta.get("files") != files():
         problem = "image files changed since it was built"
     return problem
 
@@ -303,6 +305,7 @@ def _check_files(directory: Path, meta: dict) -> str:
     return ""
 
 
-def files_digest(stats: np.ndarray) -> str:
-    """The digest ``stale_reason`` compares: of the image files' (size, mtime_ns) (N, 2), in the split's order."""
-    return hashlib.sha256(np.ascontiguousarray(stats, dtype=np.int64).tobytes()).hexdigest()
+def files_digest(sizes: np.ndarray) -> str:
+    """The digest ``stale_reason`` compares: of the image files' sizes (N,) in bytes (-1: missing), in the split's
+    order."""
+    return hashlib.sha256(np.ascontiguousarray(sizes, dtype=np.int64).tobytes()).hexdigest()

@@ -199,9 +199,10 @@ class FileHealth:
 def stat_files(paths: list[str]) -> np.ndarray:
     """(n, 2) int64 (size, mtime_ns) of each path; (-1, -1) for one that is missing or not a regular file.
 
-    Many paths: the first ``_STAT_PROBE`` are stat'ed in turn and timed. On a network file system (a stat slower
-    than ``_STAT_SLOW_S``) the rest go to 16 threads, which overlap its round trips (os.stat releases the GIL).
-    On a local one threads only add switching, so the rest are stat'ed in turn too."""
+    Many paths: ``_STAT_PROBE`` of them, spread over the list (a mix's sources may lie on several file systems),
+    are stat'ed in turn and timed first. On a network file system (a stat slower than ``_STAT_SLOW_S``) all go to
+    16 threads, which overlap its round trips (os.stat releases the GIL). On a local one threads only add
+    switching, so they are stat'ed in turn."""
 
     def one(path: str) -> tuple[int, int]:
         try:
@@ -213,13 +214,15 @@ def stat_files(paths: list[str]) -> np.ndarray:
     if len(paths) < _STAT_THREADS_FROM:
         rows = [one(p) for p in paths]
     else:
+        probe = paths[:: -(-len(paths) // _STAT_PROBE)]
         t0 = time.perf_counter()
-        rows = [one(p) for p in paths[:_STAT_PROBE]]
-        if time.perf_counter() - t0 < _STAT_SLOW_S * _STAT_PROBE:
-            rows += [one(p) for p in paths[_STAT_PROBE:]]
+        for p in probe:
+            one(p)
+        if time.perf_counter() - t0 < _STAT_SLOW_S * len(probe):
+            rows = [one(p) for p in paths]
         else:
             with ThreadPoolExecutor(16) as pool:
-                rows += pool.map(one, paths[_STAT_PROBE:], chunksize=256)
+                rows = list(pool.map(one, paths))
     return np.array(rows, dtype=np.int64).reshape(len(paths), 2)
 
 

@@ -22,6 +22,7 @@ A process waiting on another is bounded by --dist-timeout: no collective waits l
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -76,8 +77,9 @@ def build_shared(
             one step of ``compute`` gives.
         wait_s: how long a local main process waits for another run's build of the same cache (-1: as long
             as it takes).
-        files: the digest of the image files as they are now (``feature_cache.files_digest``), computed by the
-            local main process of each machine only: a cache built from files that changed since is stale there.
+        files: gives the digest of the image files as they are now (``feature_cache.files_digest``); called by
+            the local main process of each machine, once, and only when the cache is otherwise current or is
+            written: a cache built from files that changed since is stale.
 
     Returns:
         (the cache, why it was built: "" when an existing one was read, how many processes wrote it: one per
@@ -91,7 +93,7 @@ def build_shared(
     directory, parts = Path(directory), plain_parts(parts)
     fingerprint = feature_fingerprint(parts)
     world, rank = _world()
-    digest = files() if files is not None and accelerator.is_local_main_process else None
+    digest = functools.cache(files) if files is not None and accelerator.is_local_main_process else None
     with contextlib.ExitStack() as held:
         role, reason = _local_role(accelerator, directory, parts, held, digest)
         seen = _all_objects((fingerprint, role, reason, secrets.token_hex(8)), world)
@@ -119,7 +121,7 @@ def build_shared(
 
 
 def _local_role(
-    accelerator, directory: Path, parts: dict, held: contextlib.ExitStack, files: str | None
+    accelerator, directory: Path, parts: dict, held: contextlib.ExitStack, files: Callable[[], str] | None
 ) -> tuple[str, str]:
     """This process's part: "write" (the local main process, the cache stale, its lock taken: kept held
     in ``held``), "wait" (stale, another run holds the lock), "read" (current, or not the local main)."""
@@ -184,7 +186,7 @@ class _Stopped(Exception):
     """The first pass stopped: on this process or another (its message says which and why)."""
 
 
-def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, writes: bool, files: str | None) -> str:
+def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, writes: bool, files) -> str:
     """Run this process's share of the first pass, gathering every step's features to every process; a
     writer puts them in a temp directory swapped in at the end. Returns what failed ("" when nothing did)."""
     views, width, _ = shape
@@ -193,7 +195,8 @@ def _build_pass(accelerator, directory, parts, ids, shape, dtype, compute, write
             writer, failure = None, ""
             if writes:
                 try:
-                    writer = stack.enter_context(build_into(directory, ids, views, width, dtype, parts, files))
+                    digest = files() if files is not None else None
+                    writer = stack.enter_context(build_into(directory, ids, views, width, dtype, parts, digest))
                 except Exception as e:  # noqa: BLE001 - every process hears of it at the first step
                     failure = _failed(e)
             failure = _steps(accelerator, compute, shape, writer, failure)
@@ -271,7 +274,7 @@ def _gather_step(step: Step | None, failure: str, width: int, rows: int, device,
     return headers, [(parts[world + r].cpu(), parts[2 * world + r].cpu()) for r in range(world)]
 
 
-def _wait_for(directory: Path, parts: dict, wait_s: float, files: str | None) -> str:
+def _wait_for(directory: Path, parts: dict, wait_s: float, files: Callable[[], str] | None) -> str:
     """Wait for another run's build of ``directory`` (its lock, ``wait_s`` at most); what went wrong or ""."""
     try:
         with file_lock(dir_lock_path(directory), timeout=wait_s):

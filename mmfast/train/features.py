@@ -170,7 +170,7 @@ def build_image_features(
     """``split``'s feature cache, read when current, else computed through ``model``'s locked image tower,
     without gradient: each stored view and the centre view of every train sample, the centre view of every val
     sample. ``files``: the split's image files (None: it is read from shards), stat'ed by each machine's main
-    process: a cache built before one of them changed in place is stale.
+    process: a cache built before one of them was replaced in place by a file of another size is stale.
 
     Returns:
         (the cache, the summary's figures: views, dtype, size, whether it was built and how long that took).
@@ -183,13 +183,16 @@ def build_image_features(
     def compute(shard: int, shards: int):
         return _view_steps(cfg, accelerator, dataset, model.image, norm, shard_cache, (shard, shards), split)
 
+    def digest() -> str:  # of the image files' sizes now (-1: missing)
+        return files_digest(stat_files(files)[:, 0])
+
     model.to(accelerator.device)
     views = cfg.feature_views if split == "train" else 0
     shape = (views, model.image.width, cfg.eval_batch_size or cfg.batch_size)
     with _eval_mode(model.image):
         features, reason, writers = build_shared(
             accelerator, cache_dir(cfg, dataset, split), parts, ids, shape, dtype, compute,
-            _wait_s(cfg, accelerator), (lambda: files_digest(stat_files(files))) if files is not None else None,
+            _wait_s(cfg, accelerator), digest if files is not None else None,
         )  # fmt: skip
     figures = {
         "dir": str(features.dir),
@@ -348,7 +351,7 @@ def _totals(image: dict, text: dict | None) -> tuple[str, float, float]:
 def _image_files(loader: MultimodalLoader) -> list[str] | None:
     """The split's image files, whose changes in place make its cache stale; None when it reads shards."""
     images = loader.images
-    return list(images.files) if images.source.needs_paths else None
+    return images.files if images.source.needs_paths else None
 
 
 def _refuse_absent(cfg: FeatureConfig, features: FeatureCache) -> None:

@@ -77,7 +77,8 @@ def tower_grams(
                 ids = batch["id"][keep]
                 held = held_out.to(ids.device)[ids]
                 _add_grams(held_sums, x[held], t[held])
-                rows.append((ids[held].cpu(), x[held].float().cpu(), t[held].float().cpu()))
+                # int64 on every process: a loader's ids may be int32, and the gather below needs one dtype
+                rows.append((ids[held].long().cpu(), x[held].float().cpu(), t[held].float().cpu()))
     finally:
         model.train(was_training)
     c, d = model.image_proj.in_features, model.text_proj.in_features

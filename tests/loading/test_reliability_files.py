@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +267,8 @@ def test_many_files_are_stat_ed_alike_in_turn_or_on_threads(tmp_path, monkeypatc
     monkeypatch.setattr(file_health, "_STAT_THREADS_FROM", 8)
     monkeypatch.setattr(file_health, "_STAT_PROBE", 4)
     monkeypatch.setattr(file_health, "_STAT_SLOW_S", slow_stat_s)  # 0: every probe counts as slow
+    pools = []
+    monkeypatch.setattr(file_health, "ThreadPoolExecutor", lambda n: pools.append(n) or ThreadPoolExecutor(n))
     paths = []
     for i in range(40):
         path = tmp_path / f"{i}.jpg"
@@ -275,3 +278,4 @@ def test_many_files_are_stat_ed_alike_in_turn_or_on_threads(tmp_path, monkeypatc
     rows = file_health.stat_files(paths)
     want = [(os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.isfile(p) else (-1, -1) for p in paths]
     assert rows.tolist() == [list(w) for w in want] and rows[7, 0] == 7
+    assert pools == ([16] if slow_stat_s == 0.0 else [])  # threads for a slow file system only

@@ -148,17 +148,26 @@ def test_a_sample_whose_image_could_not_be_read_is_stored_absent(tmp_path):
 
 
 def test_a_cache_built_from_image_files_that_changed_since_is_stale(tmp_path):
-    """The meta records the image files' digest; a caller whose files stat otherwise finds the cache stale, one
-    that does not check (None) reads it."""
+    """The meta records the digest of the image files' sizes; a caller whose files' sizes differ finds the cache
+    stale, one that does not check (None) reads it, and the digest is not asked for when the cache is stale
+    anyway."""
     from mmfast.data.feature_cache import build_into, files_digest
 
-    stats = np.array([[100, 1_000], [200, 2_000]])
-    with build_into(tmp_path / "fc", IDS, 2, WIDTH, "float32", PARTS, files_digest(stats)) as writer:
+    sizes = np.array([100, 200])
+    with build_into(tmp_path / "fc", IDS, 2, WIDTH, "float32", PARTS, files_digest(sizes)) as writer:
         _filler([])(writer)
-    assert stale_reason(tmp_path / "fc", PARTS, files_digest(stats)) == ""
+    assert stale_reason(tmp_path / "fc", PARTS, lambda: files_digest(sizes)) == ""
     assert stale_reason(tmp_path / "fc", PARTS) == ""
-    stats[1, 1] += 1  # one file's mtime moved: replaced in place by a file of the same size
-    assert stale_reason(tmp_path / "fc", PARTS, files_digest(stats)) == "image files changed since it was built"
+    sizes[1] = 22  # one file replaced in place: an error page in place of the image
+    assert (
+        stale_reason(tmp_path / "fc", PARTS, lambda: files_digest(sizes))
+        == "image files changed since it was built"
+    )
+
+    def never():
+        raise AssertionError("the files were stat'ed for a cache that is stale anyway")
+
+    assert stale_reason(tmp_path / "fc", {**PARTS, "views": {"count": 3}}, never).startswith("built for another")
 
 
 @pytest.mark.parametrize("damage", ["truncate-views", "truncate-centre", "no-meta", "meta-garbage", "no-ids"])
