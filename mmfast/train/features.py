@@ -202,6 +202,7 @@ def build_image_features(
         "built": reason or None,  # why it was computed; None: an earlier run's was read
         "writers": writers,  # the processes that wrote it: one per filesystem that lacked it
         "seconds": round(time.perf_counter() - t0, 2),
+        "absent": len(features.absent),  # samples whose image could not be read: masked
     }
     return features, figures
 
