@@ -519,36 +519,51 @@ def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_wei
     assert other["built"] == "built for another tower"
 
 
+def _val_batches(prepared: Path, tmp_path: Path, accelerator, text_figures: dict, *flags: str):
+    """The val split's decoded batches beside the ones its cache serves (``feature_val_loader``, the train
+    split's text cache described by ``text_figures``), under no_grad with the model in eval mode: (model, the
+    val cache's figures, an iterator of (decoded, cached, keep: the real samples)). The iterator asserts that
+    both have the same ids and that every val sample came once."""
+    from mmfast.loading.feature_loader import FeatureLoader
+    from mmfast.train.data import build_loaders
+    from mmfast.train.features import feature_val_loader
+
+    cfg, dataset, _, model, norm, _ = _setup(prepared, tmp_path, accelerator, "--feature-cache", "on", *flags)
+    _, val_loader, _, _ = build_loaders(cfg, accelerator, dataset, norm)
+    figures = {"text": text_figures}
+    served = feature_val_loader(cfg, accelerator, dataset, model, norm, None, val_loader, figures)
+    assert isinstance(served, FeatureLoader)
+    model.eval()
+
+    def pairs():
+        seen = 0
+        with torch.no_grad():
+            for decoded, cached in zip(val_loader, served, strict=True):
+                assert torch.equal(decoded["id"], cached["id"])
+                keep = decoded["id"] >= 0
+                yield decoded, cached, keep
+                seen += int(keep.sum())
+        assert seen == len(val_loader.ids)
+
+    return model, figures["val"], pairs()
+
+
 def test_the_val_cache_serves_what_evaluation_computes_from_the_decoded_val_batches(
     prepared, tmp_path, cpu_accelerator
 ):
     """The val split's cache, served in the val loader's order: each batch's image features are the locked
     tower's output on the decoded val batch (the val loader's resize, not the train split's --cpu-resize), and
     its text features the locked text tower's on the batch's tokens; a sample padding a batch is -1 there too."""
-    from mmfast.loading.feature_loader import FeatureLoader
-    from mmfast.train.data import build_loaders
-    from mmfast.train.features import feature_val_loader
-
-    cfg, dataset, _, model, norm, loader = _setup(
-        prepared, tmp_path, cpu_accelerator, "--feature-cache", "on", "--freeze-text", "--cpu-resize", "dali"
+    built = {"built": None}  # the train split's cache figures: the captions' cached too
+    model, val, pairs = _val_batches(
+        prepared, tmp_path, cpu_accelerator, built, "--freeze-text", "--cpu-resize", "dali"
     )
-    _, val_loader, _, _ = build_loaders(cfg, cpu_accelerator, dataset, norm)
-    figures = {"text": {"built": None}}  # the train split's cache figures: the captions' cached too
-    served = feature_val_loader(cfg, cpu_accelerator, dataset, model, norm, None, val_loader, figures)
-    assert isinstance(served, FeatureLoader) and figures["val"]["views"] == 0
-    assert figures["val"]["built"] == "no cache yet" and figures["val"]["text"]["built"] == "no cache yet"
-    model.eval()
-    seen = 0
-    with torch.no_grad():
-        for decoded, cached in zip(val_loader, served, strict=True):
-            assert torch.equal(decoded["id"], cached["id"])
-            keep = decoded["id"] >= 0
-            want = model.image(decoded["image"].float())[0][keep]
-            assert torch.allclose(cached["image_features"][keep], want, rtol=1e-4, atol=1e-5)
-            text = model.text(decoded["input_ids"], decoded["attention_mask"])[keep]
-            assert torch.allclose(cached["text_features"][keep], text, rtol=1e-4, atol=1e-5)
-            seen += int(keep.sum())
-    assert seen == len(val_loader.ids)
+    assert val["views"] == 0 and val["built"] == "no cache yet" and val["text"]["built"] == "no cache yet"
+    for decoded, cached, keep in pairs:
+        want = model.image(decoded["image"].float())[0][keep]
+        assert torch.allclose(cached["image_features"][keep], want, rtol=1e-4, atol=1e-5)
+        text = model.text(decoded["input_ids"], decoded["attention_mask"])[keep]
+        assert torch.allclose(cached["text_features"][keep], text, rtol=1e-4, atol=1e-5)
 
 
 def test_the_val_cache_of_the_locked_lower_text_layers_is_their_output_on_each_batchs_tokens(
@@ -556,30 +571,16 @@ def test_the_val_cache_of_the_locked_lower_text_layers_is_their_output_on_each_b
 ):
     """With the top text layer training (--text-train-layers 1), the val split caches the locked lower layers'
     output: each batch's ``text_hidden`` is those layers' output on the batch's tokens, its padding masked."""
-    from mmfast.loading.feature_loader import FeatureLoader
-    from mmfast.train.data import build_loaders
-    from mmfast.train.features import feature_val_loader
-
-    cfg, dataset, _, model, norm, _ = _setup(
-        prepared, tmp_path, cpu_accelerator, "--feature-cache", "on", "--text-train-layers", "1"
-    )
-    _, val_loader, _, _ = build_loaders(cfg, cpu_accelerator, dataset, norm)
-    figures = {"text": {"built": None, "locked_layers": 1}}  # the train split's: the lower layers' output cached
-    served = feature_val_loader(cfg, cpu_accelerator, dataset, model, norm, None, val_loader, figures)
-    assert isinstance(served, FeatureLoader) and figures["val"]["text"]["locked_layers"] == 1
-    model.eval()
-    seen = 0
-    with torch.no_grad():
-        for decoded, cached in zip(val_loader, served, strict=True):
-            assert torch.equal(decoded["input_ids"], cached["input_ids"])
-            keep = decoded["id"] >= 0
-            mask = decoded["attention_mask"][keep].bool()
-            want = model.text.lower(decoded["input_ids"], decoded["attention_mask"])[keep]
-            assert cached["text_hidden"].shape == (len(keep), *want.shape[1:])
-            got = cached["text_hidden"][keep]
-            assert torch.allclose(got[mask], want[mask], rtol=1e-4, atol=1e-5)  # every real token's output
-            seen += int(keep.sum())
-    assert seen == len(val_loader.ids)
+    lower = {"built": None, "locked_layers": 1}  # the train split's: the lower layers' output cached
+    model, val, pairs = _val_batches(prepared, tmp_path, cpu_accelerator, lower, "--text-train-layers", "1")
+    assert val["text"]["locked_layers"] == 1
+    for decoded, cached, keep in pairs:
+        assert torch.equal(decoded["input_ids"], cached["input_ids"])
+        mask = decoded["attention_mask"][keep].bool()
+        want = model.text.lower(decoded["input_ids"], decoded["attention_mask"])[keep]
+        assert cached["text_hidden"].shape == (len(keep), *want.shape[1:])
+        got = cached["text_hidden"][keep]
+        assert torch.allclose(got[mask], want[mask], rtol=1e-4, atol=1e-5)  # every real token's output
 
 
 @pytest.mark.timeout(300)
