@@ -133,7 +133,7 @@ def held_out_samples(image_groups: torch.Tensor) -> torch.Tensor:
     return (image_groups >= 0) & (image_groups % HELD_OUT_EVERY == 0)
 
 
-def pick_lambda(grams: dict, embed_dim: int, image_groups: torch.Tensor) -> tuple[float, dict[float, float]]:
+def pick_lambda(grams: dict, embed_dim: int, image_groups: torch.Tensor) -> tuple[float, dict]:
     """The lambda of ``RIDGE_LAMBDAS`` whose start, fitted on the samples not held out (``tower_grams``' sums
     less its "held" ones), retrieves the held-out ones best: the mean recall both ways, each held-out image among
     the held-out captions. ``RIDGE_LAMBDA`` when fewer than ``HELD_OUT_MIN`` images are held out or none is fitted.
