@@ -54,6 +54,12 @@ class BatchAgreement:
         dist.all_gather_object(out, message, group=self.group)
         return [m or "" for m in out]
 
+    def gathered(self, obj) -> list:
+        """Every process's ``obj`` (picklable), by rank: every process calls it at the same point."""
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
 
 def agreed(batches: Iterable, agreement: BatchAgreement | None, where: Callable[[], str]) -> Iterator:
     """``batches``, stopped on every process at the batch where one of them failed or ran out.

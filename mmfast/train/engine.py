@@ -140,7 +140,7 @@ class EpochRunner:
                 **val_metrics,
                 "lr": self.sched.get_last_lr()[0],
                 "skipped_steps": self.state["skipped_steps"],
-                "skipped_samples": len(self.loader.bad),
+                "skipped_samples": self.skipped_samples(),
                 **shard_figures(self.acc, self.shard_cache),
             }
             evaluated = val_metrics or evaluated
@@ -423,6 +423,13 @@ class EpochRunner:
         """
         local = self.stop is not None and self.stop.signum is not None
         return local if self.control is None else self.control.any(local)
+
+    def skipped_samples(self) -> int:
+        """How many samples the loaders have skipped so far, on every process together (a collective call on
+        several: each process's decoding loader knows only the files its own share has read)."""
+        if self.control is None:
+            return len(self.loader.bad)
+        return len(set().union(*self.control.gathered(sorted(self.loader.bad))))
 
     def loader_states(self) -> list[dict]:
         """Every process's loader position (a collective call): the main process saves them all."""

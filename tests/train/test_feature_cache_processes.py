@@ -34,12 +34,27 @@ def _weights(run: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_cache(prepared, tmp_path):
+def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_cache(demo_manifest, tmp_path):
     """Two epochs over two stored views, batch 16, both towers locked: 1 process accumulating two micro-batches
     and 2 processes (one machine, then two machines of one process sharing the cache folder, each with its own
     locks) end with the same weights. Each cache (the images' and the captions') is written by one process. The
-    2-process cached run has the 2-process decoded run's losses."""
+    2-process cached run has the 2-process decoded run's losses. Six train images stop being images after
+    preparation: every run masks them and counts all six in ``skipped_samples``, though each process of the
+    decoded run reads only its share of them."""
+    import shutil
+
     from conftest import ROOT, free_port, train_cmd
+
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+
+    source = tmp_path / "source"
+    shutil.copytree(demo_manifest.parent, source)
+    prepared = tmp_path / "prepared"
+    prepare_dataset(
+        PrepareConfig(source=str(source / demo_manifest.name), out=str(prepared), max_length=32, progress=False)
+    )
+    for line in (prepared / "train.jsonl").read_text().splitlines()[10:70:10]:
+        Path(json.loads(line)["image"]).write_bytes(b"<html>not found</html>")  # a failed download's page
 
     def launch(out: Path, nodes: tuple[int, ...], *flags: str) -> list[subprocess.Popen]:
         """One launcher per machine, n processes each; each machine with its own lock folder."""
@@ -69,7 +84,8 @@ def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_
     one = run(tmp_path / "one", (1,), *cached, str(tmp_path / "fc-one"), "--grad-accum", "2")
     two = run(tmp_path / "two", (2,), *cached, str(tmp_path / "fc-two"))
     machines = run(tmp_path / "machines", (1, 1), *cached, str(tmp_path / "fc-machines"))
-    decoded = run(tmp_path / "decoded", (2,), "--feature-cache", "off")
+    # streamed, not held decoded: each process reads only its share of the files
+    decoded = run(tmp_path / "decoded", (2,), "--feature-cache", "off", "--no-cache-decoded")
     for summary in (one, two, machines):
         for cache in (summary["feature_cache"], summary["feature_cache"]["text"]):
             assert cache["built"] == "no cache yet" and cache["writers"] == 1
@@ -78,6 +94,9 @@ def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_
     assert not list((tmp_path / "fc-machines").glob(".*claim*")) and not list((tmp_path / "fc-two").glob(".*tmp"))
     assert len(_losses(tmp_path / "two")) == 2
     assert np.allclose(_losses(tmp_path / "two"), _losses(tmp_path / "decoded"), rtol=1e-5)
+    for name in ("one", "two", "machines", "decoded"):
+        metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["skipped_samples"] for x in metrics] == [6, 6], name
     assert np.allclose(_losses(tmp_path / "machines"), _losses(tmp_path / "two"), rtol=1e-6)
     a, b, c = (_weights(tmp_path / r) for r in ("one", "two", "machines"))
     assert a.keys() == b.keys() == c.keys()
