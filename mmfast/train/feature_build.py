@@ -41,7 +41,7 @@ from mmfast.data.feature_cache import (
     plain_parts,
     stale_reason,
 )
-from mmfast.util.fsutil import dir_lock_path, file_lock
+from mmfast.util.fsutil import OutputDirError, dir_lock_path, file_lock
 
 
 @dataclass
@@ -178,7 +178,7 @@ def _failed(e: BaseException, reading: bool = False) -> _Failure:
     """``e`` as a failure; ``reading``: it came from reading the share (the loader, the tower), where a
     ValueError or OSError is the data's; else only an OSError (the disk) is the user's to fix."""
     failure = _Failure(f"{type(e).__name__}: {e}")
-    failure.about_input = isinstance(e, OSError) or (reading and isinstance(e, ValueError))
+    failure.about_input = isinstance(e, OSError | OutputDirError) or (reading and isinstance(e, ValueError))
     return failure
 
 

@@ -19,8 +19,10 @@ top layers train (--text-train-layers N), the locked lower layers' per-token out
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -35,8 +37,10 @@ from mmfast.loading.feature_loader import FeatureLoader
 from mmfast.loading.file_health import stat_files
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.models.encoders import pools_stages
+from mmfast.remote.objects import is_remote
 from mmfast.train.data import cache_plans, feature_view_loader
 from mmfast.train.feature_build import Unreadable, build_shared
+from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.train.slices import FeatureConfig
 from mmfast.util.commands import PREPARE
 from mmfast.util.voice import setting
@@ -150,11 +154,31 @@ def text_partly_locked(model) -> bool:
 
 
 def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset, split: str = "train") -> Path:
-    """A split's cache folder: in --feature-cache-dir, else in one per dataset under ``CACHE_HOME``."""
+    """A split's cache folder: in --feature-cache-dir, else in one per dataset under ``CACHE_HOME``, named after
+    the prepared directory, or after the raw input for one prepared on the fly into the run's folder (a raw
+    --data): every run on that input then shares one cache.
+
+    Raises:
+        ValueError: --feature-cache-dir names a file.
+    """
     if cfg.feature_cache_dir:
-        return Path(cfg.feature_cache_dir).expanduser() / split
-    key = hashlib.sha256(os.fsencode(os.path.realpath(dataset.root))).hexdigest()[:16]
-    return CACHE_HOME.expanduser() / f"{Path(dataset.root).name}-{key}" / split
+        folder = Path(cfg.feature_cache_dir).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(
+                f"--feature-cache-dir {cfg.feature_cache_dir} is a file, not a directory; choose another "
+                "--feature-cache-dir (a directory, made if missing)"
+            )
+        return folder / split
+    root, name = Path(dataset.root), Path(dataset.root).name
+    where = os.path.realpath(root)
+    raw = cfg.out is not None and where == os.path.realpath(Path(cfg.out) / RAW_DATA_DIR)
+    if raw and dataset.summary.get("source"):
+        where = str(dataset.summary["source"])  # as --data gave it: a path (this run's cwd) or a URL
+        where = where if is_remote(where) else os.path.realpath(where)
+        source = Path(where)
+        name = re.sub(r"[^\w.-]", "_", source.parent.name if source.stem == "manifest" else source.stem) or name
+    key = hashlib.sha256(os.fsencode(where)).hexdigest()[:16]
+    return CACHE_HOME.expanduser() / f"{name}-{key}" / split
 
 
 def build_image_features(
@@ -330,7 +354,7 @@ def feature_note(figures: dict) -> str:
     """One line on a run's feature cache (``build_image_features``' figures, with ``text`` where the captions'
     are cached too, and ``val`` where the val split's are): the note of a profile's report."""
     text = figures.get("text")
-    what = f"{figures['views']} views" + (" and the captions" if text else "")
+    what = _views(figures["views"]) + (" and the captions" if text else "")
     if text and "locked_layers" in text:
         what += f" (the text tower's {text['locked_layers']} locked layers)"
     built, mib, seconds = _totals(figures, text)
@@ -371,6 +395,10 @@ def _refuse_absent(cfg: FeatureConfig, features: FeatureCache) -> None:
     )
 
 
+def _views(n: int) -> str:
+    return f"{n} view" if n == 1 else f"{n} views"
+
+
 def _absent_note(features: FeatureCache) -> str:
     """What a printed line adds about the samples whose image could not be read when ``features`` was built."""
     if not features.absent:
@@ -385,6 +413,11 @@ def feature_train_loader(
 ) -> tuple[MultimodalLoader | FeatureLoader, dict | None]:
     """The run's train loader: ``loader`` itself, or one that serves its order from the feature cache
     (``feature_cache_plan``); with the cache's figures for the summary (None without one)."""
+    if not cfg.augment and cfg.feature_views > 1:  # every view would be the centre view: store it once
+        accelerator.print(
+            f"--no-augment: views are all alike, so 1 is stored (not --feature-views {cfg.feature_views})"
+        )
+        cfg = dataclasses.replace(cfg, feature_views=1)
     use, why = feature_cache_plan(cfg, model, loader)
     if not use:
         if cfg.feature_cache == "auto":
@@ -395,7 +428,7 @@ def feature_train_loader(
     _refuse_absent(cfg, features)
     verb = f"computed ({figures['built']})" if figures["built"] else "read"
     accelerator.print(
-        f"train image features {verb}: {figures['views']} views, {figures['mib']} MiB in {features.dir} "
+        f"train image features {verb}: {_views(figures['views'])}, {figures['mib']} MiB in {features.dir} "
         f"({figures['seconds']} s){_absent_note(features)}"
     )
     text = None
@@ -433,10 +466,10 @@ def feature_val_loader(
     _refuse_absent(cfg, features)
     figures["val"] = val
     built, mib, seconds = _totals(val, val.get("text"))
-    verb = f"computed ({built})" if built else "read"
-    what = "centre view" + (" and captions" if text is not None else "")
-    accelerator.print(
-        f"val features {verb}: {what}, {mib:.1f} MiB in {features.dir.parent} ({seconds:.2f} s)"
-        f"{_absent_note(features)}"
-    )
+    states = [(name, f["built"]) for name, f in (("centre view", val), ("captions", val.get("text"))) if f]
+    if len({bool(b) for _, b in states}) == 1:  # both computed (for the first one's reason) or both read
+        line = f"val features {f'computed ({built})' if built else 'read'}: {' and '.join(n for n, _ in states)}"
+    else:  # e.g. another image tower: its centre view computed again, the captions' features read
+        line = "val features: " + ", ".join(f"{n} computed ({b})" if b else f"{n} read" for n, b in states)
+    accelerator.print(f"{line}, {mib:.1f} MiB in {features.dir.parent} ({seconds:.2f} s){_absent_note(features)}")
     return FeatureLoader(loader, features, centre=True, text=text)

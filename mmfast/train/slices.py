@@ -70,6 +70,7 @@ class FeatureConfig(LoaderConfig):
     feature_cache: str
     feature_views: int
     feature_cache_dir: str | None
+    out: str | None  # a raw --data is prepared into OUT/prepared: its default cache is named after the input
     dist_timeout: float  # how long a process waits for another run's build of the same cache
 
 

@@ -36,6 +36,7 @@ _WRITE_ADVICE = {
     errno.EDQUOT: "free space or raise the disk quota",
     errno.EFBIG: "raise the file-size limit (ulimit -f)",
     errno.EROFS: "use a folder on a writable file system",
+    errno.EACCES: "make it writable for this user or use another folder",
 }
 _RESTORE_WAIT_S = 10.0  # how long opening a directory waits for a preparation that holds its lock
 
@@ -174,9 +175,12 @@ def atomic_dir(
     """
     final = Path(final)
     replaceable = replaceable or is_replaceable
-    final.parent.mkdir(parents=True, exist_ok=True)
-    recover_dir(final, replaceable)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    with write_errors(final.parent, kind):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        recover_dir(final, replaceable)
+        if os.path.lexists(final) and not replaceable(final):  # said now, before the work that would fill it
+            raise OutputDirError(f"{final} exists and was not written by mmfast; it is left untouched")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would become final's: mkdir's mode instead
         write_marker(tmp, kind)

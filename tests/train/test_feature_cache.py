@@ -193,12 +193,14 @@ def test_a_damaged_cache_is_refused_and_rebuilt(tmp_path, damage):
 
 
 def test_a_folder_that_is_not_a_feature_cache_is_left_alone(tmp_path):
+    """Refused before any feature is computed, and left as it was."""
     mine = tmp_path / "fc"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
+    calls = []
     with pytest.raises(Exception, match="not written by mmfast|not mmfast's"):
-        _build(mine)
-    assert (mine / "notes.txt").read_text() == "the user's"
+        _build(mine, calls=calls)
+    assert (mine / "notes.txt").read_text() == "the user's" and calls == []
 
 
 def test_the_weights_digest_sees_parameters_and_batch_norm_statistics():
@@ -359,6 +361,62 @@ def test_feature_cache_on_refuses_a_tower_that_trains(prepared, tmp_path, capsys
     err = capsys.readouterr().err
     assert "--feature-cache on: the image tower trains; lock it with --freeze-image" in err
     assert "Traceback" not in err
+
+
+def test_a_cache_folder_that_cannot_be_used_is_refused_in_one_line_before_the_first_pass(
+    prepared, tmp_path, capsys, monkeypatch
+):
+    """--feature-cache-dir naming a file, or a folder whose train/ is the user's own (an image folder): exit 2,
+    one line that names it, no traceback, no tower run over the data first, and the user's files as they were."""
+    import mmfast.train.features as features
+    from mmfast.cli.train import main
+
+    passes = []
+    view_steps = features._view_steps
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        yield from view_steps(*args, **kwargs)
+
+    monkeypatch.setattr(features, "_view_steps", counted)
+    afile = tmp_path / "afile"
+    afile.write_text("the user's")
+    users = tmp_path / "userdata"
+    (users / "train").mkdir(parents=True)
+    (users / "train" / "cat.jpg").write_bytes(b"the user's")
+    flags = ["--data", str(prepared), *FLAGS, "--feature-cache", "on", "--max-steps", "1", "--no-checkpoints"]
+    for folder, says in (
+        (afile, "is a file, not a directory; choose another --feature-cache-dir"),
+        (users, "not written by mmfast"),
+    ):
+        assert (
+            main([*flags, "--out", str(tmp_path / f"run-{folder.name}"), "--feature-cache-dir", str(folder)]) == 2
+        )
+        err = capsys.readouterr().err
+        assert says in err and str(folder) in err and "Traceback" not in err, err[-2000:]
+    assert passes == []
+    assert afile.read_text() == "the user's" and (users / "train" / "cat.jpg").read_bytes() == b"the user's"
+    assert sorted(p.name for p in users.iterdir()) == ["train"]
+
+
+@pytest.mark.timeout(300)
+def test_runs_on_one_raw_input_share_its_default_cache_and_no_augment_stores_one_view(
+    demo_manifest, tmp_path, monkeypatch
+):
+    """Two runs on the same raw --data, each preparing it into its own folder, use one cache in the default
+    place: the second reads what the first built. Without augmentation every view would be the centre view,
+    so one is stored whatever --feature-views says."""
+    from mmfast.train import parse_config, train
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    flags = ["--data", str(demo_manifest), *FLAGS, "--feature-cache", "on", "--epochs", "1", "--no-checkpoints"]
+    flags += ["--no-augment", "--feature-views", "3"]
+    first = train(parse_config([*flags, "--out", str(tmp_path / "first")]))
+    second = train(parse_config([*flags, "--out", str(tmp_path / "second")]))
+    assert first["feature_cache"]["built"] == "no cache yet" and second["feature_cache"]["built"] is None
+    assert first["feature_cache"]["dir"] == second["feature_cache"]["dir"]
+    assert Path(first["feature_cache"]["dir"]).is_relative_to(tmp_path / "home" / ".cache" / "mmfast" / "features")
+    assert first["feature_cache"]["views"] == 1 and FeatureCache(first["feature_cache"]["dir"]).views == 1
 
 
 def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_views():
