@@ -22,7 +22,9 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   them, E epochs on the cached centre view; siglip-locked-ms-32-slow: siglip-locked-ms-32 at --lr 3e-4 (the
   preset's: 1e-3); siglip-ms-slow: SigLIP at that rate on multiscale features, the text tower training as in the
   preset. siglip-locked-32 / siglip-locked-32-slow: the locked recipes on the head's pooled features (what an
-  open_clip or transformers folder can hold). ridge-ms / probe-ms: the baselines on multiscale features.
+  open_clip or transformers folder can hold). siglip-locked-ms-32-mid: at --lr 5e-4. siglip-ms-top2-slow /
+  -32-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
+  32 at 3e-4, 32 at 5e-4). ridge-ms / probe-ms: the baselines on multiscale features.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -57,6 +59,8 @@ LONGER = {"epochs": 16, "feature_views": 2}  # what the cache's cheaper epochs m
 MS_LOCKED = {"image_pool": "multiscale", "freeze_text": True, "feature_cache": "on", "augment": False}
 MS_LOCKED["feature_views"] = 1
 LOCKED = {k: v for k, v in MS_LOCKED.items() if k != "image_pool"}  # both locked, the head's pooled features
+# the same, the text tower's top 2 layers training (its lower 4 layers' output cached)
+MS_TOP2 = {**{k: v for k, v in MS_LOCKED.items() if k != "freeze_text"}, "text_train_layers": 2}
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -83,6 +87,10 @@ RECIPES = {
     "siglip-locked-32": ("siglip", {**LOCKED, "epochs": 32}),
     "siglip-locked-32-slow": ("siglip", {**LOCKED, "epochs": 32, "lr": 3e-4}),
     "siglip-ms-slow": ("siglip", {"image_pool": "multiscale", "lr": 3e-4}),
+    "siglip-locked-ms-32-mid": ("siglip", {**MS_LOCKED, "epochs": 32, "lr": 5e-4}),
+    "siglip-ms-top2-slow": ("siglip", {**MS_TOP2, "epochs": 16, "lr": 3e-4}),
+    "siglip-ms-top2-32-slow": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4}),
+    "siglip-ms-top2-32-mid": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 5e-4}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 QUICK_ROWS = 120
