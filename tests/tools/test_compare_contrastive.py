@@ -12,6 +12,8 @@ import pytest
 
 from tools.experiments import compare_contrastive
 
+PRESET = "clip-lite0-minilm"
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -62,3 +64,29 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
     assert (out / "compare.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert all(f"icons     {m}" in printed for m in compare_contrastive.METHODS)
+
+
+def test_the_inner_split_divides_the_train_split_and_never_holds_a_val_image(tmp_path, demo_manifest):
+    """--inner: recipes are chosen on a fifth of the train split's images; val stays unseen."""
+    cache = tmp_path / "sets"
+    inner = compare_contrastive.prepared_set(str(demo_manifest), cache, PRESET, None, inner=True)
+    outer = cache / "prepared" / f"{demo_manifest.parent.name}-minilm"
+    assert inner != outer and (outer / "prepare.json").is_file()
+
+    def images(folder, split):
+        return {str((folder / r["image"]).resolve()) for r in compare_contrastive._read_jsonl(folder / split)}
+
+    def captions(folder, split):
+        names = {v: k for k, v in json.loads((folder / "labels.json").read_text()).items()}
+        return sorted((r["text"], names[r["label"]]) for r in compare_contrastive._read_jsonl(folder / split))
+
+    inner_train, inner_val = images(inner, "train.jsonl"), images(inner, "val.jsonl")
+    assert inner_train | inner_val == images(outer, "train.jsonl")
+    assert not inner_train & inner_val and not (inner_train | inner_val) & images(outer, "val.jsonl")
+    assert 0.1 < len(inner_val) / len(inner_train | inner_val) < 0.3
+    # every train row reaches the inner split with its caption and its label's name
+    assert sorted(captions(inner, "train.jsonl") + captions(inner, "val.jsonl")) == captions(outer, "train.jsonl")
+    # a second call reuses both preparations
+    mtime = (inner / "prepare.json").stat().st_mtime_ns
+    assert compare_contrastive.prepared_set(str(demo_manifest), cache, PRESET, None, inner=True) == inner
+    assert (inner / "prepare.json").stat().st_mtime_ns == mtime

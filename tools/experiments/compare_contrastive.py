@@ -23,8 +23,11 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   preset's: 1e-3); siglip-ms-slow: SigLIP at that rate on multiscale features, the text tower training as in the
   preset. siglip-locked-32 / siglip-locked-32-slow: the locked recipes on the head's pooled features (what an
   open_clip or transformers folder can hold). siglip-locked-ms-32-mid: at --lr 5e-4. siglip-ms-top2-slow /
-  -32-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
-  32 at 3e-4, 32 at 5e-4). ridge-ms / probe-ms: the baselines on multiscale features.
+  -E-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
+  E = 24, 32 or 48 at 3e-4, 32 at 5e-4). ridge-ms / probe-ms: the baselines on multiscale features.
+
+``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
+images drawn to an inner val by another seed. Recipes are chosen there, and val then reports the choice.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -89,7 +92,7 @@ RECIPES = {
     "siglip-ms-slow": ("siglip", {"image_pool": "multiscale", "lr": 3e-4}),
     "siglip-locked-ms-32-mid": ("siglip", {**MS_LOCKED, "epochs": 32, "lr": 5e-4}),
     "siglip-ms-top2-slow": ("siglip", {**MS_TOP2, "epochs": 16, "lr": 3e-4}),
-    "siglip-ms-top2-32-slow": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4}),
+    **{f"siglip-ms-top2-{e}-slow": ("siglip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (24, 32, 48)},
     "siglip-ms-top2-32-mid": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 5e-4}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
@@ -116,6 +119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="DALI threads (default: all cores)")
     p.add_argument(
         "--reuse-runs", action="store_true", help="read the clip / siglip runs already finished in OUT/runs"
+    )
+    p.add_argument(
+        "--inner",
+        action="store_true",
+        help="score on an inner split, never on val: each set's train split split again (a fifth of its images, "
+        "drawn with another seed), where a recipe is chosen",
     )
     args = p.parse_args(argv)
     if args.quick:
@@ -170,27 +179,56 @@ def subset(manifest: Path, limit: int, target: Path) -> Path:
     return out
 
 
-def prepared_set(name: str, cache: Path, preset: str, limit: int | None) -> Path:
-    """The set prepared once (val fifth by image hash, captions tokenized for the preset's text model)."""
+def inner_manifest(prepared: Path, target: Path) -> Path:
+    """A manifest of a prepared set's train split (image paths absolute, label names): the rows an inner split
+    divides again."""
+    names = {v: k for k, v in json.loads((prepared / "labels.json").read_text(encoding="utf-8")).items()}
+    rows = []
+    for r in _read_jsonl(prepared / "train.jsonl"):
+        image = Path(r["image"]) if Path(r["image"]).is_absolute() else prepared / r["image"]
+        rows.append({"image": str(image.resolve()), "text": r["text"], "label": names[r["label"]]})
+    target.mkdir(parents=True, exist_ok=True)
+    out = target / "manifest.jsonl"
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return out
+
+
+def prepared_set(name: str, cache: Path, preset: str, limit: int | None, inner: bool = False) -> Path:
+    """The set prepared once (val fifth by image hash, captions tokenized for the preset's text model); with
+    ``inner``, its train split prepared again into an inner train and val (the hash drawn with seed 1)."""
     from mmfast.models import get_preset
+
+    source = source_of(name, cache)
+    label = set_label(name)
+    tag = f"{label}-{limit}" if limit else label
+    text_model = get_preset(preset).text_model
+    outer = source
+    if not (source / "prepare.json").is_file():
+        if limit:
+            source = subset(source, limit, cache / "subsets" / tag)
+        outer = _prepare(source, cache / "prepared" / f"{tag}-{text_model}", text_model, seed=0)
+    if not inner:
+        return outer
+    rows = inner_manifest(outer, cache / "inner" / tag)
+    return _prepare(rows, cache / "prepared" / f"{tag}-inner-{text_model}", text_model, seed=1)
+
+
+def _prepare(source: Path, target: Path, text_model: str, seed: int) -> Path:
+    """``source`` prepared into ``target`` once, its val fifth drawn by ``seed``."""
     from mmfast.prepare.core import PrepareConfig, prepare_dataset
     from mmfast.train.setup import pretrained_tokenizer
 
-    source = source_of(name, cache)
-    if (source / "prepare.json").is_file():
-        return source
-    label = set_label(name)
-    tag = f"{label}-{limit}" if limit else label
-    if limit:
-        source = subset(source, limit, cache / "subsets" / tag)
-    target = cache / "prepared" / f"{tag}-{get_preset(preset).text_model}"
     if not (target / "prepare.json").is_file():
-        tokenizer = pretrained_tokenizer(get_preset(preset).text_model)
-        prepare_dataset(
-            PrepareConfig(
-                source=str(source), out=str(target), tokenizer=tokenizer, max_length=MAX_LENGTH, progress=False
-            )
+        tokenizer = pretrained_tokenizer(text_model)
+        cfg = PrepareConfig(
+            source=str(source),
+            out=str(target),
+            tokenizer=tokenizer,
+            max_length=MAX_LENGTH,
+            seed=seed,
+            progress=False,
         )
+        prepare_dataset(cfg)
     return target
 
 
@@ -311,8 +349,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 def baselines(args: argparse.Namespace, name: str, cache: Path, save) -> tuple[str, Path]:
     """Prepare one set and run the frozen-tower baselines on it; returns (the set's label, its prepared dir)."""
-    data_dir = prepared_set(name, cache, args.preset, args.limit)
-    label = set_label(name)
+    data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner)
+    label = set_label(name) + ("-inner" if args.inner else "")
     prep = json.loads((data_dir / "prepare.json").read_text())
     facts = save.facts[label] = {"prepared": str(data_dir), "counts": prep.get("counts")}
     got = save.results.setdefault(label, {})
@@ -371,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     cache = Path(args.cache) if args.cache else out / "sets"
     out.mkdir(parents=True, exist_ok=True)
-    report = {k: getattr(args, k) for k in ("preset", "seeds", "limit", "epochs", "batch_size", "embed_dim")}
+    report = {
+        k: getattr(args, k) for k in ("preset", "seeds", "limit", "epochs", "batch_size", "embed_dim", "inner")
+    }
     save = _Report(out / "compare.json", report)
     try:
         sets = dict(baselines(args, name, cache, save) for name in args.sets)
