@@ -50,9 +50,7 @@ class BatchAgreement:
 
     def messages(self, message: str) -> list[str]:
         """Every process's message, by rank (only called when one failed: every process calls it then)."""
-        out: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(out, message, group=self.group)
-        return [m or "" for m in out]
+        return [m or "" for m in self.gathered(message)]
 
     def gathered(self, obj) -> list:
         """Every process's ``obj`` (picklable), by rank: every process calls it at the same point."""

@@ -169,8 +169,7 @@ def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset, split: str = "train"
                 "--feature-cache-dir (a directory, made if missing)"
             )
         return folder / split
-    root, name = Path(dataset.root), Path(dataset.root).name
-    where = os.path.realpath(root)
+    name, where = Path(dataset.root).name, os.path.realpath(dataset.root)
     raw = cfg.out is not None and where == os.path.realpath(Path(cfg.out) / RAW_DATA_DIR)
     if raw and dataset.summary.get("source"):
         where = str(dataset.summary["source"])  # as --data gave it: a path (this run's cwd) or a URL

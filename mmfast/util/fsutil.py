@@ -179,7 +179,7 @@ def atomic_dir(
         final.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(final, replaceable)
         if os.path.lexists(final) and not replaceable(final):  # said now, before the work that would fill it
-            raise OutputDirError(f"{final} exists and was not written by mmfast; it is left untouched")
+            raise _not_ours(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would become final's: mkdir's mode instead
@@ -188,7 +188,7 @@ def atomic_dir(
         fsync_tree(tmp)
         if os.path.lexists(final):
             if not replaceable(final):
-                raise OutputDirError(f"{final} exists and was not written by mmfast; it is left untouched")
+                raise _not_ours(final)
             # Mark the old directory before it moves to a temp name, so that a kill before its removal
             # leaves a leftover the next run recognises (a directory of an older mmfast has no marker).
             if marker_kind(final) is None:
@@ -209,6 +209,10 @@ def atomic_dir(
         if tmp.exists():
             remove_ours(tmp)
         raise
+
+
+def _not_ours(final: Path) -> OutputDirError:
+    return OutputDirError(f"{final} exists and was not written by mmfast; it is left untouched")
 
 
 def recover_dir(final: str | os.PathLike, replaceable: Callable[[Path], bool] | None = None) -> None:
