@@ -24,7 +24,8 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   preset. siglip-locked-32 / siglip-locked-32-slow: the locked recipes on the head's pooled features (what an
   open_clip or transformers folder can hold). siglip-locked-ms-32-mid: at --lr 5e-4. siglip-ms-top2-slow /
   -E-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
-  E = 24, 32 or 48 at 3e-4, 32 at 5e-4). ridge-ms / probe-ms: the baselines on multiscale features.
+  E = 24, 32 or 48 at 3e-4, 32 at 5e-4); clip-ms-top2-E-slow: the same with the CLIP loss, E = 16 or 32.
+  ridge-ms / probe-ms: the baselines on multiscale features.
 
 ``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
 images drawn to an inner val by another seed. Recipes are chosen there, and val then reports the choice.
@@ -93,6 +94,7 @@ RECIPES = {
     "siglip-locked-ms-32-mid": ("siglip", {**MS_LOCKED, "epochs": 32, "lr": 5e-4}),
     "siglip-ms-top2-slow": ("siglip", {**MS_TOP2, "epochs": 16, "lr": 3e-4}),
     **{f"siglip-ms-top2-{e}-slow": ("siglip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (24, 32, 48)},
+    **{f"clip-ms-top2-{e}-slow": ("clip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (16, 32)},
     "siglip-ms-top2-32-mid": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 5e-4}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
