@@ -5,8 +5,10 @@ and the ridge map finds the right caption far more often than chance (ids and fe
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +92,24 @@ def test_the_inner_split_divides_the_train_split_and_never_holds_a_val_image(tmp
     mtime = (inner / "prepare.json").stat().st_mtime_ns
     assert compare_contrastive.prepared_set(str(demo_manifest), cache, PRESET, None, inner=True) == inner
     assert (inner / "prepare.json").stat().st_mtime_ns == mtime
+
+    # a set moved with its cache draws the same inner val (images keyed within the set, not by where it lies)
+    drawn = []
+    for where in ("a", "b/c"):
+        shutil.copytree(demo_manifest.parent, tmp_path / where / "mine")
+        manifest = tmp_path / where / "mine" / demo_manifest.name
+        moved = compare_contrastive.prepared_set(str(manifest), tmp_path / where, PRESET, None, inner=True)
+        drawn.append(sorted(Path(p).name for p in images(moved, "val.jsonl")))
+    assert drawn[0] == drawn[1] and drawn[0]
+    # a set prepared anew gets an inner split of its own, never the old one
+    manifest, cache2 = tmp_path / "a" / "mine" / demo_manifest.name, tmp_path / "a"
+    first = compare_contrastive.prepared_set(str(manifest), cache2, PRESET, None, inner=True)
+    manifest.write_text("".join(line + "\n" for line in manifest.read_text().splitlines()[::2]))
+    shutil.rmtree(cache2 / "prepared" / "mine-minilm")
+    second = compare_contrastive.prepared_set(str(manifest), cache2, PRESET, None, inner=True)
+    assert second != first and (first / "prepare.json").is_file()
+    both = images(second, "train.jsonl") | images(second, "val.jsonl")
+    assert both == images(cache2 / "prepared" / "mine-minilm", "train.jsonl") and len(both) < len(inner_train)
+    # --limit cannot shrink a set given prepared
+    with pytest.raises(ValueError, match="--limit"):
+        compare_contrastive.prepared_set(str(outer), cache, PRESET, 10, inner=True)

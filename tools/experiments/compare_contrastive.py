@@ -38,8 +38,10 @@ seed, one epoch (the test's mode).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -181,23 +183,35 @@ def subset(manifest: Path, limit: int, target: Path) -> Path:
     return out
 
 
-def inner_manifest(prepared: Path, target: Path) -> Path:
-    """A manifest of a prepared set's train split (image paths absolute, label names): the rows an inner split
-    divides again."""
+def inner_manifest(prepared: Path, target: Path) -> tuple[Path, Path]:
+    """A manifest of a prepared set's train split (image paths absolute, label names), the rows an inner split
+    divides again; with the folder that holds every image (the split keys them relative to it, so the draw does
+    not depend on where --cache lies).
+
+    Raises:
+        ValueError: the prepared set reads its images in place (shard members), which a manifest cannot name.
+    """
     names = {v: k for k, v in json.loads((prepared / "labels.json").read_text(encoding="utf-8")).items()}
     rows = []
     for r in _read_jsonl(prepared / "train.jsonl"):
         image = Path(r["image"]) if Path(r["image"]).is_absolute() else prepared / r["image"]
+        if "tar" in r or not image.is_file():
+            raise ValueError(f"--inner: {prepared}'s image {r['image']} is not a file; prepare the set from files")
         rows.append({"image": str(image.resolve()), "text": r["text"], "label": names[r["label"]]})
     target.mkdir(parents=True, exist_ok=True)
     out = target / "manifest.jsonl"
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return out
+    return out, Path(os.path.commonpath([r["image"] for r in rows])).parent
 
 
 def prepared_set(name: str, cache: Path, preset: str, limit: int | None, inner: bool = False) -> Path:
     """The set prepared once (val fifth by image hash, captions tokenized for the preset's text model); with
-    ``inner``, its train split prepared again into an inner train and val (the hash drawn with seed 1)."""
+    ``inner``, its train split prepared again into an inner train and val (the hash drawn with seed 1), in a
+    folder named after those rows: a set prepared anew gets its own inner split.
+
+    Raises:
+        ValueError: ``limit`` with a set given already prepared (its rows are what they are).
+    """
     from mmfast.models import get_preset
 
     source = source_of(name, cache)
@@ -209,19 +223,25 @@ def prepared_set(name: str, cache: Path, preset: str, limit: int | None, inner: 
         if limit:
             source = subset(source, limit, cache / "subsets" / tag)
         outer = _prepare(source, cache / "prepared" / f"{tag}-{text_model}", text_model, seed=0)
+    elif limit:
+        raise ValueError(f"--limit: {name} is already prepared; pass its manifest to take part of it")
     if not inner:
         return outer
-    rows = inner_manifest(outer, cache / "inner" / tag)
-    return _prepare(rows, cache / "prepared" / f"{tag}-inner-{text_model}", text_model, seed=1)
+    rows, root = inner_manifest(outer, cache / "inner" / tag)
+    key = hashlib.sha256(rows.read_bytes()).hexdigest()[:8]
+    return _prepare(rows, cache / "prepared" / f"{tag}-inner-{key}-{text_model}", text_model, seed=1, root=root)
 
 
-def _prepare(source: Path, target: Path, text_model: str, seed: int) -> Path:
-    """``source`` prepared into ``target`` once, its val fifth drawn by ``seed``."""
+def _prepare(source: Path, target: Path, text_model: str, seed: int, root: Path | None = None) -> Path:
+    """``source`` prepared into ``target`` once, its val fifth drawn by ``seed`` (image keys relative to
+    ``root``, else to the source's folder)."""
+    from mmfast.inputs import InputOptions
     from mmfast.prepare.core import PrepareConfig, prepare_dataset
     from mmfast.train.setup import pretrained_tokenizer
 
     if not (target / "prepare.json").is_file():
         tokenizer = pretrained_tokenizer(text_model)
+        inputs = InputOptions(image_root=str(root) if root else None)
         cfg = PrepareConfig(
             source=str(source),
             out=str(target),
@@ -229,6 +249,7 @@ def _prepare(source: Path, target: Path, text_model: str, seed: int) -> Path:
             max_length=MAX_LENGTH,
             seed=seed,
             progress=False,
+            inputs=inputs,
         )
         prepare_dataset(cfg)
     return target
