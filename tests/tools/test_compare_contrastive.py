@@ -53,7 +53,9 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
             assert 0.0 <= runs[method][0][k] <= 100.0, (method, k, runs[method][0][k])
             assert rows[method][k] == pytest.approx(runs[method][0][k])
     for loss in ("clip", "siglip"):
-        assert runs[loss][0]["seed"] == 3 and (out / "runs" / f"icons-{loss}-seed3" / "summary.json").is_file()
+        run = out / "runs" / f"icons-{loss}-seed3"
+        assert runs[loss][0]["seed"] == 3 and (run / "summary.json").is_file()
+        assert not [p for p in ("checkpoints", "model", "model-last") if (run / p).exists()]  # no --keep-runs
 
     # every method is scored on the same val images; chance recall@k is k / images
     images = runs["ridge"][0]["images"]
@@ -110,6 +112,12 @@ def test_the_inner_split_divides_the_train_split_and_never_holds_a_val_image(tmp
     assert second != first and (first / "prepare.json").is_file()
     both = images(second, "train.jsonl") | images(second, "val.jsonl")
     assert both == images(cache2 / "prepared" / "mine-minilm", "train.jsonl") and len(both) < len(inner_train)
+    # another --inner-seed draws another fifth of the same train split; seed 0 (the outer draw) is refused
+    other = compare_contrastive.prepared_set(str(demo_manifest), cache, PRESET, None, inner=True, inner_seed=2)
+    other_val = images(other, "val.jsonl")
+    assert other_val != inner_val and other_val | images(other, "train.jsonl") == images(outer, "train.jsonl")
+    with pytest.raises(ValueError, match="--inner-seed 0"):
+        compare_contrastive.prepared_set(str(demo_manifest), cache, PRESET, None, inner=True, inner_seed=0)
     # --limit cannot shrink a set given prepared
     with pytest.raises(ValueError, match="--limit"):
         compare_contrastive.prepared_set(str(outer), cache, PRESET, 10, inner=True)

@@ -28,7 +28,8 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   ridge-ms / probe-ms: the baselines on multiscale features.
 
 ``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
-images drawn to an inner val by another seed. Recipes are chosen there, and val then reports the choice.
+images drawn to an inner val by another seed (``--inner-seed``). Recipes are chosen there, and val then reports the
+choice. Each run keeps its summary, metrics and config; ``--keep-runs`` keeps its checkpoints and models too.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -42,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,6 +127,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--reuse-runs", action="store_true", help="read the clip / siglip runs already finished in OUT/runs"
     )
     p.add_argument(
+        "--keep-runs",
+        action="store_true",
+        help="keep each run's checkpoints and models (default: only its summary, metrics and config are kept)",
+    )
+    p.add_argument(
+        "--inner-seed",
+        type=int,
+        default=1,
+        help="--inner: the seed that draws the inner val (another seed, another fifth: average several draws)",
+    )
+    p.add_argument(
         "--inner",
         action="store_true",
         help="score on an inner split, never on val: each set's train split split again (a fifth of its images, "
@@ -204,13 +217,16 @@ def inner_manifest(prepared: Path, target: Path) -> tuple[Path, Path]:
     return out, Path(os.path.commonpath([r["image"] for r in rows])).parent
 
 
-def prepared_set(name: str, cache: Path, preset: str, limit: int | None, inner: bool = False) -> Path:
+def prepared_set(
+    name: str, cache: Path, preset: str, limit: int | None, inner: bool = False, inner_seed: int = 1
+) -> Path:
     """The set prepared once (val fifth by image hash, captions tokenized for the preset's text model); with
-    ``inner``, its train split prepared again into an inner train and val (the hash drawn with seed 1), in a
-    folder named after those rows: a set prepared anew gets its own inner split.
+    ``inner``, its train split prepared again into an inner train and val (the hash drawn with ``inner_seed``),
+    in a folder named after those rows and the seed: a set prepared anew gets its own inner split.
 
     Raises:
-        ValueError: ``limit`` with a set given already prepared (its rows are what they are).
+        ValueError: ``limit`` with a set given already prepared (its rows are what they are); ``inner_seed`` 0
+            (the outer split's own draw).
     """
     from mmfast.models import get_preset
 
@@ -227,9 +243,12 @@ def prepared_set(name: str, cache: Path, preset: str, limit: int | None, inner: 
         raise ValueError(f"--limit: {name} is already prepared; pass its manifest to take part of it")
     if not inner:
         return outer
+    if inner_seed == 0:
+        raise ValueError("--inner-seed 0 draws the outer split's own val fifth: choose another seed")
     rows, root = inner_manifest(outer, cache / "inner" / tag)
     key = hashlib.sha256(rows.read_bytes()).hexdigest()[:8]
-    return _prepare(rows, cache / "prepared" / f"{tag}-inner-{key}-{text_model}", text_model, seed=1, root=root)
+    target = cache / "prepared" / f"{tag}-inner{inner_seed}-{key}-{text_model}"
+    return _prepare(rows, target, text_model, seed=inner_seed, root=root)
 
 
 def _prepare(source: Path, target: Path, text_model: str, seed: int, root: Path | None = None) -> Path:
@@ -284,7 +303,11 @@ def dual_encoder(args: argparse.Namespace, data_dir: Path, recipe: str, seed: in
     )
     if not (args.reuse_runs and (run_dir / "summary.json").is_file()):
         train(cfg)
-    return run_figures(run_dir, seed)
+    figures = run_figures(run_dir, seed)
+    if not args.keep_runs:  # a comparison's runs would fill a disk: the figures are in summary and metrics
+        for bulky in ("checkpoints", "model", "model-last"):
+            shutil.rmtree(run_dir / bulky, ignore_errors=True)
+    return figures
 
 
 def run_figures(run_dir: Path, seed: int) -> dict:
@@ -372,7 +395,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 def baselines(args: argparse.Namespace, name: str, cache: Path, save) -> tuple[str, Path]:
     """Prepare one set and run the frozen-tower baselines on it; returns (the set's label, its prepared dir)."""
-    data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner)
+    data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner, args.inner_seed)
     label = set_label(name) + ("-inner" if args.inner else "")
     prep = json.loads((data_dir / "prepare.json").read_text())
     facts = save.facts[label] = {"prepared": str(data_dir), "counts": prep.get("counts")}
