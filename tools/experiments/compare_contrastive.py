@@ -190,9 +190,14 @@ def subset(manifest: Path, limit: int, target: Path) -> Path:
     picked = [rows[int(k * len(rows) / limit)] for k in range(min(limit, len(rows)))]
     for r in picked:
         r["image"] = str((manifest.parent / r["image"]).resolve())
+    return _write_manifest(picked, target)
+
+
+def _write_manifest(rows: list[dict], target: Path) -> Path:
+    """``rows`` written as ``target``/manifest.jsonl, one JSON object a line."""
     target.mkdir(parents=True, exist_ok=True)
     out = target / "manifest.jsonl"
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in picked), encoding="utf-8")
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return out
 
 
@@ -204,16 +209,17 @@ def inner_manifest(prepared: Path, target: Path) -> tuple[Path, Path]:
     Raises:
         ValueError: the prepared set reads its images in place (shard members), which a manifest cannot name.
     """
-    names = {v: k for k, v in json.loads((prepared / "labels.json").read_text(encoding="utf-8")).items()}
+    from mmfast.data.dataset import PreparedDataset
+
+    dataset = PreparedDataset(prepared)
+    names = {v: k for k, v in dataset.labels.items()}
     rows = []
-    for r in _read_jsonl(prepared / "train.jsonl"):
-        image = Path(r["image"]) if Path(r["image"]).is_absolute() else prepared / r["image"]
+    for r in dataset.iter_rows("train"):
+        image = prepared / r["image"]  # a relative path names a file inside the prepared directory
         if "tar" in r or not image.is_file():
             raise ValueError(f"--inner: {prepared}'s image {r['image']} is not a file; prepare the set from files")
         rows.append({"image": str(image.resolve()), "text": r["text"], "label": names[r["label"]]})
-    target.mkdir(parents=True, exist_ok=True)
-    out = target / "manifest.jsonl"
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    out = _write_manifest(rows, target)
     return out, Path(os.path.commonpath([r["image"] for r in rows])).parent
 
 
