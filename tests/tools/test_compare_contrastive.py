@@ -121,3 +121,15 @@ def test_the_inner_split_divides_the_train_split_and_never_holds_a_val_image(tmp
     # --limit cannot shrink a set given prepared
     with pytest.raises(ValueError, match="--limit"):
         compare_contrastive.prepared_set(str(outer), cache, PRESET, 10, inner=True)
+
+
+def test_a_comparison_on_an_inner_draw_names_its_seed(tmp_path, demo_manifest):
+    """compare.json records the draw, and its set's label names it: runs of two draws never share a folder."""
+    out = tmp_path / "cmp"
+    argv = ["--sets", str(demo_manifest), "--inner", "--inner-seed", "2", "--methods", "ridge", "--quick"]
+    assert compare_contrastive.main([*argv, "--out", str(out), "--cache", str(tmp_path / "sets")]) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert report["inner"] is True and report["inner_seed"] == 2
+    label = f"{demo_manifest.parent.name}-inner2"
+    assert list(report["sets"]) == [label] and "-inner2-" in report["sets"][label]["prepared"]
+    assert [r["method"] for r in report["rows"]] == ["ridge"]

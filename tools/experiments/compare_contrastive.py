@@ -402,7 +402,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 def baselines(args: argparse.Namespace, name: str, cache: Path, save) -> tuple[str, Path]:
     """Prepare one set and run the frozen-tower baselines on it; returns (the set's label, its prepared dir)."""
     data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner, args.inner_seed)
-    label = set_label(name) + ("-inner" if args.inner else "")
+    label = set_label(name) + (f"-inner{args.inner_seed}" if args.inner else "")  # runs of two draws never mix
     prep = json.loads((data_dir / "prepare.json").read_text())
     facts = save.facts[label] = {"prepared": str(data_dir), "counts": prep.get("counts")}
     got = save.results.setdefault(label, {})
@@ -462,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache) if args.cache else out / "sets"
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        k: getattr(args, k) for k in ("preset", "seeds", "limit", "epochs", "batch_size", "embed_dim", "inner")
+        k: getattr(args, k)
+        for k in ("preset", "seeds", "limit", "epochs", "batch_size", "embed_dim", "inner", "inner_seed")
     }
     save = _Report(out / "compare.json", report)
     try:
