@@ -129,7 +129,49 @@ def test_a_comparison_on_an_inner_draw_names_its_seed(tmp_path, demo_manifest):
     argv = ["--sets", str(demo_manifest), "--inner", "--inner-seed", "2", "--methods", "ridge", "--quick"]
     assert compare_contrastive.main([*argv, "--out", str(out), "--cache", str(tmp_path / "sets")]) == 0
     report = json.loads((out / "compare.json").read_text())
-    assert report["inner"] is True and report["inner_seed"] == 2
+    assert report["inner"] is True and report["inner_seed"] == [2]
     label = f"{demo_manifest.parent.name}-inner2"
     assert list(report["sets"]) == [label] and "-inner2-" in report["sets"][label]["prepared"]
     assert [r["method"] for r in report["rows"]] == ["ridge"]
+    assert "across_draws" not in report  # one draw: nothing to average
+
+
+def test_several_inner_draws_are_averaged_and_compared_draw_by_draw(tmp_path, demo_manifest, capsys):
+    """--inner-seed 2 3 runs every method on both draws; the table across them averages each draw's figure, and
+    a method's difference to --against pairs the two on the same draw (a pairing across draws differs)."""
+    out = tmp_path / "cmp"
+    argv = ["--sets", str(demo_manifest), "--inner", "--inner-seed", "2", "3", "--methods", "ridge", "probe"]
+    argv += ["--against", "ridge", "--quick", "--seeds", "0", "--out", str(out), "--cache", str(tmp_path / "sets")]
+    assert compare_contrastive.main(argv) == 0
+    report = json.loads((out / "compare.json").read_text())
+    name = demo_manifest.parent.name
+    assert report["inner_seed"] == [2, 3] and list(report["sets"]) == [f"{name}-inner2", f"{name}-inner3"]
+    assert report["sets"][f"{name}-inner2"]["prepared"] != report["sets"][f"{name}-inner3"]["prepared"]
+    rows = {(r["set"], r["method"]): r for r in report["rows"]}
+    across = {r["method"]: r for r in report["across_draws"]}
+    assert set(across) == {"ridge", "probe"} and all(r["set"] == name for r in across.values())
+    for k in compare_contrastive.ACROSS:
+        per_draw = {
+            d: rows[(f"{name}-inner{d}", "probe")][k] - rows[(f"{name}-inner{d}", "ridge")][k] for d in (2, 3)
+        }
+        assert across["probe"][k] == pytest.approx(
+            (rows[(f"{name}-inner2", "probe")][k] + rows[(f"{name}-inner3", "probe")][k]) / 2
+        )
+        assert across["probe"][f"vs_{k}"] == pytest.approx(sum(per_draw.values()) / 2)
+        assert across["probe"][f"vs_{k}_worst"] == pytest.approx(min(per_draw.values()))
+    assert "vs_i2t_r1" not in across["ridge"]  # the reference is not compared with itself
+    # the draws differ (another fifth of the rows), so a pairing across draws would give other differences
+    assert rows[(f"{name}-inner2", "ridge")]["i2t_r1"] != rows[(f"{name}-inner3", "ridge")]["i2t_r1"] or (
+        rows[(f"{name}-inner2", "ridge")]["t2i_r1"] != rows[(f"{name}-inner3", "ridge")]["t2i_r1"]
+    )
+    assert "across the inner draws" in capsys.readouterr().out
+
+
+def test_several_draws_need_inner_and_distinct_seeds(capsys):
+    for argv, says in (
+        (["--inner-seed", "1", "2"], "add --inner"),
+        (["--inner", "--inner-seed", "2", "2"], "a draw named twice"),
+    ):
+        with pytest.raises(SystemExit):
+            compare_contrastive.parse_args(argv)
+        assert says in capsys.readouterr().err

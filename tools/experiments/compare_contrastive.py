@@ -29,7 +29,11 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
 
 ``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
 images drawn to an inner val by another seed (``--inner-seed``). Recipes are chosen there, and val then reports the
-choice. Each run keeps its summary, metrics and config; ``--keep-runs`` keeps its checkpoints and models too.
+choice. An inner val of about 100 images moves a figure by more than recipes differ, so ``--inner-seed 1 2 3 4``
+runs every method on four draws and adds a table across them: each draw's mean over the seeds, averaged over the
+draws, and each method's difference to ``--against`` (default: clip) on the same images, draw by draw (its mean
+and its worst). Each run keeps its summary, metrics and config; ``--keep-runs`` keeps its checkpoints and models
+too.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -133,9 +137,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--inner-seed",
+        nargs="+",
         type=int,
-        default=1,
-        help="--inner: the seed that draws the inner val (another seed, another fifth: average several draws)",
+        default=[1],
+        help="--inner: the seeds that draw the inner val, one draw each (several: a table across the draws too)",
+    )
+    p.add_argument(
+        "--against",
+        default="clip",
+        help="the method the table across draws compares every other one with, draw by draw (default: clip)",
     )
     p.add_argument(
         "--inner",
@@ -144,6 +154,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "drawn with another seed), where a recipe is chosen",
     )
     args = p.parse_args(argv)
+    if len(set(args.inner_seed)) < len(args.inner_seed):
+        p.error(f"--inner-seed: a draw named twice ({args.inner_seed})")
+    if len(args.inner_seed) > 1 and not args.inner:
+        p.error("--inner-seed with several seeds draws several inner splits: add --inner")
     if args.quick:
         return argparse.Namespace(
             **{
@@ -399,10 +413,11 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def baselines(args: argparse.Namespace, name: str, cache: Path, save) -> tuple[str, Path]:
-    """Prepare one set and run the frozen-tower baselines on it; returns (the set's label, its prepared dir)."""
-    data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner, args.inner_seed)
-    label = set_label(name) + (f"-inner{args.inner_seed}" if args.inner else "")  # runs of two draws never mix
+def baselines(args: argparse.Namespace, name: str, cache: Path, save, draw: int = 1) -> tuple[str, Path]:
+    """Prepare one set (with --inner: the inner split ``draw`` draws) and run the frozen-tower baselines on it;
+    returns (the set's label, its prepared dir)."""
+    data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner, draw)
+    label = set_label(name) + (f"-inner{draw}" if args.inner else "")  # runs of two draws never mix
     prep = json.loads((data_dir / "prepare.json").read_text())
     facts = save.facts[label] = {"prepared": str(data_dir), "counts": prep.get("counts")}
     got = save.results.setdefault(label, {})
@@ -432,6 +447,54 @@ def dual_encoders(args: argparse.Namespace, sets: dict[str, Path], out: Path, sa
                 save(f"{label}: {recipe} seed {seed} {_line(run)}")
 
 
+ACROSS = ("i2t_r1", "t2i_r1", "zero_shot_acc")  # what the table across draws holds
+
+
+def across_draws(rows: list[dict], against: str) -> list[dict]:
+    """One row per (set, method) over the inner draws that ran it (labels ``NAME-innerN``): each figure of
+    ``ACROSS``, the mean over the draws of each draw's mean over its seeds, with the std across the draws; and,
+    where ``against`` ran on the same draws, the method's difference to it draw by draw (``vs_K``: the mean;
+    ``vs_K_worst``: the least). A difference on the same images is what a choice rests on: the draw moves both."""
+    by: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        base, sep, draw = r["set"].rpartition("-inner")
+        if sep and draw.isdigit():
+            by.setdefault((base, r["method"]), {})[draw] = r
+    out = []
+    for (base, method), draws in by.items():
+        row = {"set": base, "method": method, "draws": sorted(int(d) for d in draws)}
+        for k in ACROSS:
+            row[k], row[f"{k}_std"] = _mean_std([d[k] for d in draws.values()])
+        ref = by.get((base, against), {})
+        if method != against and set(draws) <= set(ref):
+            for k in ACROSS:
+                diffs = [draws[d][k] - ref[d][k] for d in draws]
+                row[f"vs_{k}"], row[f"vs_{k}_worst"] = statistics.fmean(diffs), min(diffs)
+        out.append(row)
+    return out
+
+
+def print_across(rows: list[dict], against: str) -> None:
+    ran = any(r["method"] == against for r in rows)
+    print(
+        f"\nacross the inner draws: the mean of each draw's mean (± std across draws); vs {against}: the mean"
+        f" difference on the same images (the worst draw's){'' if ran else f'; {against} did not run'}"
+    )
+    print(
+        f"{'set':<10}{'method':<26}{'draws':<10}"
+        + "".join(f"{h:>14}" for h in ("i2t R@1", "t2i R@1", "zero-shot"))
+        + f"   vs {against}: i2t / t2i / zero-shot"
+    )
+    for r in rows:
+        cells = "".join(f"{r[k]:>8.1f} ± {r[k + '_std']:<3.1f}" for k in ACROSS)
+        vs = (
+            "  ".join(f"{r[f'vs_{k}']:+.1f} ({r[f'vs_{k}_worst']:+.1f})" for k in ACROSS)
+            if "vs_i2t_r1" in r
+            else ""
+        )
+        print(f"{r['set']:<10}{r['method']:<26}{','.join(map(str, r['draws'])):<10}{cells}   {vs}")
+
+
 def _line(r: dict) -> str:
     return (
         f"i2t R@1 {r['i2t_r1']:.1f} R@10 {r['i2t_r10']:.1f}  t2i R@1 {r['t2i_r1']:.1f} R@10 {r['t2i_r10']:.1f}  "
@@ -452,7 +515,10 @@ class _Report:
 
         print(line, flush=True)
         rows = table(self.results)
-        atomic_write_json(self.path, {**self.settings, "sets": self.facts, "rows": rows, "runs": self.results})
+        report = {**self.settings, "sets": self.facts, "rows": rows, "runs": self.results}
+        if len(self.settings.get("inner_seed") or []) > 1:
+            report["across_draws"] = across_draws(rows, self.settings["against"])
+        atomic_write_json(self.path, report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -463,17 +529,32 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {
         k: getattr(args, k)
-        for k in ("preset", "seeds", "limit", "epochs", "batch_size", "embed_dim", "inner", "inner_seed")
+        for k in (
+            "preset",
+            "seeds",
+            "limit",
+            "epochs",
+            "batch_size",
+            "embed_dim",
+            "inner",
+            "inner_seed",
+            "against",
+        )
     }
+    if not args.inner:
+        report["inner_seed"] = None
     save = _Report(out / "compare.json", report)
+    draws = args.inner_seed if args.inner else [None]
     try:
-        sets = dict(baselines(args, name, cache, save) for name in args.sets)
+        sets = dict(baselines(args, name, cache, save, draw) for draw in draws for name in args.sets)
         dual_encoders(args, sets, out, save)
     except (ValueError, OSError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = table(save.results)
     print_table(rows, save.facts)
+    if args.inner and len(args.inner_seed) > 1:
+        print_across(across_draws(rows, args.against), args.against)
     plot(rows, f"preset {args.preset}, seeds {args.seeds}", out / "compare.png")
     print(f"\nwrote {out / 'compare.json'} and {out / 'compare.png'}")
     return 0
