@@ -24,7 +24,8 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   preset. siglip-locked-32 / siglip-locked-32-slow: the locked recipes on the head's pooled features (what an
   open_clip or transformers folder can hold). siglip-locked-ms-32-mid: at --lr 5e-4. siglip-ms-top2-slow /
   -E-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
-  E = 24, 32 or 48 at 3e-4, 32 at 5e-4); clip-ms-top2-E-slow: the same with the CLIP loss, E = 16 or 32.
+  E = 24, 32 or 48 at 3e-4, 32 at 5e-4); clip-ms-top2-E-slow: the same with the CLIP loss, E = 16 or 32;
+  siglip-top2-32-slow: siglip-ms-top2-32-slow on the head's pooled features (a model open_clip can hold).
   ridge-ms / probe-ms: the baselines on multiscale features.
 
 ``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
@@ -73,6 +74,7 @@ MS_LOCKED["feature_views"] = 1
 LOCKED = {k: v for k, v in MS_LOCKED.items() if k != "image_pool"}  # both locked, the head's pooled features
 # the same, the text tower's top 2 layers training (its lower 4 layers' output cached)
 MS_TOP2 = {**{k: v for k, v in MS_LOCKED.items() if k != "freeze_text"}, "text_train_layers": 2}
+TOP2 = {k: v for k, v in MS_TOP2.items() if k != "image_pool"}  # the same on the head's pooled features
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -104,6 +106,7 @@ RECIPES = {
     **{f"siglip-ms-top2-{e}-slow": ("siglip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (24, 32, 48)},
     **{f"clip-ms-top2-{e}-slow": ("clip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (16, 32)},
     "siglip-ms-top2-32-mid": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 5e-4}),
+    "siglip-top2-32-slow": ("siglip", {**TOP2, "epochs": 32, "lr": 3e-4}),
 }
 FIGURES = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "zero_shot_acc")
 QUICK_ROWS = 120
