@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -167,10 +168,45 @@ def test_several_inner_draws_are_averaged_and_compared_draw_by_draw(tmp_path, de
     assert "across the inner draws" in capsys.readouterr().out
 
 
+def _draw_row(label: str, method: str, i2t: float, t2i: float, zs: float) -> dict:
+    return {"set": label, "method": method, "i2t_r1": i2t, "t2i_r1": t2i, "zero_shot_acc": zs}
+
+
+def test_the_table_across_draws_pairs_each_draw_with_itself():
+    """Made-up per-draw rows: the mean is over draws, the std across them; a method's difference to the reference
+    is taken on each draw both ran (a method missing a draw is compared on the others only, not with the
+    reference's mean over all of them); a set whose own name holds "-inner" keeps it; a row that is no draw
+    (no -innerN) is left out."""
+    rows = [
+        _draw_row("a-inner-x-inner1", "clip", 30.0, 20.0, 50.0),
+        _draw_row("a-inner-x-inner2", "clip", 10.0, 40.0, 20.0),
+        _draw_row("a-inner-x-inner3", "clip", 40.0, 30.0, 40.0),
+        _draw_row("a-inner-x-inner1", "new", 33.0, 18.0, 52.0),
+        _draw_row("a-inner-x-inner2", "new", 14.0, 41.0, 21.0),  # no draw 3: it stopped early
+        _draw_row("a-inner-x", "new", 99.0, 99.0, 99.0),  # val, not a draw
+        _draw_row("b-inner2", "new", 1.0, 2.0, 3.0),  # a set without the reference
+    ]
+    across = {(r["set"], r["method"]): r for r in compare_contrastive.across_draws(rows, "clip")}
+    assert set(across) == {("a-inner-x", "clip"), ("a-inner-x", "new"), ("b", "new")}
+    clip, new = across[("a-inner-x", "clip")], across[("a-inner-x", "new")]
+    assert clip["draws"] == [1, 2, 3] and clip["i2t_r1"] == pytest.approx(80 / 3)
+    assert clip["i2t_r1_std"] == pytest.approx(statistics.stdev([30.0, 10.0, 40.0]))
+    assert "vs_i2t_r1" not in clip and "vs_i2t_r1" not in across[("b", "new")]
+    assert new["draws"] == [1, 2] and new["vs_draws"] == [1, 2] and new["i2t_r1"] == pytest.approx(23.5)
+    # paired: (33 - 30, 14 - 10) = (3, 4); against clip's mean over its 3 draws: 23.5 - 26.7 = -3.2
+    assert new["vs_i2t_r1"] == pytest.approx(3.5) and new["vs_i2t_r1_worst"] == pytest.approx(3.0)
+    assert new["vs_t2i_r1"] == pytest.approx(-0.5) and new["vs_t2i_r1_worst"] == pytest.approx(-2.0)
+    assert new["vs_zero_shot_acc"] == pytest.approx(1.5) and new["vs_zero_shot_acc_worst"] == pytest.approx(1.0)
+    # a pairing of draw 1 with draw 2 (and 2 with 1) would give (33 - 10, 14 - 30): worst -16, not 3
+    assert new["vs_i2t_r1_worst"] > 0
+
+
 def test_several_draws_need_inner_and_distinct_seeds(capsys):
     for argv, says in (
         (["--inner-seed", "1", "2"], "add --inner"),
         (["--inner", "--inner-seed", "2", "2"], "a draw named twice"),
+        (["--inner", "--inner-seed", "0", "2"], "1 or more"),
+        (["--inner", "--inner-seed", "1", "2", "--methods", "ridge"], "--against clip: not among --methods"),
     ):
         with pytest.raises(SystemExit):
             compare_contrastive.parse_args(argv)

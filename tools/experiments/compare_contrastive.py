@@ -159,8 +159,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(set(args.inner_seed)) < len(args.inner_seed):
         p.error(f"--inner-seed: a draw named twice ({args.inner_seed})")
+    if min(args.inner_seed) < 1:  # 0 draws the outer split's own val fifth
+        p.error(f"--inner-seed: a draw's seed is 1 or more ({args.inner_seed})")
     if len(args.inner_seed) > 1 and not args.inner:
         p.error("--inner-seed with several seeds draws several inner splits: add --inner")
+    if len(args.inner_seed) > 1 and args.against not in args.methods:
+        p.error(f"--against {args.against}: not among --methods, so nothing to compare the draws with")
     if args.quick:
         return argparse.Namespace(
             **{
@@ -456,8 +460,9 @@ ACROSS = ("i2t_r1", "t2i_r1", "zero_shot_acc")  # what the table across draws ho
 def across_draws(rows: list[dict], against: str) -> list[dict]:
     """One row per (set, method) over the inner draws that ran it (labels ``NAME-innerN``): each figure of
     ``ACROSS``, the mean over the draws of each draw's mean over its seeds, with the std across the draws; and,
-    where ``against`` ran on the same draws, the method's difference to it draw by draw (``vs_K``: the mean;
-    ``vs_K_worst``: the least). A difference on the same images is what a choice rests on: the draw moves both."""
+    where ``against`` ran too, the method's difference to it on each draw both ran (``vs_draws``; ``vs_K``: the
+    mean; ``vs_K_worst``: the least). A difference on the same images is what a choice rests on: the draw moves
+    both."""
     by: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
         base, sep, draw = r["set"].rpartition("-inner")
@@ -469,9 +474,11 @@ def across_draws(rows: list[dict], against: str) -> list[dict]:
         for k in ACROSS:
             row[k], row[f"{k}_std"] = _mean_std([d[k] for d in draws.values()])
         ref = by.get((base, against), {})
-        if method != against and set(draws) <= set(ref):
+        both = sorted(set(draws) & set(ref), key=int)
+        if method != against and both:
+            row["vs_draws"] = [int(d) for d in both]
             for k in ACROSS:
-                diffs = [draws[d][k] - ref[d][k] for d in draws]
+                diffs = [draws[d][k] - ref[d][k] for d in both]
                 row[f"vs_{k}"], row[f"vs_{k}_worst"] = statistics.fmean(diffs), min(diffs)
         out.append(row)
     return out
@@ -495,6 +502,8 @@ def print_across(rows: list[dict], against: str) -> None:
             if "vs_i2t_r1" in r
             else ""
         )
+        if "vs_draws" in r and r["vs_draws"] != r["draws"]:
+            vs += f"  (on draws {','.join(map(str, r['vs_draws']))}, where both ran)"
         print(f"{r['set']:<10}{r['method']:<26}{','.join(map(str, r['draws'])):<10}{cells}   {vs}")
 
 
