@@ -139,7 +139,7 @@ def test_a_comparison_on_an_inner_draw_names_its_seed(tmp_path, demo_manifest):
 
 def test_several_inner_draws_are_averaged_and_compared_draw_by_draw(tmp_path, demo_manifest, capsys):
     """--inner-seed 2 3 runs every method on both draws; the table across them averages each draw's figure, and
-    a method's difference to --against pairs the two on the same draw (a pairing across draws differs)."""
+    a method's difference to --against is taken draw by draw (the unit test below tells pairings apart)."""
     out = tmp_path / "cmp"
     argv = ["--sets", str(demo_manifest), "--inner", "--inner-seed", "2", "3", "--methods", "ridge", "probe"]
     argv += ["--against", "ridge", "--quick", "--seeds", "0", "--out", str(out), "--cache", str(tmp_path / "sets")]
@@ -161,10 +161,6 @@ def test_several_inner_draws_are_averaged_and_compared_draw_by_draw(tmp_path, de
         assert across["probe"][f"vs_{k}"] == pytest.approx(sum(per_draw.values()) / 2)
         assert across["probe"][f"vs_{k}_worst"] == pytest.approx(min(per_draw.values()))
     assert "vs_i2t_r1" not in across["ridge"]  # the reference is not compared with itself
-    # the draws differ (another fifth of the rows), so a pairing across draws would give other differences
-    assert rows[(f"{name}-inner2", "ridge")]["i2t_r1"] != rows[(f"{name}-inner3", "ridge")]["i2t_r1"] or (
-        rows[(f"{name}-inner2", "ridge")]["t2i_r1"] != rows[(f"{name}-inner3", "ridge")]["t2i_r1"]
-    )
     assert "across the inner draws" in capsys.readouterr().out
 
 
