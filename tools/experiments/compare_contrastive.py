@@ -126,7 +126,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", nargs="+", default=["icons", "emoji"], help="icons, emoji, or paths")
     baselines = [f"{b}{suffix}" for suffix in POOLED for b in ("ridge", "probe")]
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *baselines, *RECIPES])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=list(dict.fromkeys([*METHODS, *baselines, *RECIPES])),
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="clip-lite0-minilm", help="the towers and the recipe of clip / siglip")
     p.add_argument("--embed-dim", type=int, default=256, help="the probe's and the dual encoder's embedding width")

@@ -18,6 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+try:  # run as a script (python tools/experiments/...) or imported as tools.experiments.compare_fusion
+    from tools.experiments.compare_report import pyplot
+except ImportError:
+    from compare_report import pyplot
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,13 +160,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logging.warning("matplotlib is not installed: no compare.png")
+    if (plt := pyplot(path)) is None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["model"] for r in rows]

@@ -42,14 +42,21 @@ def print_table(rows: list[dict], facts: dict[str, dict]) -> None:
                 print(f"{name}: the frozen towers' features (ridge{suffix}, probe{suffix}) took {took:.0f} s")
 
 
-def plot(rows: list[dict], title: str, path: Path) -> None:
+def pyplot(path: Path):
+    """matplotlib's pyplot on the file backend, or None (a warning naming ``path``) when it is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logging.warning("matplotlib is not installed: no compare.png")
+        logging.warning("matplotlib is not installed: no %s", path.name)
+        return None
+    return plt
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    if (plt := pyplot(path)) is None:
         return
     sets = list(dict.fromkeys(r["set"] for r in rows))
     shown = ("i2t_r1", "t2i_r1", "i2t_r10", "t2i_r10", "zero_shot_acc")
