@@ -39,6 +39,9 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
         str(out),
         "--cache",
         str(tmp_path / "sets"),
+        "--fuse-ridge",
+        "0",
+        "1",
     ]
     assert compare_contrastive.main(argv) == 0
 
@@ -46,7 +49,8 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
     assert report["limit"] == compare_contrastive.QUICK_ROWS and report["seeds"] == [3] and report["epochs"] == 1
     assert sum(report["sets"]["icons"]["counts"][s] for s in ("train", "val")) == compare_contrastive.QUICK_ROWS
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == set(compare_contrastive.METHODS)
+    fused = {f"{loss}+ridge{w}" for loss in ("clip", "siglip") for w in (0, 1)}
+    assert set(rows) == set(compare_contrastive.METHODS) | fused
     runs = report["runs"]["icons"]
     for method in compare_contrastive.METHODS:
         assert len(runs[method]) == 1 and rows[method]["runs"] == 1
@@ -66,6 +70,14 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
     for way in ("i2t", "t2i"):
         assert ridge[f"{way}_r10"] > 100.0 * 10 / images, (way, ridge)
         assert ridge[f"{way}_r1"] >= 3 * 100.0 / images, (way, ridge)
+    # --fuse-ridge: weight 0 is the ridge map alone, to the figure; weight 1 the run's last model, as its own
+    # evaluation scored it (fp32 here, the run's precision there: a caption or two may move)
+    for loss in ("clip", "siglip"):
+        alone, with_ridge = runs[f"{loss}+ridge0"][0], runs[f"{loss}+ridge1"][0]
+        assert alone["images"] == with_ridge["images"] == images
+        for k in compare_contrastive.FIGURES:
+            assert alone[k] == pytest.approx(ridge[k]), (loss, k)
+            assert abs(with_ridge[k] - runs[loss][0][k]) <= 2 * 100.0 / images + 1e-6, (loss, k)
     assert (out / "compare.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert all(f"icons     {m}" in printed for m in compare_contrastive.METHODS)

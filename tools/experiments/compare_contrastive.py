@@ -57,16 +57,20 @@ try:  # imported as tools.experiments.compare_contrastive (the tests), or run as
     from tools.experiments.compare_report import (
         ACROSS,
         FIGURES,
+        Report,
         across_draws,
+        line,
         plot,
         print_across,
         print_table,
         table,
     )
-    from tools.experiments.contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge
+    from tools.experiments.contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge, ridge_embeddings
+    from tools.experiments.fuse_ridge import fused_figures, model_embeddings
 except ImportError:
-    from compare_report import ACROSS, FIGURES, across_draws, plot, print_across, print_table, table
-    from contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge
+    from compare_report import ACROSS, FIGURES, Report, across_draws, line, plot, print_across, print_table, table
+    from contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge, ridge_embeddings
+    from fuse_ridge import fused_figures, model_embeddings
 
 __all__ = ["ACROSS", "FIGURES", "across_draws", "main", "table"]
 
@@ -166,6 +170,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the method the table across draws compares every other one with, draw by draw (default: clip)",
     )
     p.add_argument(
+        "--fuse-ridge",
+        nargs="+",
+        type=float,
+        default=[],
+        metavar="W",
+        help="also score each run's model beside the ridge map on the same pooled features: cosine = W model's + "
+        "(1 - W) the map's, a row RECIPE+ridgeW per weight (tools/experiments/fuse_ridge.py)",
+    )
+    p.add_argument(
         "--inner",
         action="store_true",
         help="score on an inner split, never on val: each set's train split split again (a fifth of its images, "
@@ -180,6 +193,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--inner-seed with several seeds draws several inner splits: add --inner")
     if len(args.inner_seed) > 1 and args.against not in args.methods:
         p.error(f"--against {args.against}: not among --methods, so nothing to compare the draws with")
+    if any(not 0.0 <= w <= 1.0 for w in args.fuse_ridge):
+        p.error(f"--fuse-ridge: a weight lies in [0, 1] ({args.fuse_ridge})")
     if args.quick:
         return argparse.Namespace(
             **{
@@ -345,11 +360,7 @@ def dual_encoder(args: argparse.Namespace, data_dir: Path, recipe: str, seed: in
     )
     if not (args.reuse_runs and (run_dir / "summary.json").is_file()):
         train(cfg)
-    figures = run_figures(run_dir, seed)
-    if not args.keep_runs:  # a comparison's runs would fill a disk: the figures are in summary and metrics
-        for bulky in ("checkpoints", "model", "model-last"):
-            shutil.rmtree(run_dir / bulky, ignore_errors=True)
-    return figures
+    return run_figures(run_dir, seed)
 
 
 def run_figures(run_dir: Path, seed: int) -> dict:
@@ -382,13 +393,15 @@ def baselines(args: argparse.Namespace, name: str, cache: Path, save, draw: int 
             continue
         feats = frozen_features(data_dir, args.preset, args.threads, pool)
         facts[f"features{suffix}_s"] = feats["seconds"]
+        if args.fuse_ridge:
+            save.frozen[(label, pool)] = feats
         if names["ridge"] in args.methods:
             got[names["ridge"]] = [ridge(feats)]
-            save(f"{label}: {names['ridge']} {_line(got[names['ridge']][0])}")
+            save(f"{label}: {names['ridge']} {line(got[names['ridge']][0])}")
         if names["probe"] in args.methods:
             for seed in args.seeds:
                 got.setdefault(names["probe"], []).append(probe(feats, args.embed_dim, seed, args.probe_epochs))
-                save(f"{label}: {names['probe']} seed {seed} {_line(got[names['probe']][-1])}")
+                save(f"{label}: {names['probe']} seed {seed} {line(got[names['probe']][-1])}")
     return label, data_dir
 
 
@@ -397,35 +410,31 @@ def dual_encoders(args: argparse.Namespace, sets: dict[str, Path], out: Path, sa
     for seed in args.seeds:
         for label, data_dir in sets.items():
             for recipe in [m for m in RECIPES if m in args.methods]:
-                run = dual_encoder(args, data_dir, recipe, seed, out / "runs" / f"{label}-{recipe}-seed{seed}")
+                run_dir = out / "runs" / f"{label}-{recipe}-seed{seed}"
+                run = dual_encoder(args, data_dir, recipe, seed, run_dir)
                 save.results[label].setdefault(recipe, []).append(run)
-                save(f"{label}: {recipe} seed {seed} {_line(run)}")
+                save(f"{label}: {recipe} seed {seed} {line(run)}")
+                if args.fuse_ridge:
+                    fuse(args, (label, data_dir), recipe, run, save)
+                if not args.keep_runs:  # the runs would fill a disk: the figures are in summary and metrics
+                    for bulky in ("checkpoints", "model", "model-last"):
+                        shutil.rmtree(run_dir / bulky, ignore_errors=True)
 
 
-def _line(r: dict) -> str:
-    return (
-        f"i2t R@1 {r['i2t_r1']:.1f} R@10 {r['i2t_r10']:.1f}  t2i R@1 {r['t2i_r1']:.1f} R@10 {r['t2i_r10']:.1f}  "
-        f"zero-shot {r['zero_shot_acc']:.1f}  {r['train_s']:.0f} s"
-    )
-
-
-class _Report:
-    """compare.json, written again after every result (a comparison stopped half way keeps what it found)."""
-
-    def __init__(self, path: Path, settings: dict):
-        self.path, self.settings = path, settings
-        self.results: dict[str, dict[str, list[dict]]] = {}
-        self.facts: dict[str, dict] = {}
-
-    def __call__(self, line: str) -> None:
-        from mmfast.util.fsutil import atomic_write_json
-
-        print(line, flush=True)
-        rows = table(self.results)
-        report = {**self.settings, "sets": self.facts, "rows": rows, "runs": self.results}
-        if len(self.settings.get("inner_seed") or []) > 1:
-            report["across_draws"] = across_draws(rows, self.settings["against"])
-        atomic_write_json(self.path, report)
+def fuse(args: argparse.Namespace, data: tuple[str, Path], recipe: str, run: dict, save) -> None:
+    """--fuse-ridge: the run's last model beside the ridge map on the frozen features its image tower pools as
+    (``fuse_ridge.py``), a row per weight."""
+    label, data_dir = data
+    pool = RECIPES[recipe][1].get("image_pool")
+    if (label, pool) not in save.frozen:  # the baselines' features, or the first recipe's on that pool
+        save.frozen[(label, pool)] = frozen_features(data_dir, args.preset, args.threads, pool)
+    feats = save.frozen[(label, pool)]
+    model = model_embeddings(Path(run["run"]) / "model-last", data_dir, args.threads, MAX_LENGTH)
+    for w, figures in fused_figures(model, ridge_embeddings(feats), feats["val"], args.fuse_ridge).items():
+        name = f"{recipe}+ridge{w:g}"
+        row = {**figures, "seed": run["seed"], "train_s": run["train_s"]}
+        save.results[label].setdefault(name, []).append(row)
+        save(f"{label}: {name} seed {run['seed']} {line(row)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.inner:
         report["inner_seed"] = None
-    save = _Report(out / "compare.json", report)
+    save = Report(out / "compare.json", report)
     draws = args.inner_seed if args.inner else [None]
     try:
         sets = dict(baselines(args, name, cache, save, draw) for draw in draws for name in args.sets)

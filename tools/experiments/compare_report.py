@@ -131,3 +131,30 @@ def print_across(rows: list[dict], against: str) -> None:
         if "vs_draws" in r and r["vs_draws"] != r["draws"]:
             vs += f"  (on draws {','.join(map(str, r['vs_draws']))}, where both ran)"
         print(f"{r['set']:<10}{r['method']:<26}{','.join(map(str, r['draws'])):<10}{cells}   {vs}")
+
+
+def line(r: dict) -> str:
+    return (
+        f"i2t R@1 {r['i2t_r1']:.1f} R@10 {r['i2t_r10']:.1f}  t2i R@1 {r['t2i_r1']:.1f} R@10 {r['t2i_r10']:.1f}  "
+        f"zero-shot {r['zero_shot_acc']:.1f}  {r['train_s']:.0f} s"
+    )
+
+
+class Report:
+    """compare.json, written again after every result (a comparison stopped half way keeps what it found)."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.settings = path, settings
+        self.results: dict[str, dict[str, list[dict]]] = {}
+        self.facts: dict[str, dict] = {}
+        self.frozen: dict[tuple, dict] = {}  # --fuse-ridge: (set label, pool) -> the frozen towers' features
+
+    def __call__(self, message: str) -> None:
+        from mmfast.util.fsutil import atomic_write_json
+
+        print(message, flush=True)
+        rows = table(self.results)
+        report = {**self.settings, "sets": self.facts, "rows": rows, "runs": self.results}
+        if len(self.settings.get("inner_seed") or []) > 1:
+            report["across_draws"] = across_draws(rows, self.settings["against"])
+        atomic_write_json(self.path, report)

@@ -149,11 +149,13 @@ def _ridge_fit(x, t, lam: float):
     return w.float(), t_mean.float()
 
 
-def ridge(feats: dict) -> dict:
-    """(a): image features mapped into the text model's space by ridge; lambda by held-out mean recall."""
+def ridge_embeddings(feats: dict) -> tuple:
+    """(a)'s map fitted on the train split, lambda by held-out mean recall. Returns (val image embeddings,
+    val text embeddings, class embeddings, lambda per sample): val's rows in ``feats``'s order, all normalized."""
+    import torch
+
     from mmfast.tasks.retrieval import class_embeddings
 
-    t0 = time.perf_counter()
     class_emb = class_embeddings(feats["prompts"])
     fit, held = _held_out(feats["train"])
     std = _standardize(fit["x"])
@@ -165,7 +167,15 @@ def ridge(feats: dict) -> dict:
     train, val = feats["train"], feats["val"]
     std = _standardize(train["x"])
     w, t_mean = _ridge_fit(std(train["x"]), train["t"], lam * len(train["x"]))
-    figures = score(std(val["x"]) @ w + t_mean, val["t"], val, class_emb)
+    img, txt = (torch.nn.functional.normalize(e, dim=-1) for e in (std(val["x"]) @ w + t_mean, val["t"]))
+    return img, txt, class_emb, lam
+
+
+def ridge(feats: dict) -> dict:
+    """(a): image features mapped into the text model's space by ridge, scored on val."""
+    t0 = time.perf_counter()
+    img, txt, class_emb, lam = ridge_embeddings(feats)
+    figures = score(img, txt, feats["val"], class_emb)
     return {**figures, "lambda_per_sample": lam, "train_s": time.perf_counter() - t0}
 
 
