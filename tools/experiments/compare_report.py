@@ -30,11 +30,14 @@ def table(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
 
 def print_table(rows: list[dict], facts: dict[str, dict]) -> None:
     heads = ["i2t R@1", "i2t R@5", "i2t R@10", "t2i R@1", "t2i R@5", "t2i R@10", "zero-shot"]
-    head = f"\n{'set':<10}{'method':<12}{'n':>2}" + "".join(f"{h:>14}" for h in heads)
+    ws = max([10, *(len(r["set"]) + 1 for r in rows)])  # a column as wide as its longest name and a space
+    wm = max([12, *(len(r["method"]) + 1 for r in rows)])
+    head = f"\n{'set':<{ws}}{'method':<{wm}}{'n':>2}" + "".join(f"{h:>14}" for h in heads)
     print(head + f"{'train s':>9}{'least':>7}")
     for r in rows:
         cells = "".join(f"{r[k]:>8.1f} ± {r[k + '_std']:<3.1f}" for k in FIGURES)
-        print(f"{r['set']:<10}{r['method']:<12}{r['runs']:>2}{cells}{r['train_s']:>9.0f}{r['train_s_min']:>7.0f}")
+        times = f"{r['train_s']:>9.0f}{r['train_s_min']:>7.0f}"
+        print(f"{r['set']:<{ws}}{r['method']:<{wm}}{r['runs']:>2}{cells}{times}")
     for name, f in facts.items():
         for key, took in f.items():
             if key.startswith("features") and key.endswith("_s"):  # features_s, features-ms_s: one per pooling
@@ -116,8 +119,9 @@ def print_across(rows: list[dict], against: str) -> None:
         f"\nacross the inner draws: the mean of each draw's mean (± std across draws); vs {against}: the mean"
         f" difference on the same images (the worst draw's){'' if ran else f'; {against} did not run'}"
     )
+    wm = max([26, *(len(r["method"]) + 1 for r in rows)])
     print(
-        f"{'set':<10}{'method':<26}{'draws':<10}"
+        f"{'set':<10}{'method':<{wm}}{'draws':<10}"
         + "".join(f"{h:>14}" for h in ("i2t R@1", "t2i R@1", "zero-shot"))
         + f"   vs {against}: i2t / t2i / zero-shot"
     )
@@ -130,7 +134,7 @@ def print_across(rows: list[dict], against: str) -> None:
         )
         if "vs_draws" in r and r["vs_draws"] != r["draws"]:
             vs += f"  (on draws {','.join(map(str, r['vs_draws']))}, where both ran)"
-        print(f"{r['set']:<10}{r['method']:<26}{','.join(map(str, r['draws'])):<10}{cells}   {vs}")
+        print(f"{r['set']:<10}{r['method']:<{wm}}{','.join(map(str, r['draws'])):<10}{cells}   {vs}")
 
 
 def line(r: dict) -> str:
