@@ -215,6 +215,7 @@ def test_several_draws_need_inner_and_distinct_seeds(capsys):
         (["--inner", "--inner-seed", "2", "2"], "a draw named twice"),
         (["--inner", "--inner-seed", "0", "2"], "1 or more"),
         (["--inner", "--inner-seed", "1", "2", "--methods", "ridge"], "--against clip: not among --methods"),
+        (["--fuse-ridge", "0.5", "1.5"], "--fuse-ridge: a weight lies in [0, 1]"),
     ):
         with pytest.raises(SystemExit):
             compare_contrastive.parse_args(argv)

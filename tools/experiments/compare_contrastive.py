@@ -34,7 +34,8 @@ choice. An inner val of about 100 images moves a figure by more than recipes dif
 runs every method on four draws and adds a table across them: each draw's mean over the seeds, averaged over the
 draws, and each method's difference to ``--against`` (default: clip) on the same images, draw by draw (its mean
 and its worst). Each run keeps its summary, metrics and config; ``--keep-runs`` keeps its checkpoints and models
-too.
+too. ``--fuse-ridge 0.5`` also scores each run's last model beside the ridge map on the same pooled features, a
+pair's cosine half the model's and half the map's (``fuse_ridge.py``): a row RECIPE+ridge0.5.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -185,16 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "drawn with another seed), where a recipe is chosen",
     )
     args = p.parse_args(argv)
-    if len(set(args.inner_seed)) < len(args.inner_seed):
-        p.error(f"--inner-seed: a draw named twice ({args.inner_seed})")
-    if min(args.inner_seed) < 1:  # 0 draws the outer split's own val fifth
-        p.error(f"--inner-seed: a draw's seed is 1 or more ({args.inner_seed})")
-    if len(args.inner_seed) > 1 and not args.inner:
-        p.error("--inner-seed with several seeds draws several inner splits: add --inner")
-    if len(args.inner_seed) > 1 and args.against not in args.methods:
-        p.error(f"--against {args.against}: not among --methods, so nothing to compare the draws with")
-    if any(not 0.0 <= w <= 1.0 for w in args.fuse_ridge):
-        p.error(f"--fuse-ridge: a weight lies in [0, 1] ({args.fuse_ridge})")
+    _check(p, args)
     if args.quick:
         return argparse.Namespace(
             **{
@@ -207,6 +199,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             }
         )
     return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags' combinations argparse cannot check: each a usage error (exit 2)."""
+    if len(set(args.inner_seed)) < len(args.inner_seed):
+        p.error(f"--inner-seed: a draw named twice ({args.inner_seed})")
+    if min(args.inner_seed) < 1:  # 0 draws the outer split's own val fifth
+        p.error(f"--inner-seed: a draw's seed is 1 or more ({args.inner_seed})")
+    if len(args.inner_seed) > 1 and not args.inner:
+        p.error("--inner-seed with several seeds draws several inner splits: add --inner")
+    if len(args.inner_seed) > 1 and args.against not in args.methods:
+        p.error(f"--against {args.against}: not among --methods, so nothing to compare the draws with")
+    if any(not 0.0 <= w <= 1.0 for w in args.fuse_ridge):
+        p.error(f"--fuse-ridge: a weight lies in [0, 1] ({args.fuse_ridge})")
 
 
 # ----------------------------------------------------------------------------------------------- the sets
