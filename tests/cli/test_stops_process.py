@@ -163,7 +163,11 @@ def test_torchrun_with_master_port_0_is_refused_at_once(start, prepared, tmp_pat
     proc = start(train_cmd(prepared, tmp_path / "run", launcher=launcher), log)
     _ends_within(proc, START_S, log)
     out = log.read_text()
-    assert out.count("MASTER_PORT=0 is no port a process can connect to") == 2, out[-3000:]
+    said = out.count("MASTER_PORT=0 is no port a process can connect to")
+    # each rank refuses; the launcher stops the other rank as soon as the first has refused, and that one may
+    # not have got as far: it then says it was stopped before training (CI saw it once in two runs)
+    stopped = out.count("interrupted before training started")
+    assert said >= 1 and said + stopped == 2, out[-3000:]
     assert proc.returncode != 0
 
 
