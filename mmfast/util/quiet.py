@@ -7,7 +7,10 @@ sets, harmless (the image decodes as usual), and printed again each epoch. libpn
 so the only place to filter is the descriptor itself: ``filter_native_stderr`` points fd 2 at a pipe read by
 a small child process that drops those lines, forwards everything else at once and, at the end, says in one
 line how many it hid. A child rather than a thread: when the run crashes, what it wrote last (an abort
-message, a fatal-error dump) is still in the pipe and the child still forwards it.
+message, a fatal-error dump) is still in the pipe and the child still forwards it. The process's helpers
+(multiprocessing's fork server and resource tracker) inherit fd 2 and hold the pipe until the process exits,
+so its end cannot tell the child the block is over: a byte on a control pipe does, and the child's exit does
+not keep the process waiting (a grandchild forwards what the helpers write later).
 
 Python's own ``sys.stderr`` keeps writing to the real stderr (progress bars still see a terminal).
 ``MMFAST_RAW_STDERR=1`` turns the filter off.
@@ -21,15 +24,18 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-# The child: drop harmless libpng colour-profile warnings, forward every other byte as soon as it is read.
+# The child: drop harmless libpng colour-profile warnings, forward every other byte as soon as it is read. When
+# the process is done (a byte, or the end, on the control pipe, argv[1]) it drains what is in the pipe, sums up,
+# and exits; a grandchild forwards what the process's helpers (multiprocessing's fork server and resource
+# tracker, which inherited fd 2) write until they end with it.
 _FILTER = r"""
-import os, re, sys
+import os, re, select, sys
 harmless = re.compile(rb"^libpng warning: .*(sRGB|iCCP|cHRM|gAMA|sBIT|profile)")
+control = int(sys.argv[1])
 hidden, tail = 0, b""
-while True:
-    chunk = os.read(0, 65536)
-    if not chunk:
-        break
+
+def forward(chunk):
+    global hidden, tail
     *lines, tail = (tail + chunk).split(b"\n")
     out = []
     for line in lines:
@@ -42,13 +48,38 @@ while True:
         tail = b""
     if out:
         os.write(1, b"".join(out))
-if tail and not harmless.match(tail):
-    os.write(1, tail)
-if hidden:
-    os.write(1, (
-        f"note: {hidden} libpng warnings about PNG colour-profile chunks (sRGB/iCCP) were hidden: harmless, "
-        "the images decode as usual (MMFAST_RAW_STDERR=1 shows them)\n"
-    ).encode())
+
+def end():
+    global hidden, tail
+    if tail and not harmless.match(tail):
+        os.write(1, tail)
+    if hidden:
+        os.write(1, (
+            f"note: {hidden} libpng warnings about PNG colour-profile chunks (sRGB/iCCP) were hidden: harmless, "
+            "the images decode as usual (MMFAST_RAW_STDERR=1 shows them)\n"
+        ).encode())
+    hidden, tail = 0, b""
+
+watching = [0, control]
+while True:
+    if control in select.select(watching, [], [])[0]:
+        os.set_blocking(0, False)
+        try:
+            while chunk := os.read(0, 65536):
+                forward(chunk)
+        except BlockingIOError:
+            chunk = True  # the pipe is drained, not ended: helpers still hold it
+        end()
+        if not chunk or os.fork():
+            os._exit(0)
+        os.set_blocking(0, True)
+        watching = [0]
+        continue
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    forward(chunk)
+end()
 """
 
 
@@ -79,6 +110,7 @@ class _Redirect:
 
     def __init__(self):
         self.saved: int | None = None
+        self.control: int | None = None  # the write end of the child's control pipe: a byte there ends it
         self.child: subprocess.Popen | None = None
         self.redirected = False
         self.python_stderr = None
@@ -87,17 +119,20 @@ class _Redirect:
         sys.stderr.flush()
         self.saved = os.dup(2)
         read_end, write_end = os.pipe()
+        control_end, self.control = os.pipe()
         try:
             self.child = subprocess.Popen(
-                [sys.executable, "-S", "-c", _FILTER],
+                [sys.executable, "-S", "-c", _FILTER, str(control_end)],
                 stdin=read_end,
                 stdout=self.saved,
                 stderr=subprocess.DEVNULL,
                 close_fds=True,
+                pass_fds=(control_end,),
                 start_new_session=True,  # a Ctrl-C to the terminal's process group must not stop the filter
             )
         finally:
             os.close(read_end)
+            os.close(control_end)
         try:
             os.dup2(write_end, 2)
             self.redirected = True
@@ -120,9 +155,14 @@ class _Redirect:
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.close()
             sys.stderr, self.python_stderr = self.python_stderr, None
+        if self.control is not None:
+            with contextlib.suppress(OSError):  # a child that is gone already
+                os.write(self.control, b"e")  # fd 2 is restored: what the process wrote is in the pipe
+            os.close(self.control)
+            self.control = None
         if self.child is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.child.wait(timeout=5)  # a subprocess that inherited the pipe may hold it longer
+                self.child.wait(timeout=5)  # it drains the pipe and sums up; its grandchild forwards the rest
             self.child = None
         if self.saved is not None:
             os.close(self.saved)

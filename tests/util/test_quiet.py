@@ -84,3 +84,37 @@ def test_libpng_colour_profile_warnings_are_counted_not_printed(tmp_path):
 def test_a_crash_keeps_its_last_native_words(tmp_path):
     res = _run(_png_with_misplaced_srgb(tmp_path / "bad.png"), "abort")
     assert res.returncode != 0 and "native last words" in res.stderr, res.stderr
+
+
+HELPER = """
+import os, subprocess, sys, time
+from mmfast.util.quiet import filter_native_stderr
+
+go = sys.argv[1]
+with filter_native_stderr():
+    os.write(2, b"libpng warning: iCCP: known incorrect sRGB profile\\n")
+    # a helper that inherits fd 2 (as multiprocessing's fork server does) and holds it past the block
+    helper = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\\n"
+        "os.write(2, b'libpng warning: sRGB: out of place\\\\nhelper late words\\\\n')\\n"
+    ), go])
+    t0 = time.monotonic()
+print(f"block ended in {time.monotonic() - t0:.2f} s", flush=True)
+open(go, "w").close()
+helper.wait()
+"""
+
+
+def test_the_block_ends_at_once_while_a_helper_holds_stderr_and_its_later_lines_still_come(tmp_path):
+    """A helper that inherited fd 2 keeps the pipe open: the block must not wait for it (it once waited 5 s
+    at every command's end), and what the helper writes afterwards is still filtered and forwarded."""
+    res = subprocess.run(
+        [sys.executable, "-c", HELPER, str(tmp_path / "go")], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    took = float(re.search(r"block ended in ([\d.]+) s", res.stdout)[1])
+    assert took < 3.0, res.stdout
+    assert "helper late words" in res.stderr and "libpng warning:" not in res.stderr, res.stderr
+    # the block's own count comes first, the helper's (a line it hid afterwards) after its words
+    assert res.stderr.startswith("note: 1 libpng warnings"), res.stderr
