@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.experiments import compare_contrastive
+from tools.experiments import compare_contrastive, compare_report
 
 PRESET = "clip-lite0-minilm"
 
@@ -54,7 +54,7 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
     runs = report["runs"]["icons"]
     for method in compare_contrastive.METHODS:
         assert len(runs[method]) == 1 and rows[method]["runs"] == 1
-        for k in compare_contrastive.FIGURES:
+        for k in compare_report.FIGURES:
             assert 0.0 <= runs[method][0][k] <= 100.0, (method, k, runs[method][0][k])
             assert rows[method][k] == pytest.approx(runs[method][0][k])
     for loss in ("clip", "siglip"):
@@ -75,7 +75,7 @@ def test_compare_contrastive_quick_table_json_and_chart(tmp_path, capsys):
     for loss in ("clip", "siglip"):
         alone, with_ridge = runs[f"{loss}+ridge0"][0], runs[f"{loss}+ridge1"][0]
         assert alone["images"] == with_ridge["images"] == images
-        for k in compare_contrastive.FIGURES:
+        for k in compare_report.FIGURES:
             assert alone[k] == pytest.approx(ridge[k]), (loss, k)
             assert abs(with_ridge[k] - runs[loss][0][k]) <= 2 * 100.0 / images + 1e-6, (loss, k)
     assert (out / "compare.png").stat().st_size > 1000
@@ -163,7 +163,7 @@ def test_several_inner_draws_are_averaged_and_compared_draw_by_draw(tmp_path, de
     rows = {(r["set"], r["method"]): r for r in report["rows"]}
     across = {r["method"]: r for r in report["across_draws"]}
     assert set(across) == {"ridge", "probe"} and all(r["set"] == name for r in across.values())
-    for k in compare_contrastive.ACROSS:
+    for k in compare_report.ACROSS:
         per_draw = {
             d: rows[(f"{name}-inner{d}", "probe")][k] - rows[(f"{name}-inner{d}", "ridge")][k] for d in (2, 3)
         }
@@ -194,7 +194,7 @@ def test_the_table_across_draws_pairs_each_draw_with_itself():
         _draw_row("a-inner-x", "new", 99.0, 99.0, 99.0),  # val, not a draw
         _draw_row("b-inner2", "new", 1.0, 2.0, 3.0),  # a set without the reference
     ]
-    across = {(r["set"], r["method"]): r for r in compare_contrastive.across_draws(rows, "clip")}
+    across = {(r["set"], r["method"]): r for r in compare_report.across_draws(rows, "clip")}
     assert set(across) == {("a-inner-x", "clip"), ("a-inner-x", "new"), ("b", "new")}
     clip, new = across[("a-inner-x", "clip")], across[("a-inner-x", "new")]
     assert clip["draws"] == [1, 2, 3] and clip["i2t_r1"] == pytest.approx(80 / 3)

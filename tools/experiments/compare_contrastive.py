@@ -56,7 +56,6 @@ from pathlib import Path
 
 try:  # imported as tools.experiments.compare_contrastive (the tests), or run as a script from this folder
     from tools.experiments.compare_report import (
-        ACROSS,
         FIGURES,
         Report,
         across_draws,
@@ -66,14 +65,12 @@ try:  # imported as tools.experiments.compare_contrastive (the tests), or run as
         print_table,
         table,
     )
-    from tools.experiments.contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge, ridge_embeddings
-    from tools.experiments.fuse_ridge import fused_figures, model_embeddings
+    from tools.experiments.contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge
+    from tools.experiments.fuse_ridge import RidgeMaps, fused_figures, model_embeddings
 except ImportError:
-    from compare_report import ACROSS, FIGURES, Report, across_draws, line, plot, print_across, print_table, table
-    from contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge, ridge_embeddings
-    from fuse_ridge import fused_figures, model_embeddings
-
-__all__ = ["ACROSS", "FIGURES", "across_draws", "main", "table"]
+    from compare_report import FIGURES, Report, across_draws, line, plot, print_across, print_table, table
+    from contrastive_baselines import MAX_LENGTH, frozen_features, probe, ridge
+    from fuse_ridge import RidgeMaps, fused_figures, model_embeddings
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = {  # set name -> its builder script, run as ``python SCRIPT OUT_DIR``
@@ -385,9 +382,9 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def baselines(args: argparse.Namespace, name: str, cache: Path, save, draw: int = 1) -> tuple[str, Path]:
-    """Prepare one set (with --inner: the inner split ``draw`` draws) and run the frozen-tower baselines on it;
-    returns (the set's label, its prepared dir)."""
+def baselines(args: argparse.Namespace, name: str, cache: Path, save, maps: RidgeMaps, draw: int = 1) -> tuple:
+    """Prepare one set (with --inner: the inner split ``draw`` draws) and run the frozen-tower baselines on it
+    (--fuse-ridge: fit its ridge maps into ``maps``); returns (the set's label, its prepared dir)."""
     data_dir = prepared_set(name, cache, args.preset, args.limit, args.inner, draw)
     label = set_label(name) + (f"-inner{draw}" if args.inner else "")  # runs of two draws never mix
     prep = json.loads((data_dir / "prepare.json").read_text())
@@ -400,7 +397,7 @@ def baselines(args: argparse.Namespace, name: str, cache: Path, save, draw: int 
         feats = frozen_features(data_dir, args.preset, args.threads, pool)
         facts[f"features{suffix}_s"] = feats["seconds"]
         if args.fuse_ridge:
-            save.frozen[(label, pool)] = feats
+            maps.add((label, pool), feats)
         if names["ridge"] in args.methods:
             got[names["ridge"]] = [ridge(feats)]
             save(f"{label}: {names['ridge']} {line(got[names['ridge']][0])}")
@@ -411,7 +408,7 @@ def baselines(args: argparse.Namespace, name: str, cache: Path, save, draw: int 
     return label, data_dir
 
 
-def dual_encoders(args: argparse.Namespace, sets: dict[str, Path], out: Path, save) -> None:
+def dual_encoders(args: argparse.Namespace, sets: dict[str, Path], out: Path, save, maps: RidgeMaps) -> None:
     """The dual encoder's recipes on every set, seed by seed (the first seed of everything comes first)."""
     for seed in args.seeds:
         for label, data_dir in sets.items():
@@ -421,22 +418,21 @@ def dual_encoders(args: argparse.Namespace, sets: dict[str, Path], out: Path, sa
                 save.results[label].setdefault(recipe, []).append(run)
                 save(f"{label}: {recipe} seed {seed} {line(run)}")
                 if args.fuse_ridge:
-                    fuse(args, (label, data_dir), recipe, run, save)
+                    fuse(args, (label, data_dir), recipe, run, (save, maps))
                 if not args.keep_runs:  # the runs would fill a disk: the figures are in summary and metrics
                     for bulky in ("checkpoints", "model", "model-last"):
                         shutil.rmtree(run_dir / bulky, ignore_errors=True)
 
 
-def fuse(args: argparse.Namespace, data: tuple[str, Path], recipe: str, run: dict, save) -> None:
+def fuse(args: argparse.Namespace, data: tuple[str, Path], recipe: str, run: dict, to: tuple) -> None:
     """--fuse-ridge: the run's last model beside the ridge map on the frozen features its image tower pools as
-    (``fuse_ridge.py``), a row per weight."""
-    label, data_dir = data
+    (``fuse_ridge.py``), a row per weight; ``to``: (the report, the ridge maps)."""
+    (label, data_dir), (save, maps) = data, to
     pool = RECIPES[recipe][1].get("image_pool")
-    if (label, pool) not in save.frozen:  # the baselines' features, or the first recipe's on that pool
-        save.frozen[(label, pool)] = frozen_features(data_dir, args.preset, args.threads, pool)
-    feats = save.frozen[(label, pool)]
-    model = model_embeddings(Path(run["run"]) / "model-last", data_dir, args.threads, MAX_LENGTH)
-    for w, figures in fused_figures(model, ridge_embeddings(feats), feats["val"], args.fuse_ridge).items():
+    if (label, pool) not in maps:  # a pool no baseline ran on: fitted for the first recipe that needs it
+        maps.add((label, pool), frozen_features(data_dir, args.preset, args.threads, pool))
+    model = model_embeddings(Path(run["run"]) / "model-last", data_dir, args.threads)
+    for w, figures in fused_figures(model, maps[(label, pool)], args.fuse_ridge).items():
         name = f"{recipe}+ridge{w:g}"
         row = {**figures, "seed": run["seed"], "train_s": run["train_s"]}
         save.results[label].setdefault(name, []).append(row)
@@ -466,10 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.inner:
         report["inner_seed"] = None
     save = Report(out / "compare.json", report)
-    draws = args.inner_seed if args.inner else [None]
+    draws, maps = (args.inner_seed if args.inner else [None]), RidgeMaps()
     try:
-        sets = dict(baselines(args, name, cache, save, draw) for draw in draws for name in args.sets)
-        dual_encoders(args, sets, out, save)
+        sets = dict(baselines(args, name, cache, save, maps, draw) for draw in draws for name in args.sets)
+        dual_encoders(args, sets, out, save, maps)
     except (ValueError, OSError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

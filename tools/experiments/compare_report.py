@@ -151,7 +151,6 @@ class Report:
         self.path, self.settings = path, settings
         self.results: dict[str, dict[str, list[dict]]] = {}
         self.facts: dict[str, dict] = {}
-        self.frozen: dict[tuple, dict] = {}  # --fuse-ridge: (set label, pool) -> the frozen towers' features
 
     def __call__(self, message: str) -> None:
         from mmfast.util.fsutil import atomic_write_json

@@ -44,7 +44,6 @@ def frozen_features(data_dir: Path, preset: str, threads: int | None, pool: str 
     from mmfast.models import get_preset
     from mmfast.models.encoders import ImageEncoder, TextEncoder
     from mmfast.tasks.contrastive import sample_groups
-    from mmfast.tasks.retrieval import DEFAULT_TEMPLATES, class_prompts
 
     t0 = time.perf_counter()
     spec = get_preset(preset)
@@ -52,29 +51,35 @@ def frozen_features(data_dir: Path, preset: str, threads: int | None, pool: str 
     image = ImageEncoder(spec.image_backbone, freeze=True, pool=pool or spec.image_pool).eval()
     text = TextEncoder(spec.text_model, freeze=True).eval()
     groups = sample_groups(dataset)[0]
-    out = {
-        split: _split_features(dataset, split, image, text, spec.image_size, threads) for split in ("train", "val")
-    }
+
+    def encode_text(ids, mask):
+        return torch.nn.functional.normalize(text(ids, mask), dim=-1)
+
+    encoders = (lambda pixels: image(pixels)[0], encode_text, (image.mean, image.std))
+    out = {split: embed_split(dataset, split, encoders, spec.image_size, threads) for split in ("train", "val")}
     for split in out.values():
         split["group"] = groups[split.pop("id")]
-    names = sorted(dataset.labels, key=dataset.labels.get)
-    flat = [p for per in class_prompts(names, DEFAULT_TEMPLATES) for p in per]
-    enc = load_tokenizer(dataset.tokenizer_dir)(
-        flat, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
-    )
-    with torch.no_grad():
-        prompts = torch.nn.functional.normalize(text(enc["input_ids"], enc["attention_mask"]), dim=-1)
-    out["prompts"] = prompts.reshape(len(names), len(DEFAULT_TEMPLATES), -1)
+    out["prompts"] = embed_prompts(dataset, load_tokenizer(dataset.tokenizer_dir), encode_text)
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
-def _split_features(dataset, split: str, image, text, size: int, threads: int | None) -> dict:
+def embed_split(dataset, split: str, encoders: tuple, size: int, threads: int | None) -> dict:
+    """Every sample of ``split`` as the training run's evaluation sees it (the eval loader: resize + centre crop
+    at ``size``), its image and caption through ``encoders``.
+
+    Args:
+        encoders: (encode_image(pixels), encode_text(input_ids, attention_mask), (mean, std) of the image
+            encoder's input, on the 0-1 scale).
+
+    Returns:
+        {"x": images' rows, "t": captions' rows, "label", "id"}, in sample-id order.
+    """
     import torch
 
     from mmfast.loading.multimodal import MultimodalLoader
 
-    norm = {"mean": tuple(255 * m for m in image.mean), "std": tuple(255 * s for s in image.std)}
+    encode_image, encode_text, (mean, std) = encoders
     loader = MultimodalLoader(
         dataset,
         split,
@@ -85,20 +90,35 @@ def _split_features(dataset, split: str, image, text, size: int, threads: int | 
         size=size,
         fp16=False,
         num_workers=threads,
-        **norm,
+        mean=tuple(255 * m for m in mean),
+        std=tuple(255 * s for s in std),
     )
     parts: dict[str, list] = {"x": [], "t": [], "label": [], "id": []}
     with torch.no_grad():
         for batch in loader:
             keep = batch["id"] >= 0  # padding of the last batch
-            parts["x"].append(image(batch["image"].float())[0][keep])
-            pooled = text(batch["input_ids"], batch["attention_mask"])[keep]
-            parts["t"].append(torch.nn.functional.normalize(pooled, dim=-1))
+            parts["x"].append(encode_image(batch["image"].float())[keep])
+            parts["t"].append(encode_text(batch["input_ids"], batch["attention_mask"])[keep])
             parts["label"].append(batch["label"][keep])
             parts["id"].append(batch["id"][keep])
     got = {k: torch.cat(v) for k, v in parts.items()}
     order = got["id"].argsort()
     return {k: v[order] for k, v in got.items()}
+
+
+def embed_prompts(dataset, tokenizer, encode_text):
+    """The class prompts (each class name in the task's default templates) through ``encode_text``: (C, T, D),
+    classes in label order."""
+    import torch
+
+    from mmfast.tasks.retrieval import DEFAULT_TEMPLATES, class_prompts
+
+    names = sorted(dataset.labels, key=dataset.labels.get)
+    flat = [p for per in class_prompts(names, DEFAULT_TEMPLATES) for p in per]
+    enc = tokenizer(flat, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    with torch.no_grad():
+        prompts = encode_text(enc["input_ids"], enc["attention_mask"])
+    return prompts.reshape(len(names), len(DEFAULT_TEMPLATES), -1)
 
 
 def score(img, txt, split: dict, class_emb) -> dict:

@@ -10,72 +10,68 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def model_embeddings(model_dir: Path, data_dir: Path, threads: int | None, max_length: int) -> tuple:
+def _baselines():
+    try:
+        import tools.experiments.contrastive_baselines as baselines
+    except ImportError:  # run as a script from tools/experiments
+        import contrastive_baselines as baselines
+    return baselines
+
+
+def model_embeddings(model_dir: Path, data_dir: Path, threads: int | None) -> tuple:
     """A model directory's embeddings of the val split of ``data_dir`` as the run's evaluation sees it (resize +
     centre crop), rows in sample-id order, and of the class prompts (the task's templates, ensembled).
 
     Returns:
         (images (N, D), texts (N, D), classes (C, D)), normalized.
     """
-    import torch
-
     from mmfast.data.dataset import PreparedDataset
     from mmfast.infer.model_dir import load_model
-    from mmfast.loading.multimodal import MultimodalLoader
-    from mmfast.tasks.retrieval import DEFAULT_TEMPLATES, class_embeddings, class_prompts
+    from mmfast.tasks.retrieval import class_embeddings
 
-    loaded = load_model(model_dir)
+    baselines, loaded = _baselines(), load_model(model_dir)
     net, dataset = loaded.model.eval(), PreparedDataset(data_dir)
-    norm = {"mean": tuple(255 * m for m in net.image.mean), "std": tuple(255 * s for s in net.image.std)}
-    loader = MultimodalLoader(
-        dataset,
-        "val",
-        64,
-        shuffle=False,
-        drop_last=False,
-        train=False,
-        size=loaded.config["image_size"],
-        fp16=False,
-        num_workers=threads,
-        **norm,
-    )
-    parts: dict[str, list] = {"img": [], "txt": [], "id": []}
-    names = sorted(dataset.labels, key=dataset.labels.get)
-    flat = [p for per in class_prompts(names, DEFAULT_TEMPLATES) for p in per]
-    enc = loaded.tokenizer(flat, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    with torch.no_grad():
-        for batch in loader:
-            keep = batch["id"] >= 0  # padding of the last batch
-            parts["img"].append(net.encode_image(batch["image"].float())[keep])
-            parts["txt"].append(net.encode_text(batch["input_ids"], batch["attention_mask"])[keep])
-            parts["id"].append(batch["id"][keep])
-        prompts = net.encode_text(enc["input_ids"], enc["attention_mask"])
-    got = {k: torch.cat(v) for k, v in parts.items()}
-    order = got["id"].argsort()
-    classes = class_embeddings(prompts.reshape(len(names), len(DEFAULT_TEMPLATES), -1))
-    return got["img"][order], got["txt"][order], classes
+    encoders = (net.encode_image, net.encode_text, (net.image.mean, net.image.std))
+    got = baselines.embed_split(dataset, "val", encoders, loaded.config["image_size"], threads)
+    classes = class_embeddings(baselines.embed_prompts(dataset, loaded.tokenizer, net.encode_text))
+    return got["x"], got["t"], classes
 
 
-def fused_figures(model: tuple, ridge: tuple, split: dict, weights: list[float]) -> dict[float, dict]:
+class RidgeMaps:
+    """The ridge map of each (set label, pool), fitted once: its val embeddings and the val split they score on,
+    for every run on that set to be fused with."""
+
+    def __init__(self):
+        self._maps: dict[tuple, tuple] = {}
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._maps
+
+    def add(self, key: tuple, feats: dict) -> None:
+        """Fit the map on ``frozen_features``' output ``feats``; keep only what fusing needs."""
+        self._maps[key] = (_baselines().ridge_embeddings(feats), feats["val"])
+
+    def __getitem__(self, key: tuple) -> tuple:
+        """(``ridge_embeddings``' tuple, the val split)."""
+        return self._maps[key]
+
+
+def fused_figures(model: tuple, ridge: tuple, weights: list[float]) -> dict[float, dict]:
     """``score``'s figures of the embeddings side by side, for each weight w of the model's cosine.
 
     Args:
         model: (images, texts, classes) of ``model_embeddings``.
-        ridge: the same of ``ridge_embeddings`` (its first three), on the same rows.
-        split: the frozen features' val split (its groups and labels).
+        ridge: ``RidgeMaps``' entry for the same set and pool: (``ridge_embeddings``' tuple, the val split).
     """
     import torch
 
-    try:
-        from tools.experiments.contrastive_baselines import score
-    except ImportError:  # run as a script from tools/experiments
-        from contrastive_baselines import score
-
-    if len(model[0]) != len(ridge[0]) or len(model[1]) != len(ridge[1]):
-        raise ValueError(f"the model embedded {len(model[0])} val rows, the ridge map {len(ridge[0])}")
+    score = _baselines().score
+    (r_img, r_txt, r_cls, _), split = ridge
+    if len(model[0]) != len(r_img) or len(model[1]) != len(r_txt):
+        raise ValueError(f"the model embedded {len(model[0])} val rows, the ridge map {len(r_img)}")
     got = {}
     for w in weights:
         a, b = w**0.5, (1 - w) ** 0.5
-        img, txt, cls = (torch.cat([a * m, b * r], 1) for m, r in zip(model, ridge[:3], strict=True))
+        img, txt, cls = (torch.cat([a * m, b * r], 1) for m, r in zip(model, (r_img, r_txt, r_cls), strict=True))
         got[w] = score(img, txt, split, cls)
     return got
