@@ -115,6 +115,7 @@ def test_a_moved_module_imports_by_its_old_name_as_the_new_module_and_warns_once
 def test_the_old_names_are_gone_by_the_release_their_warning_names():
     """The moved names' warning promises their removal in ``REMOVED_IN``: a version that reaches it must come
     without them (delete mmfast/util/moved.py and its install in mmfast/__init__.py)."""
+
     def release(v: str) -> tuple[int, ...]:
         return tuple(int(part) for part in v.split(".")[:3])
 
