@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.util.fsutil import atomic_dir, file_lock
+from mmfast.util.fsutil import atomic_dir, cache_home, file_lock
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
 ATTRIBUTES = ("morning", "evening")
@@ -86,7 +86,7 @@ def make_caption(attribute: str, seed: int) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast"))
+    return cache_home()
 
 
 def demo_dataset(n: int = 2000, seed: int = 0, root: str | os.PathLike | None = None, size: int = 64) -> Path:

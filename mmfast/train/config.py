@@ -230,7 +230,10 @@ class TrainConfig:
         4, "data", "--feature-cache: augmented views stored per train image; epoch e trains on view e mod K"
     )
     feature_cache_dir: str | None = _opt(
-        None, "data", "--feature-cache: the cache's folder; none: one per dataset in ~/.cache/mmfast/features"
+        None,
+        "data",
+        "--feature-cache: the cache's folder; none: one per dataset in $MMFAST_CACHE/features "
+        "(~/.cache/mmfast/features)",
     )
     augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")
@@ -261,7 +264,9 @@ class TrainConfig:
         "images from their files (files), the prepared dir's WebDataset shards by DALI's reader (wds), or those "
         "shards in the loader's order (stream: exact resume; remote shards always stream)",
     )
-    shard_cache: str | None = _opt(None, "data", "where remote shards are held; none: ~/.cache/mmfast/shards")
+    shard_cache: str | None = _opt(
+        None, "data", "where remote shards are held; none: $MMFAST_CACHE/shards (~/.cache/mmfast/shards)"
+    )
     cache_limit: str = _opt(
         "20GiB", "data", "what --shard-cache holds of remote shards (LRU), plus one shard: bytes, or 500MB, 20GiB"
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -26,6 +25,7 @@ from mmfast.train.hardware import resolve_text_padding
 from mmfast.train.setup import processes_per_machine, usable_cores
 from mmfast.train.slices import LoaderConfig
 from mmfast.util.args import parse_size
+from mmfast.util.fsutil import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def shard_cache(cfg: LoaderConfig, dataset: PreparedDataset) -> ShardCache | Non
     dataset's shards (if any) are all local. One per process; the processes of a machine share its folder."""
     if not dataset.remote_shards():
         return None
-    root = cfg.shard_cache or os.path.join(os.path.expanduser("~"), ".cache", "mmfast", "shards")
+    root = cfg.shard_cache or str(cache_home() / "shards")
     fetch = functools.partial(fetch_to, retry_s=cfg.store_timeout)  # --store-timeout bounds the retries
     return ShardCache(root, parse_size(cfg.cache_limit, "--cache-limit"), fetch=fetch)
 

@@ -43,9 +43,8 @@ from mmfast.train.feature_build import Unreadable, build_shared
 from mmfast.train.rundir import RAW_DATA_DIR
 from mmfast.train.slices import FeatureConfig
 from mmfast.util.commands import PREPARE
+from mmfast.util.fsutil import cache_home
 from mmfast.util.voice import setting
-
-CACHE_HOME = Path("~/.cache/mmfast/features")  # --feature-cache-dir's default: one folder per dataset under it
 
 
 def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader) -> tuple[bool, str]:
@@ -154,9 +153,9 @@ def text_partly_locked(model) -> bool:
 
 
 def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset, split: str = "train") -> Path:
-    """A split's cache folder: in --feature-cache-dir, else in one per dataset under ``CACHE_HOME``, named after
-    the prepared directory, or after the raw input for one prepared on the fly into the run's folder (a raw
-    --data): every run on that input then shares one cache.
+    """A split's cache folder: in --feature-cache-dir, else in one per dataset under ``cache_home()/features``,
+    named after the prepared directory, or after the raw input for one prepared on the fly into the run's folder
+    (a raw --data): every run on that input then shares one cache.
 
     Raises:
         ValueError: --feature-cache-dir names a file.
@@ -177,7 +176,7 @@ def cache_dir(cfg: FeatureConfig, dataset: PreparedDataset, split: str = "train"
         source = Path(where)
         name = re.sub(r"[^\w.-]", "_", source.parent.name if source.stem == "manifest" else source.stem) or name
     key = hashlib.sha256(os.fsencode(where)).hexdigest()[:16]
-    return CACHE_HOME.expanduser() / f"{name}-{key}" / split
+    return cache_home() / "features" / f"{name}-{key}" / split
 
 
 def build_image_features(

@@ -374,6 +374,12 @@ def lock_file_for(path: str | os.PathLike) -> Path:
     return lock_dir() / f"{os.path.basename(path).lstrip('.')[:40]}-{digest}.lock"
 
 
+def cache_home() -> Path:
+    """The folder of mmfast's caches (the demo set, feature caches, streamed shards): ``$MMFAST_CACHE`` when
+    set, else ``~/.cache/mmfast``."""
+    return Path(os.environ.get("MMFAST_CACHE") or Path.home() / ".cache" / "mmfast").expanduser()
+
+
 def lock_dir() -> Path:
     """This user's folder of mmfast's lock files: ``$MMFAST_LOCK_DIR`` when set (several users or machines
     sharing one dataset folder can point it at a shared directory), else ``$XDG_RUNTIME_DIR/mmfast-locks``

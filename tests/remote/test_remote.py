@@ -844,6 +844,23 @@ def test_the_train_flag_bounds_the_retries_of_the_runs_shard_cache(late_store, h
         assert cache.stats()["retries"] >= 1
 
 
+def test_the_runs_shard_cache_defaults_to_mmfast_cache(tmp_path, monkeypatch):
+    """Without --shard-cache, remote shards go under $MMFAST_CACHE/shards (else ~/.cache/mmfast/shards)."""
+    from types import SimpleNamespace
+
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.data import shard_cache
+
+    dataset = SimpleNamespace(remote_shards=lambda: ["http://127.0.0.1:9/shard-00000.tar"])
+    monkeypatch.setenv("MMFAST_CACHE", str(tmp_path / "cache"))
+    with shard_cache(TrainConfig(), dataset) as cache:
+        assert cache.root == tmp_path / "cache" / "shards"
+    monkeypatch.delenv("MMFAST_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with shard_cache(TrainConfig(), dataset) as cache:
+        assert cache.root == tmp_path / "home" / ".cache" / "mmfast" / "shards"
+
+
 # --- a cache that cannot be written ------------------------------------------------------------------------------
 
 _CACHE_ON = r"""

@@ -404,11 +404,12 @@ def test_runs_on_one_raw_input_share_its_default_cache_and_no_augment_stores_one
     demo_manifest, tmp_path, monkeypatch
 ):
     """Two runs on the same raw --data, each preparing it into its own folder, use one cache in the default
-    place: the second reads what the first built. Without augmentation every view would be the centre view,
-    so one is stored whatever --feature-views says."""
+    place (under $MMFAST_CACHE when set): the second reads what the first built. Without augmentation every
+    view would be the centre view, so one is stored whatever --feature-views says."""
     from mmfast.train import parse_config, train
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MMFAST_CACHE", raising=False)
     flags = ["--data", str(demo_manifest), *FLAGS, "--feature-cache", "on", "--epochs", "1", "--no-checkpoints"]
     flags += ["--no-augment", "--feature-views", "3"]
     first = train(parse_config([*flags, "--out", str(tmp_path / "first")]))
@@ -417,6 +418,11 @@ def test_runs_on_one_raw_input_share_its_default_cache_and_no_augment_stores_one
     assert first["feature_cache"]["dir"] == second["feature_cache"]["dir"]
     assert Path(first["feature_cache"]["dir"]).is_relative_to(tmp_path / "home" / ".cache" / "mmfast" / "features")
     assert first["feature_cache"]["views"] == 1 and FeatureCache(first["feature_cache"]["dir"]).views == 1
+    # $MMFAST_CACHE moves the default place: a run there builds its own
+    monkeypatch.setenv("MMFAST_CACHE", str(tmp_path / "elsewhere"))
+    third = train(parse_config([*flags, "--out", str(tmp_path / "third")]))
+    assert third["feature_cache"]["built"] == "no cache yet"
+    assert Path(third["feature_cache"]["dir"]).is_relative_to(tmp_path / "elsewhere" / "features")
 
 
 def test_a_runs_fingerprint_parts_follow_its_data_weights_preprocessing_and_views():
