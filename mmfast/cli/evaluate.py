@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -42,7 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "Parquet/Arrow, WebDataset shards",
     )
     p.add_argument("--split", default="val", choices=["train", "val"])
-    p.add_argument("--out", help="output folder (default: <model>/../eval-<split>)")
+    p.add_argument(
+        "--out", help="output folder (default: <model>/../eval-<split>; with --input, eval-<the input's name>)"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
@@ -55,6 +58,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_max_pixels_flag(p)
     add_input_flags(p, "--input")
     return p.parse_args(argv)
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """--out, else a folder beside the model directory named for what was scored: the prepared split
+    (``eval-val``) or the input (``eval-captions`` for captions.jsonl; a manifest.jsonl or a brace pattern of
+    shards by its folder)."""
+    if args.out:
+        return Path(args.out)
+    name = args.split
+    if args.input:
+        where = Path(args.input.rstrip("/"))
+        stem = where.name.split(".")[0]
+        if (stem == "manifest" or "{" in where.name) and where.parent.name:
+            stem = where.parent.name
+        name = re.sub(r"[^\w-]+", "_", stem).strip("_") or "input"
+    return Path(args.model).resolve().parent / f"eval-{name}"
 
 
 def print_table(figures: dict) -> None:
@@ -99,7 +118,7 @@ def evaluate_retrieval(args: argparse.Namespace, model, rows: list[dict], device
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = figures.pop("rows")
-    out = Path(args.out) if args.out else Path(args.model).resolve().parent / f"eval-{args.split}"
+    out = output_dir(args)
     try:
         out = claim_output_dir(out, "evaluation")  # a folder of the user's is refused, never written into
         atomic_write_json(out / "metrics.json", figures)
@@ -165,7 +184,7 @@ def _main(argv: list[str] | None) -> int:
     if none_usable(results, source):
         return 2
     figures = score(results, model.class_names)
-    out = Path(args.out) if args.out else Path(args.model).resolve().parent / f"eval-{args.split}"
+    out = output_dir(args)
     try:
         out = claim_output_dir(out, "evaluation")  # a folder of the user's is refused, never written into
         write_predictions(out / "predictions.jsonl", results)

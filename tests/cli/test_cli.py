@@ -7,6 +7,7 @@ import importlib.util
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -260,3 +261,23 @@ def test_prepare_help_imports_neither_torch_nor_dali():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    "source,folder",
+    [
+        (["--data", "prepared"], "eval-val"),
+        (["--data", "prepared", "--split", "train"], "eval-train"),
+        (["--input", "captions.jsonl"], "eval-captions"),
+        (["--input", "icons/manifest.jsonl"], "eval-icons"),
+        (["--input", "shards/{00000..00003}.tar"], "eval-shards"),
+        (["--input", "s3://bucket/coco/captions_val2017.json"], "eval-captions_val2017"),
+    ],
+)
+def test_evaluate_names_its_default_folder_after_what_it_scored(tmp_path, source, folder):
+    """Without --out, an evaluation of an --input is not written where the val split's would be."""
+    from mmfast.cli.evaluate import output_dir, parse_args
+
+    model = tmp_path / "run" / "model"
+    assert output_dir(parse_args(["--model", str(model), *source])) == tmp_path / "run" / folder
+    assert output_dir(parse_args(["--model", str(model), *source, "--out", "here"])) == Path("here")
