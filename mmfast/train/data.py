@@ -244,6 +244,11 @@ def cache_plans(
     return plans
 
 
+def _mib(nbytes: int) -> str:
+    """A cache's size for the summary: tenths below 10 MiB (a small cache is not "0 MiB")."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 10 * 2**20 else f"{nbytes / 2**20:.0f} MiB"
+
+
 def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str, str]) -> str:
     """The summary's line on how each split's images were served: held in memory (how much) or streamed
     (why)."""
@@ -252,11 +257,11 @@ def images_note(loaders: dict[str, MultimodalLoader | None], streamed: dict[str,
         if loader is None:
             continue
         if (features := getattr(loader, "features", None)) is not None:  # --feature-cache
-            views = f"{features.views} views" if features.views else "the centre view"  # val: that only
-            size = f"{views}, {features.nbytes / 2**20:.0f} MiB"
+            views = f"{features.views} view{'s' * (features.views > 1)}" if features.views else "the centre view"
+            size = f"{views}, {_mib(features.nbytes)}"  # val: the centre view only
             if (text := getattr(loader, "text", None)) is not None:
                 what = "captions too" if loader.text_length is None else "captions' locked text layers"
-                size += f"; {what}, {text.nbytes / 2**20:.0f} MiB"
+                size += f"; {what}, {_mib(text.nbytes)}"
             parts.append(f"{split} read as cached features ({size})")
         elif loader.holds_decoded:
             parts.append(f"{split} decoded once, {loader.cached_bytes / 2**20:.0f} MiB in memory")
