@@ -279,7 +279,8 @@ def _start_state(
     scheduler loaded, the train loader put back where it stood)."""
     if resume_from is None:
         return {**initial_state(task), "run": identity}
-    state = {**load_checkpoint(accelerator, resume_from), "run": identity}
+    loaded = load_checkpoint(accelerator, resume_from)
+    state = {**loaded, "run": identity}
     check_finite_weights(model, f"the weights loaded from {resume_from}")
     saved = state["loader"]
     layout = train_loader.batch_size, train_loader.num_shards, train_loader.shard_id
@@ -294,7 +295,23 @@ def _start_state(
             f"nothing left to train: the checkpoint is at step {state['global_step']} of {steps} "
             "(--epochs / --max-steps); raise them to train on"
         )
+    elif note := _schedule_change(loaded.get("run", {}), identity, steps):
+        accelerator.print(note)
     return state
+
+
+def _schedule_change(saved: dict, now: dict, steps: int) -> str | None:
+    """A line when the resumed run's --epochs / --max-steps differ from the checkpoint's run: the schedule is
+    the new run's, so the learning rate may rise again (training.md, "Resume")."""
+    keys = [k for k in ("epochs", "max_steps") if k in saved and saved[k] != now.get(k)]
+    if not keys:
+        return None
+    was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in keys)
+    new = ", ".join(f"--{k.replace('_', '-')} {now.get(k)}" for k in keys)
+    return (
+        f"the learning-rate schedule now spans {steps} steps ({new}; the checkpoint's run had {was}): "
+        "the rate from here follows it, and may rise again"
+    )
 
 
 def _warm_start(

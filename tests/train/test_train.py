@@ -459,3 +459,18 @@ def test_a_pretrained_encoder_named_by_flag_brings_its_own_learning_rate():
     assert resolved() == (2e-3, 2e-3, None)  # nothing pretrained: one rate
     assert resolved("--text-model", "minilm", "--encoder-lr", "1e-4") == (2e-3, 1e-4, None)  # the user's word
     assert resolved("--preset", "minilm", "--text-model", "bert-base-uncased")[1:] == (5e-5, None)  # the recipe's
+
+
+def test_a_resume_with_more_epochs_says_the_schedule_now_spans_them(prepared, tmp_path, capsys):
+    """The schedule is the resumed run's: more --epochs stretch it, and the learning rate may rise again. The
+    run says so once, naming both settings; a resume with the same ones says nothing of it."""
+    from mmfast.train.run import _schedule_change
+
+    flags = ["--data", str(prepared), "--out", str(tmp_path / "run"), *FAST[2:], "--max-steps", "2"]
+    assert train_tool.main([*flags, "--epochs", "1"]) == 0
+    capsys.readouterr()
+    assert train_tool.main([*flags[:-2], "--epochs", "2", "--max-steps", "3", "--resume", "latest"]) == 0
+    said = capsys.readouterr().out
+    assert "the learning-rate schedule now spans 3 steps (--epochs 2, --max-steps 3; " in said, said
+    assert "the checkpoint's run had --epochs 1, --max-steps 2)" in said, said
+    assert _schedule_change({"epochs": 2, "max_steps": None}, {"epochs": 2, "max_steps": None}, 10) is None
