@@ -56,11 +56,19 @@ def example_inputs(
 @contextlib.contextmanager
 def traceable_attention():
     """``nn.MultiheadAttention`` (open_clip's towers) without its fused inference kernel, which neither ONNX nor
-    ``torch.export`` can express; the unfused path computes the same attention."""
+    ``torch.export`` can express; the unfused path computes the same attention.
+
+    The tracer's warnings are not printed: transformers' masking code branches on tensor sizes ("might cause
+    the trace to be incorrect"), and opset 17 spells advanced indexing in several operators. What they warn of
+    is what ``onnx_parity`` and ``towers_parity`` test, at another batch size and caption length than the
+    trace's."""
     enabled = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
+            yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
 
