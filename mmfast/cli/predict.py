@@ -11,6 +11,7 @@ mmfast/infer/predict_inputs.py): a manifest, image folder, HF imagefolder metada
 WebDataset shards. Labels are optional. Writes JSONL (or CSV for a .csv --out): per input row the class, its
 probability and the top-k, or the reason the row could not be predicted (naming its file and line; the other
 rows are predicted anyway). Exit status 2 when the input cannot be read or no row of it can be predicted.
+A dual encoder (--model clip) trained with labels predicts zero-shot among its classes, from the image alone.
 --embed image|text (a dual encoder, --model clip) writes the rows' normalized embeddings instead: OUT.npy
 (N, D) float32, OUT.ids.npy (N,) int64 (the prepared sample id with --data, else the row's position in the
 input) and, when pyarrow is installed, OUT.parquet (id, image, text, embedding). An --out that is a folder (or
@@ -272,24 +273,23 @@ def _main(argv: list[str] | None) -> int:
             return 2
         if args.embed:
             return embed(args, model, rows, device, source)
-        if model.embeds:
+        if model.embeds and (args.compare_pil or not model.class_names):
+            why = "--compare-pil times a classifier" if model.class_names else "it was trained without labels"
             print(
-                f"error: {args.model} is a dual encoder (no classes to predict): pass --embed image|text",
+                f"error: {args.model} is a dual encoder and {why}: pass --embed image|text for embeddings",
                 file=sys.stderr,
             )
             return 2
         if args.compare_pil:
             compare_pil(model, rows, args, device)
             return 0
-        results = predict_rows(
-            model,
-            rows,
-            batch_size=args.batch_size,
-            top_k=args.top_k,
-            device=device,
-            num_workers=args.num_workers,
-            max_pixels=args.max_pixels,
-        )
+        loader = {"batch_size": args.batch_size, "device": device, "num_workers": args.num_workers}
+        if model.embeds:  # zero-shot among the classes it was trained with
+            from mmfast.infer.embed import zero_shot_rows
+
+            results = zero_shot_rows(model, rows, top_k=args.top_k, max_pixels=args.max_pixels, **loader)
+        else:
+            results = predict_rows(model, rows, top_k=args.top_k, max_pixels=args.max_pixels, **loader)
     if none_usable(results, source, table=args.image is None):
         return 2
     if args.out:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +22,7 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.encode_inputs import check_on_error
 from mmfast.infer.model_dir import MmfastModel
 from mmfast.infer.predict import bad_image, flag_unreadable, image_file, rows_loader
+from mmfast.models.dual import MAX_LOGIT_SCALE
 from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
@@ -239,14 +241,51 @@ def evaluate_retrieval(model: MmfastModel, rows: list[dict], templates: list[str
     return {**figures, "images": len(kept), "texts": len(pairs), "errors": errors, "rows": rows}
 
 
+def _class_embeddings(model: MmfastModel, classes: list[str], templates) -> torch.Tensor:
+    """(C, D) normalized: each class name in the zero-shot prompts (``templates``, else the model's config.json's,
+    else ``DEFAULT_TEMPLATES``), ensembled."""
+    templates = templates or model.config.get("zero_shot_templates") or read_templates(None)
+    prompts = class_prompts(classes, templates)
+    flat = model.encode_text([p for per_class in prompts for p in per_class]).cpu()
+    return class_embeddings(flat.reshape(len(classes), len(templates), -1))
+
+
+def zero_shot_rows(
+    model: MmfastModel, rows: list[dict], templates: list[str] | None = None, top_k: int = 5, **kwargs
+) -> list[dict]:
+    """A dual encoder's predictions among the classes it was trained with (config.json's ``class_names``): each
+    row's image against the class prompts, as ``predict_rows`` gives a classifier's ("class", "class_id",
+    "prob", "top_k"). The probability is a softmax over the classes of the model's scaled cosines; the caption
+    is not used.
+
+    Args:
+        **kwargs: ``embed_rows``' loader arguments.
+
+    Raises:
+        ValueError: the model knows no classes (trained without labels).
+    """
+    names = model.class_names
+    if not names:
+        raise ValueError("the model was trained without labels: it knows no classes to predict")
+    done, img, kept = embed_rows(model, rows, "image", **kwargs)
+    scale = model.model.logit_scale.detach().float().clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
+    probs = torch.softmax(scale * torch.from_numpy(img) @ _class_embeddings(model, names, templates).T, dim=1)
+    top_p, top_i = probs.topk(min(top_k, len(names)), dim=1)
+    for j, pos in enumerate(kept):
+        done[pos].update(
+            class_id=int(top_i[j, 0]),
+            **{"class": names[top_i[j, 0]]},
+            prob=float(top_p[j, 0]),
+            top_k=[[names[c], float(p)] for c, p in zip(top_i[j].tolist(), top_p[j].tolist(), strict=True)],
+        )
+    return done
+
+
 def _zero_shot(model: MmfastModel, img: np.ndarray, labels: list[str], templates) -> dict:
     """Zero-shot figures of the images ``img`` (N, D) with these labels: the classes are the model's when it
     knows every label, else the labels found."""
     classes = model.class_names if set(labels) <= set(model.class_names) else sorted(set(labels))
-    templates = templates or model.config.get("zero_shot_templates") or read_templates(None)
-    prompts = class_prompts(classes, templates)
-    flat = model.encode_text([p for per_class in prompts for p in per_class]).cpu()
-    class_emb = class_embeddings(flat.reshape(len(classes), len(templates), -1))
+    class_emb = _class_embeddings(model, classes, templates)
     index = {c: i for i, c in enumerate(classes)}
     got = zero_shot_figures(torch.from_numpy(img), torch.tensor([index[x] for x in labels]), class_emb)
     return {**got, "zero_shot_classes": len(classes)}

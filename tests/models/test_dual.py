@@ -289,10 +289,30 @@ def test_predict_embed_image_skips_bad_rows_and_keeps_each_rows_embedding(
         argv = ["--model", str(clip_dir), "--image", row["image"], "--embed", "image", "--out", str(single)]
         assert predict_tool.main(argv) == 0
         np.testing.assert_allclose(np.load(f"{single}.npy")[0], emb[ids.tolist().index(pos)], rtol=1e-4, atol=1e-5)
-    assert (
-        predict_tool.main(["--model", str(clip_dir), "--input", str(manifest), "--out", str(tmp_path / "p.jsonl")])
-        == 2
-    )
+
+
+def test_predict_with_a_dual_encoder_is_zero_shot_among_its_classes(prepared, clip_dir, tmp_path):
+    """Without --embed, a dual encoder trained with labels predicts among its classes: each image against the
+    class prompts. Its right answers on val are the zero-shot accuracy mmfast-evaluate reports."""
+    import tools.evaluate as evaluate_tool
+    import tools.predict as predict_tool
+    from mmfast.tasks.retrieval import caption_groups
+
+    out = tmp_path / "val.jsonl"
+    argv = ["--model", str(clip_dir), "--data", str(prepared), "--split", "val", "--out", str(out), "--top-k", "2"]
+    assert predict_tool.main(argv) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    names = mmfast.load_model(clip_dir).class_names
+    for r in got:
+        assert r["class"] in names and [c for c, _ in r["top_k"]][0] == r["class"], r
+        assert len(r["top_k"]) == 2 and 1 >= r["prob"] == r["top_k"][0][1] >= r["top_k"][1][1] > 0, r
+    assert len({r["class"] for r in got}) > 1  # not one class for every image
+    ev = tmp_path / "ev"
+    assert evaluate_tool.main(["--model", str(clip_dir), "--data", str(prepared), "--out", str(ev)]) == 0
+    figures = json.loads((ev / "metrics.json").read_text())
+    first = caption_groups([r["image"] for r in got])[0]  # evaluate scores one row per image
+    right = sum(got[i]["class"] == got[i]["label"] for i in first)
+    assert 100 * right / len(first) == pytest.approx(figures["zero_shot_acc"], abs=1e-6)
 
 
 def test_evaluate_reports_retrieval_and_zero_shot(prepared, clip_dir, tmp_path, capsys):
