@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     # torch: imported when the command runs, so --help stays light
+    from mmfast.infer.embed import zero_shot_rows
     from mmfast.infer.model_dir import load_for_inference
     from mmfast.infer.predict import image_file, predict_rows, write_predictions
     from mmfast.inputs.manifest import ManifestError
@@ -285,8 +286,6 @@ def _main(argv: list[str] | None) -> int:
             return 0
         loader = {"batch_size": args.batch_size, "device": device, "num_workers": args.num_workers}
         if model.embeds:  # zero-shot among the classes it was trained with
-            from mmfast.infer.embed import zero_shot_rows
-
             results = zero_shot_rows(model, rows, top_k=args.top_k, max_pixels=args.max_pixels, **loader)
         else:
             results = predict_rows(model, rows, top_k=args.top_k, max_pixels=args.max_pixels, **loader)
