@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +21,6 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.encode_inputs import check_on_error
 from mmfast.infer.model_dir import MmfastModel
 from mmfast.infer.predict import bad_image, flag_unreadable, image_file, rows_loader
-from mmfast.models.dual import MAX_LOGIT_SCALE
 from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
@@ -268,7 +266,7 @@ def zero_shot_rows(
     if not names:
         raise ValueError("the model was trained without labels: it knows no classes to predict")
     done, img, kept = embed_rows(model, rows, "image", **kwargs)
-    scale = model.model.logit_scale.detach().float().clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
+    scale = model.model.scale_and_bias()[0].detach()  # the scale training and evaluation use
     probs = torch.softmax(scale * torch.from_numpy(img) @ _class_embeddings(model, names, templates).T, dim=1)
     top_p, top_i = probs.topk(min(top_k, len(names)), dim=1)
     for j, pos in enumerate(kept):
