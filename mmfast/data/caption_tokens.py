@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.util.fsutil import file_lock, fsync_dir
+from mmfast.util.fsutil import fsync_dir
+from mmfast.util.locks import file_lock
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.util.fsutil import atomic_dir, atomic_write_json, dir_lock_path, file_lock
+from mmfast.util.fsutil import atomic_dir, atomic_write_json, dir_lock_path
+from mmfast.util.locks import file_lock
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2  # 2: unreadable images' samples listed as absent

@@ -23,7 +23,8 @@ import torch
 
 from mmfast.data.tokenizer import tokenizer_fingerprint
 from mmfast.util.commands import PREPARE
-from mmfast.util.fsutil import atomic_write_bytes, atomic_write_json, file_lock
+from mmfast.util.fsutil import atomic_write_bytes, atomic_write_json
+from mmfast.util.locks import file_lock
 
 log = logging.getLogger(__name__)
 _NO_CACHE = "no cache yet"  # the reason for a first build

@@ -38,7 +38,8 @@ from mmfast.infer.peer_towers import (
     text_config,
     timm_image,
 )
-from mmfast.util.fsutil import atomic_dir, file_lock
+from mmfast.util.fsutil import atomic_dir
+from mmfast.util.locks import file_lock
 
 FORMAT = "open_clip"
 CONFIG_FILE = "open_clip_config.json"

@@ -54,7 +54,8 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
 from mmfast.models.start_towers import tower_from_record
-from mmfast.util.fsutil import atomic_dir, file_lock, file_sha256
+from mmfast.util.fsutil import atomic_dir, file_sha256
+from mmfast.util.locks import file_lock
 from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.util.fsutil import atomic_dir, cache_home, file_lock
+from mmfast.util.fsutil import atomic_dir, cache_home
+from mmfast.util.locks import file_lock
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
 ATTRIBUTES = ("morning", "evening")

@@ -33,7 +33,7 @@ What every node needs
     - mmfast importable, in the environment the node's ``ray start`` runs in (on one machine: the same venv).
       Ray's ``runtime_env`` (``py_modules``, ``pip``) can ship it instead, for instance through
       ``ray job submit --runtime-env-json ...``; mmfast does not ship its own code.
-    - a part is locked per machine (``fsutil.lock_dir``): MMFAST_LOCK_DIR, set to one shared folder in the
+    - a part is locked per machine (``locks.lock_dir``): MMFAST_LOCK_DIR, set to one shared folder in the
       environment of every node's ``ray start``, makes the locks cluster-wide (two runs into one OUT at once).
 With ``ray://`` (Ray Client) the merge runs where the command runs: that machine must see OUT too.
 """

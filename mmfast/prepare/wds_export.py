@@ -28,7 +28,8 @@ from pathlib import Path
 from mmfast.data.dataset import WDS_DIR, PreparedDataset
 from mmfast.inputs.wds import shard_stats, write_index, write_rows_table
 from mmfast.util.commands import PREPARE
-from mmfast.util.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json, file_lock
+from mmfast.util.fsutil import MARKER, OutputDirError, atomic_dir, atomic_write_json
+from mmfast.util.locks import file_lock
 
 _EXT = {
     ".jpeg": "jpg",

@@ -41,7 +41,8 @@ from mmfast.data.feature_cache import (
     plain_parts,
     stale_reason,
 )
-from mmfast.util.fsutil import OutputDirError, dir_lock_path, file_lock
+from mmfast.util.fsutil import OutputDirError, dir_lock_path
+from mmfast.util.locks import file_lock
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
+from mmfast.util.locks import file_lock
 
 # Every directory mmfast builds with atomic_dir carries this file; only such a directory (or an empty one)
 # is ever replaced or deleted. Its content: {"kind": what the directory is, "version": MARKER_VERSION}.
@@ -352,46 +352,10 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
-@contextlib.contextmanager
-def file_lock(path: str | os.PathLike, timeout: float = -1) -> Iterator[None]:
-    """Hold an exclusive inter-process lock named by ``path`` for the duration of the block (waiting for it
-    at most ``timeout`` seconds, then ``TimeoutError``; -1: as long as it takes).
-
-    Used so that when several processes prepare the same dataset, one builds and the others wait. The lock
-    file itself is not ``path``: on Unix a lock file must outlive its holders (``filelock`` leaves it on
-    release; unlinking it would let a waiter and a newcomer lock two different inodes), so it lives in
-    ``lock_dir()``, named by a hash of ``path``'s real location, never beside the user's files.
-    """
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(lock_file_for(path), timeout=timeout):
-        yield
-
-
-def lock_file_for(path: str | os.PathLike) -> Path:
-    """Where ``file_lock(path)`` keeps its lock file: ``lock_dir()/<name>-<hash of the real path>.lock``."""
-    real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
-    digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
-    return lock_dir() / f"{os.path.basename(path).lstrip('.')[:40]}-{digest}.lock"
-
-
 def cache_home() -> Path:
     """The folder of mmfast's caches (the demo set, feature caches, streamed shards): ``$MMFAST_CACHE`` when
     set, else ``~/.cache/mmfast``."""
     return Path(os.environ.get("MMFAST_CACHE") or Path.home() / ".cache" / "mmfast").expanduser()
-
-
-def lock_dir() -> Path:
-    """This user's folder of mmfast's lock files: ``$MMFAST_LOCK_DIR`` when set (several users or machines
-    sharing one dataset folder can point it at a shared directory), else ``$XDG_RUNTIME_DIR/mmfast-locks``
-    (a per-user tmpfs), else ``<tempdir>/mmfast-locks-<uid>``."""
-    if os.environ.get("MMFAST_LOCK_DIR"):
-        d = Path(os.environ["MMFAST_LOCK_DIR"])
-    elif os.environ.get("XDG_RUNTIME_DIR") and os.path.isdir(os.environ["XDG_RUNTIME_DIR"]):
-        d = Path(os.environ["XDG_RUNTIME_DIR"]) / "mmfast-locks"
-    else:
-        d = Path(tempfile.gettempdir()) / f"mmfast-locks-{os.getuid()}"
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return d
 
 
 class OutputError(ValueError):

@@ -210,14 +210,14 @@ def test_report_to_tensorboard_writes_per_step_scalars(prepared, tmp_path, capsy
 
 
 def test_file_lock_excludes_other_processes_and_leaves_nothing_beside_the_target(tmp_path):
-    """fsutil.file_lock (filelock): a second process waits for the first; no lock file in the user's folder."""
+    """locks.file_lock: a second process waits for the first; no lock file in the user's folder."""
     import time
 
-    from mmfast.util.fsutil import file_lock, lock_file_for
+    from mmfast.util.locks import file_lock, lock_file_for
 
     target = tmp_path / "data" / "prepared"
     code = (
-        "import sys, time\nfrom mmfast.util.fsutil import file_lock\n"
+        "import sys, time\nfrom mmfast.util.locks import file_lock\n"
         "with file_lock(sys.argv[1]):\n    print(time.time(), flush=True)\n"
     )
     with file_lock(target):

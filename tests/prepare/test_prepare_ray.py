@@ -26,7 +26,8 @@ from mmfast.cli import prepare as prepare_cli
 from mmfast.prepare import ray_parts
 from mmfast.prepare.config import PrepareConfig, part_dir, parts_root
 from mmfast.prepare.core import prepare_dataset
-from mmfast.util.fsutil import dir_lock_path, file_lock
+from mmfast.util.fsutil import dir_lock_path
+from mmfast.util.locks import file_lock
 from tools.benchmarks.benchlib.data import photo_manifest
 
 N_PARTS = 6

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mmfast.util.fsutil import atomic_dir, file_lock
+from mmfast.util.fsutil import atomic_dir
+from mmfast.util.locks import file_lock
 
 _PHOTOS = (
     "rocket.jpg",
