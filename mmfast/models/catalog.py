@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-IMAGE_BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0")
+IMAGE_BACKBONES = (
+    "resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "efficientnet-lite0", "efficientnet-lite1",
+    "efficientnet-lite2",
+)  # fmt: skip
 COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
 IMAGE_POOLS = ("last", "multiscale")  # the image tower's pooled features: the last map's, or also late stages'
 INIT_PROJ = ("ridge", "random")  # how the dual encoder's projections start (mmfast/train/warm_start.py)

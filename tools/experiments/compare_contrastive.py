@@ -36,6 +36,8 @@ draws, and each method's difference to ``--against`` (default: clip) on the same
 and its worst). Each run keeps its summary, metrics and config; ``--keep-runs`` keeps its checkpoints and models
 too. ``--fuse-ridge 0.5`` also scores each run's last model beside the ridge map on the same pooled features, a
 pair's cosine half the model's and half the map's (``fuse_ridge.py``): a row RECIPE+ridge0.5.
+``--image-backbone efficientnet-lite2 --image-size 192``: every method on another locked image tower than the
+preset's, the baselines too.
 
 Zero-shot: each class name put into the task's templates, embedded by the method's own text side. Prints the
 table (mean ± std over seeds), writes compare.json and compare.png into --out. ``--quick``: a tiny subset, one
@@ -136,20 +138,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="clip-lite0-minilm", help="the towers and the recipe of clip / siglip")
+    p.add_argument("--image-backbone", default=None, help="the preset's image tower, another (every method)")
+    p.add_argument("--image-size", type=int, default=None, help="the preset's image side, another (every method)")
     p.add_argument("--embed-dim", type=int, default=256, help="the probe's and the dual encoder's embedding width")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs (clip / siglip)")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch (clip / siglip)")
-    p.add_argument(
-        "--limit", type=int, default=None, help="only this many rows of each set's manifest (spread evenly)"
-    )
+    p.add_argument("--limit", type=int, default=None, help="only this many rows of each set's manifest (spread)")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_ROWS} rows, the first seed, 1 epoch of batch 16")
     p.add_argument("--out", default="bench_out/contrastive", help="folder for the runs, compare.json, compare.png")
     p.add_argument("--cache", default=None, help="where sets are built and prepared (default: OUT/sets)")
     p.add_argument("--probe-epochs", type=int, default=60, help="the most epochs the probe's held-out part picks")
     p.add_argument("--threads", type=int, default=None, help="DALI threads (default: all cores)")
-    p.add_argument(
-        "--reuse-runs", action="store_true", help="read the clip / siglip runs already finished in OUT/runs"
-    )
+    p.add_argument("--reuse-runs", action="store_true", help="read the runs already finished in OUT/runs")
     p.add_argument(
         "--keep-runs",
         action="store_true",
@@ -359,11 +359,17 @@ def dual_encoder(args: argparse.Namespace, data_dir: Path, recipe: str, seed: in
         batch_size=args.batch_size,
         num_threads=args.threads,
         progress=False,
+        **image_of(args),
         **changes,
     )
     if not (args.reuse_runs and (run_dir / "summary.json").is_file()):
         train(cfg)
     return run_figures(run_dir, seed)
+
+
+def image_of(args: argparse.Namespace) -> dict:
+    """--image-backbone / --image-size: the image tower every method uses in place of the preset's."""
+    return {"image_backbone": args.image_backbone, "image_size": args.image_size}
 
 
 def run_figures(run_dir: Path, seed: int) -> dict:
@@ -394,7 +400,7 @@ def baselines(args: argparse.Namespace, name: str, cache: Path, save, maps: Ridg
         names = {"ridge": f"ridge{suffix}", "probe": f"probe{suffix}"}
         if not set(names.values()) & set(args.methods):
             continue
-        feats = frozen_features(data_dir, args.preset, args.threads, pool)
+        feats = frozen_features(data_dir, args.preset, args.threads, pool, image_of(args))
         facts[f"features{suffix}_s"] = feats["seconds"]
         if args.fuse_ridge:
             maps.add((label, pool), feats)
@@ -430,7 +436,7 @@ def fuse(args: argparse.Namespace, data: tuple[str, Path], recipe: str, run: dic
     (label, data_dir), (save, maps) = data, to
     pool = RECIPES[recipe][1].get("image_pool")
     if (label, pool) not in maps:  # a pool no baseline ran on: fitted for the first recipe that needs it
-        maps.add((label, pool), frozen_features(data_dir, args.preset, args.threads, pool))
+        maps.add((label, pool), frozen_features(data_dir, args.preset, args.threads, pool, image_of(args)))
     model = model_embeddings(Path(run["run"]) / "model-last", data_dir, args.threads)
     for w, figures in fused_figures(model, maps[(label, pool)], args.fuse_ridge).items():
         name = f"{recipe}+ridge{w:g}"

@@ -16,6 +16,7 @@ through the probe's text projection.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -27,10 +28,13 @@ MAX_LENGTH = 32  # tokens per caption and prompt: TrainConfig's default when a r
 # ------------------------------------------------------------------------------------ frozen tower features
 
 
-def frozen_features(data_dir: Path, preset: str, threads: int | None, pool: str | None = None) -> dict:
+def frozen_features(
+    data_dir: Path, preset: str, threads: int | None, pool: str | None = None, image: dict | None = None
+) -> dict:
     """The preset's pretrained towers, frozen, over both splits as the training run's evaluation sees them (the
     eval loader: resize + center crop at the preset's size, the encoder's mean / std); the image tower's
-    features pooled as ``pool`` says (``ImageEncoder``'s; None: the preset's).
+    features pooled as ``pool`` says (``ImageEncoder``'s; None: the preset's). ``image``: the preset's
+    image_backbone and image_size where it names them (compare_contrastive's --image-backbone, --image-size).
 
     Returns:
         {"train"/"val": {"x": (N, C_img) image features, "t": (N, D_txt) normalized text features, "label",
@@ -47,6 +51,7 @@ def frozen_features(data_dir: Path, preset: str, threads: int | None, pool: str 
 
     t0 = time.perf_counter()
     spec = get_preset(preset)
+    spec = dataclasses.replace(spec, **{k: v for k, v in (image or {}).items() if v is not None})
     dataset = PreparedDataset(data_dir)
     image = ImageEncoder(spec.image_backbone, freeze=True, pool=pool or spec.image_pool).eval()
     text = TextEncoder(spec.text_model, freeze=True).eval()
