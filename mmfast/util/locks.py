@@ -5,6 +5,10 @@ both hold "the" lock. So ``file_lock`` takes the lock and then checks that the p
 locked, else it tries again. That check is what lets ``prune_locks`` delete a lock file no one holds: whoever
 was waiting on the deleted inode notices and locks the new one. Without pruning, every dataset, split and
 model folder a user ever prepared or saved left a lock file behind (tens of thousands after a test suite).
+
+Only mmfast's own per-user folder is pruned, and in it only names ``lock_file_for`` gives. A folder named by
+``MMFAST_LOCK_DIR`` is never pruned: it may be shared between users or machines (NFS caches the names the
+inode check reads) or hold other tools' lock files.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,13 +31,18 @@ log = logging.getLogger(__name__)
 PRUNE_AGE_S = 3600.0  # a lock file not taken for an hour is deleted (when no one holds it)
 PRUNE_MAX = 2000  # the most one process deletes: the first lock of a process costs milliseconds
 _POLL_S = 0.05
+# A timed wait lasts at least this long: a prune holds a free lock for microseconds, and a caller asking with
+# timeout=0 (is anyone building this?) must not take that blink for another holder.
+_GRACE_S = 0.05
+_NAME = re.compile(r"-[0-9a-f]{32}\.lock$")  # what lock_file_for names: the only files a prune deletes
+_OPEN = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)  # a planted symlink is not followed
 _pruned: set[Path] = set()  # the lock folders this process has pruned
 
 
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike, timeout: float = -1) -> Iterator[None]:
     """Hold an exclusive inter-process lock named by ``path`` for the duration of the block (waiting for it
-    at most ``timeout`` seconds, then ``TimeoutError``; -1: as long as it takes).
+    at most ``timeout`` seconds, at least 50 ms, then ``TimeoutError``; -1: as long as it takes).
 
     Used so that when several processes prepare the same dataset, one builds and the others wait. The lock
     file is not ``path``: it lives in ``lock_dir()``, named by a hash of ``path``'s real location, never
@@ -39,31 +50,36 @@ def file_lock(path: str | os.PathLike, timeout: float = -1) -> Iterator[None]:
     """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     lock = lock_file_for(path)
-    if lock.parent not in _pruned:
+    if lock.parent not in _pruned and not os.environ.get("MMFAST_LOCK_DIR"):
         _pruned.add(lock.parent)
         prune_locks(lock.parent)
-    fd = _acquire(lock, timeout, path)
+    fd = None
     try:
+        fd = _acquire(lock, timeout, path)
         yield
     finally:
-        os.close(fd)  # closing the only descriptor releases the lock
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # a lock held for hours is not old the moment it is let go
+            os.close(fd)  # closing the only descriptor releases the lock
 
 
 def _acquire(lock: Path, timeout: float, path: str | os.PathLike) -> int:
     """An open descriptor of ``lock`` holding its exclusive lock, the path naming that very inode."""
-    deadline = None if timeout < 0 else time.monotonic() + timeout
+    deadline = None if timeout < 0 else time.monotonic() + max(timeout, _GRACE_S)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock, _OPEN | os.O_CREAT, 0o666)  # the umask decides, as for filelock's files
         try:
-            if _flock(fd, deadline) and _names(lock, fd):
-                os.utime(fd)  # when it was last taken: prune_locks spares a lock file in use
+            if not _flock(fd, deadline):
+                raise TimeoutError(f"{path}: another process held its lock ({lock}) for over {timeout:g} s")
+            if _names(lock, fd):
+                with contextlib.suppress(OSError):  # another user's file in a shared folder: not ours to touch
+                    os.utime(fd)  # when it was last taken: prune_locks spares a lock file in use
                 return fd
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # pruned while this process waited: lock the file that took its place
-        if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"{path}: another process held its lock ({lock}) for over {timeout:g} s")
 
 
 def _flock(fd: int, deadline: float | None) -> bool:
@@ -104,9 +120,12 @@ def prune_locks(folder: Path, age_s: float = PRUNE_AGE_S, most: int = PRUNE_MAX)
         if gone >= most:
             break
         try:
-            if not entry.name.endswith(".lock") or entry.stat().st_mtime > cutoff:
+            st = entry.stat(follow_symlinks=False)
+            if not _NAME.search(entry.name) or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue  # not a lock file this user's mmfast made
+            if st.st_mtime > cutoff:
                 continue
-            fd = os.open(entry.path, os.O_RDWR)
+            fd = os.open(entry.path, _OPEN | os.O_NONBLOCK)
         except OSError:
             continue  # gone already, or not ours to open
         try:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from mmfast.util.locks import PRUNE_AGE_S, file_lock, lock_file_for, prune_locks
+from mmfast.util import locks as locks_module
+from mmfast.util.locks import PRUNE_AGE_S, file_lock, lock_dir, lock_file_for, prune_locks
 
 
 @pytest.fixture
@@ -26,15 +27,24 @@ def _hold(target, spans: dict, name: str, entered: threading.Event, seconds: flo
         spans[name] = (start, time.monotonic())
 
 
-def test_a_waiter_whose_lock_file_was_deleted_does_not_enter_beside_the_new_holder(tmp_path, locks):
+def test_a_waiter_whose_lock_file_was_deleted_does_not_enter_beside_the_new_holder(tmp_path, locks, monkeypatch):
     """A waiter blocked on a lock file that is then deleted wakes on a dead inode: it must lock the new file,
     so it waits for the newcomer who created it (plain flock on the old inode let both in at once)."""
     target = tmp_path / "prepared"
-    spans, w_in, n_in = {}, threading.Event(), threading.Event()
+    spans, w_in, n_in, waits = {}, threading.Event(), threading.Event(), threading.Event()
+    flock = locks_module._flock
+
+    def noted(fd, deadline):
+        if threading.current_thread().name == "waiter":
+            waits.set()  # it has opened the lock file and is about to wait on it
+        return flock(fd, deadline)
+
+    monkeypatch.setattr(locks_module, "_flock", noted)
     with file_lock(target):
-        waiter = threading.Thread(target=_hold, args=(target, spans, "waiter", w_in, 0.2, -1))
+        waiter = threading.Thread(target=_hold, args=(target, spans, "waiter", w_in, 0.2, -1), name="waiter")
         waiter.start()
-        time.sleep(0.3)  # the waiter has opened the lock file and waits on it
+        assert waits.wait(10)
+        time.sleep(0.2)  # inside flock's wait
         os.unlink(lock_file_for(target))
         newcomer = threading.Thread(target=_hold, args=(target, spans, "newcomer", n_in, 1.0, 30))
         newcomer.start()
@@ -55,9 +65,9 @@ def test_prune_deletes_old_free_lock_files_only(tmp_path, locks):
         with file_lock(tmp_path / name):
             pass
     _aged(lock_file_for(tmp_path / "old"))
-    other = locks / "notes.txt"
-    other.write_text("not a lock")
-    _aged(other)
+    for name in ("notes.txt", "tool.lock"):  # not names mmfast gives: another tool's files stay
+        (locks / name).write_text("not mmfast's")
+        _aged(locks / name)
     entered, release = threading.Event(), threading.Event()
 
     def hold():
@@ -75,11 +85,25 @@ def test_prune_deletes_old_free_lock_files_only(tmp_path, locks):
         release.set()
         holder.join(30)
     left = sorted(p.name.split("-")[0] for p in locks.iterdir())
-    assert left == ["fresh", "held", "notes.txt"]
+    assert left == ["fresh", "held", "notes.txt", "tool.lock"]
 
 
-def test_the_first_lock_of_a_process_prunes_its_folder_and_a_timeout_names_the_path(tmp_path, locks):
+def test_a_folder_the_user_names_is_never_pruned(tmp_path, locks):
+    """MMFAST_LOCK_DIR may be shared between users or machines (NFS caches the names the inode check reads)."""
     locks.mkdir()
+    stale = locks / f"train.lock-{1:032x}.lock"
+    stale.touch()
+    _aged(stale)
+    with file_lock(tmp_path / "data"):
+        pass
+    assert stale.exists()
+
+
+def test_the_first_lock_of_a_process_prunes_its_folder_and_a_timeout_names_the_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("MMFAST_LOCK_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # mmfast's own per-user folder: tmp_path/mmfast-locks
+    locks = lock_dir()
+    assert locks == tmp_path / "mmfast-locks"
     stale = [locks / f"train.lock-{i:032x}.lock" for i in range(5)]
     for path in stale:
         path.touch()
