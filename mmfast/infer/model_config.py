@@ -49,12 +49,12 @@ class ModelConfig:
     hidden: int | None
     combine: str
     freeze_image: bool | None
-    freeze_text: bool
+    freeze_text: bool | None
     text_train_layers: int | None
     image_pool: str | None
     dropout: float
     task: str | None
-    loss: str
+    loss: str | None
     embed_dim: int | None
     zero_shot_templates: str | None
     channels_last: bool | None

@@ -34,6 +34,11 @@ class Preset:
     init_proj: str = "random"  # the dual encoder's projections: random, or a closed-form ridge start
     text_train_layers: int | None = None  # the text encoder's top layers that train (None: all of them)
     image_pool: str = "last"  # the image tower's pooled features (encoders.ImageEncoder's pool)
+    loss: str = "clip"  # the dual encoder's loss (tasks/losses.py); fusion models have none
+    freeze_text: bool = False
+    feature_cache: str = "off"  # a locked tower's features stored once and read (train/features.py)
+    feature_views: int = 4  # augmented views the feature cache stores per train image
+    augment: bool = True  # random resized crop + flip on the train split
 
 
 PRESETS = {
@@ -74,6 +79,28 @@ PRESETS = {
         freeze_image=True,
         batch_size=64,
         init_proj="ridge",
+    ),
+    # contrastive, the best recipe of #45's ten looks on three real dev sets: the larger locked Lite2 tower at
+    # 192 px, its stages pooled too (multiscale), features cached once (the centre view, no augmentation), SigLIP,
+    # only MiniLM's top 2 layers training, 32 epochs at a gentler rate (docs/benchmarks/notes/*-recipes-10.md)
+    "clip-lite2-minilm": Preset(
+        "efficientnet-lite2",
+        "minilm",
+        192,
+        256,
+        "SigLIP: EfficientNet-Lite2 (locked, multiscale, cached) + MiniLM's top 2 layers, 192 px (--model clip)",
+        lr=3e-4,
+        encoder_lr=3e-5,
+        epochs=32,
+        freeze_image=True,
+        batch_size=64,
+        init_proj="ridge",
+        text_train_layers=2,
+        image_pool="multiscale",
+        loss="siglip",
+        feature_cache="auto",
+        feature_views=1,
+        augment=False,
     ),
     # the write-up's setup: ResNet-50 (2048-d) + BERT-base (768-d)
     "resnet50-bert": Preset(

@@ -28,7 +28,7 @@ GROUPS = ("data", "model", "optimization", "evaluation", "precision", "checkpoin
 GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
 # choice fields None stands for until resolve_preset fills them
-FROM_RESOLVE = ("task", "preset", "init_proj", "image_pool")
+FROM_RESOLVE = ("task", "preset", "init_proj", "image_pool", "loss", "feature_cache")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (mmfast/train/hardware.py)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 TEXT_PADDINGS = ("auto", "longest", "buckets", "max")  # --text-padding (auto: hardware.resolve_text_padding)
@@ -102,7 +102,7 @@ class TrainConfig:
         "its stages' at stride 16 and 32, concatenated: richer features for a locked tower's projection); none: "
         "the preset's (last for a tower from a directory)",
     )
-    freeze_text: bool = _opt(False, "model", "no gradients into the text encoder")
+    freeze_text: bool | None = _opt(None, "model", "no gradients into the text encoder; none: the preset's")
     text_train_layers: int | None = _opt(
         None,
         "model",
@@ -117,11 +117,11 @@ class TrainConfig:
         "(classification for the fusion models, contrastive for clip); or a task added with "
         "mmfast.tasks.register_task",
     )
-    loss: str = _opt(
-        "clip",
+    loss: str | None = _opt(
+        None,
         "model",
         "contrastive: clip (symmetric InfoNCE over the global batch, a learnable temperature) or siglip "
-        "(pairwise sigmoid with a learnable temperature and bias)",
+        "(pairwise sigmoid with a learnable temperature and bias); none: the preset's",
     )
     embed_dim: int | None = _opt(
         None, "model", "contrastive: width of the shared image-text embedding space; none: 256, or --init-from's"
@@ -221,14 +221,18 @@ class TrainConfig:
         "without a GPU: decode each image once and crop later epochs from memory, when the decoded images "
         "fit in half the available memory (else they are streamed; a one-epoch run streams its train split)",
     )
-    feature_cache: str = _opt(
-        "off",
+    feature_cache: str | None = _opt(
+        None,
         "data",
         "a locked image tower's features computed once per stored view, then read instead of decoding and "
-        "running the tower; auto: on where the image tower is locked and --epochs exceeds --feature-views",
+        "running the tower; auto: on where the image tower is locked and --epochs exceeds --feature-views; "
+        "none: the preset's",
     )
-    feature_views: int = _opt(
-        4, "data", "--feature-cache: augmented views stored per train image; epoch e trains on view e mod K"
+    feature_views: int | None = _opt(
+        None,
+        "data",
+        "--feature-cache: augmented views stored per train image; epoch e trains on view e mod K; none: the "
+        "preset's",
     )
     feature_cache_dir: str | None = _opt(
         None,
@@ -236,7 +240,9 @@ class TrainConfig:
         "--feature-cache: the cache's folder; none: one per dataset in $MMFAST_CACHE/features "
         "(~/.cache/mmfast/features)",
     )
-    augment: bool = _opt(True, "data", "random resized crop + flip on the train split (off: resize + center crop)")
+    augment: bool | None = _opt(
+        None, "data", "random resized crop + flip on train images (off: resize + center crop); none: the preset's"
+    )
     crop_scale_min: float = _opt(0.35, "data", "smallest area share of the random resized crop")
     color_jitter: float = _opt(0.0, "data", "brightness/contrast/saturation jitter strength (0: off)")
     checkpoint_every: int = _opt(0, "checkpoints", "optimizer steps between checkpoints; 0: at each epoch's end")
@@ -325,12 +331,13 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{flag(name)} must be a finite number, got {value!r}")
         positive_ints = ("grad_accum", "keep_checkpoints", "max_nan_steps", "demo_size", "max_length", "log_every")
-        positive_ints += ("feature_views", "eval_every")
+        positive_ints += ("eval_every",)
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{flag(name)} must be an integer, got {value!r}")
         ints = ("epochs", "batch_size", "max_steps", "image_size", "hidden", "eval_batch_size", "num_threads")
+        ints += ("feature_views",)
         for name in (*ints, "samples_per_epoch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -345,7 +352,6 @@ class TrainConfig:
         parse_size(self.cache_limit, "--cache-limit")  # raises on one that is not a size
         checks = [
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
-            (self.feature_views >= 1, f"--feature-views must be >= 1, got {self.feature_views}"),
             (self.lr is None or 0 < self.lr <= 10, f"--lr must be in (0, 10], got {self.lr}"),
             (
                 self.encoder_lr is None or 0 <= self.encoder_lr <= 10,
@@ -472,4 +478,4 @@ def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
 
 PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
 PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj", "text_train_layers")
-PRESET_FIELDS += ("image_pool",)
+PRESET_FIELDS += ("image_pool", "loss", "freeze_text", "feature_cache", "feature_views", "augment")

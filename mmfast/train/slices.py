@@ -43,7 +43,7 @@ class LoaderConfig:
     epochs: int | None
     seed: int
     image_size: int | None
-    augment: bool
+    augment: bool | None
     crop_scale_min: float
     color_jitter: float
     cpu_resize: str
@@ -67,8 +67,8 @@ class FeatureConfig(LoaderConfig):
     augmentation) and the cache's own."""
 
     model: str
-    feature_cache: str
-    feature_views: int
+    feature_cache: str | None
+    feature_views: int | None
     feature_cache_dir: str | None
     out: str | None  # a raw --data is prepared into OUT/prepared: its default cache is named after the input
     dist_timeout: float  # how long a process waits for another run's build of the same cache

