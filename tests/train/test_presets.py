@@ -41,6 +41,7 @@ def test_a_recipe_field_given_wrong_is_refused_naming_its_flag():
         TrainConfig(loss="triplet")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_model_that_takes_images(
     demo_manifest: Path, tmp_path: Path
