@@ -25,9 +25,8 @@ val split by the same figures (``mmfast.tasks.retrieval``, images grouped as the
   open_clip or transformers folder can hold). siglip-locked-ms-32-mid: at --lr 5e-4. siglip-ms-top2-slow /
   -E-slow / -32-mid: the multiscale locked recipe with the text tower's top 2 layers training (16 epochs at 3e-4,
   E = 24, 32 or 48 at 3e-4, 32 at 5e-4); clip-ms-top2-E-slow: the same with the CLIP loss, E = 16 or 32;
-  siglip-top2-32-slow: siglip-ms-top2-32-slow on the head's pooled features (a model open_clip can hold);
-  siglip-ms-top2-32-warm / -enc1e-5: with a warm-up of 0.3, or the text tower at 1e-5. ridge-ms / probe-ms:
-  the baselines on multiscale features.
+  siglip-top2-32-slow: siglip-ms-top2-32-slow on the head's pooled features (a model open_clip can hold); its
+  ``VARIANTS`` siglip-ms-top2-32-NAME. ridge-ms / probe-ms: the baselines on multiscale features.
 
 ``--inner`` scores on an inner split instead of val: each set's train split prepared again, a fifth of its
 images drawn to an inner val by another seed (``--inner-seed``). Recipes are chosen there, and val then reports the
@@ -91,6 +90,10 @@ LOCKED = {k: v for k, v in MS_LOCKED.items() if k != "image_pool"}  # both locke
 # the same, the text tower's top 2 layers training (its lower 4 layers' output cached)
 MS_TOP2 = {**{k: v for k, v in MS_LOCKED.items() if k != "freeze_text"}, "text_train_layers": 2}
 TOP2 = {k: v for k, v in MS_TOP2.items() if k != "image_pool"}  # the same on the head's pooled features
+# siglip-ms-top2-32-slow's variants: a longer warm-up, the text tower slower or faster, more of its layers training
+VARIANTS = [("warm", {"warmup_frac": 0.3}), ("enc1e-5", {"encoder_lr": 1e-5}), ("enc1e-4", {"encoder_lr": 1e-4})]
+VARIANTS += [("top4", {"text_train_layers": 4}), ("top6", {"text_train_layers": 6})]
+VARIANTS += [("top4-enc1e-4", {"text_train_layers": 4, "encoder_lr": 1e-4})]
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -123,8 +126,7 @@ RECIPES = {
     **{f"clip-ms-top2-{e}-slow": ("clip", {**MS_TOP2, "epochs": e, "lr": 3e-4}) for e in (16, 32)},
     "siglip-ms-top2-32-mid": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 5e-4}),
     "siglip-top2-32-slow": ("siglip", {**TOP2, "epochs": 32, "lr": 3e-4}),
-    "siglip-ms-top2-32-warm": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4, "warmup_frac": 0.3}),
-    "siglip-ms-top2-32-enc1e-5": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4, "encoder_lr": 1e-5}),
+    **{f"siglip-ms-top2-32-{k}": ("siglip", {**MS_TOP2, "epochs": 32, "lr": 3e-4, **v}) for k, v in VARIANTS},
 }
 QUICK_ROWS = 120
 
