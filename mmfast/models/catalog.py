@@ -80,22 +80,22 @@ PRESETS = {
         batch_size=64,
         init_proj="ridge",
     ),
-    # contrastive, the best recipe of #45's ten looks on three real dev sets: the larger locked Lite2 tower at
+    # contrastive, the best recipe of #45's eleven looks on three real dev sets: the larger locked Lite2 tower at
     # 192 px, its stages pooled too (multiscale), features cached once (the centre view, no augmentation), SigLIP,
-    # only MiniLM's top 2 layers training, 32 epochs at a gentler rate (docs/benchmarks/notes/*-recipes-10.md)
+    # MiniLM's top 4 layers training, 32 epochs at a gentler rate (docs/benchmarks/notes/*-recipes-11.md)
     "clip-lite2-minilm": Preset(
         "efficientnet-lite2",
         "minilm",
         192,
         256,
-        "SigLIP: EfficientNet-Lite2 (locked, multiscale, cached) + MiniLM's top 2 layers, 192 px (--model clip)",
+        "SigLIP: EfficientNet-Lite2 (locked, multiscale, cached) + MiniLM's top 4 layers, 192 px (--model clip)",
         lr=3e-4,
         encoder_lr=3e-5,
         epochs=32,
         freeze_image=True,
         batch_size=64,
         init_proj="ridge",
-        text_train_layers=2,
+        text_train_layers=4,
         image_pool="multiscale",
         loss="siglip",
         feature_cache="auto",

@@ -47,7 +47,7 @@ def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_mode
     demo_manifest: Path, tmp_path: Path
 ):
     """The preset as a user runs it: Lite2's ImageNet weights (mmfast[towers]) locked at 192 px, its centre view
-    cached once and read every epoch, SigLIP, MiniLM's top 2 layers training, on a raw manifest (prepared with
+    cached once and read every epoch, SigLIP, MiniLM's top 4 layers training, on a raw manifest (prepared with
     MiniLM's vocabulary on the fly). config.json records that recipe,
     and the model directory embeds images, not features."""
     import torch
@@ -70,7 +70,7 @@ def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_mode
         "image_size": 192,
         "loss": "siglip",
         "image_pool": "multiscale",
-        "text_train_layers": 2,
+        "text_train_layers": 4,
         "augment": False,
         "epochs": 2,
     }
