@@ -13,6 +13,7 @@ from mmfast.loading.arguments import LoaderOptions
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.train import data
 from mmfast.train.config import TrainConfig
+from mmfast.train.resolve import resolve_preset
 from mmfast.train.slices import LoaderConfig, cut
 
 
@@ -55,7 +56,8 @@ def test_a_loader_from_options_equals_the_one_written_out(prepared):
 
 
 def test_the_runs_options_follow_its_loader_slice():
-    cfg = cut(LoaderConfig, TrainConfig(batch_size=12, image_size=40, seed=5, num_threads=2, cpu_resize="dali"))
+    given = TrainConfig(batch_size=12, image_size=40, seed=5, num_threads=2, cpu_resize="dali")
+    cfg = cut(LoaderConfig, resolve_preset(given))  # the preset's augmentation, as a run resolves it
     common = data._loader_options(cfg, _Cpu(), ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)))
     assert (common.batch_size, common.size, common.seed, common.num_workers) == (12, 40, 5, 2)
     assert (common.fp16, common.mean, common.std) == (False, (127.5,) * 3, (63.75,) * 3)
