@@ -39,6 +39,7 @@ class Preset:
     feature_cache: str = "off"  # a locked tower's features stored once and read (train/features.py)
     feature_views: int = 4  # augmented views the feature cache stores per train image
     augment: bool = True  # random resized crop + flip on the train split
+    wise_ft: float = 1.0  # the trained weights' share of those a run ends with, the start's the rest (WiSE-FT)
 
 
 PRESETS = {

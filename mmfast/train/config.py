@@ -187,6 +187,12 @@ class TrainConfig:
     probe_frac: float | None = _opt(
         None, "optimization", "share of the steps with pretrained encoders held still (lr 0); none: the preset's"
     )
+    wise_ft: float | None = _opt(
+        None,
+        "optimization",
+        "the weights a run ends with: this share of the trained ones plus the rest of those it started from "
+        "(after --init-proj), every trained tensor (WiSE-FT); 1: the trained ones alone; none: the preset's",
+    )
     scheduler: str = _opt("cosine", "optimization", "lr decay after the warm-up (transformers.get_scheduler)")
     grad_clip: float = _opt(1.0, "optimization", "clip the gradient norm to this (0: no clipping)")
     seed: int = _opt(0, "optimization", "seed of the weights' initialization and the data order")
@@ -315,15 +321,9 @@ class TrainConfig:
     )
 
     def __post_init__(self):
-        floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "grad_clip", "dropout")
-        floats += (
-            "crop_scale_min",
-            "color_jitter",
-            "profile_interval",
-            "dist_timeout",
-            "store_timeout",
-            "rendezvous_timeout",
-        )
+        floats = ("lr", "encoder_lr", "weight_decay", "warmup_frac", "probe_frac", "wise_ft", "grad_clip")
+        floats += ("dropout", "crop_scale_min", "color_jitter", "profile_interval", "dist_timeout")
+        floats += ("store_timeout", "rendezvous_timeout")
         for name in floats:
             value = getattr(self, name)
             if value is None:  # filled from the preset by resolve_preset
@@ -380,6 +380,7 @@ class TrainConfig:
                 self.warmup_frac is None or 0 <= self.warmup_frac < 1,
                 f"--warmup-frac must be in [0, 1), got {self.warmup_frac}",
             ),
+            (self.wise_ft is None or 0 < self.wise_ft <= 1, f"--wise-ft must be in (0, 1], got {self.wise_ft}"),
             (0 < self.crop_scale_min <= 1, f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}"),
             (self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
@@ -478,4 +479,4 @@ def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
 
 PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
 PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj", "text_train_layers")
-PRESET_FIELDS += ("image_pool", "loss", "freeze_text", "feature_cache", "feature_views", "augment")
+PRESET_FIELDS += ("image_pool", "loss", "freeze_text", "feature_cache", "feature_views", "augment", "wise_ft")

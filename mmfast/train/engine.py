@@ -32,6 +32,7 @@ from mmfast.train.source_tally import SourceTally
 
 if TYPE_CHECKING:
     from mmfast.remote.shard_cache import ShardCache
+    from mmfast.train.wise_ft import StartWeights
 
 
 class NonFiniteLossError(RuntimeError):
@@ -87,10 +88,11 @@ class EpochRunner:
         task: Task,
         shard_cache: ShardCache | None = None,
         warmup_steps: int = PROFILE_WARMUP_STEPS,
+        start: StartWeights | None = None,
     ):
         self.cfg, self.acc, self.model, self.opt, self.sched = cfg, accelerator, model, optimizer, scheduler
         self.loader, self.run_dir, self.total_steps, self.state = loader, run_dir, total_steps, state
-        self.task, self.shard_cache = task, shard_cache
+        self.task, self.shard_cache, self.start = task, shard_cache, start
         self.stop = None  # a StopFlag while the loop runs
         self.interrupted = False
         self.consecutive_bad = 0
@@ -129,6 +131,10 @@ class EpochRunner:
             train_stats = self.train_epoch(epoch)
             if self.interrupted:
                 break
+            if self.start is not None and self.done():  # --wise-ft: the last step trained, mixed with the start
+                self.start.mix()
+                a = self.start.alpha
+                self.acc.print(f"--wise-ft {a:g}: the weights are {a:g} x the trained + {1 - a:g} x the start's")
             # every --eval-every epochs, and after the last one (--epochs, or --max-steps reached in this one)
             due = (epoch + 1) % self.cfg.eval_every == 0 or epoch + 1 == self.cfg.epochs or self.done()
             with self.timer.phase("eval"):

@@ -52,6 +52,7 @@ from mmfast.train.setup import (
 from mmfast.train.slices import DataConfig, ProcessConfig, ReportConfig, Slices, cut, slices
 from mmfast.train.stop import StopFlag
 from mmfast.train.warm_start import ridge_start
+from mmfast.train.wise_ft import start_weights
 from mmfast.util.fsutil import atomic_write_json
 
 DEFAULT_OUT = "runs/latest"
@@ -198,8 +199,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
             accelerator.print(note)
     model = build_run_model(parts.model, dataset, task)
     # The loaders normalize with what the image encoder's weights expect (EfficientNet-Lite0: 0.5 / 0.5).
-    image = getattr(model, "image", None)
-    norm = image_norm(image)
+    norm = image_norm(getattr(model, "image", None))
     train_loader, val_loader, streamed, cache = build_loaders(parts.loader, accelerator, dataset, norm)
     # its fetches end with the loop, also when a fault stops the run (the warm start reads shards too)
     with cache or contextlib.nullcontext():
@@ -213,7 +213,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         fresh = resume_from is None
         warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader, task) if fresh else None
         steps = total_steps(parts.optim, len(train_loader))
-        model, optimizer, scheduler = _optimized(parts, accelerator, model, task, steps)
+        model, optimizer, scheduler, start = _optimized(parts, accelerator, model, task, steps, cfg.wise_ft)
         state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
         if accelerator.is_main_process:
             write_config(run_dir, identity, dataset.root, steps, resume_from, state["global_step"])
@@ -233,6 +233,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
             state,
             task,
             shard_cache=cache,
+            start=start,
         )
         last_metrics = _fit(cfg, runner, val_loader)
     if cfg.profile and accelerator.is_main_process:
@@ -259,9 +260,10 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
     return {**summary, "is_main_process": accelerator.is_main_process}
 
 
-def _optimized(parts: Slices, accelerator, model, task: Task, steps: int):
+def _optimized(parts: Slices, accelerator, model, task: Task, steps: int, wise_ft: float | None):
     """The model compiled as --compile says, and its optimizer and schedule for ``steps`` steps, prepared by
-    Accelerate; returns (model, optimizer, scheduler)."""
+    Accelerate; returns (model, optimizer, scheduler, --wise-ft's copy of the start: None for none)."""
+    start = start_weights(model, wise_ft)  # of the module itself, before compiling: the wrappers share its tensors
     if (compiling := compile_options(parts.compile)) is not None:
         check_compile_fits(parts.compile, task)
         model = torch.compile(model, **compiling)
@@ -269,7 +271,9 @@ def _optimized(parts: Slices, accelerator, model, task: Task, steps: int):
     # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    return model, optimizer, scheduler
+    if start is not None:  # each checkpoint carries it, and a resume loads it (after the scheduler: their order)
+        accelerator.register_for_checkpointing(start)
+    return model, optimizer, scheduler, start
 
 
 def _start_state(
