@@ -93,7 +93,8 @@ TOP2 = {k: v for k, v in MS_TOP2.items() if k != "image_pool"}  # the same on th
 # siglip-ms-top2-32-slow's variants: a longer warm-up, the text tower slower or faster, more of its layers training
 VARIANTS = [("warm", {"warmup_frac": 0.3}), ("enc1e-5", {"encoder_lr": 1e-5}), ("enc1e-4", {"encoder_lr": 1e-4})]
 VARIANTS += [("top4", {"text_train_layers": 4}), ("top6", {"text_train_layers": 6})]
-VARIANTS += [("top4-enc1e-4", {"text_train_layers": 4, "encoder_lr": 1e-4})]
+TOP4 = {"-enc1e-4": {"encoder_lr": 1e-4}, **{f"-wise{a:g}": {"wise_ft": a} for a in (0.5, 0.7)}}  # --wise-ft A
+VARIANTS += [(f"top4{k}", {"text_train_layers": 4, **v}) for k, v in TOP4.items()]
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
 RECIPES = {
@@ -164,9 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="--inner: the seeds that draw the inner val, one draw each (several: a table across the draws too)",
     )
     p.add_argument(
-        "--against",
-        default="clip",
-        help="the method the table across draws compares every other one with, draw by draw (default: clip)",
+        "--against", default="clip", help="the method the others are compared with, draw by draw (default: clip)"
     )
     p.add_argument(
         "--fuse-ridge",
