@@ -131,10 +131,7 @@ class EpochRunner:
             train_stats = self.train_epoch(epoch)
             if self.interrupted:
                 break
-            if self.start is not None and self.done():  # --wise-ft: the last step trained, mixed with the start
-                self.start.mix()
-                a = self.start.alpha
-                self.acc.print(f"--wise-ft {a:g}: the weights are {a:g} x the trained + {1 - a:g} x the start's")
+            self.mix_at_end()  # before the last evaluation and checkpoint
             # every --eval-every epochs, and after the last one (--epochs, or --max-steps reached in this one)
             due = (epoch + 1) % self.cfg.eval_every == 0 or epoch + 1 == self.cfg.epochs or self.done()
             with self.timer.phase("eval"):
@@ -168,7 +165,18 @@ class EpochRunner:
             self.checkpoint()
             if self.done():
                 break
+        self.mix_at_end()  # a stop signal after the last step, or a resume from its checkpoint: not mixed yet
         return {**evaluated, **metrics}
+
+    def mix_at_end(self) -> None:
+        """--wise-ft: once the last step has trained, the weights mixed with the start's. Once per run: the trainer
+        state records it, so a run resumed past its end trains on from the mixed weights."""
+        if self.start is None or not self.done() or self.state.get("wise_ft_mixed"):
+            return
+        self.start.mix()
+        self.state["wise_ft_mixed"] = True
+        a = self.start.alpha
+        self.acc.print(f"--wise-ft {a:g}: the weights are {a:g} x the trained + {1 - a:g} x the start's")
 
     def run_steps(self) -> None:
         """Train until ``total_steps`` optimizer steps, epoch after epoch, with nothing between the epochs: no

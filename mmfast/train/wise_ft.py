@@ -8,7 +8,8 @@ weight space often keeps some of both. The mixed model is an ordinary one: the s
 The start is copied once, after the warm start and before the first step: only the tensors that train (a locked
 tower's are the same at both ends). Each checkpoint carries the copy (registered with Accelerate), so a resumed
 run mixes with its first start, not with the checkpoint's weights. The mix happens once, when the last step has
-trained: the last evaluation, the last checkpoint and ``RUN/model-last`` see the mixed weights.
+trained: the last evaluation, the last checkpoint and ``RUN/model-last`` see the mixed weights. The trainer state
+records it, so a run resumed at its end is not mixed twice, and one resumed past it trains on from the mix.
 """
 
 from __future__ import annotations

@@ -76,6 +76,11 @@ def test_a_resumed_run_mixes_with_its_first_start(prepared, tmp_path):
     _train(prepared, part, "--wise-ft", "0.5", "--resume", "latest")
     a, b = _last(full), _last(part)
     assert all(torch.equal(a[k], b[k]) for k in a)  # mixed with the epoch-1 weights, they would differ
+    # resumed at its end, a run is not mixed again: its model directory holds its last checkpoint's weights
+    _train(prepared, full, "--wise-ft", "0.5", "--resume", "latest")
+    again = {k.removeprefix("model."): v for k, v in load_file(full / "model-last" / "model.safetensors").items()}
+    assert {"image_proj.weight", "text_proj.weight"} <= set(again)
+    assert all(torch.equal(again[k], a[k]) for k in a if k in again)
 
 
 def test_the_share_is_checked_and_an_earlier_run_resumes_as_unmixed(prepared, tmp_path, capsys):
