@@ -5,11 +5,12 @@ A dual encoder started from the ridge map (``--init-proj ridge``) with a pretrai
 that keeps the text tower's zero-shot prompts; training finds the captions better. A point between the two in
 weight space often keeps some of both. The mixed model is an ordinary one: the same tensors, the same export.
 
-The start is copied once, after the warm start and before the first step: only the tensors that train (a locked
-tower's are the same at both ends). Each checkpoint carries the copy (registered with Accelerate), so a resumed
-run mixes with its first start, not with the checkpoint's weights. The mix happens once, when the last step has
-trained: the last evaluation, the last checkpoint and ``RUN/model-last`` see the mixed weights. The trainer state
-records it, so a run resumed at its end is not mixed twice, and one resumed past it trains on from the mix.
+The start is copied once, after the warm start and before the first step: the tensors that train (a locked
+tower's are the same at both ends) and the floating-point buffers. Each checkpoint carries the copy (registered
+with Accelerate), so a resumed run mixes with its first start, not with the checkpoint's weights. The mix happens
+once, when the last step has trained: the last evaluation, the last checkpoint and ``RUN/model-last`` see the
+mixed weights. The trainer state records it, so a run resumed at its end is not mixed twice, and one resumed
+past it trains on from the mix.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import torch
 
 
 class StartWeights:
-    """A copy (on the CPU) of ``model``'s trainable tensors as they are now, and the share ``alpha`` the trained
-    ones keep when ``mix`` is called. ``model`` is the module itself, not a compiled or distributed wrapper: the
-    wrappers share its tensors, so mixing it mixes theirs."""
+    """A copy (on the CPU) of ``model``'s trainable tensors and floating-point buffers as they are now, and the
+    share ``alpha`` the trained ones keep when ``mix`` is called. ``model`` is the module itself, not a compiled or
+    distributed wrapper: the wrappers share its tensors, so mixing it mixes theirs."""
 
     def __init__(self, model: torch.nn.Module, alpha: float):
         self.model, self.alpha = model, alpha
-        self.tensors = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # and the floating-point buffers (batch norm's statistics), as WiSE-FT mixes the whole state
+        stats = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        self.tensors = {n: t.detach().to("cpu", copy=True) for n, t in (*trained, *stats)}
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (Accelerate's ``register_for_checkpointing``)."""
@@ -34,20 +38,20 @@ class StartWeights:
         """A checkpoint's copy of the start, in place of this run's weights as they stood before loading it.
 
         Raises:
-            ValueError: the copy names other tensors than the model trains (another model's checkpoint).
+            ValueError: the copy names other tensors than this model's (another model's checkpoint).
         """
         names, ours = set(state["tensors"]), set(self.tensors)
         if names != ours:
             odd = sorted(names ^ ours)[:3]
-            raise ValueError(f"--wise-ft: the checkpoint's start names other tensors than the model trains: {odd}")
+            raise ValueError(f"--wise-ft: the checkpoint's start names other tensors than this model's: {odd}")
         self.tensors = state["tensors"]
 
     @torch.no_grad()
     def mix(self) -> None:
-        """Every trainable tensor becomes ``alpha`` x itself + (1 - ``alpha``) x its start."""
-        for name, p in self.model.named_parameters():
+        """Every tensor copied becomes ``alpha`` x itself + (1 - ``alpha``) x its start."""
+        for name, t in (*self.model.named_parameters(), *self.model.named_buffers()):
             if name in self.tensors:
-                p.mul_(self.alpha).add_(self.tensors[name].to(p.device, p.dtype), alpha=1 - self.alpha)
+                t.mul_(self.alpha).add_(self.tensors[name].to(t.device, t.dtype), alpha=1 - self.alpha)
 
 
 def start_weights(model: torch.nn.Module, alpha: float | None) -> StartWeights | None:
