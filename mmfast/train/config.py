@@ -191,7 +191,7 @@ class TrainConfig:
         None,
         "optimization",
         "the weights a run ends with: this share of the trained ones plus the rest of those it started from "
-        "(after --init-proj), every trained tensor (WiSE-FT); 1: the trained ones alone; none: the preset's",
+        "(after --init-proj), every trained tensor and buffer (WiSE-FT); 1: the trained alone; none: the preset's",
     )
     scheduler: str = _opt("cosine", "optimization", "lr decay after the warm-up (transformers.get_scheduler)")
     grad_clip: float = _opt(1.0, "optimization", "clip the gradient norm to this (0: no clipping)")

@@ -25,16 +25,22 @@ def model_embeddings(model_dir: Path, data_dir: Path, threads: int | None) -> tu
     Returns:
         (images (N, D), texts (N, D), classes (C, D)), normalized.
     """
-    from mmfast.data.dataset import PreparedDataset
     from mmfast.infer.model_dir import load_model
+
+    got, classes = loaded_embeddings(load_model(model_dir), data_dir, threads)
+    return got["x"], got["t"], classes
+
+
+def loaded_embeddings(loaded, data_dir: Path, threads: int | None) -> tuple[dict, object]:
+    """``model_embeddings`` of a loaded model (``load_model``'s, its weights as they are now): (``embed_split``'s
+    dict of the val split, with "label" and "id"; the class prompts' embeddings)."""
+    from mmfast.data.dataset import PreparedDataset
     from mmfast.tasks.retrieval import class_embeddings
 
-    baselines, loaded = _baselines(), load_model(model_dir)
-    net, dataset = loaded.model.eval(), PreparedDataset(data_dir)
+    baselines, net, dataset = _baselines(), loaded.model.eval(), PreparedDataset(data_dir)
     encoders = (net.encode_image, net.encode_text, (net.image.mean, net.image.std))
     got = baselines.embed_split(dataset, "val", encoders, loaded.config["image_size"], threads)
-    classes = class_embeddings(baselines.embed_prompts(dataset, loaded.tokenizer, net.encode_text))
-    return got["x"], got["t"], classes
+    return got, class_embeddings(baselines.embed_prompts(dataset, loaded.tokenizer, net.encode_text))
 
 
 class RidgeMaps:

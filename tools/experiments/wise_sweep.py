@@ -1,5 +1,5 @@
 """--wise-ft's share swept without training again: one recipe trained, and its start, on each inner draw; then the
-last model's trainable tensors mixed with the start's at each share and scored on the inner val split.
+last model's floating-point tensors mixed with the start's at each share and scored on the inner val split.
 
 The start is a run of the same recipe whose one epoch moves nothing (``--lr 1e-12``, the encoders at 0): the same
 ridge start, the same pretrained tower. Scores are ``contrastive_baselines.score``'s, in float32, so a share of 1
@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tools.experiments.compare_contrastive as cc  # noqa: E402
 import tools.experiments.contrastive_baselines as baselines  # noqa: E402
+from tools.experiments.fuse_ridge import loaded_embeddings  # noqa: E402
 
 KEYS = ("i2t_r1", "t2i_r1", "zero_shot_acc")
 
@@ -35,24 +36,19 @@ def mixed_figures(trained: Path, start: Path, data_dir: Path, shares: list[float
     from mmfast.data.dataset import PreparedDataset
     from mmfast.infer.model_dir import load_model
     from mmfast.tasks.contrastive import sample_groups
-    from mmfast.tasks.retrieval import class_embeddings
 
-    loaded, first = load_model(trained), load_model(start)
-    end, begin = dict(loaded.model.state_dict()), first.model.state_dict()
-    end = {k: v.clone() for k, v in end.items()}
-    dataset, net = PreparedDataset(data_dir), loaded.model
-    groups = sample_groups(dataset)[0]
+    loaded, begin = load_model(trained), load_model(start).model.state_dict()
+    end = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    groups = sample_groups(PreparedDataset(data_dir))[0]
     got = {}
     for a in shares:
-        net.load_state_dict(
+        loaded.model.load_state_dict(
             {k: a * v + (1 - a) * begin[k] if v.is_floating_point() else v for k, v in end.items()}
         )
-        encoders = (net.eval().encode_image, net.encode_text, (net.image.mean, net.image.std))
         with torch.no_grad():
-            split = baselines.embed_split(dataset, "val", encoders, loaded.config["image_size"], None)
-            classes = class_embeddings(baselines.embed_prompts(dataset, loaded.tokenizer, net.encode_text))
-            marks = {"group": groups[split["id"]], "label": split["label"]}
-            got[a] = baselines.score(split["x"], split["t"], marks, classes)
+            split, classes = loaded_embeddings(loaded, data_dir, None)
+        marks = {"group": groups[split["id"]], "label": split["label"]}
+        got[a] = baselines.score(split["x"], split["t"], marks, classes)
     return got
 
 
