@@ -295,8 +295,8 @@ class EpochRunner:
                 "data_wait": s["data_wait"] + self.timer.total("data") - start.get("data", 0.0),
             }
             self.state.update(epoch_stats=s_now, loader=self.loader_states())
-            if not stop_mid_epoch:  # fit() writes that one after the evaluation
-                self.checkpoint()
+            if not stop_mid_epoch or self.interrupted:  # fit() writes --max-steps' after its evaluation
+                self.checkpoint()  # a stop signal on that step too: fit() stops before writing it
         if self.interrupted:
             step = self.state["global_step"]
             self.acc.print(

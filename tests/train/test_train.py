@@ -398,6 +398,25 @@ def test_a_run_stopped_before_its_first_evaluation_reports_no_best_figures(prepa
     assert (summary["val_acc"], summary["best_val_acc"], summary["best_val_macro_f1"]) == (None, None, None)
 
 
+def test_a_stop_signal_on_the_last_step_writes_the_checkpoint_it_names(prepared, tmp_path, monkeypatch, capsys):
+    """SIGTERM arriving on the step --max-steps ends an epoch at: the run stops before fit()'s evaluation and
+    checkpoint, so the step's own checkpoint is written where the signal was taken, as the message says."""
+    from mmfast.train.engine import EpochRunner
+
+    def stop_at_step_3(self) -> bool:
+        return self.state["global_step"] >= 3
+
+    monkeypatch.setattr(EpochRunner, "stop_requested", stop_at_step_3)
+    out = tmp_path / "run"
+    flags = ["--data", str(prepared), "--out", str(out), *FAST[2:], "--max-steps", "3"]
+    assert train_tool.main(flags) == 130
+    assert "stop signal: checkpoint written at step 3" in capsys.readouterr().out
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    monkeypatch.undo()
+    assert train_tool.main([*flags, "--resume", "latest"]) == 0  # nothing left to train: it ends
+    assert "step-00000003 (epoch 0, step 3)" in capsys.readouterr().out
+
+
 def test_best_checkpoint_is_kept_and_summary_names_best_and_last(prepared, tmp_path, monkeypatch):
     from mmfast.tasks import classification
 
