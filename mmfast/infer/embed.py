@@ -230,7 +230,9 @@ def evaluate_retrieval(model: MmfastModel, rows: list[dict], templates: list[str
         raise ValueError("no row could be embedded (reasons in the rows' errors)")
     text = model.encode_text([rows[p]["text"] for p in pairs]).cpu()
     text_image = torch.tensor([index[image_file(rows[p])] for p in pairs])
-    figures = retrieval_figures(torch.from_numpy(img), text, text_image)
+    captions: dict[str, int] = {}  # a caption repeated on several rows is one candidate (retrieval_figures)
+    same = torch.tensor([captions.setdefault(rows[p]["text"], len(captions)) for p in pairs])
+    figures = retrieval_figures(torch.from_numpy(img), text, text_image, same)
     labeled = [j for j, k in enumerate(kept) if "label" in rows[firsts[k]]]
     if labeled:
         labels = [str(rows[firsts[kept[j]]]["label"]) for j in labeled]
@@ -263,8 +265,11 @@ def zero_shot_rows(
         ValueError: the model knows no classes (trained without labels).
     """
     names = model.class_names
-    if not names:
-        raise ValueError("the model was trained without labels: it knows no classes to predict")
+    if len(names or ()) < 2:  # a --no-labels input's rows are all of one class
+        raise ValueError(
+            "the model was trained without labels: it knows no classes to predict; embed the images instead "
+            "(mmfast-predict --embed image)"
+        )
     done, img, kept = embed_rows(model, rows, "image", **kwargs)
     scale = model.model.scale_and_bias()[0].detach()  # the scale training and evaluation use
     probs = torch.softmax(scale * torch.from_numpy(img) @ _class_embeddings(model, names, templates).T, dim=1)
@@ -283,6 +288,8 @@ def _zero_shot(model: MmfastModel, img: np.ndarray, labels: list[str], templates
     """Zero-shot figures of the images ``img`` (N, D) with these labels: the classes are the model's when it
     knows every label, else the labels found."""
     classes = model.class_names if set(labels) <= set(model.class_names) else sorted(set(labels))
+    if len(classes) < 2:  # unlabeled rows (--no-labels: one class): any image would be "right"
+        return {}
     class_emb = _class_embeddings(model, classes, templates)
     index = {c: i for i, c in enumerate(classes)}
     got = zero_shot_figures(torch.from_numpy(img), torch.tensor([index[x] for x in labels]), class_emb)

@@ -220,9 +220,10 @@ class ContrastiveTask:
             ids, labels, img, txt, _ = _embed_split(model, loader)
             if ids.numel() == 0:
                 return {}
-            image_keys = self.groups(ids)[0].tolist()
-            first, text_image = caption_groups(image_keys)
-            figures = retrieval_figures(img[first], txt, text_image.to(img.device))
+            groups = self.groups(ids)
+            first, text_image = caption_groups(groups[0].tolist())
+            # byte-identical captions are one candidate, as they are not each other's negatives in the loss
+            figures = retrieval_figures(img[first], txt, text_image.to(img.device), groups[1])
             if self.class_names:
                 class_emb = self._class_embeddings(accelerator, model, img.device)
                 figures |= zero_shot_figures(img[first], labels[first], class_emb)

@@ -39,25 +39,51 @@ def caption_groups(image_keys: list) -> tuple[list[int], torch.Tensor]:
     return first_rows, torch.tensor(text_image, dtype=torch.long)
 
 
-def _ranks_t2i(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torch.Tensor) -> torch.Tensor:
-    """(Nt,) 1-based rank of each text's image among all images."""
+def _ranks_t2i(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torch.Tensor, owns) -> torch.Tensor:
+    """(Nt,) 1-based rank of each text's best-ranked own image among all images: its own image, and with
+    ``owns`` every image one of whose captions is this text."""
     ranks = []
     for s in range(0, len(text_emb), _CHUNK):
         sim = text_emb[s : s + _CHUNK] @ image_emb.T  # (c, Ni)
-        own = sim.gather(1, text_image[s : s + _CHUNK, None])  # (c, 1)
-        ranks.append((sim >= own).sum(1))  # the own image counts once: 1 + the others scoring >= it
+        if owns is None:
+            own_score = sim.gather(1, text_image[s : s + _CHUNK, None])  # (c, 1)
+            ranks.append((sim >= own_score).sum(1))  # the own image counts once: 1 + the others scoring >= it
+            continue
+        own = owns(torch.arange(len(image_emb), device=sim.device)[None, :], owns.group[s : s + _CHUNK, None])
+        best = sim.masked_fill(~own, float("-inf")).max(1, keepdim=True).values  # (c, 1)
+        ranks.append(1 + ((sim >= best) & ~own).sum(1))  # the other images scoring >= the best own
     return torch.cat(ranks)
 
 
-def _ranks_i2t(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torch.Tensor) -> torch.Tensor:
-    """(Ni,) 1-based rank of each image's best-ranked own caption among all texts."""
+def _ranks_i2t(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torch.Tensor, owns) -> torch.Tensor:
+    """(Ni,) 1-based rank of each image's best-ranked own caption among all texts; with ``owns``, among the
+    distinct captions: a caption repeated on other images counts once, and as the image's own where it is."""
     ranks = []
     for s in range(0, len(image_emb), _CHUNK):
         sim = image_emb[s : s + _CHUNK] @ text_emb.T  # (c, Nt)
-        own = text_image[None, :] == torch.arange(s, s + len(sim), device=sim.device)[:, None]  # (c, Nt)
+        rows = torch.arange(s, s + len(sim), device=sim.device)[:, None]
+        if owns is None:
+            own = text_image[None, :] == rows  # (c, Nt)
+        else:  # each distinct caption's best score, a column per caption group
+            group = owns.group[None, :].expand_as(sim)
+            sim = sim.new_full((len(sim), owns.groups), float("-inf")).scatter_reduce(1, group, sim, "amax")
+            own = owns(rows, torch.arange(owns.groups, device=sim.device)[None, :])
         best = sim.masked_fill(~own, float("-inf")).max(1, keepdim=True).values  # (c, 1)
-        ranks.append(1 + ((sim >= best) & ~own).sum(1))  # the other images' captions scoring >= the best own
+        ranks.append(1 + ((sim >= best) & ~own).sum(1))  # the other captions scoring >= the best own
     return torch.cat(ranks)
+
+
+class _Owns:
+    """Which (image, caption group) pairs a split holds: ``owns(images, groups)`` is True where that image has a
+    caption of that group (broadcast like the two index tensors)."""
+
+    def __init__(self, text_image: torch.Tensor, text_groups: torch.Tensor):
+        self.group = torch.unique(text_groups, return_inverse=True)[1]  # 0..G-1
+        self.groups = int(self.group.max()) + 1
+        self._keys = torch.unique(text_image * self.groups + self.group)
+
+    def __call__(self, images: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        return torch.isin(images * self.groups + groups, self._keys)
 
 
 def _median(ranks: torch.Tensor) -> float:
@@ -68,7 +94,9 @@ def _median(ranks: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def retrieval_figures(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torch.Tensor) -> dict:
+def retrieval_figures(
+    image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torch.Tensor, text_groups=None
+) -> dict:
     """Image -> text and text -> image recall@1/5/10 and median rank.
 
     Args:
@@ -76,6 +104,11 @@ def retrieval_figures(image_emb: torch.Tensor, text_emb: torch.Tensor, text_imag
         text_emb: (Nt, D) normalized text embeddings.
         text_image: (Nt,) int64, the index into ``image_emb`` of each text's image; every image has at least
             one text.
+        text_groups: (Nt,) int64, one value per distinct caption (texts with one value are the same caption),
+            or None: every text its own. A repeated caption is one candidate of image -> text, and the own
+            caption of every image it captions; text -> image finds any of those images. As the loss treats
+            them: rows that share a caption are not each other's negatives. Captions all distinct: the same
+            figures as None.
 
     Returns:
         {"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10": percent (0-100), "i2t_median_rank",
@@ -97,9 +130,16 @@ def retrieval_figures(image_emb: torch.Tensor, text_emb: torch.Tensor, text_imag
     captions = torch.bincount(text_image, minlength=ni)
     if bool((captions == 0).any()):
         raise ValueError(f"{int((captions == 0).sum())} image(s) have no text (first: {int(captions.argmin())})")
+    owns = None
+    if text_groups is not None:
+        text_groups = torch.as_tensor(text_groups, dtype=torch.long, device=text_emb.device).reshape(-1)
+        if len(text_groups) != nt:
+            raise ValueError(f"text_groups has {len(text_groups)} entries for {nt} texts")
+        if len(torch.unique(text_groups)) < nt:  # a caption repeats: its rows are one candidate
+            owns = _Owns(text_image, text_groups)
     ranks = {
-        "i2t": _ranks_i2t(image_emb, text_emb, text_image),  # (Ni,)
-        "t2i": _ranks_t2i(image_emb, text_emb, text_image),  # (Nt,)
+        "i2t": _ranks_i2t(image_emb, text_emb, text_image, owns),  # (Ni,)
+        "t2i": _ranks_t2i(image_emb, text_emb, text_image, owns),  # (Nt,)
     }
     figures = {
         f"{way}_r{k}": 100.0 * float((r <= k).double().mean()) for way, r in ranks.items() for k in RECALL_AT

@@ -334,12 +334,36 @@ def test_evaluate_reports_retrieval_and_zero_shot(prepared, clip_dir, tmp_path, 
     rows = prepared_rows(prepared, "val")
     _, img, kept = embed_rows(model, [rows[i] for i in first], "image")
     assert kept == list(range(len(first)))
-    want = retrieval_figures(torch.from_numpy(img), model.encode_text([r["text"] for r in rows]), text_image)
+    texts = [r["text"] for r in rows]
+    same = torch.tensor([texts.index(t) for t in texts])  # the demo's captions repeat: one candidate each
+    assert len(set(texts)) < len(texts)
+    want = retrieval_figures(torch.from_numpy(img), model.encode_text(texts), text_image, same)
     for key, value in want.items():
         assert figures[key] == pytest.approx(value, abs=1e-6), key
     assert 0 <= figures["zero_shot_acc"] <= 100 and figures["zero_shot_samples"] == len(first)
     assert figures["zero_shot_classes"] == len(model.class_names)
     assert "image -> text" in capsys.readouterr().out
+
+
+def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_shot(prepared, net, tmp_path, capsys):
+    """A --no-labels input's rows are all class 'unlabeled': the model knows no classes, so predicting one is
+    refused (not a confident 'unlabeled'), and evaluating unlabeled rows reports retrieval without a zero-shot
+    figure (one class: every image would be right)."""
+    import tools.evaluate as evaluate_tool
+    import tools.predict as predict_tool
+    from mmfast.data.dataset import PreparedDataset
+
+    config = {**net.config, "num_classes": 1, "class_names": ["unlabeled"]}
+    model_dir = save_model_dir(tmp_path / "model", net.model.state_dict(), config, prepared / "tokenizer")
+    val = PreparedDataset(prepared).rows("val")
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text("".join(json.dumps({"image": r["image"], "text": r["text"]}) + "\n" for r in val))
+    assert predict_tool.main(["--model", str(model_dir), "--image", val[0]["image"]]) == 2
+    assert "is a dual encoder and it was trained without labels: pass --embed" in capsys.readouterr().err
+    argv = ["--model", str(model_dir), "--input", str(rows), "--no-labels", "--out", str(tmp_path / "ev")]
+    assert evaluate_tool.main(argv) == 0
+    figures = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert figures["texts"] == len(val) and "i2t_r1" in figures and "zero_shot_acc" not in figures
 
 
 def test_onnx_export_of_both_towers_matches_pytorch(clip_dir, tmp_path):

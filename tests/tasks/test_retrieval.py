@@ -110,6 +110,48 @@ def test_matching_embeddings_retrieve_perfectly_and_a_constant_model_scores_wors
     assert worst["t2i_median_rank"] == worst["i2t_median_rank"] == 7.0 and worst["i2t_r5"] == 0.0
 
 
+def test_a_repeated_caption_is_one_candidate_and_every_image_it_captions_is_its_own(chunk):
+    # images 0 and 1 are both captioned "cat" (texts 0 and 1, group 7), image 2 "dog" (text 2), image 3 "dog"
+    # too (text 3) and "puppy" (text 4)
+    scores = [
+        [0.5, 0.75, 0.25, 0.0],  # "cat" (image 0's row): image 1 scores highest, and it is a cat too -> 1
+        [0.5, 0.75, 0.25, 0.0],  # the same caption on image 1's row, the same scores -> 1
+        [0.625, 0.125, 0.375, 0.25],  # "dog": image 0 (a cat) above both dogs -> 2
+        [0.625, 0.125, 0.375, 0.25],
+        [0.0, 0.875, 0.125, 0.5],  # "puppy": image 1 above image 3 -> 2 ("dog" is not "puppy")
+    ]
+    groups = torch.tensor([7, 7, 3, 3, 9])
+    f = retrieval_figures(torch.eye(4), torch.tensor(scores), torch.tensor([0, 1, 2, 3, 3]), groups)
+    assert f["t2i_r1"] == 40.0 and f["t2i_median_rank"] == 2.0  # ranks [1, 1, 2, 2, 2]
+    # i2t, the distinct captions' best scores per image (cat, dog, puppy): image 0 (0.5, 0.625, 0.0): its cat
+    # below dog -> 2; image 1 (0.75, 0.125, 0.875): 2; image 2 (0.25, 0.375, 0.125): dog first -> 1; image 3
+    # (0.0, 0.25, 0.5): puppy, its own -> 1. Without groups, image 0's "cat" would also lose to image 1's.
+    assert f["i2t_r1"] == 50.0 and f["i2t_median_rank"] == 1.5
+
+
+def test_captions_all_distinct_give_the_figures_of_no_groups(chunk):
+    g = torch.Generator().manual_seed(1)
+    img = torch.nn.functional.normalize(torch.randn(9, 8, generator=g), dim=1)
+    txt = torch.nn.functional.normalize(torch.randn(12, 8, generator=g), dim=1)
+    text_image = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 3, 3])
+    plain = retrieval_figures(img, txt, text_image)
+    assert retrieval_figures(img, txt, text_image, torch.arange(100, 112)) == plain
+    assert retrieval_figures(img, txt, text_image, torch.arange(11, -1, -1)) == plain
+
+
+def test_class_names_as_captions_retrieve_their_class():
+    """A folder of classes with the class name as every caption: a model that puts each image on its class's
+    caption retrieves perfectly; counting the other images' identical captions against it scored 0 R@1."""
+    g = torch.Generator().manual_seed(2)
+    classes = torch.nn.functional.normalize(torch.randn(3, 16, generator=g), dim=1)
+    label = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    img = torch.nn.functional.normalize(classes[label] + 0.01 * torch.randn(7, 16, generator=g), dim=1)
+    txt = classes[label]  # image i's caption: its class name
+    assert retrieval_figures(img, txt, torch.arange(7))["i2t_r1"] == 0.0  # every image ties with its kin
+    f = retrieval_figures(img, txt, torch.arange(7), label)
+    assert f["i2t_r1"] == f["t2i_r1"] == 100.0
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="have no text"):
         retrieval_figures(torch.eye(3), torch.eye(3)[:2], torch.tensor([0, 0]))
@@ -117,6 +159,8 @@ def test_bad_inputs_are_refused():
         retrieval_figures(torch.eye(3), torch.eye(3), torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match="embeddings"):
         retrieval_figures(torch.eye(3), torch.eye(4), torch.tensor([0, 1, 2, 2]))
+    with pytest.raises(ValueError, match="text_groups has 2 entries for 3 texts"):
+        retrieval_figures(torch.eye(3), torch.eye(3), torch.arange(3), torch.tensor([0, 0]))
 
 
 def test_caption_groups():
