@@ -205,7 +205,7 @@ def print_summary(summary: dict) -> None:
     if c["classes"] < 2:
         print(
             f"note: one class only (labels.json): the loader reads it, but {TRAIN}'s classifiers need at "
-            "least 2 classes (map a label with --label-column)"
+            "least 2 classes (map a label with --label-column); a contrastive model (--model clip) needs none"
         )
 
 

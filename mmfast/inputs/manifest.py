@@ -314,6 +314,7 @@ def _csv_rows(
             f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; name the columns "
             "image,text,label, map yours with --image-column/--text-column/--label-column, or pass --columns "
             "for a file without a header line"
+            + ("; pairs without labels (for --model clip): --no-labels" if missing == {columns.label} else "")
         )
     rows = []
     end = reader.line_num  # the header's last line

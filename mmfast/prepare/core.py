@@ -282,6 +282,8 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> 
         root = cfg.inputs.image_root or base
         where = f"relative paths are read from {root}; a COCO JSON's from --image-root DIR"
         lines.append(f"  (every image is missing: {where})")
+    if rejects and all(r.reason.startswith("missing field 'label'") for r in rejects):
+        lines.append("  (no row has a label: pass --no-labels for image-text pairs, as --model clip trains on)")
     report = failure_report_path(cfg.out)
     if not rejects:
         lines[0] = f"{cfg.source}: no rows to prepare (the input is empty)"

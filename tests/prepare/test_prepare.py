@@ -250,6 +250,15 @@ def test_tool_exit_codes_and_messages(tmp_path, capsys, demo_manifest):
     err = capsys.readouterr().err
     assert "no usable rows out of 1" in err and "missing file" in err and str(m) in err
     assert not (tmp_path / "o").exists()  # nothing half-written
+    # image-text pairs without a label: the message says how to prepare them
+    image = json.loads(demo_manifest.read_text().splitlines()[0])["image"]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"image": image, "text": "a"}, {"image": image, "text": "b"}])
+    assert prepare_data.main([str(pairs), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "missing field 'label'" in (err := capsys.readouterr().err) and "pass --no-labels" in err, err
+    csv_pairs = tmp_path / "pairs.csv"
+    csv_pairs.write_text(f"image,text\n{image},a\n")
+    assert prepare_data.main([str(csv_pairs), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "lacks ['label']" in (err := capsys.readouterr().err) and "--no-labels" in err, err
     (tmp_path / "x.txt").write_text("image,text\n")
     assert prepare_data.main([str(tmp_path / "x.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "unknown manifest format" in capsys.readouterr().err
