@@ -41,7 +41,7 @@ def parse_args(argv):
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     p.add_argument(
         "--out",
-        help="the profile's run directory (default: runs/profile, an earlier profile there moved aside)",
+        help="the profile's run directory (default: runs/profile); an earlier profile there is moved aside",
     )
     return p.parse_known_args(argv)
 
@@ -127,8 +127,9 @@ def _profile(args, train_flags: list[str]) -> dict:
     default_out = args.out is None
     args.out = args.out or "runs/profile"
     flags = [*train_flags, "--out", args.out]
-    if default_out and "--overwrite" not in train_flags:
-        flags.append("--overwrite")  # profiling again is the normal use: the earlier profile is moved aside
+    # profiling again is the normal use: an earlier profile is moved aside (a training run only if asked)
+    if (default_out or (Path(args.out) / "profile.json").is_file()) and "--overwrite" not in train_flags:
+        flags.append("--overwrite")
     cfg = parse_config(flags)
     if args.trace:
         import torch  # torch: only when asked for (--trace); --help imports none

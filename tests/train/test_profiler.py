@@ -196,6 +196,12 @@ def test_the_profile_tool_writes_no_checkpoints_and_reports_the_steady_state(
     err = capsys.readouterr().err
     assert err.startswith("error: --data") and "Traceback" not in err and len(err.splitlines()) == 1
     assert json.loads((out / "profile.json").read_text())["steps"] == 8  # the last profile is back in place
+    mine = tmp_path / "mine"  # a profile's own --out: profiled again, the earlier one is moved aside too
+    assert (
+        profile_tool.main([*flags, "--out", str(mine)]) == 0
+        and profile_tool.main([*flags, "--out", str(mine)]) == 0
+    )
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("mine.old-")]) == 1
 
 
 def test_advice_fits_the_machine():
