@@ -9,7 +9,8 @@ A dual encoder (--model clip) is written as its two towers: OUT/image.onnx (imag
 OUT/text.onnx (input_ids, attention_mask -> embedding (B, D)), normalized; OUT/image.pt2 and OUT/text.pt2.
 --format open_clip writes OUT/open_clip (``open_clip.create_model_and_transforms("local-dir:OUT/open_clip")``),
 --format hf writes OUT/hf/image and OUT/hf/text (transformers, timm, sentence-transformers); a tower the
-library cannot build is refused before anything is written, naming it and the formats that hold it.
+library cannot build is refused before anything is written, naming it and the formats that hold it (--format
+all leaves that format out, naming it and why).
 """
 
 from __future__ import annotations
@@ -45,14 +46,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
         "--format",
-        type=formats,
         default="both",
-        help=f"comma-separated: {', '.join(FORMATS)}; both: onnx,torch; all: every one (default: both)",
+        help=f"comma-separated: {', '.join(FORMATS)}; both: onnx,torch; all: every one that can hold the model, "
+        "the others named and left out (default: both)",
     )
     p.add_argument("--opset", type=int, default=17)
     p.add_argument("--atol", type=float, default=1e-4, help="largest allowed |onnxruntime - PyTorch| logit")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime parity check")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.every = "all" in (n.strip() for n in args.format.split(","))  # a refused format is left out, not fatal
+    try:
+        args.format = formats(args.format)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"argument --format: {e}")
+    return args
 
 
 @command_line
@@ -65,11 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # a model directory that cannot be used (ModelDirError)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        peers = peer_writers(model, args.format, Path(args.out))  # a refused tower: before anything is written
+    try:  # a refused tower: before anything is written
+        peers, left_out = peer_writers(model, args.format, Path(args.out), every=args.every)
     except ValueError as e:  # FormatRefusal
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for name, why in left_out.items():
+        print(f"note: --format all leaves out {name}: {why}")
+    args.left_out = left_out
     try:
         claim_output_dir(args.out, "export")  # a folder of the user's is refused, never written into
         return export(model, args, peers)
@@ -85,26 +95,37 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def peer_writers(model, names: tuple[str, ...], out: Path) -> dict:
-    """{format: a function writing it} for the peer libraries' formats asked for, each checked first.
+def peer_writers(model, names: tuple[str, ...], out: Path, every: bool = False) -> tuple[dict, dict]:
+    """({format: a function writing it}, {format: why it was left out}) for the peer libraries' formats asked
+    for, each checked first. ``every`` (--format all): a format that cannot hold the model is left out.
 
     Raises:
-        FormatRefusal: the model, or a tower of it, is not one the format's library builds.
+        FormatRefusal: the model, or a tower of it, is not one the format's library builds (not ``every``).
     """
-    writers = {}
-    if "open_clip" in names:
-        # torch: imported when the command runs, so --help stays light
+    from mmfast.infer.peer_towers import FormatRefusal  # torch: imported when the command runs
+
+    writers, left_out = {}, {}
+    for name in (n for n in names if n in ("open_clip", "hf")):
+        try:
+            writers[name] = _checked_writer(model, name, out)
+        except FormatRefusal as e:
+            if not every:
+                raise
+            left_out[name] = str(e)
+    return writers, left_out
+
+
+def _checked_writer(model, name: str, out: Path):
+    """The writer of a peer format (open_clip, hf), once the model is checked to fit it (FormatRefusal)."""
+    if name == "open_clip":  # each library's code imported only when its format is asked for
         from mmfast.infer.export_open_clip import open_clip_config, write_open_clip
 
         open_clip_config(model, out / "open_clip")
-        writers["open_clip"] = write_open_clip
-    if "hf" in names:
-        # torch: imported when the command runs, so --help stays light
-        from mmfast.infer.export_hf import hf_towers, write_hf
+        return write_open_clip
+    from mmfast.infer.export_hf import hf_towers, write_hf
 
-        hf_towers(model)
-        writers["hf"] = write_hf
-    return writers
+    hf_towers(model)
+    return write_hf
 
 
 def export(model, args: argparse.Namespace, peers: dict | None = None) -> int:
@@ -114,6 +135,8 @@ def export(model, args: argparse.Namespace, peers: dict | None = None) -> int:
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
+    if getattr(args, "left_out", None):
+        report["left_out"] = args.left_out
     for name, write in (peers or {}).items():
         report[name] = str(write(model, out / name))
     if model.embeds:

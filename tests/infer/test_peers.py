@@ -156,7 +156,7 @@ def _model_dir(prepared: Path, tmp_path: Path, **fields) -> Path:
     [
         ({}, "open_clip", ["image backbone 'resnet10'", "timm's resnet18 with {'layers': [1, 1, 1, 1]}"]),
         ({"model": "concat"}, "open_clip", ["holds image-text dual encoders", "'concat' model is a classifier"]),
-        ({"model": "concat"}, "all", ["holds image-text dual encoders", "--format hf"]),
+        ({"model": "concat"}, "open_clip,hf", ["holds image-text dual encoders", "--format hf"]),
         ({"image_backbone": "timm:test_efficientnet", "image_pool": "multiscale"}, "hf", ["pools its stages"]),
     ],
 )
@@ -169,11 +169,28 @@ def test_a_format_that_cannot_hold_the_model_is_refused_before_anything_is_writt
     out = tmp_path / "export"
     assert export_tool.main(["--model", str(model_dir), "--out", str(out), "--format", fmt]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --format {'open_clip' if fmt == 'all' else fmt}") and err.count("\n") == 1
+    assert err.startswith(f"error: --format {fmt.split(',')[0]}") and err.count("\n") == 1
     for w in words:
         assert w in err
     assert "--format onnx or --format torch" in err or "--format onnx or torch" in err
     assert not out.exists()
+
+
+def test_format_all_writes_every_format_that_holds_the_model_and_names_the_rest(prepared, tmp_path, capsys):
+    """--format all on a tower open_clip cannot build (ResNet-10): the other formats are written, and open_clip
+    is named with its reason, on the screen and in export.json; the same formats named one by one refuse."""
+    import tools.export as export_tool
+
+    model_dir, out = _model_dir(prepared, tmp_path), tmp_path / "export"
+    assert export_tool.main(["--model", str(model_dir), "--out", str(out), "--format", "all"]) == 0
+    said = capsys.readouterr().out
+    assert "note: --format all leaves out open_clip: --format open_clip: open_clip builds a timm image" in said
+    report = json.loads((out / "export.json").read_text())
+    assert set(report["left_out"]) == {"open_clip"} and "resnet10" in report["left_out"]["open_clip"]
+    assert {"image.onnx", "text.onnx", "image.pt2", "text.pt2", "hf"} <= {p.name for p in out.iterdir()}
+    assert not (out / "open_clip").exists()
+    argv = ["--model", str(model_dir), "--out", str(tmp_path / "e2"), "--format", "onnx,torch,open_clip,hf"]
+    assert export_tool.main(argv) == 2 and not (tmp_path / "e2").exists()
 
 
 def test_a_torchvision_resnet_tower_goes_to_transformers_as_timm_builds_it(prepared, tmp_path):
