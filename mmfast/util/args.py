@@ -2,6 +2,7 @@
 failed writes."""
 
 import argparse
+import difflib
 import re
 import sys
 
@@ -46,8 +47,26 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if old in message]
-        hint = f"; {'; '.join(renamed)}" if renamed else ""
+        hints = renamed or self._close_flags(message)
+        hint = f"; {'; '.join(hints)}" if hints else ""
         self.exit(2, f"error: {message}{hint} (see {self.prog} --help)\n")
+
+    def _close_flags(self, message: str) -> list[str]:
+        """The hint "did you mean --epochs for --epoch?" for the unknown flags of an "unrecognized arguments"
+        message that are near one of this command's flags (a typo, a prefix): a hint, never taken for it."""
+        if not message.startswith("unrecognized arguments:"):
+            return []
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        near = {}
+        for word in message.split(":", 1)[1].split():
+            name = word.split("=", 1)[0]
+            if name.startswith("--") and name not in flags:
+                longer = [f for f in flags if f.startswith(name)]  # a prefix of one flag, or a typo of one
+                m = longer if len(longer) == 1 else difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+                near |= {name: m[0]} if m else {}
+        if not near:
+            return []
+        return ["did you mean " + ", ".join(f"{flag} for {typo}" for typo, flag in near.items()) + "?"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

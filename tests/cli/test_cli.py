@@ -60,7 +60,10 @@ def test_a_prefix_of_a_flag_is_not_that_flag_and_a_renamed_flag_names_its_new_na
     main = importlib.import_module(f"mmfast.cli.{command}").main
     with pytest.raises(SystemExit) as stop:
         main(argv)
-    assert stop.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in err
+    meant = {"train": "--epochs", "prepare": "--val-fraction", "predict": "--text", "evaluate": "--batch-size"}
+    assert f"did you mean {meant[command]} for {argv[-2]}?" in err, err  # a hint, never taken for it
     if command == "train":
         with pytest.raises(SystemExit):
             main(["--data", "x", "--cache-limit-gb", "5"])
