@@ -29,6 +29,7 @@ def print_table(summary: dict) -> None:
         ("images/s", f"{summary['images_per_s']:.0f}"),
         ("optimizer steps", str(summary["global_step"])),
         ("skipped steps", str(summary["skipped_steps"])),
+        *_skipped_row(summary),
         ("images", summary.get("images", "")),
         *_shards_row(summary),
         ("wall time", f"{summary['wall_s']:.1f} s"),
@@ -36,6 +37,12 @@ def print_table(summary: dict) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _skipped_row(summary: dict) -> list[tuple[str, str]]:
+    """Unreadable train images the run left out, when there were any."""
+    n = summary.get("skipped_samples")
+    return [("skipped images", f"{n} unreadable (named in the log)")] if n else []
 
 
 def _accuracy_row(summary: dict) -> list[tuple[str, str]]:

@@ -174,6 +174,8 @@ def summarize(
         "global_step": state["global_step"],
         "epochs_done": state["epoch"],
         "skipped_steps": state["skipped_steps"],
+        # unreadable train images left out so far (metrics.jsonl's, the last epoch's count; the log names them)
+        "skipped_samples": last_metrics.get("skipped_samples", 0),
         "interrupted": interrupted,
         "run_dir": str(run_dir),
     }

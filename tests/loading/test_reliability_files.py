@@ -82,7 +82,11 @@ def _train_with_garbage(tmp_path: Path, *flags: str) -> dict:
     cmd = train_cmd(d, out, "--batch-size", "64", *flags)  # the later --batch-size wins: DALI batches of 64
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    last = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    # the end of the run says so too: summary.json and the table
+    assert json.loads((out / "summary.json").read_text())["skipped_samples"] == last["skipped_samples"]
+    assert re.search(rf"skipped images +{last['skipped_samples']} unreadable", run.stdout), run.stdout[-2000:]
+    return last
 
 
 def test_training_with_its_defaults_skips_non_image_bytes(tmp_path):

@@ -130,8 +130,8 @@ def test_a_model_registered_from_outside_trains_with_the_real_loop(prepared, tmp
     assert list(json.loads((out / "summary.json").read_text())) == [
         *("val_acc", "val_macro_f1", "best_val_acc", "best_val_macro_f1", "best_epoch", "best_checkpoint"),
         *("images_per_s", "wall_s", "device", "mixed_precision", "num_processes", "model", "preset"),
-        *("image_backbone", "text_model", "global_step", "epochs_done", "skipped_steps", "interrupted"),
-        *("run_dir", "hardware_choices", "images"),
+        *("image_backbone", "text_model", "global_step", "epochs_done", "skipped_steps", "skipped_samples"),
+        *("interrupted", "run_dir", "hardware_choices", "images"),
     ]
     (m,) = _jsonl(out / "metrics.jsonl")
     assert list(m) == [
