@@ -106,6 +106,13 @@ class MmfastModel(
     def class_names(self) -> list[str]:
         return list(self.config["class_names"])
 
+    @property
+    def transform(self):
+        """The image preprocessing evaluation applies, for a PIL image: resize, center crop, mean / std; returns
+        (3, S, S) float32, what ``forward`` takes as a batch's "image" rows. With PIL's resize, close to the DALI
+        pipeline's pixels, not bit-equal."""
+        return pil_transform(self.config)
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | dict:
         return self.model(batch)  # (B, C), or the dual encoder's dict
 

@@ -192,6 +192,9 @@ def test_model_dir_round_trips_encode_image_and_encode_text(prepared, net, clip_
     from PIL import Image
 
     tf = pil_transform(config)
+    assert torch.equal(
+        loaded.transform(Image.open(paths[0]).convert("RGB")), tf(Image.open(paths[0]).convert("RGB"))
+    )
     with torch.no_grad():
         want = net.model.encode_image(torch.stack([tf(Image.open(p).convert("RGB")) for p in paths]))
     torch.testing.assert_close(loaded.encode_image(paths, batch_size=2), want, rtol=1e-5, atol=1e-6)
