@@ -195,6 +195,8 @@ def image_problem(row: dict, max_pixels: int) -> str:
         return f"image is a directory, not an image file: {row['image']}"
     if not os.path.isfile(path):
         return f"image not found: {row['image']}"
+    if os.path.getsize(path) == 0:  # as mmfast-prepare names it
+        return "image unreadable: zero size file"
     try:
         header = image_header(path)  # one open per image; the budget's words only for one over it
     except Image.DecompressionBombError:

@@ -180,12 +180,13 @@ def test_export_errors_are_one_line(model_dir, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def bad_images(tmp_path_factory, demo_manifest) -> dict[str, Path]:
-    """Images predict cannot use: text named .jpg, a PNG whose header declares 9400x9400 (11 KB on disk,
-    88 MP decoded), a JPEG cut short (its header reads; DALI's decoder refuses it) and a good JPEG."""
+    """Images predict cannot use: text named .jpg, an empty file, a PNG whose header declares 9400x9400 (11 KB
+    on disk, 88 MP decoded), a JPEG cut short (its header reads; DALI's decoder refuses it) and a good JPEG."""
     folder = tmp_path_factory.mktemp("bad-images")
     good = demo_manifest.parent / json.loads(demo_manifest.read_text().splitlines()[0])["image"]
     data = good.read_bytes()
     (folder / "text.jpg").write_text("not an image\n")
+    (folder / "empty.jpg").write_bytes(b"")
     Image.new("1", (9400, 9400)).save(folder / "huge.png")
     (folder / "cut.jpg").write_bytes(data[: len(data) // 2])
     shutil.copy(good, folder / "good.jpg")
@@ -198,6 +199,7 @@ def bad_images(tmp_path_factory, demo_manifest) -> dict[str, Path]:
         ("text", "image unreadable: not an image (unrecognised content); pass a JPEG, PNG"),
         ("huge", "image unreadable: image is 9400x9400 = 88.4 MP, over the 64 MP budget (--max-pixels)"),
         ("cut", "image unreadable: truncated image"),
+        ("empty", "image unreadable: zero size file"),  # mmfast-prepare's words for it
     ],
 )
 def test_one_bad_image_exits_2_in_one_line(name, reason, model_dir, bad_images, capsys):
