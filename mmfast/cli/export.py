@@ -117,11 +117,13 @@ def peer_writers(model, names: tuple[str, ...], out: Path, every: bool = False) 
 
 def _checked_writer(model, name: str, out: Path):
     """The writer of a peer format (open_clip, hf), once the model is checked to fit it (FormatRefusal)."""
-    if name == "open_clip":  # each library's code imported only when its format is asked for
+    if name == "open_clip":
+        # torch: imported when the command runs, and each library's code only when its format is asked for
         from mmfast.infer.export_open_clip import open_clip_config, write_open_clip
 
         open_clip_config(model, out / "open_clip")
         return write_open_clip
+    # torch: imported when the command runs, and each library's code only when its format is asked for
     from mmfast.infer.export_hf import hf_towers, write_hf
 
     hf_towers(model)
