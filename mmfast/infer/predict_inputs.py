@@ -65,7 +65,7 @@ def read_rows(
     Returns:
         one dict per input row, in input order (by file, then line): "image", "text", "label" (when the row
         has one) and "path" (the file to read, when "image" only names it), or "error" ("<file>:<line>:
-        <reason>", with "image" and "text" None).
+        <reason>", with the row's "image", "text" and "label" cells as written, None where it has none).
 
     Raises:
         ManifestError: the input cannot be read as a whole (missing, unknown format, a named column absent,
@@ -90,7 +90,7 @@ def read_rows(
         item, with_label = chosen[key]
         if isinstance(item, Reject):
             where = _where(item, reader.rows_are_files, path, base)
-            rows.append({"image": None, "text": None, "error": f"{where}: {item.reason}"})
+            rows.append({**_raw_cells(item, opts), "error": f"{where}: {item.reason}"})
         elif reader.in_place is not None:
             rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir, fetched))
         else:
@@ -170,6 +170,16 @@ def _candidate_row(c: Candidate, with_label: bool, path: Path, base: Path, work_
         file = base / c.file if c.file else path
         row.update(image=f"{file} row {c.line}", path=c.image)
     return row
+
+
+def _raw_cells(r: Reject, opts: InputOptions) -> dict:
+    """A row that could not be read, as it was given: its image, text and label cells where the input row has
+    them (else None), so that its line of the predictions keeps what the user wrote."""
+    raw = r.row if isinstance(r.row, dict) else {}
+    names = {"image": opts.image_column, "text": opts.text_column, "label": opts.label_column}
+    cells = {key: raw.get(column or key) for key, column in names.items()}
+    cells = {k: str(v) if isinstance(v, int | float | str) else None for k, v in cells.items()}  # not a list
+    return {"image": cells["image"], "text": cells["text"]} | ({"label": cells["label"]} if cells["label"] else {})
 
 
 def _where(r: Reject, rows_are_files: bool, path: Path, base: Path) -> str:
