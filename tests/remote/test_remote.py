@@ -654,6 +654,22 @@ def test_the_cache_refuses_a_folder_of_the_users_files(tmp_path):
     assert os.listdir(tmp_path) == ["mine.txt"]
 
 
+def test_a_cache_another_process_is_claiming_this_instant_is_not_refused(tmp_path):
+    """The race two processes opening one new cache met (one refused it, seeing the other's folders a moment
+    before its marker): a folder that looks foreign is looked at again before it is refused."""
+    from mmfast.util.fsutil import write_marker
+
+    root = tmp_path / "c"
+    (root / "shards").mkdir(parents=True)  # the other claimer's folders, its marker not written yet
+    late = threading.Timer(0.2, write_marker, args=(root, "shard cache"))
+    late.start()
+    try:
+        with ShardCache(root, SHARD) as cache:
+            assert cache.root == root
+    finally:
+        late.join()
+
+
 def _spawned_get(root: str, item: tuple, ready, go, results) -> None:
     """One process of the two-process test: open the cache, say so, wait for the start, get the shard."""
     try:
