@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 KIND = "shard cache"  # the kind in the root's marker
 _NAME = re.compile(r"[0-9a-f]{20}-[A-Za-z0-9._-]{1,80}")  # a complete shard's file name
 _POLL_S = 0.02  # how often a waiter tries a busy lock again
-_CLAIM_LOOKS = 50  # looks at a cache folder that seems foreign before refusing it (1 s: another claimer's race)
 _ROUNDS = 5  # how many times a shard evicted between its fetch and its pin is fetched again
 _AHEAD_NS = 3600 * 10**9  # how far ahead a prefetched, unread shard is dated (see _background)
 REPORT_S = 15.0  # a reader that waits this long for a shard says what it waits for, and again as often
@@ -410,13 +409,7 @@ def _key(url: str, sha256: str | None) -> str:
 def _claim_root(root: Path) -> Path:
     """Create the cache's folder, or accept an earlier cache's (or an empty folder); never a folder of files
     mmfast did not put there, since eviction deletes files."""
-    # Another process may be claiming it this instant: its marker and folders appear between our looks (seen
-    # as "not empty, no marker"), so a refusal is looked at again before it is final.
-    for _ in range(_CLAIM_LOOKS):
-        if not root.exists() or is_replaceable(root, KIND):
-            break
-        time.sleep(_POLL_S)
-    else:
+    if root.exists() and not is_replaceable(root, KIND):
         raise OutputDirError(
             f"{root}: holds files that are not a {KIND}'s (no {MARKER} of kind {KIND!r}); pass a new or empty "
             "folder for the shard cache"

@@ -317,7 +317,12 @@ def is_replaceable(directory: Path, kind: str | None = None) -> bool:
     if directory.is_symlink() or not directory.is_dir():
         return False
     if not (directory / MARKER).is_file():
-        return not any(directory.iterdir())
+        if not any(directory.iterdir()):
+            return True
+        # Another process claiming the folder this instant may have written its marker between the two looks
+        # (the marker being what made the folder non-empty): look for it again before calling it the user's.
+        if not (directory / MARKER).is_file():
+            return False
     # An unreadable marker (kind None) is what a run killed (or out of disk) while writing it leaves.
     return kind is None or marker_kind(directory) in (kind, None)
 

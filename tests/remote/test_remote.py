@@ -29,7 +29,7 @@ from mmfast.remote import objects as remote
 from mmfast.remote.errors import PermanentRemoteError, TransientRemoteError
 from mmfast.remote.http_get import HTTPStatusError
 from mmfast.remote.shard_cache import CacheFullError, ShardCache
-from mmfast.util.fsutil import OutputDirError
+from mmfast.util.fsutil import MARKER, OutputDirError, write_marker
 from tools.benchmarks.benchlib.fault_proxy import FaultProxy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -654,20 +654,26 @@ def test_the_cache_refuses_a_folder_of_the_users_files(tmp_path):
     assert os.listdir(tmp_path) == ["mine.txt"]
 
 
-def test_a_cache_another_process_is_claiming_this_instant_is_not_refused(tmp_path):
-    """The race two processes opening one new cache met (one refused it, seeing the other's folders a moment
-    before its marker): a folder that looks foreign is looked at again before it is refused."""
-    from mmfast.util.fsutil import write_marker
-
+def test_a_cache_another_process_is_claiming_this_instant_is_not_refused(tmp_path, monkeypatch):
+    """The race two processes opening one new cache met: one looked for the marker, the other wrote it, and the
+    first then found the folder non-empty and refused it as the user's. The marker is looked for again."""
     root = tmp_path / "c"
-    (root / "shards").mkdir(parents=True)  # the other claimer's folders, its marker not written yet
-    late = threading.Timer(0.2, write_marker, args=(root, "shard cache"))
-    late.start()
-    try:
-        with ShardCache(root, SHARD) as cache:
-            assert cache.root == root
-    finally:
-        late.join()
+    root.mkdir()
+    listed = Path.iterdir
+
+    def other_claimer_marks_first(self):
+        if self == root and not (root / MARKER).exists():
+            write_marker(root, "shard cache")  # lands between the marker's look and the listing
+        return listed(self)
+
+    monkeypatch.setattr(Path, "iterdir", other_claimer_marks_first)
+    with ShardCache(root, SHARD) as cache:
+        assert cache.root == root
+    # A folder of the user's files is still refused: nothing marks it between the looks.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "photo.jpg").write_bytes(b"x")
+    with pytest.raises(OutputDirError, match="not a shard cache"):
+        ShardCache(tmp_path / "mine", SHARD)
 
 
 def _spawned_get(root: str, item: tuple, ready, go, results) -> None:
