@@ -274,9 +274,8 @@ def _main(argv: list[str] | None) -> int:
             return 2
         if args.embed:
             return embed(args, model, rows, device, source)
-        classes = len(model.class_names or ())  # a --no-labels input's model has one, 'unlabeled'
-        if model.embeds and (args.compare_pil or classes < 2):
-            why = "--compare-pil times a classifier" if classes >= 2 else "it was trained without labels"
+        if model.embeds and (args.compare_pil or not model.knows_classes):
+            why = "--compare-pil times a classifier" if model.knows_classes else "it was trained without labels"
             print(
                 f"error: {args.model} is a dual encoder and {why}: pass --embed image|text for embeddings",
                 file=sys.stderr,

@@ -25,6 +25,7 @@ from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
     class_prompts,
+    known_classes,
     read_templates,
     retrieval_figures,
     zero_shot_figures,
@@ -264,12 +265,12 @@ def zero_shot_rows(
     Raises:
         ValueError: the model knows no classes (trained without labels).
     """
-    names = model.class_names
-    if len(names or ()) < 2:  # a --no-labels input's rows are all of one class
+    if not model.knows_classes:
         raise ValueError(
             "the model was trained without labels: it knows no classes to predict; embed the images instead "
             "(mmfast-predict --embed image)"
         )
+    names = model.class_names
     done, img, kept = embed_rows(model, rows, "image", **kwargs)
     scale = model.model.scale_and_bias()[0].detach()  # the scale training and evaluation use
     probs = torch.softmax(scale * torch.from_numpy(img) @ _class_embeddings(model, names, templates).T, dim=1)
@@ -288,7 +289,7 @@ def _zero_shot(model: MmfastModel, img: np.ndarray, labels: list[str], templates
     """Zero-shot figures of the images ``img`` (N, D) with these labels: the classes are the model's when it
     knows every label, else the labels found."""
     classes = model.class_names if set(labels) <= set(model.class_names) else sorted(set(labels))
-    if len(classes) < 2:  # unlabeled rows (--no-labels: one class): any image would be "right"
+    if not known_classes(classes):  # unlabeled rows (--no-labels: one class)
         return {}
     class_emb = _class_embeddings(model, classes, templates)
     index = {c: i for i, c in enumerate(classes)}

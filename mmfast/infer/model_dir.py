@@ -54,6 +54,7 @@ from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirEr
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
 from mmfast.models.start_towers import tower_from_record
+from mmfast.tasks.retrieval import known_classes
 from mmfast.util.fsutil import atomic_dir, file_sha256
 from mmfast.util.locks import file_lock
 from mmfast.util.voice import setting
@@ -105,6 +106,12 @@ class MmfastModel(
     @property
     def class_names(self) -> list[str]:
         return list(self.config["class_names"])
+
+    @property
+    def knows_classes(self) -> bool:
+        """Whether the model was trained with labels: two classes or more. A --no-labels input's model has
+        one, 'unlabeled', and predicts none."""
+        return known_classes(self.config.get("class_names")) is not None
 
     @property
     def transform(self):

@@ -19,6 +19,7 @@ from mmfast.tasks.retrieval import (
     caption_groups,
     class_embeddings,
     class_prompts,
+    known_classes,
     read_templates,
     retrieval_figures,
     zero_shot_figures,
@@ -107,7 +108,7 @@ class ContrastiveTask:
         self.kind = loss
         self.num_outputs = dataset.num_classes  # not read by the dual encoder (no classifier head)
         names = sorted(dataset.labels, key=dataset.labels.get)
-        self.class_names = names if len(names) >= 2 else None  # a --no-labels preparation has one class
+        self.class_names = known_classes(names)
         self.templates = read_templates(zero_shot_templates) if self.class_names else None
         self.tokenizer_dir = dataset.tokenizer_dir
         # prompts are tokenized as the captions were: at most the preparation's max_length tokens

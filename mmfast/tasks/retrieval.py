@@ -150,6 +150,12 @@ def retrieval_figures(
     return figures
 
 
+def known_classes(names) -> list[str] | None:
+    """The class names zero-shot can be scored on, None for fewer than two: a --no-labels input's rows are all of
+    one class ('unlabeled'), and one class makes any image "right"."""
+    return list(names) if len(names or ()) >= 2 else None
+
+
 def class_prompts(class_names: list[str], templates: list[str] | tuple[str, ...]) -> list[list[str]]:
     """Per class, its name put into every template ("a photo of a {}." -> "a photo of a cat."): (C, T)."""
     return [[t.format(name) for t in templates] for name in class_names]

@@ -348,7 +348,9 @@ def test_evaluate_reports_retrieval_and_zero_shot(prepared, clip_dir, tmp_path, 
     assert "image -> text" in capsys.readouterr().out
 
 
-def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_shot(prepared, net, tmp_path, capsys):
+def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_shot(
+    prepared, net, clip_dir, tmp_path, capsys
+):
     """A --no-labels input's rows are all class 'unlabeled': the model knows no classes, so predicting one is
     refused (not a confident 'unlabeled'), and evaluating unlabeled rows reports retrieval without a zero-shot
     figure (one class: every image would be right)."""
@@ -358,6 +360,7 @@ def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_sho
 
     config = {**net.config, "num_classes": 1, "class_names": ["unlabeled"]}
     model_dir = save_model_dir(tmp_path / "model", net.model.state_dict(), config, prepared / "tokenizer")
+    assert not mmfast.load_model(model_dir).knows_classes and mmfast.load_model(clip_dir).knows_classes
     val = PreparedDataset(prepared).rows("val")
     rows = tmp_path / "pairs.jsonl"
     rows.write_text("".join(json.dumps({"image": r["image"], "text": r["text"]}) + "\n" for r in val))
