@@ -79,10 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, why in left_out.items():
         print(f"note: --format all leaves out {name}: {why}")
-    args.left_out = left_out
     try:
         claim_output_dir(args.out, "export")  # a folder of the user's is refused, never written into
-        return export(model, args, peers)
+        return export(model, args, peers, left_out)
     except OutputError as e:
         print(f"error: {e}", file=sys.stderr)
     except ImportError as e:  # onnx / onnxruntime: the export extra
@@ -130,15 +129,16 @@ def _checked_writer(model, name: str, out: Path):
     return write_hf
 
 
-def export(model, args: argparse.Namespace, peers: dict | None = None) -> int:
-    """Write the formats asked for and export.json; 1 when the ONNX file's logits are off by more than --atol."""
+def export(model, args: argparse.Namespace, peers: dict | None = None, left_out: dict | None = None) -> int:
+    """Write the formats asked for and export.json (``left_out``: {format: why --format all left it out}); 1
+    when the ONNX file's logits are off by more than --atol."""
     # torch: imported when the command runs, so --help stays light
     from mmfast.infer.export import export_onnx, export_program, onnx_parity
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
-    if getattr(args, "left_out", None):
-        report["left_out"] = args.left_out
+    if left_out:
+        report["left_out"] = left_out
     for name, write in (peers or {}).items():
         report[name] = str(write(model, out / name))
     if model.embeds:
