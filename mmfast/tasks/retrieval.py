@@ -75,11 +75,10 @@ def _ranks_i2t(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torc
 
 class _Owns:
     """Which (image, caption group) pairs a split holds: ``owns(images, groups)`` is True where that image has a
-    caption of that group (broadcast like the two index tensors)."""
+    caption of that group (broadcast like the two index tensors). ``group``: (Nt,) each text's group, 0..G-1."""
 
-    def __init__(self, text_image: torch.Tensor, text_groups: torch.Tensor):
-        self.group = torch.unique(text_groups, return_inverse=True)[1]  # 0..G-1
-        self.groups = int(self.group.max()) + 1
+    def __init__(self, text_image: torch.Tensor, group: torch.Tensor, groups: int):
+        self.group, self.groups = group, groups
         self._keys = torch.unique(text_image * self.groups + self.group)
 
     def __call__(self, images: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -135,8 +134,9 @@ def retrieval_figures(
         text_groups = torch.as_tensor(text_groups, dtype=torch.long, device=text_emb.device).reshape(-1)
         if len(text_groups) != nt:
             raise ValueError(f"text_groups has {len(text_groups)} entries for {nt} texts")
-        if len(torch.unique(text_groups)) < nt:  # a caption repeats: its rows are one candidate
-            owns = _Owns(text_image, text_groups)
+        distinct, group = torch.unique(text_groups, return_inverse=True)  # group: 0..G-1
+        if len(distinct) < nt:  # a caption repeats: its rows are one candidate
+            owns = _Owns(text_image, group, len(distinct))
     ranks = {
         "i2t": _ranks_i2t(image_emb, text_emb, text_image, owns),  # (Ni,)
         "t2i": _ranks_t2i(image_emb, text_emb, text_image, owns),  # (Nt,)
