@@ -44,7 +44,7 @@ def fill_workdir(workdir: Path, data: Path) -> None:
 def build_fixture_data(dest: Path) -> Path:
     """The files every page starts with, built from the project's own generators (nothing downloaded):
     captions.jsonl + images/ (labeled captions), pairs.jsonl (captions only), photos/<class>/<name>.jpg,
-    shards/00000.tar .. 00003.tar (img2dataset layout: key.jpg + key.txt + key.cls), query.jpg."""
+    shards/00000.tar .. 00003.tar (WebDataset: key.jpg + key.txt + key.cls), query.jpg."""
     from mmfast.prepare.demo import demo_dataset
     from tools.benchmarks.benchlib.data import photo_manifest
 
