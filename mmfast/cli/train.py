@@ -161,7 +161,8 @@ def _main(argv: list[str] | None, watch: StopWatch) -> int:
         )
         return 2
     if summary.get("interrupted"):
-        print("interrupted", file=sys.stderr)  # the engine said where it stopped and how to resume
+        if summary.get("is_main_process", True):  # once, not once a process
+            print("interrupted", file=sys.stderr)  # the engine said where it stopped and how to resume
         return 130
     if summary["is_main_process"] and summary.get("images_per_s") is not None:
         print_table(summary)

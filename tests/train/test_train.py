@@ -268,6 +268,25 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_
     assert json.loads((out / "summary.json").read_text())["global_step"] == 2 * steps
 
 
+@pytest.mark.slow
+def test_sigint_to_torchrun_checkpoints_both_processes_and_says_interrupted_once(prepared, tmp_path):
+    """A SIGINT to the launcher: both processes stop at one step and write one checkpoint; "interrupted" is said
+    once, not once a process (torchrun's own traceback and status 1 are its own, as the distributed guide says)."""
+    out = tmp_path / "run"
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+    cmd = train_cmd(prepared, out, "--epochs", "2", "--record-ids", launcher=torchrun)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = out / "seen_ids.rank1.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not seen.exists() or len(seen.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    said, err = proc.communicate(timeout=300)
+    assert [ln.strip() for ln in (said + err).splitlines()].count("interrupted") == 1, err[-3000:]
+    (ckpt,) = [p for p in (out / "checkpoints").iterdir()]
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] >= 2
+
+
 def test_training_without_a_val_split(demo_manifest, tmp_path, capsys):
     from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
