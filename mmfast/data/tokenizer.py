@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 from mmfast.data.open_clip_tokenizer import OpenClipTokenizer, is_open_clip_tokenizer
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"  # an open_clip model directory (mmfast.models.start_dirs)
+SHORT_NAMES = ("minilm",)  # the names load_tokenizer resolves itself, offline
 
 
 def train_wordpiece(texts: list[str], vocab_size: int = 4000):
@@ -99,6 +101,7 @@ def load_tokenizer(name_or_path: str | Path):
 
     if str(name_or_path) == "minilm":
         name_or_path = minilm_path()  # raises ValueError naming the package to install
+    _refuse_a_typo(str(name_or_path))
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)
     except Exception as e:
@@ -111,6 +114,21 @@ def load_tokenizer(name_or_path: str | Path):
     if tok.pad_token_id is None:
         raise ValueError(f"tokenizer '{name_or_path}' has no pad token")
     return tok
+
+
+def _refuse_a_typo(name: str) -> None:
+    """A missing path, or a name one letter or so from a short name ("minilmm"), is refused at once: the hub
+    would spend a minute of retries on it offline before failing."""
+    if Path(name).exists():
+        return
+    if name.startswith((".", "/", "~")) or name.rstrip("/").count("/") > 1:  # a hub name is "org/name"
+        raise ValueError(f"tokenizer '{name}': no such directory; pass a local tokenizer directory or 'minilm'")
+    close = difflib.get_close_matches(name.lower(), SHORT_NAMES, n=1, cutoff=0.75)
+    if close and name not in SHORT_NAMES:
+        raise ValueError(
+            f"unknown tokenizer '{name}': did you mean '{close[0]}'? (or a local tokenizer directory, or a hub "
+            "name with network access)"
+        )
 
 
 def _open_clip_text_cfg(path: str | Path) -> dict | None:

@@ -104,3 +104,17 @@ def test_two_processes_building_at_once_produce_one_valid_cache(tmp_path, minilm
         "train.offsets.npy",
     ]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_tokenizer_name_one_letter_off_or_a_missing_folder_is_refused_at_once(tmp_path):
+    """Offline, the hub spent about a minute of retries on 'minilmm' before failing with no hint: a near miss
+    of a short name, and a path that does not exist, are refused before the hub is asked."""
+    with pytest.raises(ValueError, match="did you mean 'minilm'"):
+        load_tokenizer("minilmm")
+    with pytest.raises(ValueError, match="no such directory"):
+        load_tokenizer(str(tmp_path / "tokenizer"))
+    with pytest.raises(ValueError, match="no such directory"):
+        load_tokenizer("./my-tokenizer")
+    (tmp_path / "tok").mkdir()
+    train_wordpiece(["a cat on a mat", "a dog"], vocab_size=60).save_pretrained(tmp_path / "tok")
+    assert load_tokenizer(tmp_path / "tok")("a cat")["input_ids"]  # a real folder still loads
