@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from mmfast.loading.caption_loader import CaptionLoader
+from mmfast.loading.transforms import UnsupportedTransform
 
 log = logging.getLogger(__name__)
 # open_clip_train's defaults for the table's columns: then the loader looks for its usual names itself
@@ -113,7 +114,14 @@ def _loader(args, table: str, preprocess, tokenizer, train: bool, epochs: int, o
         device=args.device,
         epochs=max(1, epochs),
     )
-    return CaptionLoader(table, **{**settings, **options})
+    try:
+        return CaptionLoader(table, **{**settings, **options})
+    except UnsupportedTransform as e:  # what the trainer's flags asked for: its flags are the way out
+        advice = (
+            "drop the --aug-cfg entries that add it (color_jitter_prob, gray_scale_prob), or train with "
+            "open_clip's own loader"
+        )
+        raise UnsupportedTransform(f"{e.step} (open_clip's preprocess)", e.why, advice) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer.get_data = get_data  # the name the trainer's main module calls
     try:
         trainer.main(sys.argv[1:] if argv is None else argv)
+    except UnsupportedTransform as e:  # a setting, not a failure: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.get_data = own
     return 0

@@ -22,6 +22,28 @@ INTERPOLATIONS = ("bilinear", "bicubic")  # the resizes the graph and the host f
 _OPEN_CLIP_STEPS = {"MaybeConvertMode": "rgb", "_convert_to_rgb": "rgb", "MaybeToTensor": "ToTensor"}
 
 
+REPRODUCED = (
+    "RandomResizedCrop(S) [+ RandomHorizontalFlip()] [+ ColorJitter(j, j, j)] or Resize(R) + CenterCrop(S), "
+    "bilinear or bicubic, then ToTensor() and Normalize(mean, std)"
+)
+
+
+class UnsupportedTransform(ValueError):
+    """A step of a transform the image pipeline cannot reproduce: ``step`` names it, ``why`` says why, and the
+    message what is reproduced and ``advice``."""
+
+    def __init__(self, step: str, why: str, advice: str | None = None):
+        self.step, self.why = step, why
+        advice = advice or (
+            "change the transform, or give the loader its equivalent (size=, train=, mean=, std=) in its place "
+            "and accept the difference"
+        )
+        super().__init__(
+            f"the image pipeline cannot reproduce {step} of the transform: {why}. It reproduces {REPRODUCED}; "
+            f"{advice}"
+        )
+
+
 def _step_name(op) -> str:
     """The name a step of a transform is known by here: a torchvision class's, or the torchvision equivalent
     of an open_clip step ("rgb" for its conversion to RGB); refuses any other step."""
@@ -32,6 +54,8 @@ def _step_name(op) -> str:
         if name == "MaybeConvertMode" and getattr(op, "mode", "RGB") != "RGB":
             _unsupported(op, "the loader decodes to RGB")
         return _OPEN_CLIP_STEPS[name]
+    if module.split(".")[0] == "open_clip":  # its --aug-cfg color_jitter_prob, gray_scale_prob
+        _unsupported(op, "an open_clip augmentation the pipeline does not draw")
     if not module.startswith("torchvision.transforms"):
         _unsupported(op, "it is not a torchvision transform")
     return name
@@ -145,13 +169,16 @@ def _jitter_strength(op) -> float | None:
 
 
 def _unsupported(op, why: str):
-    raise ValueError(
-        f"ImageLoader cannot reproduce {op!r} of the dataset's transform: {why}. It reproduces "
-        "RandomResizedCrop(S) [+ RandomHorizontalFlip()] [+ ColorJitter(j, j, j)] or Resize(R) + CenterCrop(S), "
-        "bilinear or bicubic, then ToTensor() and Normalize(mean, std); change the transform, or give its "
-        "equivalent as ImageLoader.from_folder(root, size=..., train=..., mean=..., std=...) and accept the "
-        "difference"
-    )
+    raise UnsupportedTransform(_shown(op), why)
+
+
+def _shown(op) -> str:
+    """A step as a reader knows it: its repr where its class writes one, else its module and name (open_clip's
+    steps print as "<... object at 0x...>")."""
+    kind = op if isinstance(op, types.FunctionType) else type(op)
+    if kind is not op and type(op).__repr__ is not object.__repr__:
+        return repr(op)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _square(op, size) -> int:

@@ -138,3 +138,27 @@ def whole_picture(train_transform):
 
     resize = T.Resize((SIZE, SIZE), interpolation=T.InterpolationMode.BICUBIC)
     return T.Compose([resize, *train_transform.transforms[1:]])
+
+
+def test_an_aug_cfg_the_loader_cannot_draw_is_one_line_naming_the_step_and_the_flag(tables, tmp_path, capsys):
+    """open_clip's colour jitter (--aug-cfg color_jitter_prob) is not drawn by the pipeline: the run ends with
+    one error line naming open_clip's step and the flag that adds it, not a traceback with an object's repr."""
+    config = tmp_path / "mmfast-tiny.json"
+    config.write_text(json.dumps(TINY))
+    open_clip.add_model_config(config)
+    handlers = list(logging.getLogger().handlers)
+    try:
+        code = open_clip_data.main([
+            "--model", "mmfast-tiny", "--train-data", tables["train_csv"], "--batch-size", "8", "--epochs", "1",
+            "--workers", "1", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", "jitter",
+            "--aug-cfg", "color_jitter_prob=0.5", "color_jitter=(0.4,0.4,0.4,0.1)",
+        ])  # fmt: skip
+    finally:
+        for h in set(logging.getLogger().handlers) - set(handlers):
+            logging.getLogger().removeHandler(h)
+            h.close()
+    err = capsys.readouterr().err
+    assert code == 2 and trainer.get_data.__module__ == "open_clip_train.data"
+    line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
+    assert "open_clip.transform.color_jitter (open_clip's preprocess)" in line and " object at 0x" not in line
+    assert "drop the --aug-cfg entries that add it (color_jitter_prob" in line and "Traceback" not in err
