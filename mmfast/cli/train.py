@@ -63,8 +63,8 @@ def _shards_row(summary: dict) -> list[tuple[str, str]]:
         (
             "shards",
             f"{s['fetches']} fetched ({s['bytes_fetched'] / 2**20:.1f} MiB in {s['fetch_seconds']:.1f} s, "
-            f"{s['retries']} retries{_backed_off(s)}), {s['hits']} hits, {s['misses']} misses, "
-            f"{s['evictions']} evicted, "
+            f"{s['retries']} retries{_backed_off(s)}); {s['hits']} of {s['hits'] + s['misses']} reads found "
+            f"their shard in the cache (fetched ahead or kept), {s['evictions']} evicted, "
             f"waited {s['wait_seconds']:.1f} s",
         )
     ]

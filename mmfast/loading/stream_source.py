@@ -188,9 +188,10 @@ class StreamSource:
         if held < wanted and self.cache is not None:
             self.cache.warn_once(
                 f"the shard cache holds {held} shard{'s' * (held != 1)} of {biggest / 2**20:.1f} MiB, fewer than "
-                f"the {self.window} the order reads from at once and the 2 it fetches ahead: shards will be "
-                f"fetched more than once per epoch; raise {setting('limit_bytes', '--cache-limit')} to "
-                f"{format_size(wanted * biggest)} or more"
+                f"the {self.window} the order reads from at once and the 2 it fetches ahead: a shard will be "
+                f"fetched again each time the order comes back to it, many times per epoch; raise "
+                f"{setting('limit_bytes', '--cache-limit')} to {format_size(wanted * biggest)} or more"
+                + (" (a size without a unit is bytes)" if self.cache.limit_bytes < 2**20 else "")
             )
         return held
 

@@ -173,7 +173,7 @@ def as_remote_error(url: str, e: BaseException) -> RemoteError:
     if statuses & {404, "NoSuchKey", "NoSuchBucket"} or any(isinstance(x, FileNotFoundError) for x in chain):
         return PermanentRemoteError(
             f"{u}: not found ({what}); check the path: the bucket or host, the prefix and the shard's name "
-            f"(the shards recorded by {PREPARE} may have been moved or deleted since)",
+            f"(or, where {PREPARE} read it before, whether it was moved or deleted since)",
             url,
         )
     return PermanentRemoteError(f"{u}: cannot be read ({what})", url)
@@ -190,8 +190,6 @@ def reading(url: str):
         raise
     except Exception as e:
         raise as_remote_error(url, e) from None
-
-
 
 
 def wrong_answer(got_size: int, content_type: str | None, head: bytes) -> str:
