@@ -90,8 +90,9 @@ class ImagesInPlace:
     Args:
         noun: how messages name one of those files ("WebDataset shard").
         read_checked: (source, options, workers, max_pixels, part) -> (candidates, rejects), every candidate's
-            image validated by the reader where it lies; ``part`` (i, n) reads only the i-th of n contiguous
-            slices of the files (so the rows of two parts were never compared: the merge drops duplicates).
+            image validated by the reader where it lies, with its width and height (0 when not read);
+            ``part`` (i, n) reads only the i-th of n contiguous slices of the files (so the rows of two parts
+            were never compared: the merge drops duplicates).
         files: source -> the user's files holding the images: the input's fingerprint is their names, sizes and
             mtimes (not their bytes), and none may be inside --out.
         member: where a candidate's image lies in those files (what prepared rows and the index record; what

@@ -147,7 +147,8 @@ def read_shards(
     candidate rows (images already validated) and rejects.
 
     Each candidate's ``image`` is ``<shard>:<member>`` and its ``source`` holds the shard, key, member, and
-    the member's data offset and size in the tar (what the index files list). A reject's ``file`` is the shard
+    the member's data offset and size in the tar (what the index files list); its width and height are the
+    image's, read when it was decoded to validate it. A reject's ``file`` is the shard
     (relative to the source's folder) and its reason names the sample's key.
 
     Args:
@@ -315,8 +316,9 @@ def read_shard(
                 # what the index lists (the member list stays with the rejects: every accepted row is held)
                 source = {"shard": rel, "key": key, "member": image.name}
                 source |= {"offset": image.offset_data, "nbytes": image.size}
+                label = NO_LABEL if o["no_labels"] else label
                 c = Candidate(
-                    line, f"{shard}:{image.name}", text, NO_LABEL if o["no_labels"] else label, source, rel
+                    line, f"{shard}:{image.name}", text, label, source, rel, width=check.width, height=check.height
                 )
                 pending.append((c, data))
                 if len(pending) >= _DALI_CHUNK:

@@ -66,7 +66,7 @@ def read_and_check(
 
     reused = 0
     if in_place is not None:
-        checks = [ImageCheck(True)] * len(cands)
+        checks = [ImageCheck(True, width=c.width, height=c.height) for c in cands]  # as the reader found them
     else:
         checks, reused = _check(cands, cfg, workers, earlier, work)
     good: list[Candidate] = []

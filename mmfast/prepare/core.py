@@ -210,6 +210,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     atomic_write_jsonl(tmp / REJECTED_FILE, [r.to_json() for r in rejects])
     atomic_write_json(tmp / LABELS_FILE, label_map)
     _write_index(cfg, tmp, in_place, {"train": train_rows, "val": val_rows}, label_map)
+    largest = _largest_image(good, cfg.max_side, work, Path(cfg.out).resolve(), in_place)
     summary = {
         "version": PREPARE_VERSION,
         "source": redact(cfg.source) if is_remote(cfg.source) else str(Path(cfg.source).resolve()),
@@ -226,7 +227,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
         }
         | ({"downscaled": checked.downscaled} if cfg.max_side else {}),  # copies stored under --max-side
         "rejected_by_reason": dict(Counter(_reason_kind(r.reason) for r in rejects).most_common()),
-        "largest_image": _largest_image(good, cfg.max_side),
+        **({"largest_image": largest} if largest else {}),  # none when the reader learnt no image's size
         "reused_checks": checked.reused,
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
         "vocab_size": len(tok),
@@ -390,13 +391,30 @@ def _stat_pair(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _largest_image(good: list, max_side: int) -> dict | None:
+def _largest_image(
+    good: list[Candidate], max_side: int, work: Path, out: Path, in_place: ImagesInPlace | None
+) -> dict | None:
     """The accepted image with the most pixels as the loaders decode it ({"image", "width", "height"}; a
-    --max-side copy's size): what bounds a batch's decoded memory."""
-    if not good:
+    --max-side copy's size): what bounds a batch's decoded memory. None when the reader learnt no size.
+
+    Args:
+        work: the temp directory the prepared directory is built in, renamed to ``out`` when complete.
+    """
+    sized = [c for c in good if c.width and c.height]
+    if not sized:
         return None
-    c = max(good, key=lambda c: c.width * c.height)
+    c = max(sized, key=lambda c: c.width * c.height)
     w, h = c.width, c.height
     if max_side and max(w, h) > max_side:
         w, h = round(w * max_side / max(w, h)), round(h * max_side / max(w, h))
-    return {"image": c.original or c.image, "width": w, "height": h}
+    return {"image": _image_name(c, work, out, in_place), "width": w, "height": h}
+
+
+def _image_name(c: Candidate, work: Path, out: Path, in_place: ImagesInPlace | None) -> str:
+    """Where the user finds ``c``'s image: "<shard>:<member>" for an image read in place, the file's final path
+    in ``out`` for one preparation wrote (image bytes, a --max-side copy), else the user's own file."""
+    if in_place is not None:
+        m = in_place.member(c)
+        return redact(f"{m.file}:{m.name}")  # a remote shard's URL without its credentials
+    image = Path(c.original or c.image)
+    return str(out / image.relative_to(work)) if image.is_relative_to(work) else str(image)
