@@ -34,7 +34,13 @@ def add_input_flags(parser: argparse.ArgumentParser, source: str = "SOURCE") -> 
     g.add_argument(
         "--coco-captions", choices=["all", "first"], default="all", help="COCO: a row per caption or per image"
     )
-    g.add_argument("--image-root", help="COCO: folder of the images' file_name (default: the JSON's folder)")
+    takers = ", ".join(r.name for r in READERS.values() if r.image_root)
+    g.add_argument(
+        "--image-root",
+        metavar="DIR",
+        help=f"folder the relative image paths of a {takers} input are read from; other kinds refuse it "
+        "(default: the folder of the file naming them)",
+    )
     g.add_argument(
         "--wds-image-key",
         default="jpg;jpeg;png;webp",

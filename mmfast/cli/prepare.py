@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes for image validation (0: all cores; with --ray: CPUs and processes of each part, 0: 1)",
     )
     p.add_argument("--vocab-size", type=int, default=4000, help="size of the trained WordPiece vocabulary")
-    p.add_argument("--confine", action="store_true", help="reject image paths outside the manifest's folder")
+    p.add_argument(
+        "--confine",
+        action="store_true",
+        help="reject image paths outside the folder they are read from (the manifest's, or --image-root)",
+    )
     p.add_argument(
         "--max-pixels",
         type=int,

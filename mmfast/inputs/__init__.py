@@ -37,6 +37,7 @@ from mmfast.inputs.base import (
     Member,
     Reader,
     ReadRows,
+    check_image_root,
     pick_column,
     reader_named,
     register_reader,
@@ -45,6 +46,7 @@ from mmfast.inputs.base import (
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows, read_input
 
 __all__ = [
+    "check_image_root",
     "claimed",
     "LABEL_NAMES",
     "READERS",
@@ -98,6 +100,7 @@ def read_source(
         if not Path(path).exists():
             raise ManifestError(f"{path}: no such manifest or image folder; pass a .jsonl/.csv file or a folder")
         reader = reader or READERS[detect_kind(Path(path))]
+    check_image_root(reader, opts)
     claimed_here = reader.claims is not None and reader.claims(str(path))
     # a claimed source is handed over as given: Path() would fold a URL's '//'
     cands, rejects = reader.read(path if claimed_here else Path(path), opts, confine, image_dir)
@@ -171,15 +174,18 @@ def _manifest_reader(fmt: str) -> ReadRows:
     Duplicates are left to ``read_source``, which drops them or not."""
 
     def read(path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None):
-        cands, rejects, _ = read_input(path, confine=confine, columns=opts.table_columns(), fmt=fmt, dedupe=False)
+        folder = opts.image_folder(path.parent)
+        cands, rejects, _ = read_input(path, confine, opts.table_columns(), fmt, dedupe=False, image_folder=folder)
         return cands, rejects
 
     return read
 
 
 # The registry: one line a kind, in the order ``--input-kind`` lists them and file suffixes are looked up.
-register_reader(Reader("jsonl", _manifest_reader("jsonl"), suffixes=(".jsonl", ".json", ".ndjson")))
-register_reader(Reader("csv", _manifest_reader("csv"), suffixes=(".csv", ".tsv")))
+register_reader(
+    Reader("jsonl", _manifest_reader("jsonl"), suffixes=(".jsonl", ".json", ".ndjson"), image_root=True)
+)
+register_reader(Reader("csv", _manifest_reader("csv"), suffixes=(".csv", ".tsv"), image_root=True))
 register_reader(Reader("folder", _manifest_reader("folder"), rows_are_files=True))
 register_reader(imagefolder.READER)
 register_reader(coco.READER)

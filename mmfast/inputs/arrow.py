@@ -2,11 +2,12 @@
 Hub's data/*.parquet).
 
 An image column is HF's ``Image`` feature, ``struct<bytes: binary, path: string>`` (or plain binary): its
-bytes are written out to files in ``image_dir`` (inside the prepared directory being built), named by the
-row's position, so the prepared directory holds what the loader reads. A struct with no bytes and a path
-refers to a file on disk (relative to the table's folder). A ``ClassLabel`` column's integers become its
-class names, read from HF's features: the ``huggingface`` key of the Parquet/Arrow schema metadata, or a
-save_to_disk folder's dataset_info.json. Rows are numbered 1.. within each file.
+bytes are written out to files in ``image_dir`` (inside the prepared directory being built), named by their
+SHA-256, so the prepared directory holds what the loader reads. A struct with no bytes and a path refers to a
+file on disk: a relative path is read from the table file's folder, or from --image-root. A ``ClassLabel``
+column's integers become its class names, read from HF's features: the ``huggingface`` key of the
+Parquet/Arrow schema metadata, or a save_to_disk folder's dataset_info.json. Rows are numbered 1.. within
+each file.
 
 Needs pyarrow (``pip install mmfast[formats]``).
 """
@@ -202,7 +203,8 @@ def _read_table(
 
     columns = _columns(f, schema, features, opts)
     try:
-        return _read_rows(f, root, _read_or_refuse(f, batches), features, columns, confine, image_dir)
+        rows = _read_or_refuse(f, batches)
+        return _read_rows(f, root, rows, features, columns, opts.image_folder(f.parent), confine, image_dir)
     except pa.ArrowException as e:  # a damaged value, found while converting a batch that was read
         raise ManifestError(
             f"{f}: the file is corrupt ({_one_line(e)}); re-export it, or remove it from the input"
@@ -232,14 +234,21 @@ def _read_or_refuse(f: Path, batches: Iterator) -> Iterator:
 
 
 def _read_rows(
-    f: Path, root: Path, batches: Iterator, features: dict, columns: Columns, confine: bool, image_dir: Path | None
+    f: Path,
+    root: Path,
+    batches: Iterator,
+    features: dict,
+    columns: Columns,
+    folder: Path,
+    confine: bool,
+    image_dir: Path | None,
 ) -> tuple[list[Candidate], list[Reject]]:
+    """One file's rows; ``folder``: where a relative image path is read from."""
     names = (features.get(columns.label) or {}).get("names") if columns.label else None
     rel = f.relative_to(root).as_posix()
     out_dir = None
     cands, rejects, line = [], [], 0
     wanted = columns.required()
-    folder = f.parent.resolve()  # what a relative image path is relative to
     for batch in batches:
         for row in batch.select(wanted).to_pylist():
             line += 1
@@ -334,5 +343,5 @@ def _extension(data: bytes, name: str | None) -> str:
     return suffix if suffix in IMAGE_SUFFIXES else ".bin"
 
 
-PARQUET = Reader("parquet", read_parquet, suffixes=(".parquet",))
-ARROW = Reader("arrow", read_arrow, suffixes=(".arrow",))
+PARQUET = Reader("parquet", read_parquet, suffixes=(".parquet",), image_root=True)
+ARROW = Reader("arrow", read_arrow, suffixes=(".arrow",), image_root=True)

@@ -30,7 +30,8 @@ class InputOptions:
         no_labels: the input has no labels; every row gets the one label ``manifest.NO_LABEL``.
         columns: the column names of a CSV/TSV without a header line (e.g. ("text", "image") for CC3M).
         coco_captions: "all" (a row per caption) or "first" (a row per image, its first caption).
-        image_root: the folder image paths are relative to (COCO's ``file_name``; default: the JSON's folder).
+        image_root: the folder relative image paths are read from (default: the folder of the file naming
+            them); only kinds that declare ``Reader.image_root`` take it (``check_image_root``).
         wds_image_key: WebDataset: the image member's extensions, in order of preference ("jpg;png").
         wds_text_key: WebDataset: the caption member's extension.
         wds_label_key: WebDataset: the label member's extension (an integer or a name as text).
@@ -57,6 +58,11 @@ class InputOptions:
             raise ValueError(f"--coco-captions must be 'all' or 'first', got '{self.coco_captions}'")
         if self.no_labels and self.label_column:
             raise ValueError("--no-labels and --label-column exclude each other")
+
+    def image_folder(self, beside: Path) -> Path:
+        """The folder relative image paths are read from: ``image_root`` if given, else ``beside`` (the folder
+        of the file naming them), resolved."""
+        return Path(self.image_root).resolve() if self.image_root else beside.resolve()
 
     def table_columns(self, image: str = "image", text: str = "text", label: str = "label") -> Columns:
         """The Columns of a table, the given names over the reader's defaults."""
@@ -124,6 +130,8 @@ class Reader:
             its image, not a line number, and prediction also reads a flat folder of images as this kind.
         in_place: the kind's images stay inside the user's files (``ImagesInPlace``); None: they are image
             files (on disk, or written from bytes into ``image_dir``) that preparation validates.
+        image_root: its rows name images by paths that may be relative, read from ``InputOptions.image_folder``;
+            a kind without it refuses --image-root (``check_image_root``).
     """
 
     name: str
@@ -132,6 +140,7 @@ class Reader:
     claims: Callable[[str], bool] | None = None
     rows_are_files: bool = False
     in_place: ImagesInPlace | None = None
+    image_root: bool = False
 
 
 READERS: dict[str, Reader] = {}
@@ -174,6 +183,20 @@ def reader_named(name: str) -> Reader:
         return READERS[name]
     except KeyError:
         raise ValueError(f"unknown input kind '{name}'; choose from auto, {', '.join(READERS)}") from None
+
+
+def check_image_root(reader: Reader, opts: InputOptions) -> None:
+    """Refuse --image-root for a kind whose rows name no image by a relative path (it would be ignored).
+
+    Raises:
+        ManifestError: naming the kind and the kinds that take it.
+    """
+    if opts.image_root and not reader.image_root:
+        takers = ", ".join(r.name for r in READERS.values() if r.image_root)
+        raise ManifestError(
+            f"--image-root does not apply to a {reader.name} input: its rows name no image by a relative path "
+            f"(it applies to {takers}); drop --image-root"
+        )
 
 
 def pick_column(present: list[str], given: str | None, names: tuple[str, ...], what: str, where: str) -> str:

@@ -29,7 +29,7 @@ def read_coco(
         )
     images = {im["id"]: im for im in data["images"] if _has_id(im)}
     categories = {c["id"]: c.get("name") for c in data.get("categories") or [] if _has_id(c)}
-    root = Path(opts.image_root).resolve() if opts.image_root else path.parent.resolve()
+    root = opts.image_folder(path.parent)
     label_field = opts.label_column
     rows, rejects, seen = [], [], set()
     for line, ann in enumerate(data["annotations"], start=1):
@@ -94,4 +94,6 @@ def _load(path: Path) -> dict:
     return data
 
 
-READER = Reader("coco", read_coco)  # told from a .json file by its content (``mmfast.inputs.detect_kind``)
+READER = Reader(
+    "coco", read_coco, image_root=True
+)  # told from a .json file by its content (``mmfast.inputs.detect_kind``)

@@ -1,6 +1,7 @@
 """Hugging Face "imagefolder" metadata: metadata.jsonl or metadata.csv beside the images.
 
-Each metadata file names its images in a ``file_name`` column, relative to the metadata file's folder;
+Each metadata file names its images in a ``file_name`` column, relative to the metadata file's folder (or
+to --image-root);
 the other columns are features (the caption, the label). Without a label column, as in HF's imagefolder,
 the label is the folder each image is in (``file_name`` = "<class>/<image>"). A dataset may keep one
 metadata file per split folder (train/metadata.jsonl, test/metadata.jsonl); all of them are read (mmfast
@@ -51,7 +52,12 @@ def read_imagefolder(
         for r in bad:
             r.file = rel
         more_cands, more_rejects = check_rows(
-            rows, meta.parent.resolve(), confine, from_csv=meta.suffix == ".csv", columns=columns, file=rel
+            rows,
+            opts.image_folder(meta.parent),
+            confine,
+            from_csv=meta.suffix == ".csv",
+            columns=columns,
+            file=rel,
         )
         cands += more_cands
         rejects += bad + more_rejects
@@ -103,4 +109,4 @@ def _folder(file_name: object) -> str | None:
     return parent or None
 
 
-READER = Reader("imagefolder", read_imagefolder)
+READER = Reader("imagefolder", read_imagefolder, image_root=True)

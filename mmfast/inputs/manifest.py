@@ -84,16 +84,18 @@ def read_input(
     columns: Columns | None = None,
     fmt: str | None = None,
     dedupe: bool = True,
+    image_folder: Path | None = None,
 ) -> tuple[list[Candidate], list[Reject], str]:
     """Read a JSONL/CSV manifest or an image folder.
 
     Args:
         path: the manifest file or the image folder (``root/<class>/<image>``).
-        confine: reject image paths that resolve outside the manifest's folder (for untrusted manifests).
+        confine: reject image paths that resolve outside ``image_folder`` (for untrusted manifests).
         columns: the manifest's image/text/label columns (default: named image, text, label); a folder's
             labels are its class folders whatever this says.
         fmt: "jsonl", "csv" or "folder" (default: told from the path: a folder, or the file's suffix).
         dedupe: reject exact duplicates of an earlier row (see ``finish_rows``).
+        image_folder: the folder a manifest's relative image paths are read from (default: the manifest's).
 
     Returns:
         (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
@@ -126,7 +128,8 @@ def read_input(
             kind = "csv"
         else:
             raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
-        cands, more = check_rows(rows, path.parent.resolve(), confine, from_csv=kind == "csv", columns=columns)
+        root = (image_folder or path.parent).resolve()
+        cands, more = check_rows(rows, root, confine, from_csv=kind == "csv", columns=columns)
         rejects.extend(more)
     cands, rejects = finish_rows(cands, rejects, dedupe)
     return cands, rejects, kind
@@ -367,7 +370,7 @@ def _check_row(
         try:
             full.resolve().relative_to(root)
         except (ValueError, RuntimeError, OSError):
-            return None, f"image path '{image}' leaves the manifest's folder (confined mode)"
+            return None, f"image path '{image}' leaves the folder image paths are read from (confined mode)"
     return Candidate(line, str(full), text.strip(), label, row), ""
 
 

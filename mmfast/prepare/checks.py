@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mmfast.data.dataset import DatasetError, PreparedDataset
 from mmfast.data.validate import ImageCheck, check_images
-from mmfast.inputs import ImagesInPlace, Reader, read_source, reader_for
+from mmfast.inputs import ImagesInPlace, Reader, check_image_root, read_source, reader_for
 from mmfast.inputs.manifest import Candidate, Reject, finish_rows
 from mmfast.prepare.config import IMAGES_DIR, PrepareConfig
 from mmfast.prepare.downscale import downscale_images, downscaled_path
@@ -53,6 +53,7 @@ def read_and_check(
     in_place = reader.in_place if reader is not None else None
     if in_place is not None:  # images stay in the user's files; the reader validates them there
         _refuse_copies(cfg, in_place)
+        check_image_root(reader, cfg.inputs)  # read_source's check, which this input does not go through
         cands, rejects = in_place.read_checked(cfg.source, cfg.inputs, workers, cfg.max_pixels, part)
         if part is None:  # duplicates across the parts' files are found when the parts are merged
             cands, rejects = finish_rows(cands, rejects)

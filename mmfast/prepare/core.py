@@ -28,7 +28,7 @@ from mmfast.data.dataset import (
 )
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
-from mmfast.inputs import ImagesInPlace, reader_named
+from mmfast.inputs import ImagesInPlace, Reader, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject
 from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
@@ -183,7 +183,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     t0 = time.perf_counter()
     good, rejects = checked.good, sorted(checked.rejects, key=lambda r: (r.file, r.line))
     if not good:
-        raise ManifestError(_no_usable_rows(cfg, checked.n_input, rejects))
+        raise ManifestError(_no_usable_rows(cfg, checked.n_input, rejects, reader_named(checked.kind)))
     label_map = _label_map(good)
     work = tmp.resolve()
     in_place = reader_named(checked.kind).in_place
@@ -267,7 +267,7 @@ def _write_index(
             )
 
 
-def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> str:
+def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject], reader: Reader) -> str:
     """Write every reject to ``failure_report_path`` and return the error: the first reasons with their
     file and line, and where the rest are."""
     src = Path(cfg.source)
@@ -280,9 +280,7 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> 
         more = ", ".join(f"{why} ({n})" for why, n in common)
         lines.append(f"  ... and {len(rejects) - _SHOWN_REASONS} more ({more})")
     if rejects and all(r.reason.startswith("missing file") for r in rejects):
-        root = cfg.inputs.image_root or base
-        where = f"relative paths are read from {root}; a COCO JSON's from --image-root DIR"
-        lines.append(f"  (every image is missing: {where})")
+        lines.append(f"  (every image is missing: {_where_images_are_read(cfg, base, rejects, reader)})")
     if rejects and all(r.reason.startswith("missing field 'label'") for r in rejects):
         lines.append("  (no row has a label: pass --no-labels for image-text pairs, as --model clip trains on)")
     report = failure_report_path(cfg.out)
@@ -294,6 +292,18 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject]) -> 
     else:
         lines.append(f"(not written to {report}: a file of that name that mmfast did not write is in the way)")
     return "\n".join(lines)
+
+
+def _where_images_are_read(cfg: PrepareConfig, base: Path, rejects: list[Reject], reader: Reader) -> str:
+    """The folders the rejects' relative image paths were read from, as the readers chose them
+    (``InputOptions.image_folder``), and the flag that names another."""
+    if cfg.inputs.image_root:
+        return f"relative paths are read from --image-root {cfg.inputs.image_folder(base)}"
+    folders = sorted({str(cfg.inputs.image_folder((base / r.file).parent if r.file else base)) for r in rejects})
+    named = ", ".join(folders[:3]) + (f" and {len(folders) - 3} more" if len(folders) > 3 else "")
+    each = "the file" if len(folders) == 1 else "each file"
+    where = f"relative paths are read from {named} (the folder of {each} naming them)"
+    return where + ("; --image-root DIR reads them from DIR" if reader.image_root else "")
 
 
 def _remove_failure_report(cfg: PrepareConfig) -> None:
