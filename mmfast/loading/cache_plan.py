@@ -122,11 +122,10 @@ def _obstacle(split: SplitImages, device_type: str, host_finish: bool, source) -
         return f"{voice.setting('cpu_resize', value='dali')}: held images need {needed}"
     if not source.ordered_by_loader:
         return (
-            f"read by the {source.name} source, which orders its reads itself (images are held decoded from image "
-            "files only)"
+            f"read by the {source.name} source, which orders its reads itself; only image files are held decoded"
         )
     if not source.needs_paths:
-        return f"read from shards by the {source.name} source (images are held decoded from image files only)"
+        return f"read from shards by the {source.name} source; only image files are held decoded"
     if split.train and split.color_jitter > 0:
         return voice.said(
             "--color-jitter is applied while streaming",

@@ -31,10 +31,11 @@ from mmfast.data.batch import PAD_ID
 from mmfast.data.validate import check_images, pixel_budget_reason
 from mmfast.loading.options import ON_BAD_IMAGE
 from mmfast.util.commands import PREPARE
-from mmfast.util.voice import setting
+from mmfast.util.voice import said, setting
 
 log = logging.getLogger(__name__)
 _UNKNOWN = -1  # a baseline not taken yet
+NAMED_BAD = 10  # bad files the log names one by one; the others are counted only
 _STAT_THREADS_FROM = 4096  # files from which ``stat_files`` may stat on several threads
 _STAT_PROBE = 512  # the files stat'ed in turn first, to tell a local file system from a network one
 _STAT_SLOW_S = 100e-6  # a stat slower than this on average: a network's round trip, which threads overlap
@@ -71,6 +72,7 @@ class FileHealth:
         self.num_threads = num_threads
         self.bad: dict[int, str] = {}  # position in files -> why it is skipped
         self.prepared = False  # the files come from a prepared directory (its tool is named in errors)
+        self.instead = ""  # where else the images can be read, said when every file is missing
         # (size, mtime_ns) of each file when last known good
         if file_stats is not None:
             self._known = np.array(file_stats, dtype=np.int64).reshape(len(files), 2)
@@ -97,6 +99,12 @@ class FileHealth:
         return [{"id": int(self.ids[p]), "image": self.files[p], "reason": r} for p, r in sorted(self.bad.items())]
 
     def mark_bad(self, positions: list[int], reasons: list[str]) -> None:
+        """Skip (or, ``on_bad_image="error"``, refuse) the files at ``positions``, each for its reason. The first
+        ``NAMED_BAD`` are logged one by one, the others counted by ``skipped``.
+
+        Raises:
+            ValueError: ``on_bad_image="error"``, or every file is now bad (the count, the first and its reason).
+        """
         for p, reason in zip(positions, reasons, strict=True):
             if self.on_bad_image == "error":
                 again = f" and re-run {PREPARE}" if self.prepared else ""
@@ -104,19 +112,26 @@ class FileHealth:
                     f"{self.files[p]}: {reason}. Fix or remove it{again}, or pass "
                     f"{setting('on_bad_image', value='skip')}"
                 )
-            log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
+            if len(self.bad) < NAMED_BAD:
+                log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
+            elif len(self.bad) == NAMED_BAD:
+                counted = said("the run's summary counts them", "loader.skipped lists them")
+                log.warning("skipping more missing or undecodable images without naming each: %s", counted)
             self.bad[p] = reason
         if len(self.bad) == len(self.files):
             first = min(self.bad)
-            moved = (
-                "; a prepared dataset's rows name its images where they were when it was prepared: if they moved, "
-                "prepare it again"
-                if self.prepared
-                else ""
-            )
+            if self.instead:
+                where = f"; {self.instead}"
+            elif self.prepared:
+                where = (
+                    "; a prepared dataset's rows name its images where they were when it was prepared: if they "
+                    "moved, prepare it again"
+                )
+            else:
+                where = ""
             raise ValueError(
                 f"every image is missing or undecodable ({len(self.files)} of them; the first, "
-                f"{self.files[first]}: {self.bad[first]}){moved}; nothing to load"
+                f"{self.files[first]}: {self.bad[first]}){where}; nothing to load"
             )
 
     def check_all(self) -> None:

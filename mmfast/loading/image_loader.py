@@ -346,6 +346,7 @@ class ImageLoader:
         s = self.settings
         self.health = FileHealth(self.files, self.ids, s.on_bad_image, s.max_pixels, s.num_threads, file_stats)
         self.health.prepared = s.files_checked  # a prepared directory's: errors name its command
+        self.health.instead = getattr(source, "instead", "")  # a files source's other home for the images
         self.source = source
         if hasattr(source, "bind"):  # a source that orders by shard needs each position's sample id
             source.bind(self.ids)

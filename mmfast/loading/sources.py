@@ -18,7 +18,9 @@ The streaming source (shards member by member, local or remote through a cache) 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,12 +28,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from nvidia.dali import fn, types
 
-from mmfast.data.dataset import WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_checks, wds_split
+from mmfast.data.dataset import WDS_DIR, WDS_ID_DIGITS, WDS_IMAGE_EXT, wds_checks, wds_split
 from mmfast.loading.graphs import READER_NAME
 from mmfast.loading.options import SOURCES
 from mmfast.loading.stream_source import StreamSource
 from mmfast.remote.objects import is_remote
 from mmfast.util.commands import PREPARE
+from mmfast.util.voice import setting
 
 if TYPE_CHECKING:
     from mmfast.loading.file_health import FileHealth
@@ -81,13 +84,20 @@ def _wds_sample_ids(encoded):
 
 
 class FilesSource:
-    """Image files, read in the order of the loader's positions (DALI's file reader, no shuffling)."""
+    """Image files, read in the order of the loader's positions (DALI's file reader, no shuffling).
+
+    Args:
+        instead: where else the images can be read, said when every file is missing ("": nowhere).
+    """
 
     name = "files"
     reader_name = READER_NAME  # what DALI's iterator counts the epoch by
     ordered_by_loader = True
     can_skip_bad = True
     needs_paths = True
+
+    def __init__(self, instead: str = ""):
+        self.instead = instead
 
     def reader(
         self, positions: np.ndarray, health: FileHealth, shard_id: int, num_shards: int, shuffle: bool
@@ -143,6 +153,7 @@ class WdsSource:
 
 
 Source = FilesSource | WdsSource | StreamSource  # what a loader reads through
+_PROBED_FILES = 8  # a split's first images looked for: none of them there means its image files are gone
 
 
 def check_source_name(name: str) -> str:
@@ -152,21 +163,62 @@ def check_source_name(name: str) -> str:
     return name
 
 
-def prepared_source(dataset, split: str, kind: str = "files", cache: ShardCache | None = None) -> Source:
-    """The image source a loader of ``split`` of a ``PreparedDataset`` reads: ``kind`` ("files", "wds" or
-    "stream"), but always the WebDataset shards when the dataset was prepared from them (its images are in
-    them only), streamed when they are remote (through ``cache``).
+def prepared_source(dataset, split: str, kind: str | None = None, cache: ShardCache | None = None) -> Source:
+    """The image source a loader of ``split`` of a ``PreparedDataset`` reads: ``choose_source``'s kind, streamed
+    when the shards are remote (through ``cache``).
 
     Raises:
-        ValueError: an unknown kind, or remote shards and no cache. FileNotFoundError: the split has no
-        WebDataset shards.
+        ValueError: an unknown kind, "files" for a dataset prepared from shards, or remote shards and no cache.
+        FileNotFoundError: the split has no WebDataset shards.
     """
-    check_source_name(kind)
-    if kind == "files" and dataset.summary.get("input_kind") == "wds":
-        kind = "wds"
+    kind = choose_source(dataset, split, kind)[0]
     if kind == "files":
-        return FilesSource()
+        shards = f"the dataset's WebDataset shards hold them: pass {setting('source', value='wds')}"
+        return FilesSource(shards if _shards_hold(dataset, split) else "")
     tars, index = wds_split(dataset.root, split)
     if kind == "stream" or any(is_remote(t) for t in tars):
         return StreamSource(tars, index, wds_checks(dataset.root, split), cache)
     return WdsSource(tars, index)
+
+
+def choose_source(dataset, split: str, kind: str | None = None) -> tuple[str, str]:
+    """The source kind ``split`` of a ``PreparedDataset`` is read by, and why when it was not asked for.
+
+    ``kind`` None picks one: the image files, but the WebDataset shards when the dataset was prepared from shards
+    (its images are in them only) or when its image files are gone and it has shards.
+
+    Returns:
+        (kind, why): why is "" unless the shards stand in for image files that are gone (one line to say).
+
+    Raises:
+        ValueError: an unknown kind, or "files" for a dataset prepared from shards.
+    """
+    from_shards = dataset.summary.get("input_kind") == "wds"
+    if kind is not None:
+        check_source_name(kind)
+        if kind == "files" and from_shards:
+            raise ValueError(
+                f"{setting('source', value='files')}: {dataset.root} was prepared from WebDataset shards and "
+                f"has no image files; choose {setting('source', value='wds')} or "
+                f"{setting('source', value='stream')}"
+            )
+        return kind, ""
+    if from_shards:
+        return "wds", ""
+    if not _shards_hold(dataset, split):
+        return "files", ""
+    if missing := _files_gone(dataset, split):
+        shards = Path(dataset.root) / WDS_DIR
+        return "wds", f"the image files are gone ({missing} is missing): reading the WebDataset shards in {shards}"
+    return "files", ""
+
+
+def _shards_hold(dataset, split: str) -> bool:
+    """Whether the dataset has WebDataset shards of ``split`` (``mmfast-prepare --format wds``)."""
+    return (Path(dataset.root) / WDS_DIR / f"{split}.json").is_file()
+
+
+def _files_gone(dataset, split: str) -> str | None:
+    """The first image of ``split`` when none of its first ``_PROBED_FILES`` images is a file, else None."""
+    probed = [r["image"] for r in itertools.islice(dataset.iter_rows(split), _PROBED_FILES)]
+    return probed[0] if probed and not any(os.path.isfile(p) for p in probed) else None

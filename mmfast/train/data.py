@@ -17,7 +17,7 @@ from mmfast.loading.arguments import LoaderOptions
 from mmfast.loading.cache_plan import CachePlan, SplitImages, plan_decoded_cache
 from mmfast.loading.multimodal import MultimodalLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
-from mmfast.loading.sources import prepared_source
+from mmfast.loading.sources import choose_source, prepared_source
 from mmfast.remote.objects import fetch_to
 from mmfast.remote.shard_cache import ShardCache
 from mmfast.train.config import data_weights
@@ -62,9 +62,10 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
     common = _loader_options(cfg, accelerator, norm)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = val and dataset.split_size("val") > 0
+    kinds = _source_kinds(cfg, accelerator, dataset, ["train", "val"] if has_val else ["train"])
     plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
-    train = replace(_augmented(cfg, common), cache_decoded=plans["train"])
+    train = replace(_augmented(cfg, common), cache_decoded=plans["train"], source=kinds["train"])
     train_loader = _loader(dataset, "train", train, accelerator, cache, train_sampling(cfg, dataset))
     if len(train_loader) == 0:  # --samples-per-epoch under one global batch: an epoch would train nothing
         per_step = cfg.batch_size * accelerator.num_processes
@@ -75,9 +76,19 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
         )
     if not has_val:
         return train_loader, None, streamed
-    evaluation = replace(common, batch_size=cfg.eval_batch_size, cache_decoded=plans["val"])
+    evaluation = replace(common, batch_size=cfg.eval_batch_size, cache_decoded=plans["val"], source=kinds["val"])
     val_loader = _loader(dataset, "val", evaluation, accelerator, cache)
     return train_loader, val_loader, streamed
+
+
+def _source_kinds(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, splits: list[str]) -> dict[str, str]:
+    """The source kind each of ``splits`` is read by (``choose_source``). One line says so where the shards
+    stand in for image files that are gone."""
+    chosen = {split: choose_source(dataset, split, cfg.source) for split in splits}
+    gone = [split for split, (_, why) in chosen.items() if why]
+    if gone:
+        accelerator.print(f"{' and '.join(gone)} images: {chosen[gone[0]][1]}")
+    return {split: kind for split, (kind, _) in chosen.items()}
 
 
 def train_sampling(cfg: LoaderConfig, dataset: PreparedDataset) -> WholeBatchOrder:

@@ -66,7 +66,8 @@ def feature_cache_plan(cfg: FeatureConfig, model, loader: MultimodalLoader) -> t
     elif not getattr(model.image, "frozen", False):
         problem = "the image tower trains; lock it with --freeze-image"
     elif not loader.images.source.ordered_by_loader:
-        problem = f"--source {cfg.source} shuffles inside DALI, so its augmentation cannot be stored by view"
+        source = loader.images.source.name
+        problem = f"the {source} source shuffles inside DALI, so its augmentation cannot be stored by view"
     if problem and cfg.feature_cache == "on":
         raise ValueError(f"--feature-cache on: {problem}; or pass --feature-cache off")
     if problem:
@@ -91,7 +92,8 @@ def feature_parts(
             **({"pool": model.image.pool} if pools_stages(model.image) else {}),
         },  # fmt: skip
         "preprocessing": {
-            "image_size": cfg.image_size, "mean": mean, "std": std, "source": cfg.source,
+            # the dataset's own pick of a source (None) keys as "files": the same images
+            "image_size": cfg.image_size, "mean": mean, "std": std, "source": cfg.source or "files",
             "eval_crop_ratio": EVAL_CROP_RATIO,
             # the train split's augmentation and resize; the val split is read as its loader reads it
             **({"augment": cfg.augment, "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,
