@@ -206,10 +206,13 @@ def print_summary(summary: dict) -> None:
             f"batch of 64 such images holds {64 * mb / 1e3:.1f} GB decoded at once, and the loaders decode "
             "whole images; --max-side 2048 stores smaller copies (or lower --max-pixels)"
         )
-    if c["classes"] < 2:
+    if c["classes"] < 2 and summary["config"].get("inputs", {}).get("no_labels"):
+        print(f"note: no labels (--no-labels): for a contrastive model ({TRAIN} --model clip), not a classifier")
+    elif c["classes"] < 2:
+        flag = "--wds-label-field or --wds-label-key" if summary.get("input_kind") == "wds" else "--label-column"
         print(
             f"note: one class only (labels.json): the loader reads it, but {TRAIN}'s classifiers need at "
-            "least 2 classes (map a label with --label-column); a contrastive model (--model clip) needs none"
+            f"least 2 classes (map a label with {flag}); a contrastive model (--model clip) needs none"
         )
 
 

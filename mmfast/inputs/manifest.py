@@ -11,7 +11,7 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mmfast.data.dataset import COMPLETE, INCOMPLETE, incomplete_message, prepared_state
@@ -124,7 +124,8 @@ def read_input(
             rows, rejects = _jsonl_rows(path)
             kind = "jsonl"
         elif fmt == "csv":
-            rows, rejects = _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",", columns=columns)
+            delimiter, columns = _table_layout(path, suffix, columns)
+            rows, rejects = _csv_rows(path, delimiter=delimiter, columns=columns)
             kind = "csv"
         else:
             raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
@@ -278,6 +279,27 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
             continue
         rows.append((line, row))
     return rows, rejects
+
+
+OPEN_CLIP_COLUMNS = {"image": "filepath", "text": "title"}  # open_clip_train's --csv-img-key, --csv-caption-key
+
+
+def _table_layout(path: Path, suffix: str, columns: Columns) -> tuple[str, Columns]:
+    """The delimiter and columns of a CSV / TSV with a header line: a tab for a .tsv, or for a .csv whose header
+    has tabs and no comma (open_clip's trainer reads tab-separated .csv files by default); open_clip's column
+    names (filepath, title) where the header has them and not mmfast's defaults (image, text)."""
+    with open(path, "rb") as f:
+        first = f.readline(MAX_LINE_BYTES)
+    tab = suffix == ".tsv" or (b"\t" in first and b"," not in first)
+    if columns.names is not None:  # no header line: --columns names them
+        return ("\t" if tab else ","), columns
+    header = set(first.decode("utf-8", "replace").strip().split("\t" if tab else ","))
+    found = {
+        key: name
+        for key, name in OPEN_CLIP_COLUMNS.items()
+        if getattr(columns, key) == key and key not in header and name in header
+    }
+    return ("\t" if tab else ","), replace(columns, **found)
 
 
 def _csv_rows(

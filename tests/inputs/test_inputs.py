@@ -192,6 +192,22 @@ def test_imagefolder_without_a_caption_column_names_the_flag(tmp_path, photos_se
 
 
 # -- 3. column mapping and a headerless CC3M-style TSV ----------------------------------------------------
+@pytest.mark.parametrize("sep", ["\t", ","])
+def test_open_clip_train_csv_is_read_as_open_clip_writes_it(tmp_path, photos_set, sep):
+    """open_clip's trainer reads train.csv with columns filepath and title, tab-separated by default: the same
+    file prepares as it is, with no --image-column, --text-column or --csv-separator to pass."""
+    names = _copy_images(photos_set, tmp_path / "imgs")
+    table = tmp_path / "train.csv"
+    rows = [f"imgs/{n}{sep}{r['text']}" for n, r in zip(names, photos_set, strict=True)]
+    table.write_text("\n".join([f"filepath{sep}title", *rows]) + "\n")
+    cands, rejects, _ = read_source(table, InputOptions(no_labels=True))
+    assert not rejects
+    want = [(n, r["text"]) for n, r in zip(names, photos_set, strict=True)]
+    assert [(Path(c.image).name, c.text) for c in cands] == want
+    with pytest.raises(ManifestError, match="no column 'image'|lacks"):  # a named column is still required
+        read_source(table, InputOptions(no_labels=True, image_column="image", text_column="caption"))
+
+
 def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
     names = _copy_images(photos_set, tmp_path / "imgs")
     tsv = tmp_path / "cc3m.tsv"
@@ -204,7 +220,8 @@ def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
     out = tmp_path / "out"
     argv = [str(tsv), "--out", str(out), "--columns", "text,image", "--no-labels", "--no-progress"]
     assert prepare_data.main([*argv, "--max-length", "24", "--workers", "1"]) == 0
-    assert "one class only" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "note: no labels (--no-labels): for a contrastive model" in said and "one class only" not in said
     _assert_joined(out, rows, label_of=lambda r: NO_LABEL)
     (rej,) = [json.loads(ln) for ln in (out / "rejected.jsonl").read_text().splitlines()]
     assert rej["line"] == N + 1 and rej["reason"] == "missing field 'image'"
