@@ -432,6 +432,12 @@ def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
     cands, rejects = [], []
     classes = sorted(d.name for d in _listdir(root) if d.is_dir() and not d.name.startswith("."))
     if not classes:
+        packed = sorted(f.name for f in _listdir(root) if f.name.lower().endswith((".tar.gz", ".tgz", ".tar.zst")))
+        if packed:
+            raise ManifestError(
+                f"{root}: holds compressed tar files ({packed[0]}, ...), which mmfast does not read as shards; "
+                "decompress them to .tar files, as img2dataset and webdataset write shards"
+            )
         raise ManifestError(f"{root}: image folder has no class sub-folders; expected root/<class>/<image>")
     n = 0
     for cls in classes:

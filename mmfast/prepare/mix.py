@@ -111,8 +111,8 @@ def _check_mixable(datasets: list[PreparedDataset]):
     for d in datasets:
         if (d.root / WDS_DIR).is_dir():
             raise MixError(
-                f"{d.root}: its images are read from WebDataset shards, and a mix reads image files; prepare "
-                f"its input again without --format wds (an image folder, manifest, COCO or Parquet input)"
+                f"{d.root}: its images are read from WebDataset shards, and a mix reads image files; mix sources "
+                "prepared from an image folder, manifest, COCO or Parquet input, without --format wds"
             )
         if d is not first and tokenizer_fingerprint(load_tokenizer(d.tokenizer_dir)) != want:
             raise MixError(

@@ -69,6 +69,11 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
     """
     if resume != "latest":
         path = Path(resume)
+        if not path.exists():
+            hint = f"use --resume latest, or one of {checkpoint_dir(run_dir)}/step-*"
+            if not list_checkpoints(run_dir):
+                hint = f"{run_dir} has no checkpoint yet: start the run without --resume"
+            raise CheckpointError(f"--resume {path}: no such checkpoint; {hint}")
         problem = verify_checkpoint(path) if (path / STATE_FILE).is_file() else f"no {STATE_FILE}"
         if problem:
             raise CheckpointError(

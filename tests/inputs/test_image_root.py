@@ -147,3 +147,19 @@ def test_the_help_says_what_image_root_does():
         "--image-root DIR folder the relative image paths of a jsonl, csv, imagefolder, coco, parquet, arrow "
         "input are read from; other kinds refuse it (default: the folder of the file naming them)"
     ) in text
+
+
+def test_a_folder_of_compressed_shards_is_named_as_such(tmp_path, capsys):
+    """.tar.gz shards (not read as shards) were called an image folder without class sub-folders: the error now
+    names the compressed file and says to decompress it."""
+    import gzip
+
+    folder = _one_shard(tmp_path / "shards")
+    packed = folder / "00000.tar.gz"
+    packed.write_bytes(gzip.compress((folder / "00000.tar").read_bytes()))
+    (folder / "00000.tar").unlink()
+    (folder / "0.png").unlink()
+    assert main([str(folder), "--out", str(tmp_path / "out"), *FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "holds compressed tar files (00000.tar.gz, ...)" in err and "decompress them to .tar" in err
+    assert packed.is_file() and not (tmp_path / "out").exists()

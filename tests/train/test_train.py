@@ -193,6 +193,9 @@ def test_bad_flags_and_unreadable_data(tmp_path, capsys, prepared):
         train_tool.main(["--epochs", "two"])
     assert train_tool.main(["--data", str(prepared), "--out", str(tmp_path / "r"), "--resume", str(tmp_path)]) == 2
     assert "not an intact mmfast checkpoint" in capsys.readouterr().err
+    argv = ["--data", str(prepared), "--out", str(tmp_path / "r"), "--resume", str(tmp_path / "r" / "step-9")]
+    assert train_tool.main(argv) == 2  # a path that is not there, in a run with no checkpoint
+    assert "step-9: no such checkpoint; " in (err := capsys.readouterr().err) and "has no checkpoint yet" in err
     assert train_tool.main(
         ["--data", str(prepared), "--mixed-precision", "fp16", "--out", str(tmp_path / "h")]
     ) == (0 if torch.cuda.is_available() else 2)
