@@ -138,6 +138,29 @@ class StreamSource:
             ) from None
         self._loc, self.shard_of = loc, loc[:, 0]
 
+    def grouped_note(self, labels, batch_size: int) -> str:
+        """A note when the shards are grouped by class (as img2dataset and many exports write them): the order
+        mixes only ``window`` shards at a time, so its batches hold far fewer classes than shuffled ones would.
+        ``labels``: each bound position's class. "" when the order's batches mix the classes as well as 0.7 of
+        a shuffle's, or for fewer than 3 classes."""
+        labels = np.asarray(labels)
+        if len(np.unique(labels)) < 3 or len(labels) < 2 * batch_size:
+            return ""
+
+        def per_batch(order: np.ndarray) -> float:  # distinct classes in a batch, on average
+            whole = order[: len(order) // batch_size * batch_size].reshape(-1, batch_size)
+            return float(np.mean([len(np.unique(labels[b])) for b in whole]))
+
+        streamed = per_batch(window_order(self.shard_of, 0, 0, True, self.window))
+        shuffled = per_batch(np.random.default_rng(0).permutation(len(labels)))
+        if streamed >= 0.7 * shuffled:
+            return ""
+        return (
+            f"note: the train shards are grouped by class: --source stream mixes {self.window} shards at a time, "
+            f"so a batch holds {streamed:.1f} classes on average against {shuffled:.1f} shuffled; --source wds "
+            "shuffles local shards across each other, and shards written with the classes mixed stream better"
+        )
+
     def order(self, n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
         """The epoch's order of the loader's positions (``window_order``)."""
         if len(self.shard_of) != n:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,29 @@ def test_stream_reads_every_sample_once_with_the_pixels_of_the_wds_reader(prepar
         assert torch.equal(img, ref[sid]), sid
     again, _ = _epoch(loader)  # the next epoch: another order of the same samples
     assert sorted(again) == sorted(ids) and again != ids
+
+
+def test_shards_grouped_by_class_get_a_note_and_mixed_ones_none(prepared_local, tmp_path, minilm_dir):
+    """img2dataset-style shards often hold one class each: the stream mixes only a window of shards, so a batch
+    holds few classes (a newcomer's run trained worse than --source wds, silently). One note says so; the
+    fixture's shards, each of which mixes the classes, get none."""
+    photos = _photos()
+    folder = tmp_path / "grouped"
+    folder.mkdir()
+    for s in range(10):  # ten shards of ten samples, a class each: the stream reads 4 at a time
+        with wds.TarWriter(str(folder / f"{s:05d}.tar")) as w:
+            for j in range(10):
+                img = photos[(s * 10 + j) % len(photos)]
+                ext = "png" if img[:4] == b"\x89PNG" else "jpg"
+                w.write({"__key__": f"{s:05d}{j:04d}", ext: img, "txt": f"picture {s} {j}", "cls": str(s)})
+    grouped = prepare(f"{folder}/{{00000..00009}}.tar", tmp_path / "p", minilm_dir)
+    loader = _loader(grouped, "stream")
+    note = loader.source.grouped_note(loader.images.labels, 16)
+    got = re.search(r"grouped by class: --source stream mixes 4 shards at a time, so a batch holds ([\d.]+) "
+                    r"classes on average against ([\d.]+) shuffled; --source wds", note)  # fmt: skip
+    assert got and float(got[1]) < 0.7 * float(got[2]), note
+    mixed = _loader(prepared_local, "stream")
+    assert mixed.source.grouped_note(mixed.images.labels, 8) == ""
 
 
 def test_stream_resumes_mid_epoch_exactly(prepared_local):
