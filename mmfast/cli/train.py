@@ -42,7 +42,7 @@ def print_table(summary: dict) -> None:
 def _skipped_row(summary: dict) -> list[tuple[str, str]]:
     """Unreadable train images the run left out, when there were any."""
     n = summary.get("skipped_samples")
-    return [("skipped images", f"{n} unreadable (named in the log)")] if n else []
+    return [("skipped images", f"{n} unreadable (listed in skipped.jsonl)")] if n else []  # report.SKIPPED_FILE
 
 
 def _accuracy_row(summary: dict) -> list[tuple[str, str]]:

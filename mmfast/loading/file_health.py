@@ -115,8 +115,8 @@ class FileHealth:
             if len(self.bad) < NAMED_BAD:
                 log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             elif len(self.bad) == NAMED_BAD:
-                counted = said("the run's summary counts them", "loader.skipped lists them")
-                log.warning("skipping more missing or undecodable images without naming each: %s", counted)
+                counted = said("a training run lists them all in skipped.jsonl", "loader.skipped lists them")
+                log.warning("skipping more missing or undecodable images without naming each (%s)", counted)
             self.bad[p] = reason
         if len(self.bad) == len(self.files):
             first = min(self.bad)

@@ -26,7 +26,7 @@ from mmfast.train.config import PROFILE_WARMUP_STEPS
 from mmfast.train.hardware import uses_cuda_graphs
 from mmfast.train.optim import scaled_step_skipped, skips_on_device, step_unless_non_finite
 from mmfast.train.profiler import StepTimer
-from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics
+from mmfast.train.report import StepLog, StepWindow, shard_figures, write_epoch_metrics, write_skipped
 from mmfast.train.slices import LoopConfig
 from mmfast.train.source_tally import SourceTally
 
@@ -162,6 +162,8 @@ class EpochRunner:
             # else: --max-steps stopped the epoch; train_epoch saved its position, so a resume with a
             # larger --max-steps continues this same epoch.
             write_epoch_metrics(self.acc, self.run_dir, metrics, self.task)
+            if metrics["skipped_samples"]:  # the same count on every process: all of them take part
+                write_skipped(self.acc, self.run_dir, self.loader.skipped)
             self.checkpoint()
             if self.done():
                 break

@@ -23,7 +23,7 @@ from mmfast.train.features import feature_note
 from mmfast.train.hardware import compile_options, cpu_has_fast_bf16, cuda_has_bf16
 from mmfast.train.profiler import StepTimer, UtilizationSampler, build_report, plot_report
 from mmfast.train.slices import LoopConfig, ReportConfig
-from mmfast.util.fsutil import atomic_write_json
+from mmfast.util.fsutil import atomic_write_json, atomic_write_jsonl
 
 if TYPE_CHECKING:
     from mmfast.remote.shard_cache import ShardCache
@@ -41,6 +41,20 @@ def append_line(path: Path, line: str) -> None:
         except OSError:
             f.truncate(size)
             raise
+
+
+SKIPPED_FILE = "skipped.jsonl"  # every image the run's train loaders skipped: id, image, reason
+
+
+def write_skipped(accelerator, run_dir: Path, skipped: list[dict]) -> None:
+    """skipped.jsonl: the images the train loaders of every process have skipped so far (``skipped``: this
+    process's), a line each, by sample id; rewritten whole by the main process. A collective call."""
+    from accelerate.utils import gather_object  # accelerate: a slow import, only once a run skips an image
+
+    every = {e["id"]: e for e in gather_object(list(skipped))} if accelerator.num_processes > 1 else None
+    if accelerator.is_main_process:
+        rows = sorted((every or {e["id"]: e for e in skipped}).values(), key=lambda e: e["id"])
+        atomic_write_jsonl(run_dir / SKIPPED_FILE, rows)
 
 
 def write_epoch_metrics(accelerator, run_dir: Path, metrics: dict, task: Task) -> None:

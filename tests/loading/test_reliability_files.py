@@ -86,6 +86,11 @@ def _train_with_garbage(tmp_path: Path, *flags: str) -> dict:
     # the end of the run says so too: summary.json and the table
     assert json.loads((out / "summary.json").read_text())["skipped_samples"] == last["skipped_samples"]
     assert re.search(rf"skipped images +{last['skipped_samples']} unreadable", run.stdout), run.stdout[-2000:]
+    # skipped.jsonl lists each: the train split's damaged files among them, by id, with the reason
+    listed = [json.loads(ln) for ln in (out / "skipped.jsonl").read_text().splitlines()]
+    assert len(listed) == last["skipped_samples"] and [e["id"] for e in listed] == sorted(e["id"] for e in listed)
+    assert {(e["id"], e["image"]) for e in listed} <= {(rows[i]["id"], rows[i]["image"]) for i in (3, 40, 77)}
+    assert listed and all(e["reason"] for e in listed)
     return last
 
 

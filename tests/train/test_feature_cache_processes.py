@@ -53,8 +53,9 @@ def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_
     prepare_dataset(
         PrepareConfig(source=str(source / demo_manifest.name), out=str(prepared), max_length=32, progress=False)
     )
-    for line in (prepared / "train.jsonl").read_text().splitlines()[10:70:10]:
-        Path(json.loads(line)["image"]).write_bytes(b"<html>not found</html>")  # a failed download's page
+    broken = [json.loads(line) for line in (prepared / "train.jsonl").read_text().splitlines()[10:70:10]]
+    for row in broken:
+        Path(row["image"]).write_bytes(b"<html>not found</html>")  # a failed download's page
 
     def launch(out: Path, nodes: tuple[int, ...], *flags: str) -> list[subprocess.Popen]:
         """One launcher per machine, n processes each; each machine with its own lock folder."""
@@ -97,6 +98,8 @@ def test_one_and_two_processes_and_two_machines_train_alike_on_one_build_of_the_
     for name in ("one", "two", "machines", "decoded"):
         metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["skipped_samples"] for x in metrics] == [6, 6], name
+        listed = [json.loads(x) for x in (tmp_path / name / "skipped.jsonl").read_text().splitlines()]
+        assert [(e["id"], e["image"]) for e in listed] == sorted((r["id"], r["image"]) for r in broken), name
     assert np.allclose(_losses(tmp_path / "machines"), _losses(tmp_path / "two"), rtol=1e-6)
     a, b, c = (_weights(tmp_path / r) for r in ("one", "two", "machines"))
     assert a.keys() == b.keys() == c.keys()
