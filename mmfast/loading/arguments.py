@@ -50,7 +50,7 @@ class LoaderOptions:
         scale, color_jitter: the train crop's area range and the colour jitter (None: the graph's defaults).
         mean, std: normalization in 0..255 units (None: ImageNet's).
         shard_id, num_shards: this process's shard (None: the accelerator's).
-        source: where the images are read: "files", "wds" or "stream" (None: ``sources.choose_source``'s pick).
+        source: where the images are read: "files", "wds" or "stream" (``sources.choose_source``).
         text_padding: the width of a batch's tokens: "longest", "buckets" or "max".
         interpolation, resize_mode, crop_ratio: a start's resize filter and eval resize (None: mmfast's own).
     """
@@ -73,7 +73,7 @@ class LoaderOptions:
     std: tuple[float, ...] | None = None
     shard_id: int | None = None
     num_shards: int | None = None
-    source: str | None = None
+    source: str = "files"
     text_padding: str = "longest"
     interpolation: str | None = None
     resize_mode: str | None = None

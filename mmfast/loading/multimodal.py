@@ -5,7 +5,6 @@ prepared (``MultimodalLoader.join``)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
@@ -20,15 +19,13 @@ from mmfast.data.token_cache import TokenCache, padded_width
 from mmfast.loading.arguments import EngineReading, LoaderOptions
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.sampling import WHOLE_BATCHES, WholeBatchOrder
-from mmfast.loading.sources import choose_source, prepared_source
+from mmfast.loading.sources import prepared_source
 from mmfast.util.commands import PREPARE
 
 if TYPE_CHECKING:
     from mmfast.data.dataset import SplitTable
     from mmfast.loading.sources import Source
     from mmfast.remote.shard_cache import ShardCache
-
-log = logging.getLogger(__name__)
 
 
 class MultimodalLoader:
@@ -46,8 +43,8 @@ class MultimodalLoader:
         accelerator: take shard_id / num_shards / device from an ``accelerate.Accelerator``.
         source: "files" (the split's image files), "wds" (its WebDataset shards through DALI's reader, see
             ``prepare.wds_export``) or "stream" (the shards member by member in the loader's order:
-            ``loading.stream_source``); remote shards are always streamed. None (the default): the files, or
-            the shards where the images are in them only or the files are gone (``sources.choose_source``).
+            ``loading.stream_source``); a dataset prepared from WebDataset shards is always read from them,
+            and streamed when they are remote (``sources.choose_source``).
         shard_cache: the ``remote.shard_cache.ShardCache`` remote shards are held in while streamed.
         sampling: ``WHOLE_BATCHES``, or another whole-batch order (``sampling.MixedOrder``: a mix's
             sources by weight; a mix's batches then carry "source", each sample's source, -1 when masked).
@@ -80,7 +77,7 @@ class MultimodalLoader:
     ):
         if kwargs.get("as_dict") is False:
             raise ValueError("MultimodalLoader's batches are always dicts (as_dict=False is ImageLoader's)")
-        source, text_padding = kwargs.pop("source", None), kwargs.pop("text_padding", "longest")
+        source, text_padding = kwargs.pop("source", "files"), kwargs.pop("text_padding", "longest")
         dataset, table, reader = self._open(data_dir, split, source, shard_cache)
         shuffle, drop_last = kwargs.pop("shuffle", None), kwargs.pop("drop_last", None)
         if accelerator is not None:
@@ -136,18 +133,13 @@ class MultimodalLoader:
         loader._finish(dataset, split, table, images, options.text_padding)
         return loader
 
-    def _open(
-        self, data_dir, split: str, source: str | None, shard_cache
-    ) -> tuple[PreparedDataset, SplitTable, Source]:
+    def _open(self, data_dir, split: str, source: str, shard_cache) -> tuple[PreparedDataset, SplitTable, Source]:
         """``split`` of ``data_dir``: the dataset, the split's table (each row's path where ``source`` reads
-        files) and the image source it is read from (None: ``choose_source``'s, said when it is not the files)."""
+        files) and the image source it is read from (``choose_source``'s)."""
         # Opening verifies every file of the directory against prepare.json (pass a PreparedDataset to
         # share one verification between the train and val loaders).
         dataset = data_dir if isinstance(data_dir, PreparedDataset) else PreparedDataset(data_dir)
-        kind, why = choose_source(dataset, split, source)
-        if why:
-            log.warning("%s images: %s", split, why)
-        reader = prepared_source(dataset, split, kind, shard_cache)
+        reader = prepared_source(dataset, split, source, shard_cache)
         # A source that reads the rows' own files needs each row's path; a WebDataset only ids and labels.
         table = dataset.table(split, images=reader.needs_paths)
         if not len(table.ids):

@@ -18,9 +18,7 @@ The streaming source (shards member by member, local or remote through a cache) 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -153,7 +151,6 @@ class WdsSource:
 
 
 Source = FilesSource | WdsSource | StreamSource  # what a loader reads through
-_PROBED_FILES = 8  # a split's first images looked for: none of them there means its image files are gone
 
 
 def check_source_name(name: str) -> str:
@@ -163,16 +160,16 @@ def check_source_name(name: str) -> str:
     return name
 
 
-def prepared_source(dataset, split: str, kind: str | None = None, cache: ShardCache | None = None) -> Source:
+def prepared_source(dataset, split: str, kind: str = "files", cache: ShardCache | None = None) -> Source:
     """The image source a loader of ``split`` of a ``PreparedDataset`` reads: ``choose_source``'s kind, streamed
     when the shards are remote (through ``cache``).
 
     Raises:
-        ValueError: an unknown kind, "files" for a dataset prepared from shards, or remote shards and no cache.
-        FileNotFoundError: the split has no WebDataset shards.
+        ValueError: an unknown kind, or remote shards and no cache. FileNotFoundError: the split has no
+        WebDataset shards.
     """
     kind = choose_source(dataset, split, kind)[0]
-    if kind == "files":
+    if kind == "files":  # where every file is gone, the error says where else the images are
         shards = f"the dataset's WebDataset shards hold them: pass {setting('source', value='wds')}"
         return FilesSource(shards if _shards_hold(dataset, split) else "")
     tars, index = wds_split(dataset.root, split)
@@ -181,44 +178,23 @@ def prepared_source(dataset, split: str, kind: str | None = None, cache: ShardCa
     return WdsSource(tars, index)
 
 
-def choose_source(dataset, split: str, kind: str | None = None) -> tuple[str, str]:
-    """The source kind ``split`` of a ``PreparedDataset`` is read by, and why when it was not asked for.
-
-    ``kind`` None picks one: the image files, but the WebDataset shards when the dataset was prepared from shards
-    (its images are in them only) or when its image files are gone and it has shards.
+def choose_source(dataset, split: str, kind: str | None = "files") -> tuple[str, str]:
+    """The source kind ``split`` of a ``PreparedDataset`` is read by, and why when it is not the one asked for:
+    "files" (or None) on a dataset prepared from WebDataset shards reads the shards, its images' only home. The
+    choice depends on the prepared directory alone, so every process of a run makes the same one.
 
     Returns:
-        (kind, why): why is "" unless the shards stand in for image files that are gone (one line to say).
+        (kind, why): why is "" unless the kind differs from the one asked for (one line to say).
 
     Raises:
-        ValueError: an unknown kind, or "files" for a dataset prepared from shards.
+        ValueError: an unknown kind.
     """
-    from_shards = dataset.summary.get("input_kind") == "wds"
-    if kind is not None:
-        check_source_name(kind)
-        if kind == "files" and from_shards:
-            raise ValueError(
-                f"{setting('source', value='files')}: {dataset.root} was prepared from WebDataset shards and "
-                f"has no image files; choose {setting('source', value='wds')} or "
-                f"{setting('source', value='stream')}"
-            )
-        return kind, ""
-    if from_shards:
-        return "wds", ""
-    if not _shards_hold(dataset, split):
-        return "files", ""
-    if missing := _files_gone(dataset, split):
-        shards = Path(dataset.root) / WDS_DIR
-        return "wds", f"the image files are gone ({missing} is missing): reading the WebDataset shards in {shards}"
-    return "files", ""
+    kind = check_source_name(kind or "files")
+    if kind == "files" and dataset.summary.get("input_kind") == "wds":
+        return "wds", f"read from the WebDataset shards {dataset.root} was prepared from (it has no image files)"
+    return kind, ""
 
 
 def _shards_hold(dataset, split: str) -> bool:
     """Whether the dataset has WebDataset shards of ``split`` (``mmfast-prepare --format wds``)."""
     return (Path(dataset.root) / WDS_DIR / f"{split}.json").is_file()
-
-
-def _files_gone(dataset, split: str) -> str | None:
-    """The first image of ``split`` when none of its first ``_PROBED_FILES`` images is a file, else None."""
-    probed = [r["image"] for r in itertools.islice(dataset.iter_rows(split), _PROBED_FILES)]
-    return probed[0] if probed and not any(os.path.isfile(p) for p in probed) else None

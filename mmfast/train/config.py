@@ -271,12 +271,12 @@ class TrainConfig:
         "stat'ed just before they are read, changed ones decoded again, and a bad one handled as --on-bad-image "
         "says",
     )
-    source: str | None = _opt(
-        None,
+    source: str = _opt(
+        "files",
         "data",
-        "images from their files (files), the prepared dir's WebDataset shards by DALI's reader (wds), or those "
-        "shards in the loader's order (stream: exact resume; remote shards always stream); none: the files, or "
-        "the shards when the images are in them only or their files are gone",
+        "images from their files (files; a dataset prepared from shards: its shards), the prepared dir's "
+        "WebDataset shards by DALI's reader (wds), or those shards in the loader's order (stream: exact resume; "
+        "remote shards always stream)",
     )
     shard_cache: str | None = _opt(
         None, "data", "where remote shards are held; none: $MMFAST_CACHE/shards (~/.cache/mmfast/shards)"
@@ -344,8 +344,7 @@ class TrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag(name)} must be an integer >= 1, got {value!r}")
         for name, allowed in choices().items():
-            # None: the model's or preset's (resolve_preset), or the dataset's source (choose_source)
-            if name in (*FROM_RESOLVE, "source") and getattr(self, name) is None:
+            if name in FROM_RESOLVE and getattr(self, name) is None:  # the model's or preset's (resolve_preset)
                 continue
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{flag(name)} must be {_one_of(allowed)}, got '{getattr(self, name)}'")

@@ -85,8 +85,8 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
 
 
 def _source_kinds(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, splits: list[str]) -> dict[str, str]:
-    """The source kind each of ``splits`` is read by (``choose_source``). One line says so where the shards
-    stand in for image files that are gone."""
+    """The source kind each of ``splits`` is read by (``choose_source``). One line says so where it is not the
+    one asked for (the shards of a dataset prepared from them)."""
     chosen = {split: choose_source(dataset, split, cfg.source) for split in splits}
     gone = [split for split, (_, why) in chosen.items() if why]
     if gone:

@@ -92,8 +92,7 @@ def feature_parts(
             **({"pool": model.image.pool} if pools_stages(model.image) else {}),
         },  # fmt: skip
         "preprocessing": {
-            # the dataset's own pick of a source (None) keys as "files": the same images
-            "image_size": cfg.image_size, "mean": mean, "std": std, "source": cfg.source or "files",
+            "image_size": cfg.image_size, "mean": mean, "std": std, "source": cfg.source,
             "eval_crop_ratio": EVAL_CROP_RATIO,
             # the train split's augmentation and resize; the val split is read as its loader reads it
             **({"augment": cfg.augment, "crop_scale": [cfg.crop_scale_min, 1.0], "color_jitter": cfg.color_jitter,

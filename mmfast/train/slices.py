@@ -55,7 +55,7 @@ class LoaderConfig:
     data: str | list[str] | None
     data_weights: str | None
     samples_per_epoch: int | None
-    source: str | None
+    source: str
     shard_cache: str | None
     cache_limit: str
     store_timeout: float

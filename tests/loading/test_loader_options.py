@@ -35,6 +35,7 @@ def test_unset_fields_leave_the_loaders_defaults_and_the_rest_are_their_keywords
         "on_bad_image": "skip",
         "verify_files": False,
         "scale": (0.5, 1.0),
+        "source": "files",
         "text_padding": "longest",
     }
     with pytest.raises(FrozenInstanceError):

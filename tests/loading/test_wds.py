@@ -371,13 +371,11 @@ def test_export_trains_with_the_originals_moved_away(exported, tmp_path, monkeyp
                 seen.append(sid)
     assert sorted(seen) == sorted(rows)
     # the files source has nothing to read: found at start-up when asked, else when DALI fails on the files
+    # (and says where else they are: the shards)
     with pytest.raises(ValueError, match="every image is missing.* hold them: pass source='wds'"):
-        MultimodalLoader(out, "val", batch_size=4, size=32, source="files", verify_files=True)
+        MultimodalLoader(out, "val", batch_size=4, size=32, verify_files=True)
     with pytest.raises(ValueError, match="every image is missing.* hold them: pass source='wds'"):
-        next(iter(MultimodalLoader(out, "val", batch_size=4, size=32, source="files")))
-    by_default = MultimodalLoader(out, "val", batch_size=4, size=32, train=False)  # the shards stand in
-    assert by_default.source.name == "wds"
-    assert sorted(i for b in by_default for i in b["id"].tolist() if i >= 0) == sorted(rows)
+        next(iter(MultimodalLoader(out, "val", batch_size=4, size=32)))
 
 
 def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, prepared_wds):
@@ -402,11 +400,10 @@ def test_prepared_dataset_gives_each_split_as_arrays_and_its_source(exported, pr
     assert (shards.tars, shards.index) == wds_split(out, "val")
     with pytest.raises(ValueError, match="unknown source 'tfrecord'; choose from 'files', 'wds'"):
         prepared_source(dataset, "val", "tfrecord")
-    assert prepared_source(dataset, "val").name == "files"  # by default, while the files are there
+    assert prepared_source(dataset, "val").name == "files"  # by default
     from_shards = PreparedDataset(prepared_wds)  # its images are in the shards only
     assert prepared_source(from_shards, "train").name == "wds"
-    with pytest.raises(ValueError, match="prepared from WebDataset shards and has no image files; choose source="):
-        prepared_source(from_shards, "train", "files")
+    assert prepared_source(from_shards, "train", "files").name == "wds"
     assert dataset.version >= 2 and dataset.vocab_size == len(load_tokenizer(out / "tokenizer"))
     assert dataset.vocab_size == dataset.summary["vocab_size"]
 
@@ -421,14 +418,14 @@ def test_train_tool_source_wds_without_the_originals(exported, tmp_path):
     assert json.loads((run / "summary.json").read_text())["model"]
 
 
-def test_train_tool_reads_the_shards_once_the_originals_are_gone(exported, tmp_path, capsys, caplog):
-    """Without --source, a dataset exported with --format wds whose original images are gone trains from its
-    shards and says so in one line; --source files then stops with the count, ten names and the flag to pass."""
+def test_train_tool_names_the_shards_once_the_originals_are_gone(exported, tmp_path, capsys, caplog):
+    """A dataset exported with --format wds whose original images are gone: the run stops with the count, ten
+    names (not one line per image) and the flag that reads the shards, which then trains. The default does not
+    switch by itself: a run's source is its setting, the same on every process and on resume."""
     manifest, out = exported
-    first = _train_rows(out)[0]["image"]
     shutil.move(manifest.parent, tmp_path / "moved")
     argv = ["--data", str(out), *SMALL_RUN, "--batch-size", "4", "--max-steps", "1", "--epochs", "1"]
-    assert train_tool.main([*argv, "--out", str(tmp_path / "files"), "--source", "files"]) == 2
+    assert train_tool.main([*argv, "--out", str(tmp_path / "files")]) == 2
     said = capsys.readouterr()
     named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping ")]
     assert len(named) == 11 and named[-1].startswith("skipping more missing or undecodable images without naming")
@@ -438,27 +435,21 @@ def test_train_tool_reads_the_shards_once_the_originals_are_gone(exported, tmp_p
         "the dataset's WebDataset shards hold them: pass --source wds; nothing to load"
     )
     run = tmp_path / "run"
-    assert train_tool.main([*argv, "--out", str(run)]) == 0
-    said = capsys.readouterr()
-    assert len([r for r in caplog.records if r.getMessage().startswith("skipping ")]) == 11  # the first run's
-    assert said.out.splitlines()[0] == (
-        f"train and val images: the image files are gone ({first} is missing): reading the WebDataset shards in "
-        f"{out / 'wds'}"
-    )
+    assert train_tool.main([*argv, "--out", str(run), "--source", "wds"]) == 0
     streamed = (
         "streamed (read by the wds source, which orders its reads itself; only image files are held decoded)"
     )
     assert json.loads((run / "summary.json").read_text())["images"] == f"train {streamed}; val {streamed}"
 
 
-def test_train_tool_refuses_source_files_on_a_dataset_prepared_from_shards(prepared_wds, tmp_path, capsys):
-    """A dataset prepared from WebDataset shards has no image files: --source files is refused in one line that
-    names the sources it offers."""
-    argv = ["--data", str(prepared_wds), "--out", str(tmp_path / "run"), *SMALL_RUN, "--source", "files"]
-    assert train_tool.main(argv) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"error: --source files: {prepared_wds} was prepared from WebDataset shards and has no image files; "
-        "choose --source wds or --source stream"
+def test_train_tool_says_a_dataset_prepared_from_shards_is_read_from_them(prepared_wds, tmp_path, capsys):
+    """A dataset prepared from WebDataset shards has no image files: the default (files) reads its shards, and
+    one line at the start says so."""
+    argv = ["--data", str(prepared_wds), "--out", str(tmp_path / "run"), *SMALL_RUN, "--batch-size", "2"]
+    assert train_tool.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"train and val images: read from the WebDataset shards {prepared_wds} was prepared from (it has no image "
+        "files)"
     )
 
 
