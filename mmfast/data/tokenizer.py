@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -101,7 +102,8 @@ def load_tokenizer(name_or_path: str | Path):
 
     if str(name_or_path) == "minilm":
         name_or_path = minilm_path()  # raises ValueError naming the package to install
-    _refuse_a_typo(str(name_or_path))
+    name_or_path = os.path.expanduser(str(name_or_path))  # "~/tok" from a config file: the shell did not expand it
+    _refuse_a_typo(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)
     except Exception as e:

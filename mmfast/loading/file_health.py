@@ -115,7 +115,7 @@ class FileHealth:
             if len(self.bad) < NAMED_BAD:
                 log.warning("skipping %s (sample id %d): %s", self.files[p], self.ids[p], reason)
             elif len(self.bad) == NAMED_BAD:
-                counted = said("a training run lists them all in skipped.jsonl", "loader.skipped lists them")
+                counted = said("a training run lists train images in skipped.jsonl", "loader.skipped lists them")
                 log.warning("skipping more missing or undecodable images without naming each (%s)", counted)
             self.bad[p] = reason
         if len(self.bad) == len(self.files):

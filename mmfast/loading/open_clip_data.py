@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from mmfast.loading.caption_loader import CaptionLoader
-from mmfast.loading.transforms import UnsupportedTransform
+from mmfast.loading.transforms import OPEN_CLIP_AUGMENTATIONS, UnsupportedTransform
 
 log = logging.getLogger(__name__)
 # open_clip_train's defaults for the table's columns: then the loader looks for its usual names itself
@@ -116,11 +116,10 @@ def _loader(args, table: str, preprocess, tokenizer, train: bool, epochs: int, o
     )
     try:
         return CaptionLoader(table, **{**settings, **options})
-    except UnsupportedTransform as e:  # what the trainer's flags asked for: its flags are the way out
-        advice = (
-            "drop the --aug-cfg entries that add it (color_jitter_prob, gray_scale_prob), or train with "
-            "open_clip's own loader"
-        )
+    except UnsupportedTransform as e:  # the way out: the trainer's flags, or its own loader
+        advice = "train this model with open_clip's own loader (its trainer without mmfast)"
+        if any(name in e.step for name in OPEN_CLIP_AUGMENTATIONS):
+            advice = f"drop the --aug-cfg entries that add it (color_jitter_prob, gray_scale_prob), or {advice}"
         raise UnsupportedTransform(f"{e.step} (open_clip's preprocess)", e.why, advice) from None
 
 

@@ -20,6 +20,8 @@ INTERPOLATIONS = ("bilinear", "bicubic")  # the resizes the graph and the host f
 # Steps of open_clip's preprocess (open_clip.transform) and what they are here: the loader decodes to RGB and
 # converts to floats itself.
 _OPEN_CLIP_STEPS = {"MaybeConvertMode": "rgb", "_convert_to_rgb": "rgb", "MaybeToTensor": "ToTensor"}
+# open_clip's random steps, added by its trainer's --aug-cfg color_jitter_prob and gray_scale_prob
+OPEN_CLIP_AUGMENTATIONS = ("color_jitter", "gray_scale")
 
 
 REPRODUCED = (
@@ -54,8 +56,10 @@ def _step_name(op) -> str:
         if name == "MaybeConvertMode" and getattr(op, "mode", "RGB") != "RGB":
             _unsupported(op, "the loader decodes to RGB")
         return _OPEN_CLIP_STEPS[name]
-    if module.split(".")[0] == "open_clip":  # its --aug-cfg color_jitter_prob, gray_scale_prob
-        _unsupported(op, "an open_clip augmentation the pipeline does not draw")
+    if module.split(".")[0] == "open_clip":
+        if name in OPEN_CLIP_AUGMENTATIONS:
+            _unsupported(op, "an open_clip augmentation the pipeline does not draw")
+        _unsupported(op, "an open_clip resize or crop the pipeline does not do (resize_mode 'longest')")
     if not module.startswith("torchvision.transforms"):
         _unsupported(op, "it is not a torchvision transform")
     return name
@@ -144,12 +148,11 @@ def _finish_options(found: dict, resize: int | None, crop: int | None, scale_to_
         found["mean"], found["std"] = (0.0,) * 3, (255.0 if scale_to_unit else 1.0,) * 3
     if found.get("train"):
         if resize is not None or crop is not None:
-            raise ValueError("the dataset's transform resizes or crops after RandomResizedCrop; not reproduced")
+            raise UnsupportedTransform("a resize or crop after RandomResizedCrop", "the crop is the last resize")
         return found
     if resize is None or crop is None or crop > resize or found["flip"] or found["color_jitter"]:
-        raise ValueError(
-            "the dataset's transform is neither RandomResizedCrop(S) [+ flip, jitter] (training) nor "
-            "Resize(R) + CenterCrop(S) with R >= S (evaluation): the two the pipeline reproduces"
+        raise UnsupportedTransform(
+            "the geometry", "it is neither a training crop nor an evaluation resize and centre crop with R >= S"
         )
     return {**found, "train": False, "size": crop, "crop_ratio": crop / resize}
 

@@ -67,7 +67,7 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
     train = replace(_augmented(cfg, common), cache_decoded=plans["train"], source=kinds["train"])
     train_loader = _loader(dataset, "train", train, accelerator, cache, train_sampling(cfg, dataset))
-    if kinds["train"] == "stream":
+    if train_loader.source.name == "stream":  # remote shards stream whatever --source says
         if note := train_loader.source.grouped_note(train_loader.images.labels, cfg.batch_size):
             accelerator.print(note)
     if len(train_loader) == 0:  # --samples-per-epoch under one global batch: an epoch would train nothing

@@ -47,14 +47,17 @@ SKIPPED_FILE = "skipped.jsonl"  # every image the run's train loaders skipped: i
 
 
 def write_skipped(accelerator, run_dir: Path, skipped: list[dict]) -> None:
-    """skipped.jsonl: the images the train loaders of every process have skipped so far (``skipped``: this
-    process's), a line each, by sample id; rewritten whole by the main process. A collective call."""
+    """skipped.jsonl: the train images the loaders of every process have skipped so far (``skipped``: this
+    process's), with those listed before a resume, a line each, by sample id; rewritten whole by the main
+    process. A collective call."""
     from accelerate.utils import gather_object  # accelerate: a slow import, only once a run skips an image
 
-    every = {e["id"]: e for e in gather_object(list(skipped))} if accelerator.num_processes > 1 else None
+    every = gather_object(list(skipped)) if accelerator.num_processes > 1 else list(skipped)
     if accelerator.is_main_process:
-        rows = sorted((every or {e["id"]: e for e in skipped}).values(), key=lambda e: e["id"])
-        atomic_write_jsonl(run_dir / SKIPPED_FILE, rows)
+        path = run_dir / SKIPPED_FILE  # a resumed run's loaders start afresh: what was listed before stays
+        before = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        rows = sorted({e["id"]: e for e in [*before, *every]}.values(), key=lambda e: e["id"])
+        atomic_write_jsonl(path, rows)
 
 
 def write_epoch_metrics(accelerator, run_dir: Path, metrics: dict, task: Task) -> None:

@@ -118,3 +118,10 @@ def test_a_tokenizer_name_one_letter_off_or_a_missing_folder_is_refused_at_once(
     (tmp_path / "tok").mkdir()
     train_wordpiece(["a cat on a mat", "a dog"], vocab_size=60).save_pretrained(tmp_path / "tok")
     assert load_tokenizer(tmp_path / "tok")("a cat")["input_ids"]  # a real folder still loads
+
+
+def test_a_tokenizer_folder_named_with_a_tilde_is_found(tmp_path, monkeypatch):
+    """'~/tok' from a config file reaches us unexpanded (no shell): it names the home folder's tok."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    train_wordpiece(["a cat on a mat", "a dog"], vocab_size=60).save_pretrained(tmp_path / "tok")
+    assert load_tokenizer("~/tok")("a cat")["input_ids"]

@@ -173,7 +173,7 @@ def test_torchvision_transforms_become_loader_arguments(tv):
         ),
         (T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip(0.2), T.ToTensor()]), "probability 0.5"),
         (T.Compose([T.Resize(73), T.CenterCrop(64), T.PILToTensor()]), "never converts the image to floats"),
-        (T.Compose([T.Resize(73), T.ToTensor()]), "neither RandomResizedCrop"),
+        (T.Compose([T.Resize(73), T.ToTensor()]), "neither a training crop nor an evaluation resize"),
         (T.Compose([T.Resize(73), T.CenterCrop(64), T.Lambda(lambda x: x), T.ToTensor()]), "Lambda"),
         (T.Compose([T.RandomResizedCrop(64), T.ColorJitter(hue=0.1), T.ToTensor()]), "not hue"),
     ],

@@ -162,3 +162,12 @@ def test_an_aug_cfg_the_loader_cannot_draw_is_one_line_naming_the_step_and_the_f
     line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
     assert "open_clip.transform.color_jitter (open_clip's preprocess)" in line and " object at 0x" not in line
     assert "drop the --aug-cfg entries that add it (color_jitter_prob" in line and "Traceback" not in err
+
+
+def test_open_clip_resize_modes_the_loader_does_not_do_are_named_as_such():
+    """open_clip's 'longest' resize is not an augmentation: its refusal says which resize mode, not --aug-cfg."""
+    from mmfast.loading.transforms import UnsupportedTransform, options_from_transform
+
+    with pytest.raises(UnsupportedTransform, match="resize_mode 'longest'") as refused:
+        options_from_transform(open_clip.transform.image_transform(32, False, resize_mode="longest"))
+    assert "augmentation" not in refused.value.why and "ResizeKeepRatio" in refused.value.step

@@ -515,3 +515,18 @@ def test_a_resume_with_more_epochs_says_the_schedule_now_spans_them(prepared, tm
     assert "the learning-rate schedule now spans 3 steps (--epochs 2, --max-steps 3; " in said, said
     assert "the checkpoint's run had --epochs 1, --max-steps 2)" in said, said
     assert _schedule_change({"epochs": 2, "max_steps": None}, {"epochs": 2, "max_steps": None}, 10) is None
+
+
+def test_skipped_jsonl_keeps_what_was_listed_before_a_resume(tmp_path):
+    """A resumed run's loaders start with no skipped image: skipped.jsonl still lists those skipped before the
+    resume, each once, by id, with the ones found since."""
+    from accelerate import Accelerator
+
+    from mmfast.train.report import write_skipped
+
+    acc = Accelerator(cpu=True)
+    write_skipped(acc, tmp_path, [{"id": 7, "image": "/d/7.jpg", "reason": "missing file"}])
+    write_skipped(acc, tmp_path, [{"id": 2, "image": "/d/2.jpg", "reason": "not an image"}])  # after a resume
+    write_skipped(acc, tmp_path, [{"id": 2, "image": "/d/2.jpg", "reason": "not an image"}])  # the next epoch
+    rows = [json.loads(line) for line in (tmp_path / "skipped.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["reason"]) for r in rows] == [(2, "not an image"), (7, "missing file")]
