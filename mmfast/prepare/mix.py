@@ -56,8 +56,9 @@ class MixError(DatasetError):
     """The datasets cannot be mixed as they are."""
 
 
-def prepare_mix(sources: list[str | Path], out: str | Path) -> dict:
+def prepare_mix(sources: list[str | Path], out: str | Path, keep: bool = False) -> dict:
     """Mix the prepared datasets ``sources`` into ``out`` (reused when made from the same sources, unchanged).
+    ``keep`` (a resumed run's): a mix already in ``out`` from other sources is refused, never replaced.
 
     Returns:
         the mix's prepare.json.
@@ -84,8 +85,19 @@ def prepare_mix(sources: list[str | Path], out: str | Path) -> dict:
         if summary is not None:
             log.info("%s is up to date; reusing it", out)
             return summary
+        if keep and (out / SUMMARY_FILE).is_file():
+            raise MixError(resumed_data_changed(out))
         with atomic_dir(out, PREPARED_KIND, replaceable) as tmp:
             return _write_mix(datasets, tok, fp, tmp)
+
+
+def resumed_data_changed(out: Path) -> str:
+    """Why a resumed run's data in ``out`` is not prepared again: its checkpoints were trained on it."""
+    return (
+        f"--resume: {out} holds the data the run trained on, and the --data given now differs from it (other "
+        "sources, or they changed since); pass the --data the run started with, or start a new run with another "
+        "--out. Nothing was changed"
+    )
 
 
 def mix_fingerprint(datasets: list[PreparedDataset]) -> str:

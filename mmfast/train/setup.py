@@ -244,7 +244,7 @@ def _mix(cfg: DataConfig, accelerator) -> Path:
             )
     out = Path(cfg.out) / RAW_DATA_DIR
     with accelerator.main_process_first():
-        summary = prepare_mix(given, out)
+        summary = prepare_mix(given, out, keep=cfg.resume is not None)
     shares = ", ".join(f"{s['name']} ({s['train']} train)" for s in summary["mix"]["sources"])
     accelerator.print(f"mixed {shares} into {out}")
     return out

@@ -24,6 +24,7 @@ class DataConfig:
 
     data: str | list[str] | None
     out: str | None
+    resume: str | None
     demo_size: int
     tokenizer: str | None
     max_length: int

@@ -266,6 +266,12 @@ def test_a_mix_stopped_mid_epoch_resumes_the_same_draw(sources, tmp_path, capsys
     assert [m["sources"] for m in _metrics(parts) if m["epoch_complete"]] == [
         m["sources"] for m in _metrics(whole)
     ]
+    # a resume with other sources is refused before the run's mixed data is touched
+    before = (parts / "prepared" / "prepare.json").read_text()
+    other = ["--data", str(b), "--data", str(a), "--data-weights", "0.4,0.6", "--samples-per-epoch", "160"]
+    assert train_tool.main([*other, "--out", str(parts), *RUN, "--resume", "latest"]) == 2
+    assert "holds the data the run trained on, and the --data given now differs" in capsys.readouterr().err
+    assert (parts / "prepared" / "prepare.json").read_text() == before
 
 
 @pytest.mark.slow
