@@ -48,7 +48,7 @@ from mmfast.infer.peer_towers import (
     text_config,
     timm_image,
 )
-from mmfast.util.fsutil import atomic_dir
+from mmfast.util.fsutil import atomic_dir, shared_modes
 from mmfast.util.locks import file_lock
 
 FORMAT = "hf"
@@ -96,6 +96,7 @@ def write_hf(model, out: str | os.PathLike) -> Path:
         write = write_open_clip_as_clip if is_open_clip_clip(model) else _write_clip
         with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
             write(model, tmp)
+            shared_modes(tmp)
         return out
     towers = {"format": "mmfast-towers/1", "model": model.config["model"]}
     with file_lock(out.parent / f".{out.name}.lock"), atomic_dir(out, "mmfast hf export") as tmp:
@@ -110,6 +111,7 @@ def write_hf(model, out: str | os.PathLike) -> Path:
             towers |= {"embed_dim": int(image_proj.shape[0]), "loss": model.config.get("loss", "clip")}
             towers |= {"logit_scale": scale, "logit_bias": bias}
         (tmp / TOWERS_FILE).write_text(json.dumps(towers, indent=2) + "\n")
+        shared_modes(tmp)
     return out
 
 

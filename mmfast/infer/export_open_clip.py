@@ -38,7 +38,7 @@ from mmfast.infer.peer_towers import (
     text_config,
     timm_image,
 )
-from mmfast.util.fsutil import atomic_dir
+from mmfast.util.fsutil import atomic_dir, shared_modes
 from mmfast.util.locks import file_lock
 
 FORMAT = "open_clip"
@@ -200,6 +200,7 @@ def write_open_clip(model, out: str | os.PathLike) -> Path:
         if text is not None:
             text_config(text, model.tokenizer).save_pretrained(str(tmp))  # config.json: what hf_model_name reads
             model.tokenizer.save_pretrained(str(tmp))
+        shared_modes(tmp)
     return out
 
 

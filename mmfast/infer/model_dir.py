@@ -55,7 +55,7 @@ from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
 from mmfast.models.start_towers import tower_from_record
 from mmfast.tasks.retrieval import known_classes
-from mmfast.util.fsutil import atomic_dir, file_sha256
+from mmfast.util.fsutil import atomic_dir, file_sha256, shared_modes
 from mmfast.util.locks import file_lock
 from mmfast.util.voice import setting
 
@@ -430,7 +430,7 @@ def save_model_dir(
         (tmp / MODEL_CARD_FILE).write_text(model_card(config))
         shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
         (tmp / CHECKSUMS_FILE).write_text(json.dumps(_checksums(tmp), indent=2) + "\n")
-        _readable(tmp)
+        shared_modes(tmp)
     return out
 
 
@@ -438,15 +438,6 @@ def _checksums(root: Path) -> dict[str, str]:
     """{relative path: SHA-256} of the files ``load_model`` reads (not the model card, not mmfast's dot-files)."""
     files = [p for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")]
     return {p.relative_to(root).as_posix(): file_sha256(p) for p in files if p.name != MODEL_CARD_FILE}
-
-
-def _readable(root: Path) -> None:
-    """Modes as a plain mkdir / open would give them (the temp directory is 0700 and safetensors writes 0600):
-    a model directory is meant to be shared."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [root, *root.rglob("*")]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_run_models(

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from mmfast.train.setup import all_processes_ok
-from mmfast.util.fsutil import atomic_write_json, file_sha256, fsync_dir, fsync_tree
+from mmfast.util.fsutil import atomic_write_json, file_sha256, fsync_dir, fsync_tree, shared_modes
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
@@ -132,6 +132,7 @@ def save_checkpoint(
             atomic_write_json(tmp / STATE_FILE, trainer_state)
             sums = {p.relative_to(tmp).as_posix(): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             atomic_write_json(tmp / CHECKSUMS_FILE, sums)
+            shared_modes(tmp)
             fsync_tree(tmp)
         except Exception as e:
             err = e

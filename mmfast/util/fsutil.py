@@ -94,6 +94,14 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def shared_modes(root: Path) -> None:
+    """Modes under ``root`` as a plain mkdir / open would give them: a temp directory is 0700 and safetensors
+    writes 0600, and a model, an export or a checkpoint is meant to be shared as the user's other files are."""
+    umask = current_umask()
+    for path in [root, *Path(root).rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def current_umask() -> int:
     """The process's umask, read without changing it where Linux shows it (os.umask can only set it, and
     setting it to read it races with other threads creating files)."""

@@ -188,6 +188,10 @@ def test_format_all_writes_every_format_that_holds_the_model_and_names_the_rest(
     report = json.loads((out / "export.json").read_text())
     assert set(report["left_out"]) == {"open_clip"} and "resnet10" in report["left_out"]["open_clip"]
     assert {"image.onnx", "text.onnx", "image.pt2", "text.pt2", "hf"} <= {p.name for p in out.iterdir()}
+    weights = list(out.rglob("*.safetensors"))  # safetensors writes 0600: an export is for others to read too
+    assert weights and all(p.stat().st_mode & 0o044 == 0o044 for p in weights), [
+        oct(p.stat().st_mode) for p in weights
+    ]
     assert not (out / "open_clip").exists()
     argv = ["--model", str(model_dir), "--out", str(tmp_path / "e2"), "--format", "onnx,torch,open_clip,hf"]
     assert export_tool.main(argv) == 2 and not (tmp_path / "e2").exists()
