@@ -123,6 +123,7 @@ def profile_steps(cfg, steps: int, warmup: int = PROFILE_WARMUP_STEPS) -> dict:
 def _profile(args, train_flags: list[str]) -> dict:
     """The profile's steps (``profile_steps``); returns its report."""
     from mmfast.train.flags import parse_config  # torch: imported when the command runs, so --help stays light
+    from mmfast.train.rundir import is_run_dir, never_started  # with it
 
     default_out = args.out is None
     args.out = args.out or "runs/profile"
@@ -130,6 +131,11 @@ def _profile(args, train_flags: list[str]) -> dict:
     # profiling again is the normal use: an earlier profile is moved aside (a training run only if asked)
     if (default_out or (Path(args.out) / "profile.json").is_file()) and "--overwrite" not in train_flags:
         flags.append("--overwrite")
+    elif "--overwrite" not in train_flags and is_run_dir(Path(args.out)) and not never_started(Path(args.out)):
+        raise ValueError(
+            f"--out {args.out} holds an earlier training run, which a profile does not continue: pass "
+            "--overwrite to move it aside (nothing is deleted), or choose another --out"
+        )
     cfg = parse_config(flags)
     if args.trace:
         import torch  # torch: only when asked for (--trace); --help imports none

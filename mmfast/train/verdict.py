@@ -139,7 +139,8 @@ def _input_advice(settings: dict, cpu: float | None, on_gpu: bool, words: Knobs)
 def _compute_advice(settings: dict, on_gpu: bool, words: Knobs) -> list[str]:
     """What speeds up a compute-bound run on this machine: nothing that needs a GPU it does not have."""
     steps = []
-    if not on_gpu and settings.get("decode_device") == "cpu":
+    # images held decoded are not decoded again: their cores are the model's already
+    if not on_gpu and settings.get("decode_device") == "cpu" and not settings.get("cache_decoded"):
         steps.append(
             "the loader's decoding threads share the CPU cores with the model, so part of the compute time is "
             f"decoding: fewer pixels (a smaller {words.image_size}, images shrunk offline) free cores for the "

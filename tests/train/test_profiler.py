@@ -202,11 +202,24 @@ def test_the_profile_tool_writes_no_checkpoints_and_reports_the_steady_state(
         and profile_tool.main([*flags, "--out", str(mine)]) == 0
     )
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("mine.old-")]) == 1
+    trained = tmp_path / "trained"  # a training run's --out: a profile does not continue it, nor offers to
+    assert train_tool.main(["--data", str(prepared), "--out", str(trained), "--max-steps", "1", *flags[4:]]) == 0
+    capsys.readouterr()
+    assert profile_tool.main([*flags, "--out", str(trained)]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier training run, which a profile does not continue: pass --overwrite" in err
+    assert "--resume" not in err and (trained / "summary.json").is_file()
 
 
 def test_advice_fits_the_machine():
     """Never a GPU flag on a machine without one; all GPUs where a run uses fewer."""
     cpu_only = {"cuda_devices": 0, "num_processes": 1, "mixed_precision": "no", "cpu_fast_bf16": False}
+    decoding = {**cpu_only, "decode_device": "cpu"}
+    steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": decoding})["next_steps"]
+    assert any("decoding threads share the CPU cores" in s for s in steps)
+    held = {**decoding, "cache_decoded": True}  # decoded once: no decoding to blame
+    steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": held})["next_steps"]
+    assert not any("decoding" in s for s in steps)
     steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": cpu_only})["next_steps"]
     assert not any("GPU" in s or "multi_gpu" in s or "channels-last" in s or "precision" in s for s in steps)
     bf16_cpu = {**cpu_only, "cpu_fast_bf16": True}
