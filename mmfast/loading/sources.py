@@ -168,7 +168,7 @@ def prepared_source(dataset, split: str, kind: str = "files", cache: ShardCache 
         ValueError: an unknown kind, or remote shards and no cache. FileNotFoundError: the split has no
         WebDataset shards.
     """
-    kind = choose_source(dataset, split, kind)[0]
+    kind = choose_source(dataset, kind)[0]
     if kind == "files":  # where every file is gone, the error says where else the images are
         shards = f"the dataset's WebDataset shards hold them: pass {setting('source', value='wds')}"
         return FilesSource(shards if _shards_hold(dataset, split) else "")
@@ -178,10 +178,10 @@ def prepared_source(dataset, split: str, kind: str = "files", cache: ShardCache 
     return WdsSource(tars, index)
 
 
-def choose_source(dataset, split: str, kind: str | None = "files") -> tuple[str, str]:
-    """The source kind ``split`` of a ``PreparedDataset`` is read by, and why when it is not the one asked for:
-    "files" (or None) on a dataset prepared from WebDataset shards reads the shards, its images' only home. The
-    choice depends on the prepared directory alone, so every process of a run makes the same one.
+def choose_source(dataset, kind: str = "files") -> tuple[str, str]:
+    """The source kind a ``PreparedDataset``'s splits are read by, and why when it is not the one asked for:
+    "files" on a dataset prepared from WebDataset shards reads the shards, its images' only home. The choice
+    depends on the prepared directory alone, so every split and every process of a run makes the same one.
 
     Returns:
         (kind, why): why is "" unless the kind differs from the one asked for (one line to say).
@@ -189,7 +189,7 @@ def choose_source(dataset, split: str, kind: str | None = "files") -> tuple[str,
     Raises:
         ValueError: an unknown kind.
     """
-    kind = check_source_name(kind or "files")
+    kind = check_source_name(kind)
     if kind == "files" and dataset.summary.get("input_kind") == "wds":
         return "wds", f"read from the WebDataset shards {dataset.root} was prepared from (it has no image files)"
     return kind, ""

@@ -62,10 +62,10 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
     common = _loader_options(cfg, accelerator, norm)
     # A dataset prepared with --val-fraction 0 has an empty val split: train without evaluation.
     has_val = val and dataset.split_size("val") > 0
-    kinds = _source_kinds(cfg, accelerator, dataset, ["train", "val"] if has_val else ["train"])
+    source = _source_kind(cfg, accelerator, dataset, ["train", "val"] if has_val else ["train"])
     plans = cache_plans(cfg, accelerator, dataset, has_val, cache=cache)
     streamed = {split: plan.why for split, plan in plans.items() if not plan.cache}
-    train = replace(_augmented(cfg, common), cache_decoded=plans["train"], source=kinds["train"])
+    train = replace(_augmented(cfg, common), cache_decoded=plans["train"], source=source)
     train_loader = _loader(dataset, "train", train, accelerator, cache, train_sampling(cfg, dataset))
     if train_loader.source.name == "stream":  # remote shards stream whatever --source says
         if note := train_loader.source.grouped_note(train_loader.images.labels, cfg.batch_size):
@@ -79,19 +79,18 @@ def _loaders(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, norm, cac
         )
     if not has_val:
         return train_loader, None, streamed
-    evaluation = replace(common, batch_size=cfg.eval_batch_size, cache_decoded=plans["val"], source=kinds["val"])
+    evaluation = replace(common, batch_size=cfg.eval_batch_size, cache_decoded=plans["val"], source=source)
     val_loader = _loader(dataset, "val", evaluation, accelerator, cache)
     return train_loader, val_loader, streamed
 
 
-def _source_kinds(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, splits: list[str]) -> dict[str, str]:
-    """The source kind each of ``splits`` is read by (``choose_source``). One line says so where it is not the
-    one asked for (the shards of a dataset prepared from them)."""
-    chosen = {split: choose_source(dataset, split, cfg.source) for split in splits}
-    gone = [split for split, (_, why) in chosen.items() if why]
-    if gone:
-        accelerator.print(f"{' and '.join(gone)} images: {chosen[gone[0]][1]}")
-    return {split: kind for split, (kind, _) in chosen.items()}
+def _source_kind(cfg: LoaderConfig, accelerator, dataset: PreparedDataset, splits: list[str]) -> str:
+    """The source kind ``splits`` are read by (``choose_source``). One line says so where it is not the one asked
+    for (the shards of a dataset prepared from them)."""
+    kind, why = choose_source(dataset, cfg.source)
+    if why:
+        accelerator.print(f"{' and '.join(splits)} images: {why}")
+    return kind
 
 
 def train_sampling(cfg: LoaderConfig, dataset: PreparedDataset) -> WholeBatchOrder:
