@@ -245,15 +245,19 @@ def test_two_process_cpu_launch_shards_and_agrees(prepared, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (steps, 2 * steps)]
 
 
+def _wait_for_steps(seen: Path, steps: int, timeout_s: float = 300) -> None:
+    """Until a run's --record-ids file holds ``steps`` steps (or ``timeout_s`` passes): the moment to stop it."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (not seen.exists() or len(seen.read_text().splitlines()) < steps):
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(prepared, tmp_path):
     out = tmp_path / "run"
     base = train_cmd(prepared, out, "--epochs", "2", "--record-ids", "--mixed-precision", "no")
     proc = subprocess.Popen(base, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = out / "seen_ids.rank0.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not seen.exists() or len(seen.read_text().splitlines()) < 4):
-        time.sleep(0.05)
+    _wait_for_steps(out / "seen_ids.rank0.jsonl", 4)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
@@ -279,10 +283,7 @@ def test_sigint_to_torchrun_checkpoints_both_processes_and_says_interrupted_once
     torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
     cmd = train_cmd(prepared, out, "--epochs", "2", "--record-ids", launcher=torchrun)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = out / "seen_ids.rank1.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not seen.exists() or len(seen.read_text().splitlines()) < 2):
-        time.sleep(0.05)
+    _wait_for_steps(out / "seen_ids.rank1.jsonl", 2)
     proc.send_signal(signal.SIGINT)
     said, err = proc.communicate(timeout=300)
     assert [ln.strip() for ln in (said + err).splitlines()].count("interrupted") == 1, err[-3000:]
