@@ -10,20 +10,38 @@ OUT/text.onnx (input_ids, attention_mask -> embedding (B, D)), normalized; OUT/i
 --format open_clip writes OUT/open_clip (``open_clip.create_model_and_transforms("local-dir:OUT/open_clip")``),
 --format hf writes OUT/hf/image and OUT/hf/text (transformers, timm, sentence-transformers); a tower the
 library cannot build is refused before anything is written, naming it and the formats that hold it (--format
-all leaves that format out, naming it and why).
+all leaves that format out, naming it and why). Exporting again into OUT replaces the earlier export: what its
+export.json lists and this one does not write is removed, so no other model's files stay beside these.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
-from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
+from mmfast.util.fsutil import (
+    MARKER,
+    OutputError,
+    atomic_write_json,
+    claim_output_dir,
+    is_replaceable,
+    remove_ours,
+    write_marker,
+)
+from mmfast.util.locks import file_lock
 from mmfast.util.voice import command_line
 
 FORMATS = ("onnx", "torch", "open_clip", "hf")
+PEERS = ("open_clip", "hf")
+# what an export writes in OUT beside export.json: the only names a later export removes
+OUTPUTS = frozenset({"model.onnx", "model.pt2", "image.onnx", "text.onnx", "image.pt2", "text.pt2", *PEERS})
 _ALIASES = {"both": ("onnx", "torch"), "all": FORMATS}
 
 
@@ -131,7 +149,7 @@ def _checked_writer(model, name: str, out: Path):
 
 def export(model, args: argparse.Namespace, peers: dict | None = None, left_out: dict | None = None) -> int:
     """Write the formats asked for and export.json (``left_out``: {format: why --format all left it out}); 1
-    when the ONNX file's logits are off by more than --atol."""
+    when the ONNX file's logits are off by more than --atol, and OUT as it was."""
     # torch: imported when the command runs, so --help stays light
     from mmfast.infer.export import export_onnx, export_program, onnx_parity
 
@@ -139,36 +157,42 @@ def export(model, args: argparse.Namespace, peers: dict | None = None, left_out:
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
     if left_out:
         report["left_out"] = left_out
-    for name, write in (peers or {}).items():
-        report[name] = str(write(model, out / name))
-    if model.embeds:
-        return export_towers(model, args, report)
-    if "onnx" in args.format:
-        report["onnx"] = str(export_onnx(model, out / "model.onnx", opset=args.opset))
-        if not args.no_check:
-            diff = onnx_parity(model, out / "model.onnx")
-            report["onnx_max_abs_diff"] = diff
-            print(f"onnxruntime vs PyTorch: max |logit difference| {diff:.2e} (allowed {args.atol:.0e})")
-            if not diff <= args.atol:
-                print(f"error: the ONNX model's logits differ by {diff:.2e} > {args.atol:.0e}", file=sys.stderr)
+    with staged_files(out) as stage:
+        if model.embeds:
+            if not export_towers(model, args, report, stage):
                 return 1
-    if "torch" in args.format:
-        report["torch_export"] = str(export_program(model, out / "model.pt2"))
-    atomic_write_json(out / "export.json", report)
+        else:
+            if "onnx" in args.format:
+                report["onnx"] = str(out / export_onnx(model, stage / "model.onnx", opset=args.opset).name)
+                if not args.no_check:
+                    diff = onnx_parity(model, stage / "model.onnx")
+                    report["onnx_max_abs_diff"] = diff
+                    print(f"onnxruntime vs PyTorch: max |logit difference| {diff:.2e} (allowed {args.atol:.0e})")
+                    if not diff <= args.atol:
+                        print(
+                            f"error: the ONNX model's logits differ by {diff:.2e} > {args.atol:.0e}",
+                            file=sys.stderr,
+                        )
+                        return 1
+            if "torch" in args.format:
+                report["torch_export"] = str(out / export_program(model, stage / "model.pt2").name)
+        for name, write in (peers or {}).items():  # written in place: open_clip's config names its own path
+            report[name] = str(write(model, out / name))
+        move_into(out, stage, report)
     print(f"exported to {out}")
     return 0
 
 
-def export_towers(model, args: argparse.Namespace, report: dict) -> int:
-    """A dual encoder's towers in the formats asked for, and export.json; 1 when an ONNX tower's embeddings are
-    off by more than --atol."""
+def export_towers(model, args: argparse.Namespace, report: dict, stage: Path) -> bool:
+    """A dual encoder's towers in the formats asked for, written into ``stage``; False when an ONNX tower's
+    embeddings are off by more than --atol."""
     # torch: imported when the command runs, so --help stays light
     from mmfast.infer.export import export_towers_onnx, export_towers_program, towers_parity
 
     out = Path(args.out)
     if "onnx" in args.format:
-        paths = export_towers_onnx(model, out, opset=args.opset)
-        report["onnx"] = {name: str(p) for name, p in paths.items()}
+        paths = export_towers_onnx(model, stage, opset=args.opset)
+        report["onnx"] = {name: str(out / p.name) for name, p in paths.items()}
         if not args.no_check:
             diffs = towers_parity(model, paths)
             report["onnx_max_abs_diff"] = diffs
@@ -182,12 +206,64 @@ def export_towers(model, args: argparse.Namespace, report: dict) -> int:
                     f"error: the ONNX {worst} tower differs by {diffs[worst]:.2e} > {args.atol:.0e}",
                     file=sys.stderr,
                 )
-                return 1
+                return False
     if "torch" in args.format:
-        report["torch_export"] = {name: str(p) for name, p in export_towers_program(model, out).items()}
+        programs = export_towers_program(model, stage)
+        report["torch_export"] = {name: str(out / p.name) for name, p in programs.items()}
+    return True
+
+
+@contextlib.contextmanager
+def staged_files(out: Path) -> Iterator[Path]:
+    """A hidden folder in OUT, marked as mmfast's, that the ONNX and torch.export files are written into
+    (``move_into`` puts them in place), under OUT's export lock. It is removed at the end: a failed or killed
+    export leaves OUT's earlier files as they were, never a half-written one, and the next export removes
+    what a kill left."""
+    with file_lock(out / ".export.lock"):
+        for left in out.glob(".export-*.tmp"):
+            if left.is_dir() and not left.is_symlink() and is_replaceable(left):
+                remove_ours(left)
+        stage = Path(tempfile.mkdtemp(prefix=".export-", suffix=".tmp", dir=out))
+        try:
+            write_marker(stage, "export")
+            yield stage
+        finally:
+            remove_ours(stage)
+
+
+def move_into(out: Path, stage: Path, report: dict) -> None:
+    """Put the staged files in place and write export.json; remove what the earlier export.json names that
+    this export did not write (another model's format folders would be taken for this model's)."""
+    earlier = _written(out / "export.json")
+    (out / "export.json").unlink(missing_ok=True)  # a kill among the moves leaves no report of either export
+    for f in stage.iterdir():
+        if f.name != MARKER:
+            os.replace(f, out / f.name)
+    stale = sorted(earlier - _written(report))
+    for name in stale:
+        path = out / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+        elif is_replaceable(path):
+            remove_ours(path)
+    if stale:
+        print(f"removed the earlier export's {', '.join(stale)} (another model's; this export wrote none)")
     atomic_write_json(out / "export.json", report)
-    print(f"exported to {out}")
-    return 0
+
+
+def _written(report: dict | Path) -> set[str]:
+    """The names of the files and folders an export report (or export.json) lists as written."""
+    if isinstance(report, Path):
+        try:
+            report = json.loads(report.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return set()
+    names = set()
+    for key in ("onnx", "torch_export", *PEERS):
+        value = report.get(key) if isinstance(report, dict) else None
+        paths = value.values() if isinstance(value, dict) else [value]
+        names |= {Path(p).name for p in paths if isinstance(p, str)}
+    return names & OUTPUTS
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from mmfast.infer.encode_inputs import pil_transform
 from mmfast.infer.model_dir import load_model
 from mmfast.infer.predict import prepared_rows
 from mmfast.tasks.retrieval import caption_groups, retrieval_figures
+from mmfast.util.fsutil import MARKER
 
 PEERS = Path(__file__).parents[1] / "peers"
 TINY_CLIP = ["--model", "clip", "--preset", "tiny", "--image-backbone", "timm:test_efficientnet", "--epochs", "1"]
@@ -195,6 +196,42 @@ def test_format_all_writes_every_format_that_holds_the_model_and_names_the_rest(
     assert not (out / "open_clip").exists()
     argv = ["--model", str(model_dir), "--out", str(tmp_path / "e2"), "--format", "onnx,torch,open_clip,hf"]
     assert export_tool.main(argv) == 2 and not (tmp_path / "e2").exists()
+
+
+def test_exporting_again_replaces_the_earlier_export_and_a_failed_one_changes_nothing(prepared, tmp_path, capsys):
+    """A second export into OUT removes what the first one's export.json lists and it does not write (another
+    model's folder would be taken for this one's), keeps a file of the user's, and a failed parity check or
+    a killed export's leftover leaves OUT's files as they were."""
+    import tools.export as export_tool
+
+    model_dir, out = _model_dir(prepared, tmp_path), tmp_path / "export"
+    argv = ["--model", str(model_dir), "--out", str(out), "--no-check"]
+    assert export_tool.main([*argv, "--format", "onnx,torch,hf"]) == 0
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    report = (out / "export.json").read_bytes()
+    leftover = out / ".export-killed.tmp"  # what a kill while staging leaves
+    leftover.mkdir()
+    (leftover / MARKER).write_text("{}")
+    (leftover / "image.onnx").write_bytes(b"half")
+    check = ["--model", str(model_dir), "--out", str(out), "--format", "onnx", "--atol", "-1"]
+    assert export_tool.main(check) == 1  # no difference is below -1: the check fails
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert (out / "export.json").read_bytes() == report
+    capsys.readouterr()
+    assert export_tool.main([*argv, "--format", "onnx"]) == 0
+    assert "removed the earlier export's hf, image.pt2, text.pt2" in capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} - {MARKER, ".export.lock"} == {
+        "image.onnx",
+        "text.onnx",
+        "export.json",
+        "notes.txt",
+    }
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "export.json").read_text())["onnx"] == {
+        "image": str(out / "image.onnx"),
+        "text": str(out / "text.onnx"),
+    }
 
 
 def test_a_torchvision_resnet_tower_goes_to_transformers_as_timm_builds_it(prepared, tmp_path):
