@@ -58,9 +58,9 @@ def time_steps(parts: Slices, accelerator, warmup: int) -> dict:
     loader, _, _, cache = build_loaders(parts.loader, accelerator, dataset, norm, val=False)
     notes = [RIDGE_SKIPPED] if run.init_proj == "ridge" else []
     total = run.max_steps
-    accelerator.print(
+    accelerator.print(  # the notes are said once, in the report at the end
         f"profiling {total - warmup} steps after {warmup} warm-up step{'s' if warmup != 1 else ''}: "
-        "no evaluation, checkpoint or model directory" + "".join(f"; {n}" for n in notes)
+        "no evaluation, checkpoint or model directory"
     )
     with cache or contextlib.nullcontext():
         # --feature-cache: the cache is built (or read) before the steps, which then read it
