@@ -11,11 +11,15 @@ from pathlib import Path
 from mmfast.inputs.manifest import ManifestError
 from mmfast.prepare.checks import in_place_kind
 from mmfast.prepare.config import PREPARE_VERSION, PrepareConfig, parts_root
+from mmfast.util.fsutil import MARKER, RUN_MARKER, marker_kind
+
+OUTPUT_KINDS = ("export", "evaluation")  # what claim_output_dir's callers mark their folders as
 
 
 def input_fingerprint(cfg: PrepareConfig) -> str:
     """Hash of the input (manifest bytes or folder listing, with image sizes and mtimes; for an input whose
-    images stay in the user's files, those files' names, sizes and mtimes) and the settings.
+    images stay in the user's files, those files' names, sizes and mtimes) and the settings. The listing
+    leaves out what mmfast's own folders there hold (``listing``).
 
     Raises:
         ManifestError: the input is missing or cannot be read.
@@ -43,7 +47,7 @@ def input_fingerprint(cfg: PrepareConfig) -> str:
         except OSError as e:
             raise ManifestError(f"{src}: cannot read the manifest: {e.strerror or e}") from e
     out, parts = os.path.abspath(cfg.out), os.path.abspath(parts_root(cfg.out))
-    for p in (p for base in cfg.input_folders() for p in sorted(base.rglob("*"))):
+    for p in (p for base in cfg.input_folders() for p in listing(base)):
         path = os.path.abspath(p)
         if any(path == d or path.startswith(d + os.sep) for d in (out, parts)):  # mmfast's outputs
             continue
@@ -55,3 +59,22 @@ def input_fingerprint(cfg: PrepareConfig) -> str:
         if stat.S_ISREG(st.st_mode):  # fsencode: a file name need not be UTF-8
             h.update(os.fsencode(p) + f"|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()
+
+
+def listing(base: Path) -> list[Path]:
+    """Every path under ``base``, as ``sorted(base.rglob("*"))`` lists them, less what mmfast's runs, exports
+    and evaluations there hold (``OUTPUT_KINDS``; the folders themselves are listed). A run directory inside
+    the manifest's folder changes as it trains, and would otherwise make each resume prepare the data again.
+    A prepared or demo dataset there stays listed: a manifest may name its images."""
+    found = []
+    for top, dirs, files in os.walk(base):  # a link to a folder is listed, not entered, as rglob does
+        found += [Path(top, name) for name in (*dirs, *files)]
+        dirs[:] = [d for d in dirs if not _an_output(Path(top, d))]
+    return sorted(found)
+
+
+def _an_output(folder: Path) -> bool:
+    """A run's, a profile's, an export's or an evaluation's folder (by its marker)."""
+    if folder.is_symlink():
+        return False
+    return (folder / RUN_MARKER).is_file() or ((folder / MARKER).is_file() and marker_kind(folder) in OUTPUT_KINDS)

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from mmfast.data.dataset import PREPARED_MARKER
 from mmfast.prepare.config import PREPARED_KIND
-from mmfast.util.fsutil import marker_kind
+from mmfast.util.fsutil import RUN_MARKER, marker_kind
 
-RUN_MARKER = ".mmfast-run"
 LOCK_FILE = ".mmfast-run.lock"
 RUN_TOKENIZER_DIR = "tokenizer"  # <run>/tokenizer: the tokenizer the run trains with (snapshot_tokenizer)
 RAW_DATA_DIR = "prepared"  # a raw --data is prepared into <run>/prepared (mmfast.train.setup.resolve_data)

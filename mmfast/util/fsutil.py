@@ -27,6 +27,7 @@ from mmfast.util.locks import file_lock
 # is ever replaced or deleted. Its content: {"kind": what the directory is, "version": MARKER_VERSION}.
 MARKER = ".mmfast-prepared"
 MARKER_VERSION = 2
+RUN_MARKER = ".mmfast-run"  # a training run's directory carries this one (mmfast.train.rundir)
 _AT_FDCWD = -100  # <fcntl.h>: paths relative to the current directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>
 # What a full disk looks like to a writer (no space, over quota, over RLIMIT_FSIZE, read-only filesystem), and

@@ -22,7 +22,9 @@ from mmfast import fsutil
 from mmfast.data.validate import pixel_budget_reason
 from mmfast.inputs.manifest import ManifestError, read_input
 from mmfast.prepare.core import PREPARE_VERSION, PrepareConfig, prepare_dataset
-from mmfast.util.fsutil import MARKER, file_sha256
+from mmfast.prepare.demo import demo_dataset
+from mmfast.prepare.fingerprint import input_fingerprint, listing
+from mmfast.util.fsutil import MARKER, RUN_MARKER, claim_output_dir, file_sha256
 from tools import prepare_data
 
 FILES = {"train.jsonl", "val.jsonl", "labels.json", "rejected.jsonl"}
@@ -90,6 +92,30 @@ def test_empty_marked_and_legacy_directories_are_replaced(tmp_path):
     assert (legacy / MARKER).is_file() and json.loads((legacy / "prepare.json").read_text())[
         "version"
     ] == PREPARE_VERSION
+
+
+def test_folders_mmfast_wrote_beside_the_manifest_leave_its_fingerprint_alone(tmp_path):
+    """A run or an export inside the manifest's folder is not input: a run there changes as it trains, and
+    each resume would prepare the data again. A file of the user's there is input, and so is a prepared
+    dataset (a manifest may name its images). Where nothing is mmfast's, the listing is rglob's, so earlier
+    preparations keep their fingerprint."""
+    manifest = demo_dataset(n=8, seed=1, root=tmp_path)
+    data = manifest.parent
+    assert listing(data) == sorted(data.rglob("*"))
+    cfg = PrepareConfig(source=str(manifest), out=str(tmp_path / "prepared"), max_length=16, progress=False)
+    prepare_dataset(PrepareConfig(source=str(manifest), out=str(data / "prep"), max_length=16, progress=False))
+    first = input_fingerprint(cfg)
+    run = data / "runs" / "a"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / RUN_MARKER).write_text("")
+    (run / "checkpoints" / "step-1.pt").write_bytes(b"1")
+    (claim_output_dir(data / "export", "export") / "model.onnx").write_bytes(b"2")
+    assert input_fingerprint(cfg) == first
+    (data / "runs" / "notes.txt").write_text("mine")  # a folder without a marker is the user's
+    assert input_fingerprint(cfg) != first
+    listed = {p.name for p in listing(data)}
+    assert listed >= {"runs", "a", "export", "prep", "prepare.json", "notes.txt"}  # a prepared dataset's files
+    assert not {"step-1.pt", "model.onnx"} & listed
 
 
 def test_out_that_contains_the_input_is_refused(tmp_path, capsys):
