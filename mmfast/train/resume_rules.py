@@ -59,4 +59,14 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     old = {"feature_cache": "off", "feature_views": 4, "image_pool": "last", "wise_ft": 1.0}
     saved, now = ({**old, **r} for r in (saved, now))
     keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
-    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+    return [_difference(k, saved, now) for k in keys if saved.get(k) != now.get(k)]
+
+
+def _difference(key: str, saved: dict, now: dict) -> str:
+    """One line of ``resume_differences``; the data's by its --data, as the user knows it, not its hash."""
+    if key == "data_fingerprint":
+        return (
+            f"data: {saved.get('data')!r} -> {now.get('data')!r}: other prepared data than the run trained on "
+            "(its rows, captions, images or split differ)"
+        )
+    return f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"

@@ -196,7 +196,8 @@ def test_resume_with_other_must_match_settings_is_refused_listing_them(prepared,
         PrepareConfig(source=str(demo_manifest), out=str(other), max_length=32, seed=1, progress=False)
     )
     assert train_tool.main(["--data", str(other), "--out", str(out), *SMALL_RUN, "--resume", "latest"]) == 2
-    assert "data_fingerprint" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"data: {str(prepared)!r} -> {str(other)!r}: other prepared data than the run trained on" in said
     assert _tree(out) == before  # a refused resume changes nothing
 
 
