@@ -68,8 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated: {', '.join(FORMATS)}; both: onnx,torch; all: every one that can hold the model, "
         "the others named and left out (default: both)",
     )
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--atol", type=float, default=1e-4, help="largest allowed |onnxruntime - PyTorch| logit")
+    p.add_argument("--opset", type=int, default=17, help="the ONNX opset (default: 17)")
+    p.add_argument(
+        "--atol", type=float, default=1e-4, help="largest allowed |onnxruntime - PyTorch| output (default: 1e-4)"
+    )
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime parity check")
     args = p.parse_args(argv)
     args.every = "all" in (n.strip() for n in args.format.split(","))  # a refused format is left out, not fatal

