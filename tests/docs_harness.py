@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,67 +36,9 @@ TRAINS = re.compile(
 
 
 def fill_workdir(workdir: Path, data: Path) -> None:
-    """Copy the fixture data (``build_fixture_data``'s folder) into a page's fresh working directory."""
+    """Copy the fixture data (``tools/datasets/docs_examples.py``'s folder) into a page's fresh working
+    directory."""
     shutil.copytree(data, workdir, dirs_exist_ok=True)
-
-
-def build_fixture_data(dest: Path) -> Path:
-    """The files every page starts with, built from the project's own generators (nothing downloaded):
-    captions.jsonl + images/ (labeled captions), pairs.jsonl (captions only), photos/<class>/<name>.jpg,
-    shards/00000.tar .. 00003.tar (WebDataset: key.jpg + key.txt + key.cls), query.jpg."""
-    from mmfast.prepare.demo import demo_dataset
-    from tools.benchmarks.benchlib.data import photo_manifest
-
-    dest.mkdir(parents=True, exist_ok=True)
-    demo = demo_dataset(n=200, seed=7, root=dest.parent / f"{dest.name}-sources")
-    shutil.copytree(demo.parent / "images", dest / "images")
-    rows = [json.loads(ln) for ln in demo.read_text().splitlines()]
-    labeled = [{"image": r["image"], "text": r["text"], "label": r["label"]} for r in rows]
-    _write_jsonl(dest / "captions.jsonl", labeled)
-    _write_jsonl(dest / "pairs.jsonl", [{"image": r["image"], "text": r["text"]} for r in rows])
-    shutil.copy(dest / rows[0]["image"], dest / "query.jpg")
-    _write_shards(dest / "shards", dest, labeled, n_shards=4)
-    photos = photo_manifest(dest.parent / f"{dest.name}-sources", n=48, width=96, height=72, seed=5)
-    for r in (json.loads(ln) for ln in photos.read_text().splitlines()):
-        target = dest / "photos" / r["label"] / Path(r["image"]).name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(photos.parent / r["image"], target)
-    return dest
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _write_shards(folder: Path, root: Path, rows: list[dict], n_shards: int) -> None:
-    """img2dataset's layout: per sample key.jpg, key.txt and key.cls (the label's index among the sorted names)."""
-    folder.mkdir()
-    classes = sorted({r["label"] for r in rows})
-    per = -(-len(rows) // n_shards)
-    for s in range(n_shards):
-        with tarfile.open(folder / f"{s:05d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i, r in enumerate(rows[s * per : (s + 1) * per], start=s * per):
-                members = {
-                    "jpg": (root / r["image"]).read_bytes(),
-                    "txt": r["text"].encode(),
-                    "cls": str(classes.index(r["label"])).encode(),
-                }
-                for ext, data in members.items():
-                    info = tarfile.TarInfo(f"{i:06d}.{ext}")
-                    info.size, info.mtime, info.mode = len(data), 0, 0o644
-                    tar.addfile(info, _Bytes(data))
-
-
-class _Bytes:
-    """A file-like reader over bytes, for tarfile.addfile."""
-
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self.data) if n < 0 else self.pos + n
-        chunk, self.pos = self.data[self.pos : end], min(end, len(self.data))
-        return chunk
 
 
 def page_env(cache: Path) -> dict[str, str]:

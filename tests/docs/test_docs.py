@@ -11,15 +11,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from docs_harness import ROOT, build_fixture_data, page_env, run_page, trains
+from docs_harness import ROOT, page_env, run_page, trains
 from sybil.example import SybilFailure
+
+from tools.datasets.docs_examples import build_examples
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 
 
 @pytest.fixture(scope="session")
 def docs_data(tmp_path_factory) -> Path:
-    return build_fixture_data(tmp_path_factory.mktemp("docs-data") / "data")
+    return build_examples(tmp_path_factory.mktemp("docs-data") / "data")
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +47,7 @@ def _write(tmp_path: Path, text: str, name: str = "page.md") -> Path:
     return page
 
 
-SAMPLE = '''
+SAMPLE = """
 # A sample page
 
 ```bash
@@ -74,7 +76,7 @@ not code: never run
 assert open("made.txt").read() == "made\\n"
 assert len(rows) == 200 and set(rows[0]) == {"image", "text", "label"}
 ```
-'''
+"""
 
 
 def test_the_blocks_run_in_order_in_one_directory_and_a_skipped_one_does_not_run(tmp_path, docs_data, docs_env):
@@ -87,7 +89,7 @@ def test_the_blocks_run_in_order_in_one_directory_and_a_skipped_one_does_not_run
 
 @pytest.mark.parametrize(
     "block",
-    ["```bash\nfalse\necho never\n```", "```bash\necho \"$NOT_SET\"\n```", "```bash\nfalse | cat\n```"],
+    ["```bash\nfalse\necho never\n```", '```bash\necho "$NOT_SET"\n```', "```bash\nfalse | cat\n```"],
     ids=["exit-status", "unset-variable", "pipefail"],
 )
 def test_a_failing_bash_block_fails_the_page_naming_its_line(tmp_path, docs_data, docs_env, block):
