@@ -1,4 +1,4 @@
-"""Train an image+text fusion model.
+"""Train an image+text model: a fusion classifier, or a contrastive dual encoder (--model clip).
 
     accelerate launch tools/train.py [flags]      (or: python tools/train.py, torchrun ...)
 

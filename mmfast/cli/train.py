@@ -1,4 +1,4 @@
-"""Train an image+text fusion model.
+"""Train an image+text model: a fusion classifier, or a contrastive dual encoder (--model clip).
 
     mmfast-train [flags]                                  (one process)
     accelerate launch -m mmfast.cli.train [flags]         (several processes / GPUs; or torchrun -m ...)

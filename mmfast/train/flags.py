@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     """argparse mirror of TrainConfig, grouped as GROUPS; every default is SUPPRESS so that only the flags the
     user gave are set. Each flag's help is its field's meaning, choices and default."""
     p = Parser(
-        description="Train an image+text fusion model with mmfast. Flags map one to one to the keys of --config "
-        "(a YAML/JSON file; flags win). Without --data it trains the tiny preset on the built-in demo set.",
+        description="Train an image+text model (a fusion classifier, or a dual encoder: --model clip). "
+        "Flags map one to one to the keys of --config (a YAML/JSON file; flags win). Without --data it trains "
+        "the tiny preset on the built-in demo set.",
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags (flags win)")

@@ -35,6 +35,26 @@ def test_every_console_script_is_a_main_in_mmfast_cli():
         assert callable(getattr(importlib.import_module(module), func))
 
 
+def test_python_m_mmfast_lists_and_runs_every_console_script(capsys):
+    """``python -m mmfast COMMAND`` is ``mmfast-COMMAND``, for every script pyproject.toml installs; alone, it
+    lists them; a typo gets the near name."""
+    import tomllib
+
+    from mmfast.__main__ import COMMANDS, main
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {f"mmfast-{name}": f"{module}:main" for name, module in COMMANDS.items()} == scripts
+    assert main([]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in COMMANDS)
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
+    res = subprocess.run(
+        [sys.executable, "-m", "mmfast", "export", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert res.returncode == 0 and res.stdout.startswith("usage: mmfast-export"), res.stderr
+
+
 @pytest.mark.parametrize("command", ["train", "prepare", "predict", "evaluate", "export", "profile_run"])
 def test_a_malformed_flag_is_one_line_and_exit_2(command, capsys):
     main = importlib.import_module(f"mmfast.cli.{command}").main
