@@ -1,7 +1,7 @@
 """Every ```bash and ```python block of README.md and docs/guides/*.md runs (tests/docs_harness.py).
 
-A page's blocks run in order in a fresh directory holding the fixture data that docs/DOCS conventions
-name (captions.jsonl + images/, pairs.jsonl, photos/, shards/, query.jpg). ``<!-- skip: next "reason" -->``
+A page's blocks run in order in a fresh directory holding the fixture data that docs/contributing.md names
+(captions.jsonl + images/, pairs.jsonl, photos/, shards/, query.jpg). ``<!-- skip: next "reason" -->``
 skips the next block. Pages that train run in the slow lane. The tests below the page test run small pages
 written here, to show the harness runs, fails and skips as it should."""
 
