@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from mmfast.inputs.base import LABEL_NAMES, TEXT_NAMES, InputOptions, Reader, pick_column
+from mmfast.inputs.base import LABEL_NAMES, SPLIT_NAME, TEXT_NAMES, InputOptions, Reader, pick_column, train_split
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, Columns, ManifestError, Reject, check_rows
 
 _BATCH_ROWS = 256  # rows per record batch read: bounds the memory held by image bytes
@@ -43,6 +43,8 @@ def read_parquet(
     files = [path] if path.is_file() else sorted(path.glob("*.parquet")) + sorted(path.glob("*/*.parquet"))
     if not files:
         raise ManifestError(f"{path}: no .parquet files")
+    if path.is_dir():
+        files = train_split(path, files, lambda f: SPLIT_NAME.match(f.name) or SPLIT_NAME.match(f.parent.name))
     root = path if path.is_dir() else path.parent
     cands, rejects = [], []
     for f in files:
@@ -63,8 +65,8 @@ def read_parquet(
 def read_arrow(
     path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None
 ) -> tuple[list[Candidate], list[Reject]]:
-    """Read a ``datasets.save_to_disk`` folder (a Dataset, or a DatasetDict's split folders: all splits are
-    read, mmfast splits on its own) or a single .arrow file."""
+    """Read a ``datasets.save_to_disk`` folder (a Dataset, or a DatasetDict: its train split, or every split of
+    one without a train split; mmfast splits its val off what it reads) or a single .arrow file."""
     _pyarrow_module("pyarrow")
     if path.is_file():
         folders, root = [(path.parent, [path])], path.parent
@@ -100,7 +102,7 @@ def _dataset_folders(path: Path) -> list[Path]:
             splits = json.loads(dd.read_text(encoding="utf-8"))["splits"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"{dd}: cannot read the split names: {e}") from e
-        return [path / s for s in splits]
+        return train_split(path, [path / s for s in splits], lambda d: SPLIT_NAME.match(d.name + "-"))
     return [path]
 
 

@@ -7,12 +7,16 @@ A kind is a reader module plus one ``register_reader`` line in ``mmfast.inputs``
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject
+
+log = logging.getLogger(__name__)
 
 # Column names tried, in order, when a reader that knows its columns is not told which holds what.
 TEXT_NAMES = ("text", "caption", "captions", "sentence", "description", "prompt", "title")
@@ -215,3 +219,22 @@ def pick_column(present: list[str], given: str | None, names: tuple[str, ...], w
             return name
     hint = f"pass {flag} NAME" + (" or --no-labels" if what == "label" else "")
     raise ManifestError(f"{where}: no {what} column among {present}; {hint}")
+
+
+# a split's name as the Hub's Parquet files ("train-00000-of-00002.parquet") and folders ("train/") carry it
+SPLIT_NAME = re.compile(r"^(train|test|testing|validation|valid|val|dev|eval)(?:[-_.]|$)", re.IGNORECASE)
+
+
+def train_split(path: Path, parts: list[Path], split_of) -> list[Path]:
+    """The parts (files or split folders) of the train split, when ``parts`` hold one and another split's too:
+    reading a test split into training would leak it into mmfast's train rows. The others are named."""
+    named = {p: m.group(1).lower() for p in parts if (m := split_of(p))}
+    train = [p for p in parts if named.get(p, "train") == "train"]
+    left = sorted({s for s in named.values() if s != "train"})
+    if not left or "train" not in named.values():
+        return parts
+    log.warning(
+        "%s: read its train split; left out its %s split%s (prepare %s on its own to evaluate on it)",
+        path, ", ".join(left), "s" if len(left) > 1 else "", next(p for p in parts if named.get(p) == left[0]),
+    )  # fmt: skip
+    return train

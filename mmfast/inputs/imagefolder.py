@@ -4,8 +4,8 @@ Each metadata file names its images in a ``file_name`` column, relative to the m
 to --image-root);
 the other columns are features (the caption, the label). Without a label column, as in HF's imagefolder,
 the label is the folder each image is in (``file_name`` = "<class>/<image>"). A dataset may keep one
-metadata file per split folder (train/metadata.jsonl, test/metadata.jsonl); all of them are read (mmfast
-splits on its own).
+metadata file per split folder (train/metadata.jsonl, test/metadata.jsonl): the train split's is read, and the
+others are named and left out (mmfast splits its val off what it reads; ``train_split``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import io
 from dataclasses import replace
 from pathlib import Path
 
-from mmfast.inputs.base import LABEL_NAMES, TEXT_NAMES, InputOptions, Reader, pick_column
+from mmfast.inputs.base import LABEL_NAMES, SPLIT_NAME, TEXT_NAMES, InputOptions, Reader, pick_column, train_split
 from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
 
 _FOLDER = "label (the image's folder)"  # the label column of metadata that has none: the class folders
@@ -31,6 +31,8 @@ def read_imagefolder(
     """
     root = path if path.is_dir() else path.parent
     files = _metadata_files(path)
+    if path.is_dir():
+        files = train_split(path, files, lambda f: f.parent != path and SPLIT_NAME.match(f.parent.name + "-"))
     if not files:
         raise ManifestError(
             f"{path}: no metadata.jsonl or metadata.csv (with a file_name column) in the folder or its split "

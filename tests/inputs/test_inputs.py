@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import logging
 import shutil
 from datetime import date
 from pathlib import Path
@@ -130,15 +131,16 @@ def test_hf_imagefolder_metadata(tmp_path, photos_set, layout):
                 w = csv.writer(f)
                 w.writerow(["file_name", "text", "label"])
                 w.writerows([n, r["text"], r["label"]] for n, r in zip(names, part, strict=True))
-        sources = [folder]
+        sources = [folder, folder / "test"]  # the folder: its train split; test/ prepares on its own
         _assert_hf_reads_the_same(folder, tmp_path / "hf-cache", photos_set)
     for i, src in enumerate(sources):
         cands, rejects, kind = read_source(src)
+        want = photos_set if layout == "jsonl-root" else (photos_set[:half], photos_set[half:])[i]
         assert kind == "imagefolder" and not rejects  # nope.jpg is found missing when images are checked
-        assert len(cands) == N + (layout == "jsonl-root")
+        assert len(cands) == len(want) + (layout == "jsonl-root")
         summary = _prepare(src, tmp_path / f"out{i}")
-        assert summary["input_kind"] == "imagefolder" and summary["counts"]["accepted"] == len(photos_set)
-        _assert_joined(tmp_path / f"out{i}", photos_set)
+        assert summary["input_kind"] == "imagefolder" and summary["counts"]["accepted"] == len(want)
+        _assert_joined(tmp_path / f"out{i}", want)
         if layout == "jsonl-root":
             (rej,) = [json.loads(ln) for ln in (tmp_path / f"out{i}" / "rejected.jsonl").read_text().splitlines()]
             assert (
@@ -305,6 +307,8 @@ def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
     data.mkdir()
     ds.select(range(N // 2)).to_parquet(data / "train-00000-of-00002.parquet")
     ds.select(range(N // 2, N)).to_parquet(data / "train-00001-of-00002.parquet")
+    held_out = [{**r, "text": f"held out: {r['text']}"} for r in photos_set[:2]]
+    _hf_dataset(held_out, embed=True).to_parquet(data / "test-00000-of-00001.parquet")  # left out: not counted
     assert b"huggingface" in pq.ParquetFile(data / "train-00000-of-00002.parquet").schema_arrow.metadata
     summary = _prepare(data, tmp_path / "out")
     assert summary["input_kind"] == "parquet" and summary["counts"]["accepted"] == N
@@ -401,7 +405,9 @@ def test_damaged_parquet_and_arrow_files_name_the_file(tmp_path, photos_set):
 
 
 @pytest.mark.parametrize("embed", [True, False], ids=["bytes", "paths"])
-def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed):
+def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed, caplog):
+    """A Dataset folder, one Arrow file, and a DatasetDict: its train split is read, its test split left out
+    and named (training on it would leak it), and that split's folder prepares on its own."""
     ds = _hf_dataset(photos_set, embed=embed)
     ds.save_to_disk(str(tmp_path / "ds"))
     summary = _prepare(tmp_path / "ds", tmp_path / "out")
@@ -417,8 +423,14 @@ def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed):
     half = N // 2
     dd = datasets.DatasetDict(train=ds.select(range(half)), test=ds.select(range(half, N)))
     dd.save_to_disk(str(tmp_path / "dd"))
-    _prepare(tmp_path / "dd", tmp_path / "out-dd")
-    _assert_joined(tmp_path / "out-dd", photos_set)
+    with caplog.at_level(logging.WARNING, logger="mmfast.inputs.arrow"):
+        _prepare(tmp_path / "dd", tmp_path / "out-dd")
+    _assert_joined(tmp_path / "out-dd", photos_set[:half])
+    assert f"read its train split; left out its test split (prepare {tmp_path / 'dd' / 'test'} on its own" in (
+        caplog.text
+    )
+    _prepare(tmp_path / "dd" / "test", tmp_path / "out-test")
+    _assert_joined(tmp_path / "out-test", photos_set[half:])
 
 
 @pytest.mark.slow
