@@ -5,8 +5,8 @@ Layout of a cache directory (one per split), swapped in whole by ``fsutil.atomic
                  is the train augmentation drawn from (seed, v, i), the pixels training epoch v would see
     centre.bin   (N, C) the features of the centre view (resized and center-cropped, as evaluation sees it)
     ids.npy      (N,) int64 sample ids, ascending: row r of both arrays is sample ids[r]
-    meta.json    the fingerprint, its parts, the dtype and the shapes, and a digest of the image files' sizes when
-                 it was built ("files"); written last
+    meta.json    the fingerprint, its parts, the dtype and the shapes, each array's SHA-256, and a digest of the
+                 image files' sizes when it was built ("files"); written last
 A cache of one feature per sample (K = 0: a locked text tower's feature of each caption) has no views.bin; its
 centre.bin holds the one feature.
 A sample whose image cannot be read (the loader skips it: ``FileHealth``) has zeros in every view and is listed in
@@ -14,7 +14,9 @@ the meta's ``absent``, with its file and why: the loader serves it masked, as th
 is fixed, the files' digest (below) makes the cache stale.
 The fingerprint covers the data (the prepared directory's fingerprint), the tower's weights (``weights_digest``),
 the preprocessing and the views. ``open_or_build`` reads a cache whose fingerprint and files match; otherwise it
-builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read. An image
+builds a new one under a temp name and swaps it in, so a stale, damaged or partial cache is never read: the
+check before a run reads the arrays' content against their SHA-256 (bytes overwritten in place keep the size). An
+image
 file replaced in place since the build by one of another size (an image fixed, or a failed download's error page)
 makes it stale too: the digest of the files' sizes. Sizes, not mtimes: copies of the data on several machines
 agree on them, so every machine judges a shared cache alike.
@@ -33,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmfast.util.fsutil import atomic_dir, atomic_write_json, dir_lock_path
+from mmfast.util.fsutil import atomic_dir, atomic_write_json, dir_lock_path, file_sha256
 from mmfast.util.locks import file_lock
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 2  # 2: unreadable images' samples listed as absent
+FORMAT_VERSION = 3  # 2: unreadable images' samples listed as absent; 3: each array's SHA-256 in the meta
 KIND = "mmfast feature cache"  # the marker's kind: only a directory of this kind is replaced
 DTYPES = ("float16", "float32")
 _NO_CACHE = "no cache yet"
@@ -183,10 +185,12 @@ class FeatureWriter:
             self._views.flush()
         self._centre.flush()
         np.save(self.dir / "ids.npy", self.ids)
+        arrays = ("ids.npy", "centre.bin", *(("views.bin",) if self._views is not None else ()))
         meta = {
             "format": FORMAT_VERSION, "fingerprint": fingerprint, "parts": parts, "dtype": self.dtype,
             "views": self.views, "rows": len(self.ids), "width": self.width,
             "absent": [self._absent[i] for i in sorted(self._absent)],
+            "sha256": {name: file_sha256(self.dir / name) for name in arrays},
             **({"files": files} if files is not None else {}),
         }  # fmt: skip
         atomic_write_json(self.dir / "meta.json", meta)
@@ -211,7 +215,7 @@ def stale_reason(directory: str | os.PathLike, parts: dict, files: Callable[[], 
         old = meta.get("parts") or {}
         differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
         return f"built for another {', '.join(differ)}"
-    problem = _check_files(directory, meta)
+    problem = _check_files(directory, meta, content=True)
     if not problem and files is not None and meta.get("files") != files():
         problem = "image files changed since it was built"
     return problem
@@ -284,8 +288,9 @@ def _read_meta(directory: Path) -> tuple[dict, str]:
     return meta, ""
 
 
-def _check_files(directory: Path, meta: dict) -> str:
-    """What is wrong with the arrays next to ``meta`` ("" when their sizes are the meta's)."""
+def _check_files(directory: Path, meta: dict, content: bool = False) -> str:
+    """What is wrong with the arrays next to ``meta`` ("" when their sizes are the meta's, and with ``content``
+    their SHA-256 too: the check before a run, by one process a machine, not every process's open)."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     n, width, views = int(meta["rows"]), int(meta["width"]), int(meta["views"])
     expected = {"centre.bin": max(n, 1) * width * itemsize}
@@ -303,6 +308,9 @@ def _check_files(directory: Path, meta: dict) -> str:
         return f"ids.npy unreadable: {e}"
     if ids.shape != (n,):
         return "ids.npy does not match the meta"
+    for name, want in (meta.get("sha256") or {}).items() if content else ():
+        if file_sha256(directory / name) != want:
+            return f"{name} changed since it was built (its SHA-256 differs)"
     return ""
 
 

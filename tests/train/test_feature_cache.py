@@ -171,11 +171,20 @@ def test_a_cache_built_from_image_files_that_changed_since_is_stale(tmp_path):
     assert stale_reason(tmp_path / "fc", {**PARTS, "views": {"count": 3}}, never).startswith("built for another")
 
 
-@pytest.mark.parametrize("damage", ["truncate-views", "truncate-centre", "no-meta", "meta-garbage", "no-ids"])
+@pytest.mark.parametrize(
+    "damage", ["truncate-views", "truncate-centre", "no-meta", "meta-garbage", "no-ids", "overwrite-views"]
+)
 def test_a_damaged_cache_is_refused_and_rebuilt(tmp_path, damage):
+    """Bytes overwritten in place (the size kept: fp16 0xFFFF is NaN) are found by content, before a run reads
+    them, and rebuilt."""
     fc = tmp_path / "fc"
     _build(fc)
-    if damage.startswith("truncate"):
+    if damage == "overwrite-views":
+        with open(fc / "views.bin", "r+b") as f:
+            f.seek(8)
+            f.write(b"\xff" * 8)
+        assert stale_reason(fc, PARTS) == "views.bin changed since it was built (its SHA-256 differs)"
+    elif damage.startswith("truncate"):
         path = fc / f"{damage.split('-')[1]}.bin"
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size - 4)
@@ -186,8 +195,9 @@ def test_a_damaged_cache_is_refused_and_rebuilt(tmp_path, damage):
     else:
         (fc / "ids.npy").unlink()
     assert stale_reason(fc, PARTS) != ""
-    with pytest.raises(ValueError, match="damaged or incomplete"):
-        FeatureCache(fc)
+    if damage != "overwrite-views":  # every process's open checks sizes; the content is checked once, above
+        with pytest.raises(ValueError, match="damaged or incomplete"):
+            FeatureCache(fc)
     calls = []
     cache, reason = _build(fc, calls=calls)
     assert calls == [1] and reason and torch.equal(cache.gather(IDS, None), _value(None, IDS))
