@@ -119,6 +119,8 @@ def verdict(report: dict, words: Knobs = TRAIN_FLAGS) -> dict:
 def _input_advice(settings: dict, cpu: float | None, on_gpu: bool, words: Knobs) -> list[str]:
     """What feeds an input-bound loop faster: the GPU's decoder, fewer pixels, more threads, larger batches."""
     steps = []
+    if settings.get("feature_views") is not None:  # cached features: no image is decoded, no image tower runs
+        return ["the steps read cached image features, not pixels: a larger batch amortizes per-batch costs"]
     if on_gpu and settings.get("decode_device") == "cpu":
         steps.append("decode on the GPU (DALI device 'mixed'; mmfast does this when the loader's device is cuda)")
     if cpu is not None and cpu > 85:
@@ -139,8 +141,9 @@ def _input_advice(settings: dict, cpu: float | None, on_gpu: bool, words: Knobs)
 def _compute_advice(settings: dict, on_gpu: bool, words: Knobs) -> list[str]:
     """What speeds up a compute-bound run on this machine: nothing that needs a GPU it does not have."""
     steps = []
-    # images held decoded are not decoded again: their cores are the model's already
-    if not on_gpu and settings.get("decode_device") == "cpu" and not settings.get("cache_decoded"):
+    # images held decoded are not decoded again, and cached features are none decoded: the cores are the model's
+    decodes = not settings.get("cache_decoded") and settings.get("feature_views") is None
+    if not on_gpu and settings.get("decode_device") == "cpu" and decodes:
         steps.append(
             "the loader's decoding threads share the CPU cores with the model, so part of the compute time is "
             f"decoding: fewer pixels (a smaller {words.image_size}, images shrunk offline) free cores for the "
@@ -162,5 +165,6 @@ def _compute_advice(settings: dict, on_gpu: bool, words: Knobs) -> list[str]:
         steps.append(f"{words.compile}: fewer, fused kernels (its warm-up steps are left out of the figures)")
     if gpus > procs:
         steps.append(f"use all {gpus} GPUs: {words.all_gpus.format(gpus)}")
-    steps.append(f"a smaller model or {words.image_size}" + (", or more GPUs" if on_gpu or gpus else ""))
+    smaller = "a smaller model" + (f" or {words.image_size}" if settings.get("feature_views") is None else "")
+    steps.append(smaller + (", or more GPUs" if on_gpu or gpus else ""))
     return steps

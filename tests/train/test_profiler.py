@@ -220,6 +220,11 @@ def test_advice_fits_the_machine():
     held = {**decoding, "cache_decoded": True}  # decoded once: no decoding to blame
     steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": held})["next_steps"]
     assert not any("decoding" in s for s in steps)
+    features = {**decoding, "feature_views": 2}  # cached features: nothing decoded, the image tower idle
+    for wait in (0.01, 0.6):  # compute-bound, and input-bound on a saturated CPU
+        util = {"cpu_util_mean": 97.0}
+        steps = verdict({"data_wait_frac": wait, "utilization": util, "settings": features})["next_steps"]
+        assert steps and not any("decod" in s or "--image-size" in s or "pixels (" in s for s in steps), steps
     steps = verdict({"data_wait_frac": 0.01, "utilization": {}, "settings": cpu_only})["next_steps"]
     assert not any("GPU" in s or "multi_gpu" in s or "channels-last" in s or "precision" in s for s in steps)
     bf16_cpu = {**cpu_only, "cpu_fast_bf16": True}
