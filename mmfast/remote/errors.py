@@ -12,6 +12,7 @@ import errno
 import http.client
 import os
 import re
+import socket
 from typing import Literal
 
 from mmfast.util.commands import PREPARE
@@ -174,6 +175,12 @@ def as_remote_error(url: str, e: BaseException) -> RemoteError:
         return PermanentRemoteError(
             f"{u}: not found ({what}); check the path: the bucket or host, the prefix and the shard's name "
             f"(or, where {PREPARE} read it before, whether it was moved or deleted since)",
+            url,
+        )
+    if any(isinstance(x, socket.gaierror) for x in chain):  # a host name that does not resolve
+        return PermanentRemoteError(
+            f"{u}: cannot be read ({what}): the store's host name does not resolve; check the URL's host (an "
+            "S3-compatible server: AWS_ENDPOINT_URL) and the network",
             url,
         )
     return PermanentRemoteError(f"{u}: cannot be read ({what})", url)

@@ -404,9 +404,12 @@ def _brace_choices(inner: str, pattern: str) -> list[str]:
 def _glob(pattern: str) -> list[str]:
     if not is_remote(pattern):
         return local_glob.glob(pattern.removeprefix("file://"))
-    with reading(pattern):
+
+    def listing() -> list[str]:
         fs, path = _filesystem(pattern, timeout_s=30.0)
         return [fs.unstrip_protocol(p) for p in fs.glob(path)]
+
+    return _retrying(pattern, listing)
 
 
 def remote_version(url: str, *, timeout_s: float = 30.0) -> tuple[int, str]:
@@ -416,8 +419,34 @@ def remote_version(url: str, *, timeout_s: float = 30.0) -> tuple[int, str]:
     Raises:
         PermanentRemoteError / TransientRemoteError: as ``fetch_to`` sorts the failure.
     """
-    with reading(url):
+
+    def stat() -> dict:
         fs, path = _filesystem(url, timeout_s)
-        info = fs.info(path)
+        return fs.info(path)
+
+    info = _retrying(url, stat)
     version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
     return int(info.get("size") or 0), str(version)
+
+
+def _retrying(url: str, call, retry_s: float = RETRY_S, backoff_s: float = 0.5):
+    """``call()`` under ``reading(url)``, its transient failures retried for up to ``retry_s`` seconds: a listing
+    or a stat at preparation rides out what a download would (a store restarting, a network blip)."""
+    started, attempt = time.monotonic(), 0
+    while True:
+        try:
+            with reading(url):
+                return call()
+        except TransientRemoteError as e:
+            left = started + retry_s - time.monotonic()
+            if left <= 0:
+                raise TransientRemoteError(
+                    f"{e}; still failing after {attempt + 1} attempt{'s' if attempt else ''} in "
+                    f"{time.monotonic() - started:.1f} s: the store or the network is down or throttling; check "
+                    "that the store answers (an S3-compatible server: AWS_ENDPOINT_URL) and re-run",
+                    url,
+                ) from None
+            attempt += 1
+            delay = min(backoff_s * 2 ** min(attempt, 8), _MAX_DELAY_S, left)
+            log.warning("%s; retry %d in %.2f s (retrying for up to %g s)", e, attempt, delay, retry_s)
+            time.sleep(delay)

@@ -494,6 +494,38 @@ def test_a_presigned_get_refused_as_for_another_region_is_read_through_s3fs(s3_p
     assert s3_proxy.count(f"/{BUCKET}/{key}") == 2  # the presigned GET refused, then s3fs's
 
 
+def test_preparations_stat_of_a_shard_rides_out_a_store_blip(s3_proxy, s3_store):
+    """A shard's size and version (what preparation reads of it) are asked again while the store answers 503,
+    as a download is; past the bound the error says what to check."""
+    key = f"/{BUCKET}/data/shard-00001.tar"
+    s3_proxy.add_fault(key, times=2, status=503, methods=("HEAD",))
+    size, version = remote.remote_version(f"s3://{BUCKET}/data/shard-00001.tar")
+    assert size == len(s3_store[1]["data/shard-00001.tar"]) and version
+    assert s3_proxy.count(key, method="HEAD") == 3
+    s3_proxy.add_fault(key, status=503, methods=("HEAD",))
+    with pytest.raises(TransientRemoteError, match="still failing after .* check that the store answers"):
+        remote._retrying(
+            f"s3://{BUCKET}/data/shard-00001.tar",
+            lambda: remote._filesystem(f"s3://{BUCKET}/data/shard-00001.tar", 30.0)[0].info(
+                f"{BUCKET}/data/shard-00001.tar"
+            ),
+            retry_s=1.0,
+        )
+
+
+def test_a_host_that_does_not_resolve_names_the_endpoint_to_check():
+    import socket
+
+    try:
+        raise OSError("Cannot connect to host") from socket.gaierror(-2, "Name or service not known")
+    except OSError as e:
+        err = remote_errors.as_remote_error("s3://bucket/a.tar", e)
+    assert isinstance(err, PermanentRemoteError)
+    assert "host name does not resolve; check the URL's host (an S3-compatible server: AWS_ENDPOINT_URL)" in str(
+        err
+    )
+
+
 def test_a_missing_key_on_s3_is_permanent(s3_proxy, tmp_path):
     with pytest.raises(PermanentRemoteError, match="not found"):
         remote.fetch_to(f"s3://{BUCKET}/data/no-such.tar", tmp_path / "x", **FAST)
