@@ -238,6 +238,8 @@ def _prepare(args: argparse.Namespace) -> int:
     from mmfast.prepare.core import PrepareConfig, prepare_dataset
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for library in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # their INFO lines ("Found credentials in ...")
+        logging.getLogger(library).setLevel(logging.WARNING)
     try:
         cfg = PrepareConfig(
             source=args.source or args.source_flag,

@@ -214,7 +214,7 @@ def stale_reason(directory: str | os.PathLike, parts: dict, files: Callable[[], 
     if meta.get("fingerprint") != feature_fingerprint(parts):
         old = meta.get("parts") or {}
         differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
-        return f"built for another {', '.join(differ)}"
+        return f"built for other {', '.join(differ)}"
     problem = _check_files(directory, meta, content=True)
     if not problem and files is not None and meta.get("files") != files():
         problem = "image files changed since it was built"

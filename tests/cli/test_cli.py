@@ -35,6 +35,17 @@ def test_every_console_script_is_a_main_in_mmfast_cli():
         assert callable(getattr(importlib.import_module(module), func))
 
 
+def test_prepare_keeps_the_store_librarys_info_lines_quiet(tmp_path, capsys):
+    """mmfast-prepare shows INFO lines; botocore's own ("Found credentials in environment variables.") are not
+    mmfast's to print."""
+    import logging
+
+    from tools import prepare_data
+
+    assert prepare_data.main([str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert all(logging.getLogger(n).level == logging.WARNING for n in ("botocore", "s3fs"))
+
+
 def test_python_m_mmfast_lists_and_runs_every_console_script(capsys):
     """``python -m mmfast COMMAND`` is ``mmfast-COMMAND``, for every script pyproject.toml installs; alone, it
     lists them; a typo gets the near name."""
