@@ -44,7 +44,11 @@ def read_parquet(
     if not files:
         raise ManifestError(f"{path}: no .parquet files")
     if path.is_dir():
-        files = train_split(path, files, lambda f: SPLIT_NAME.match(f.name) or SPLIT_NAME.match(f.parent.name))
+        files = train_split(
+            path,
+            files,
+            lambda f: SPLIT_NAME.match(f.name) or (f.parent != path and SPLIT_NAME.match(f.parent.name + "-")),
+        )
     root = path if path.is_dir() else path.parent
     cands, rejects = [], []
     for f in files:

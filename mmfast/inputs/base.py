@@ -222,19 +222,22 @@ def pick_column(present: list[str], given: str | None, names: tuple[str, ...], w
 
 
 # a split's name as the Hub's Parquet files ("train-00000-of-00002.parquet") and folders ("train/") carry it
-SPLIT_NAME = re.compile(r"^(train|test|testing|validation|valid|val|dev|eval)(?:[-_.]|$)", re.IGNORECASE)
+SPLIT_NAME = re.compile(r"^(train|training|test|testing|validation|valid|val|dev|eval)(?:[-_.]|$)", re.IGNORECASE)
 
 
 def train_split(path: Path, parts: list[Path], split_of) -> list[Path]:
     """The parts (files or split folders) of the train split, when ``parts`` hold one and another split's too:
     reading a test split into training would leak it into mmfast's train rows. The others are named."""
-    named = {p: m.group(1).lower() for p in parts if (m := split_of(p))}
+    named = {
+        p: {"training": "train"}.get(m.group(1).lower(), m.group(1).lower()) for p in parts if (m := split_of(p))
+    }
     train = [p for p in parts if named.get(p, "train") == "train"]
     left = sorted({s for s in named.values() if s != "train"})
     if not left or "train" not in named.values():
         return parts
+    where = "; ".join(f"{s}: {', '.join(str(p) for p in parts if named.get(p) == s)}" for s in left)
     log.warning(
-        "%s: read its train split; left out its %s split%s (prepare %s on its own to evaluate on it)",
-        path, ", ".join(left), "s" if len(left) > 1 else "", next(p for p in parts if named.get(p) == left[0]),
+        "%s: read its train split; left out its %s split%s (%s): to evaluate on one, prepare it on its own (its "
+        "files in a folder of their own)", path, ", ".join(left), "s" if len(left) > 1 else "", where,
     )  # fmt: skip
     return train

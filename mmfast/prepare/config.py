@@ -11,8 +11,9 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.inputs import InputOptions
 
 # 2: a "files" map of sizes and SHA-256s, the ownership marker, contiguous int labels;
-# 3: the split by a hash of each row's image (prepare.split); images inside the directory named relative to it
-PREPARE_VERSION = 3
+# 3: the split by a hash of each row's image (prepare.split); images inside the directory named relative to it;
+# 4: a folder of splits read for its train split (``inputs.base.train_split``): earlier, its test split too
+PREPARE_VERSION = 4
 PREPARED_KIND = "mmfast prepared dataset"  # the "kind" in the marker of a prepared directory
 IMAGES_DIR = "images"  # images an input stores as bytes (Parquet/Arrow), written out into the prepared dir
 

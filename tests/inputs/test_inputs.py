@@ -309,6 +309,11 @@ def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
     ds.select(range(N // 2, N)).to_parquet(data / "train-00001-of-00002.parquet")
     held_out = [{**r, "text": f"held out: {r['text']}"} for r in photos_set[:2]]
     _hf_dataset(held_out, embed=True).to_parquet(data / "test-00000-of-00001.parquet")  # left out: not counted
+    named = tmp_path / "val"  # a folder named like a split: its own files are not that split
+    named.mkdir()
+    _hf_dataset(held_out, embed=True).to_parquet(named / "extra.parquet")
+    _hf_dataset(photos_set[2:4], embed=True).to_parquet(named / "train.parquet")
+    assert len(read_source(named, image_dir=tmp_path / "img")[0]) == 4
     assert b"huggingface" in pq.ParquetFile(data / "train-00000-of-00002.parquet").schema_arrow.metadata
     summary = _prepare(data, tmp_path / "out")
     assert summary["input_kind"] == "parquet" and summary["counts"]["accepted"] == N
@@ -423,12 +428,10 @@ def test_save_to_disk_dataset_and_datasetdict(tmp_path, photos_set, embed, caplo
     half = N // 2
     dd = datasets.DatasetDict(train=ds.select(range(half)), test=ds.select(range(half, N)))
     dd.save_to_disk(str(tmp_path / "dd"))
-    with caplog.at_level(logging.WARNING, logger="mmfast.inputs.arrow"):
+    with caplog.at_level(logging.WARNING, logger="mmfast.inputs.base"):
         _prepare(tmp_path / "dd", tmp_path / "out-dd")
     _assert_joined(tmp_path / "out-dd", photos_set[:half])
-    assert f"read its train split; left out its test split (prepare {tmp_path / 'dd' / 'test'} on its own" in (
-        caplog.text
-    )
+    assert f"read its train split; left out its test split (test: {tmp_path / 'dd' / 'test'})" in caplog.text
     _prepare(tmp_path / "dd" / "test", tmp_path / "out-test")
     _assert_joined(tmp_path / "out-test", photos_set[half:])
 
