@@ -51,6 +51,8 @@ _TRANSIENT_TYPES = {
     "httpx": {"TransportError"},
     "fsspec": {"FSTimeoutError"},
 }
+# getaddrinfo's answers that the name does not exist (EAI_AGAIN, a resolver that did not answer, stays transient)
+_NO_SUCH_HOST = {getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n)}
 _CREDENTIALS_HINT = {
     "s3": "the AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE; "
     "AWS_ENDPOINT_URL for an S3-compatible server) and the bucket's policy",
@@ -102,6 +104,8 @@ def classify(exc: BaseException) -> Literal["transient", "permanent"]:
     unrecognised, so that a bug is reported rather than retried.
     """
     chain = _chain(exc)
+    if any(isinstance(e, socket.gaierror) and e.errno in _NO_SUCH_HOST for e in chain):
+        return "permanent"  # a name that does not resolve (a mistyped host, no AWS_ENDPOINT_URL): not a blip
     for e in chain:
         code, status = _s3_code(e), _http_status(e)
         if code in _TRANSIENT_CODES:
@@ -116,6 +120,7 @@ def classify(exc: BaseException) -> Literal["transient", "permanent"]:
         if (
             isinstance(e, TransientRemoteError | TimeoutError | ConnectionError | http.client.HTTPException)
             or (isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS)
+            or (isinstance(e, socket.gaierror) and e.errno == socket.EAI_AGAIN)  # the resolver did not answer
             or any(c.__name__ in _TRANSIENT_TYPES.get(c.__module__.split(".")[0], ()) for c in type(e).__mro__)
         ):
             return "transient"
@@ -177,7 +182,7 @@ def as_remote_error(url: str, e: BaseException) -> RemoteError:
             f"(or, where {PREPARE} read it before, whether it was moved or deleted since)",
             url,
         )
-    if any(isinstance(x, socket.gaierror) for x in chain):  # a host name that does not resolve
+    if any(isinstance(x, socket.gaierror) and x.errno in _NO_SUCH_HOST for x in chain):
         return PermanentRemoteError(
             f"{u}: cannot be read ({what}): the store's host name does not resolve; check the URL's host (an "
             "S3-compatible server: AWS_ENDPOINT_URL) and the network",

@@ -513,17 +513,25 @@ def test_preparations_stat_of_a_shard_rides_out_a_store_blip(s3_proxy, s3_store)
         )
 
 
-def test_a_host_that_does_not_resolve_names_the_endpoint_to_check():
+def test_a_host_that_does_not_resolve_is_permanent_and_names_the_endpoint_to_check(monkeypatch):
+    """s3fs against an endpoint whose name does not resolve (its real chain: botocore's EndpointConnectionError,
+    aiohttp's ClientConnectorDNSError, gaierror): refused at once, naming AWS_ENDPOINT_URL, not retried for a
+    minute as a blip."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://no-such-host.invalid:9000")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFAKEFAKEFAKEFAKE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    started = time.monotonic()
+    with pytest.raises(PermanentRemoteError) as info:
+        remote.remote_version(f"s3://{BUCKET}/data/shard-00001.tar", timeout_s=5.0)
+    assert time.monotonic() - started < 20
+    assert "host name does not resolve; check the URL's host (an S3-compatible server: AWS_ENDPOINT_URL)" in str(
+        info.value
+    )
     import socket
 
-    try:
-        raise OSError("Cannot connect to host") from socket.gaierror(-2, "Name or service not known")
-    except OSError as e:
-        err = remote_errors.as_remote_error("s3://bucket/a.tar", e)
-    assert isinstance(err, PermanentRemoteError)
-    assert "host name does not resolve; check the URL's host (an S3-compatible server: AWS_ENDPOINT_URL)" in str(
-        err
-    )
+    again = OSError("resolver busy")
+    again.__cause__ = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+    assert remote_errors.classify(again) == "transient"
 
 
 def test_a_missing_key_on_s3_is_permanent(s3_proxy, tmp_path):
