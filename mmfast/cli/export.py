@@ -10,8 +10,8 @@ OUT/text.onnx (input_ids, attention_mask -> embedding (B, D)), normalized; OUT/i
 --format open_clip writes OUT/open_clip (``open_clip.create_model_and_transforms("local-dir:OUT/open_clip")``),
 --format hf writes OUT/hf/image and OUT/hf/text (transformers, timm, sentence-transformers); a tower the
 library cannot build is refused before anything is written, naming it and the formats that hold it (--format
-all leaves that format out, naming it and why). Exporting again into OUT replaces the earlier export: what its
-export.json lists and this one does not write is removed, so no other model's files stay beside these.
+all leaves that format out, naming it and why). Exporting again into OUT replaces the formats it writes; the
+same model's others stay, and another model's are removed, so no other model's files stay beside these.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from mmfast.util.fsutil import (
     OutputError,
     atomic_write_json,
     claim_output_dir,
+    file_sha256,
     is_replaceable,
     remove_ours,
     write_marker,
@@ -40,6 +41,7 @@ from mmfast.util.voice import command_line
 
 FORMATS = ("onnx", "torch", "open_clip", "hf")
 PEERS = ("open_clip", "hf")
+FORMAT_KEYS = ("onnx", "torch_export", *PEERS)  # export.json's entries naming what an export wrote
 # what an export writes in OUT beside export.json: the only names a later export removes
 OUTPUTS = frozenset({"model.onnx", "model.pt2", "image.onnx", "text.onnx", "image.pt2", "text.pt2", *PEERS})
 _ALIASES = {"both": ("onnx", "torch"), "all": FORMATS}
@@ -141,12 +143,12 @@ def _checked_writer(model, name: str, out: Path):
         from mmfast.infer.export_open_clip import open_clip_config, write_open_clip
 
         open_clip_config(model, out / "open_clip")
-        return write_open_clip
+        return lambda m, dest, home: write_open_clip(m, dest, home=home)
     # torch: imported when the command runs, and each library's code only when its format is asked for
     from mmfast.infer.export_hf import hf_towers, write_hf
 
     hf_towers(model)
-    return write_hf
+    return lambda m, dest, home: write_hf(m, dest)
 
 
 def export(model, args: argparse.Namespace, peers: dict | None = None, left_out: dict | None = None) -> int:
@@ -157,6 +159,9 @@ def export(model, args: argparse.Namespace, peers: dict | None = None, left_out:
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
+    weights = Path(args.model) / "model.safetensors"
+    if weights.is_file():  # what tells a later export into OUT whether it exports the same model
+        report["weights_sha256"] = file_sha256(weights)
     if left_out:
         report["left_out"] = left_out
     with staged_files(out) as stage:
@@ -178,8 +183,9 @@ def export(model, args: argparse.Namespace, peers: dict | None = None, left_out:
                         return 1
             if "torch" in args.format:
                 report["torch_export"] = str(out / export_program(model, stage / "model.pt2").name)
-        for name, write in (peers or {}).items():  # written in place: open_clip's config names its own path
-            report[name] = str(write(model, out / name))
+        for name, write in (peers or {}).items():  # open_clip's config names the folder it will live in
+            write(model, stage / name, out / name)
+            report[name] = str(out / name)
         move_into(out, stage, report)
     print(f"exported to {out}")
     return 0
@@ -217,8 +223,8 @@ def export_towers(model, args: argparse.Namespace, report: dict, stage: Path) ->
 
 @contextlib.contextmanager
 def staged_files(out: Path) -> Iterator[Path]:
-    """A hidden folder in OUT, marked as mmfast's, that the ONNX and torch.export files are written into
-    (``move_into`` puts them in place), under OUT's export lock. It is removed at the end: a failed or killed
+    """A hidden folder in OUT, marked as mmfast's, that every format is written into (``move_into`` puts them
+    in place), under OUT's export lock. It is removed at the end: a failed or killed
     export leaves OUT's earlier files as they were, never a half-written one, and the next export removes
     what a kill left."""
     with file_lock(out / ".export.lock"):
@@ -234,35 +240,70 @@ def staged_files(out: Path) -> Iterator[Path]:
 
 
 def move_into(out: Path, stage: Path, report: dict) -> None:
-    """Put the staged files in place and write export.json; remove what the earlier export.json names that
-    this export did not write (another model's format folders would be taken for this model's)."""
-    earlier = _written(out / "export.json")
+    """Put the staged files and folders in place and write export.json. What the earlier export.json lists and
+    this export did not write stays, and stays listed, when it is of the same weights and config; of another
+    model, it is removed (its folders would be taken for this model's)."""
+    earlier = _report(out / "export.json")
+    staged = [f for f in stage.iterdir() if f.name != MARKER]
+    for f in staged:  # before anything moves
+        if f.is_dir() and os.path.lexists(out / f.name) and not is_replaceable(out / f.name):
+            raise OutputError(
+                f"--out {out}: its {f.name} was not written by mmfast; move it away, or pass another --out"
+            )
     (out / "export.json").unlink(missing_ok=True)  # a kill among the moves leaves no report of either export
-    for f in stage.iterdir():
-        if f.name != MARKER:
-            os.replace(f, out / f.name)
-    stale = sorted(earlier - _written(report))
-    for name in stale:
-        path = out / name
-        if path.is_file() and not path.is_symlink():
-            path.unlink()
-        elif is_replaceable(path):
-            remove_ours(path)
-    if stale:
-        print(f"removed the earlier export's {', '.join(stale)} (another model's; this export wrote none)")
+    for f in staged:
+        if f.is_dir() and (out / f.name).is_dir() and not (out / f.name).is_symlink():
+            os.replace(out / f.name, stage / f".{f.name}.old")  # the earlier folder goes with the stage
+        os.replace(f, out / f.name)
+    plain = json.loads(json.dumps(report, default=str))
+    same = "weights_sha256" in earlier and all(
+        earlier.get(k) == plain.get(k) for k in ("weights_sha256", "config")
+    )
+    others = sorted(_written(earlier) - _written(report))
+    if same:  # the same model's other formats stay, and stay listed
+        carried = {k: earlier[k] for k in FORMAT_KEYS if k in earlier and k not in report}
+        if "onnx" in carried and "onnx_max_abs_diff" in earlier:
+            carried["onnx_max_abs_diff"] = earlier["onnx_max_abs_diff"]
+        report.update(carried)
+    else:
+        removed = [n for n in others if _remove_output(out / n)]
+        if removed:
+            print(
+                f"removed the earlier export's {', '.join(removed)}: another model's, which this export did not "
+                "write"
+            )
+        if left := [n for n in others if n not in removed]:
+            print(
+                f"note: left {', '.join(left)} in {out}: listed by the earlier export.json, but not mmfast's "
+                "files now"
+            )
     atomic_write_json(out / "export.json", report)
 
 
-def _written(report: dict | Path) -> set[str]:
+def _remove_output(path: Path) -> bool:
+    """Remove an earlier export's file or marked folder; False for anything else (left as it is)."""
+    if path.is_file() and not path.is_symlink():
+        path.unlink()
+        return True
+    if is_replaceable(path):
+        remove_ours(path)
+        return True
+    return False
+
+
+def _report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+def _written(report: dict) -> set[str]:
     """The names of the files and folders an export report (or export.json) lists as written."""
-    if isinstance(report, Path):
-        try:
-            report = json.loads(report.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return set()
     names = set()
-    for key in ("onnx", "torch_export", *PEERS):
-        value = report.get(key) if isinstance(report, dict) else None
+    for key in FORMAT_KEYS:
+        value = report.get(key)
         paths = value.values() if isinstance(value, dict) else [value]
         names |= {Path(p).name for p in paths if isinstance(p, str)}
     return names & OUTPUTS

@@ -174,12 +174,14 @@ def _with_temperature(model, state: dict) -> dict:
     return {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
 
 
-def write_open_clip(model, out: str | os.PathLike) -> Path:
+def write_open_clip(model, out: str | os.PathLike, home: str | os.PathLike | None = None) -> Path:
     """Write ``out`` (replaced when mmfast wrote it) as an open_clip model directory.
 
     Args:
         model: an ``MmfastModel`` holding a dual encoder.
         out: the directory.
+        home: where the directory will be read from, when it is written elsewhere first and moved there (its
+            config names that folder: module docstring); default ``out``.
 
     Returns:
         ``out``.
@@ -190,7 +192,7 @@ def write_open_clip(model, out: str | os.PathLike) -> Path:
     from safetensors.torch import save_file  # safetensors: only when weights are read or written
 
     out = Path(out)
-    config = open_clip_config(model, out)  # refusals before anything is written
+    config = open_clip_config(model, Path(home or out))  # refusals before anything is written
     state = open_clip_state(model)
     own = start_kinds(model)[1] is not None and _own_text(model)  # open_clip's tokenizer: nothing more to write
     text = None if own else _hf_text_config(model)

@@ -198,10 +198,16 @@ def test_format_all_writes_every_format_that_holds_the_model_and_names_the_rest(
     assert export_tool.main(argv) == 2 and not (tmp_path / "e2").exists()
 
 
-def test_exporting_again_replaces_the_earlier_export_and_a_failed_one_changes_nothing(prepared, tmp_path, capsys):
-    """A second export into OUT removes what the first one's export.json lists and it does not write (another
-    model's folder would be taken for this one's), keeps a file of the user's, and a failed parity check or
-    a killed export's leftover leaves OUT's files as they were."""
+def test_exporting_again_keeps_the_same_models_formats_and_removes_another_models(
+    prepared, tmp_path, capsys, monkeypatch
+):
+    """Into one OUT: a failed parity check, a format that fails to write, or a kill's leftover changes nothing.
+    The same model exported again in one format keeps its other formats, listed. Another model's export
+    removes what the earlier export.json lists and it does not write (that folder would be taken for this
+    model's), and keeps a file of the user's."""
+    import errno
+
+    import mmfast.infer.export_hf as export_hf
     import tools.export as export_tool
 
     model_dir, out = _model_dir(prepared, tmp_path), tmp_path / "export"
@@ -216,17 +222,21 @@ def test_exporting_again_replaces_the_earlier_export_and_a_failed_one_changes_no
     (leftover / "image.onnx").write_bytes(b"half")
     check = ["--model", str(model_dir), "--out", str(out), "--format", "onnx", "--atol", "-1"]
     assert export_tool.main(check) == 1  # no difference is below -1: the check fails
+    with monkeypatch.context() as m:
+        m.setattr(export_hf, "write_hf", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+        assert export_tool.main([*argv, "--format", "onnx,hf"]) == 2
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     assert (out / "export.json").read_bytes() == report
     capsys.readouterr()
-    assert export_tool.main([*argv, "--format", "onnx"]) == 0
-    assert "removed the earlier export's hf, image.pt2, text.pt2" in capsys.readouterr().out
-    assert {p.name for p in out.iterdir()} - {MARKER} == {
-        "image.onnx",
-        "text.onnx",
-        "export.json",
-        "notes.txt",
-    }
+    assert export_tool.main([*argv, "--format", "onnx"]) == 0  # the same model: its hf and programs stay
+    assert "removed" not in capsys.readouterr().out
+    kept = json.loads((out / "export.json").read_text())
+    assert kept["hf"] == str(out / "hf") and set(kept["torch_export"]) == {"image", "text"}
+    assert (out / "hf").is_dir() and (out / "image.pt2").is_file()
+    other = _model_dir(prepared, tmp_path, embed_dim=8)  # other weights in the same model folder
+    assert export_tool.main(["--model", str(other), "--out", str(out), "--no-check", "--format", "onnx"]) == 0
+    assert "removed the earlier export's hf, image.pt2, text.pt2: another model's" in capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} - {MARKER} == {"image.onnx", "text.onnx", "export.json", "notes.txt"}
     assert (out / "notes.txt").read_text() == "mine"
     assert json.loads((out / "export.json").read_text())["onnx"] == {
         "image": str(out / "image.onnx"),
