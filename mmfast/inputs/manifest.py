@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mmfast.data.dataset import COMPLETE, INCOMPLETE, incomplete_message, prepared_state
 from mmfast.util.commands import PREPARE, TRAIN
+from mmfast.util.fsutil import is_mmfast_output
 
 MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
@@ -430,7 +431,10 @@ def caption_file(image: Path) -> Path | None:
 
 def _read_folder(root: Path) -> tuple[list[Candidate], list[Reject]]:
     cands, rejects = [], []
-    classes = sorted(d.name for d in _listdir(root) if d.is_dir() and not d.name.startswith("."))
+    # a run, export or evaluation written into the folder is no class (nor in preparation's fingerprint)
+    classes = sorted(
+        d.name for d in _listdir(root) if d.is_dir() and not d.name.startswith(".") and not is_mmfast_output(d)
+    )
     if not classes:
         packed = sorted(f.name for f in _listdir(root) if f.name.lower().endswith((".tar.gz", ".tgz", ".tar.zst")))
         if packed:

@@ -11,9 +11,7 @@ from pathlib import Path
 from mmfast.inputs.manifest import ManifestError
 from mmfast.prepare.checks import in_place_kind
 from mmfast.prepare.config import PREPARE_VERSION, PrepareConfig, parts_root
-from mmfast.util.fsutil import MARKER, RUN_MARKER, marker_kind
-
-OUTPUT_KINDS = ("export", "evaluation")  # what claim_output_dir's callers mark their folders as
+from mmfast.util.fsutil import is_mmfast_output
 
 
 def input_fingerprint(cfg: PrepareConfig) -> str:
@@ -63,18 +61,12 @@ def input_fingerprint(cfg: PrepareConfig) -> str:
 
 def listing(base: Path) -> list[Path]:
     """Every path under ``base``, as ``sorted(base.rglob("*"))`` lists them, less what mmfast's runs, exports
-    and evaluations there hold (``OUTPUT_KINDS``; the folders themselves are listed). A run directory inside
-    the manifest's folder changes as it trains, and would otherwise make each resume prepare the data again.
-    A prepared or demo dataset there stays listed: a manifest may name its images."""
+    and evaluations there hold (``fsutil.is_mmfast_output``; the folders themselves are listed). A run
+    directory inside the manifest's folder changes as it trains, and would otherwise make each resume prepare
+    the data again. A prepared or demo dataset there stays listed: a manifest may name its images. An image
+    folder's reader skips the same folders."""
     found = []
     for top, dirs, files in os.walk(base):  # a link to a folder is listed, not entered, as rglob does
         found += [Path(top, name) for name in (*dirs, *files)]
-        dirs[:] = [d for d in dirs if not _an_output(Path(top, d))]
+        dirs[:] = [d for d in dirs if not is_mmfast_output(Path(top, d))]
     return sorted(found)
-
-
-def _an_output(folder: Path) -> bool:
-    """A run's, a profile's, an export's or an evaluation's folder (by its marker)."""
-    if folder.is_symlink():
-        return False
-    return (folder / RUN_MARKER).is_file() or ((folder / MARKER).is_file() and marker_kind(folder) in OUTPUT_KINDS)

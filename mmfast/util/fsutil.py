@@ -423,3 +423,14 @@ def check_output_file(path: str | os.PathLike, inputs: list[str], written_by_us)
             f"--out {path}: exists and is not an earlier output of this command; pass a new file name (or move "
             "it away first)"
         )
+
+
+OUTPUT_KINDS = ("export", "evaluation")  # what claim_output_dir's callers mark their folders as
+
+
+def is_mmfast_output(folder: Path) -> bool:
+    """A run's, a profile's, an export's or an evaluation's folder (by its marker): never an input's part."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        return False
+    return (folder / RUN_MARKER).is_file() or ((folder / MARKER).is_file() and marker_kind(folder) in OUTPUT_KINDS)

@@ -20,6 +20,7 @@ from conftest import ROOT, save_image, write_jsonl
 
 from mmfast import fsutil
 from mmfast.data.validate import pixel_budget_reason
+from mmfast.inputs import read_source
 from mmfast.inputs.manifest import ManifestError, read_input
 from mmfast.prepare.core import PREPARE_VERSION, PrepareConfig, prepare_dataset
 from mmfast.prepare.demo import demo_dataset
@@ -116,6 +117,21 @@ def test_folders_mmfast_wrote_beside_the_manifest_leave_its_fingerprint_alone(tm
     listed = {p.name for p in listing(data)}
     assert listed >= {"runs", "a", "export", "prep", "prepare.json", "notes.txt"}  # a prepared dataset's files
     assert not {"step-1.pt", "model.onnx"} & listed
+
+
+def test_an_image_folder_takes_no_class_from_an_evaluation_or_run_written_into_it(tmp_path):
+    """mmfast-evaluate --out photos/eval writes confusion.png there: it is no class "eval", as it is no input
+    to the fingerprint."""
+    root = tmp_path / "photos"
+    for i, cls in enumerate(("cat", "dog")):
+        save_image(root / cls / "a.jpg", seed=i)
+    save_image(claim_output_dir(root / "eval", "evaluation") / "confusion.png", fmt="PNG")
+    run = root / "runs"
+    run.mkdir()
+    (run / RUN_MARKER).write_text("")
+    save_image(run / "profile.png", fmt="PNG")
+    cands, _, kind = read_source(root)
+    assert {c.label for c in cands} == {"cat", "dog"}, kind
 
 
 def test_out_that_contains_the_input_is_refused(tmp_path, capsys):
