@@ -65,8 +65,7 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
 def _difference(key: str, saved: dict, now: dict) -> str:
     """One line of ``resume_differences``; the data's by its --data, as the user knows it, not its hash."""
     if key == "data_fingerprint":
-        return (
-            f"data: {saved.get('data')!r} -> {now.get('data')!r}: other prepared data than the run trained on "
-            "(its rows, captions, images or split differ)"
-        )
+        moved = f"{saved.get('data')!r} -> {now.get('data')!r}" if saved.get("data") != now.get("data") else ""
+        where = f"data: {moved}" if moved else f"data at {now.get('data')!r}"
+        return f"{where}: other prepared data than the run trained on (its rows, captions, images or split differ)"
     return f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"

@@ -557,3 +557,12 @@ def test_resuming_a_run_already_at_its_last_step_says_nothing_is_left(prepared, 
     printed = capsys.readouterr().out
     assert "nothing left to train: the checkpoint is at step 3 of 2 (--epochs / --max-steps)" in printed
     assert json.loads((out / "summary.json").read_text())["global_step"] == 3
+
+
+def test_a_resume_on_changed_data_at_the_same_path_names_that_path():
+    from mmfast.train.resume_rules import resume_differences
+
+    said = resume_differences({"data": "/p", "data_fingerprint": "a"}, {"data": "/p", "data_fingerprint": "b"})
+    assert said == [
+        "data at '/p': other prepared data than the run trained on (its rows, captions, images or split differ)"
+    ]

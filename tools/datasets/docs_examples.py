@@ -87,10 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="a new folder")
     a = p.parse_args(argv)
     out = Path(a.out)
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out} exists and is not empty; pass a new folder", file=sys.stderr)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out} exists and is not an empty folder; pass a new folder", file=sys.stderr)
         return 2
-    build_examples(out)
+    try:
+        build_examples(out)
+    except ImportError as e:  # the photos are cut from scikit-image's, a test dependency
+        print(f"error: {e.name} is not installed: pip install scikit-image (or mmfast[test])", file=sys.stderr)
+        return 2
     print(f"wrote the guides' example files into {out}")
     return 0
 
