@@ -562,7 +562,8 @@ def test_resuming_a_run_already_at_its_last_step_says_nothing_is_left(prepared, 
 def test_a_resume_on_changed_data_at_the_same_path_names_that_path():
     from mmfast.train.resume_rules import resume_differences
 
-    said = resume_differences({"data": "/p", "data_fingerprint": "a"}, {"data": "/p", "data_fingerprint": "b"})
+    saved, now = {"task": "classification", "data": "/p"}, {"task": "classification", "data": "/p"}
+    said = resume_differences({**saved, "data_fingerprint": "a"}, {**now, "data_fingerprint": "b"})
     assert said == [
         "data at '/p': other prepared data than the run trained on (its rows, captions, images or split differ)"
     ]
