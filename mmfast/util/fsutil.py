@@ -378,8 +378,10 @@ class OutputError(ValueError):
 
 def claim_output_dir(path: str | os.PathLike, kind: str) -> Path:
     """The folder a command writes its files into (evaluate's, export's): created and marked as mmfast's, or
-    one that is empty or already carries mmfast's marker. A folder holding files mmfast did not write is
-    refused (its same-named files would be replaced): nothing of the user's is overwritten.
+    one that is empty or already carries mmfast's marker of ``kind``. A folder holding files mmfast did not
+    write is refused (its same-named files would be replaced): nothing of the user's is overwritten. Another
+    kind of mmfast folder (a model directory, a prepared dataset) is refused too: it is replaced whole when
+    written again, and these files with it.
 
     Raises:
         OutputError: ``path`` is a file, or a folder with files of the user's.
@@ -387,6 +389,11 @@ def claim_output_dir(path: str | os.PathLike, kind: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputError(f"--out {path}: is a file; pass a folder (new, or one mmfast wrote)")
+    if path.is_dir() and is_replaceable(path) and not is_replaceable(path, kind):  # a model directory, say
+        raise OutputError(
+            f"--out {path}: is mmfast's {marker_kind(path)}, not a folder for this command's files (the next "
+            "write of it would remove them); pass a new or empty folder"
+        )
     if path.is_dir() and not is_replaceable(path):
         raise OutputError(
             f"--out {path}: holds files mmfast did not write (same-named ones would be replaced); pass a new or "

@@ -387,6 +387,14 @@ def test_evaluate_and_export_never_write_into_a_folder_of_the_users(model_dir, m
         assert TOOLS["evaluate"].main(["--model", str(model_dir), "--out", str(tmp_path / "ev"), "--input",
                                        str(manifest)]) == 0  # fmt: skip
     assert (tmp_path / "ev" / "metrics.json").is_file()
+    # mmfast's folders of another kind: the model directory itself (its next save would remove the export),
+    # and an evaluation's folder for an export
+    before = sorted(p.name for p in model_dir.iterdir())
+    for out, kind in ((model_dir, "mmfast model directory"), (tmp_path / "ev", "evaluation")):
+        capsys.readouterr()
+        assert TOOLS["export"].main(["--model", str(model_dir), "--out", str(out), "--format", "torch"]) == 2
+        _one_error_line(capsys.readouterr().err, f"--out {out}: is mmfast's {kind}, not a folder for this")
+    assert sorted(p.name for p in model_dir.iterdir()) == before
 
 
 def test_without_checksums_another_tokenizer_is_still_refused_and_the_load_says_unchecked(
