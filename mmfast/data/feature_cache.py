@@ -214,7 +214,8 @@ def stale_reason(directory: str | os.PathLike, parts: dict, files: Callable[[], 
     if meta.get("fingerprint") != feature_fingerprint(parts):
         old = meta.get("parts") or {}
         differ = sorted(k for k in set(old) | set(parts) if old.get(k) != parts.get(k)) or ["format"]
-        return f"built for other {', '.join(differ)}"
+        named = " and ".join([", ".join(differ[:-1]), differ[-1]] if len(differ) > 1 else differ)
+        return f"the {named} changed since it was built"
     problem = _check_files(directory, meta, content=True)
     if not problem and files is not None and meta.get("files") != files():
         problem = "image files changed since it was built"

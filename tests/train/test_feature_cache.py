@@ -90,10 +90,10 @@ def test_a_cache_built_for_other_data_weights_preprocessing_or_views_is_rebuilt(
     assert len(calls) == 1 and reason == ""  # the same parts: read, not computed
     other = {**PARTS, **change}
     cache, reason = _build(tmp_path / "fc", other, calls=calls, offset=0.5)
-    assert len(calls) == 2 and reason == f"built for other {next(iter(change))}"
+    assert len(calls) == 2 and reason == f"the {next(iter(change))} changed since it was built"
     assert torch.equal(cache.gather(IDS, 0), _value(0, IDS) + 0.5)  # the new features, not the old ones
     assert cache.views == other["views"]["count"]
-    assert stale_reason(tmp_path / "fc", PARTS).startswith("built for other")
+    assert stale_reason(tmp_path / "fc", PARTS).endswith("changed since it was built")
 
 
 def test_a_build_stopped_part_way_leaves_no_cache_that_looks_whole(tmp_path):
@@ -107,7 +107,7 @@ def test_a_build_stopped_part_way_leaves_no_cache_that_looks_whole(tmp_path):
     other = {**PARTS, "tower": {"weights": "w2"}}
     with pytest.raises(KeyboardInterrupt):
         _build(fc, other, stop_after=2, offset=0.5)
-    assert stale_reason(fc, PARTS) == "" and stale_reason(fc, other) == "built for other tower"
+    assert stale_reason(fc, PARTS) == "" and stale_reason(fc, other) == "the tower changed since it was built"
     assert torch.equal(FeatureCache(fc).gather(IDS, 0), _value(0, IDS))  # untouched by the stopped build
     calls = []
     cache, _ = _build(fc, other, calls=calls, offset=0.5)
@@ -168,7 +168,9 @@ def test_a_cache_built_from_image_files_that_changed_since_is_stale(tmp_path):
     def never():
         raise AssertionError("the files were stat'ed for a cache that is stale anyway")
 
-    assert stale_reason(tmp_path / "fc", {**PARTS, "views": {"count": 3}}, never).startswith("built for other")
+    assert stale_reason(tmp_path / "fc", {**PARTS, "views": {"count": 3}}, never).endswith(
+        "changed since it was built"
+    )
 
 
 @pytest.mark.parametrize(
@@ -587,11 +589,11 @@ def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_wei
     assert again["built"] is None
     loader.text_padding = "max"
     _, padded = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
-    assert padded["built"] == "built for other tokens"
+    assert padded["built"] == "the tokens changed since it was built"
     with torch.no_grad():
         next(model.text.parameters()).add_(1e-3)
     _, other = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
-    assert other["built"] == "built for other tower"
+    assert other["built"] == "the tower changed since it was built"
 
 
 def _val_batches(prepared: Path, tmp_path: Path, accelerator, text_figures: dict, *flags: str):

@@ -76,11 +76,11 @@ def test_cached_lower_layers_give_the_loss_of_the_tokens_and_are_rebuilt_for_oth
     with torch.no_grad():
         model.text.model.encoder.layer[0].output.dense.weight.add_(1e-3)
     _, other = build_text_features(cfg, cpu_accelerator, dataset, model, pixels, hidden=True)
-    assert other["built"] == "built for other tower"
+    assert other["built"] == "the tower changed since it was built"
     flags = ("--feature-cache", "on", "--text-model", "bert-mini", "--text-train-layers", "2")
     cfg2, _, _, model2, _, _ = _setup(prepared, tmp_path, cpu_accelerator, *flags)
     _, deeper = build_text_features(cfg2, cpu_accelerator, dataset, model2, pixels, hidden=True)
-    assert deeper["built"] == "built for other tower" and deeper["locked_layers"] == 2
+    assert deeper["built"] == "the tower changed since it was built" and deeper["locked_layers"] == 2
 
 
 def test_text_train_layers_is_refused_where_the_tower_cannot_split():
