@@ -33,6 +33,7 @@ from mmfast.util.fsutil import (
     claim_output_dir,
     file_sha256,
     is_replaceable,
+    read_json_object,
     remove_ours,
     write_marker,
 )
@@ -243,7 +244,7 @@ def move_into(out: Path, stage: Path, report: dict) -> None:
     """Put the staged files and folders in place and write export.json. What the earlier export.json lists and
     this export did not write stays, and stays listed, when it is of the same weights and config; of another
     model, it is removed (its folders would be taken for this model's)."""
-    earlier = _report(out / "export.json")
+    earlier = read_json_object(out / "export.json")
     staged = [f for f in stage.iterdir() if f.name != MARKER]
     for f in staged:  # before anything moves
         if f.is_dir() and os.path.lexists(out / f.name) and not is_replaceable(out / f.name):
@@ -289,14 +290,6 @@ def _remove_output(path: Path) -> bool:
         remove_ours(path)
         return True
     return False
-
-
-def _report(path: Path) -> dict:
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return report if isinstance(report, dict) else {}
 
 
 def _written(report: dict) -> set[str]:

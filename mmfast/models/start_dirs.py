@@ -5,26 +5,26 @@ its preprocessing (image size, mean and std, the eval resize) comes from here to
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmfast.data.preprocessing import INTERPOLATIONS, RESIZE_MODES
 from mmfast.data.tokenizer import OPEN_CLIP_CONFIG
+from mmfast.util.fsutil import read_json_object
 
 WHOLE = ("open_clip", "hf-clip", "hf-siglip")  # the kinds that hold both towers and their temperature
 
 
 def start_kind(path: str | os.PathLike | None) -> str | None:
-    """"open_clip", "hf-clip", "hf-siglip", "timm" or "hf" for a directory holding such a model; None for a name
-    or a path that is not a directory."""
+    """The kind of model a directory holds: "open_clip", "hf-clip", "hf-siglip", "timm" or "hf"; None for a
+    name or a path that is not a directory."""
     if path is None or not Path(path).is_dir():
         return None
     path = Path(path)
     if (path / OPEN_CLIP_CONFIG).is_file():
         return "open_clip"
-    config = _json(path / "config.json")
+    config = read_json_object(path / "config.json")
     if "architecture" in config and "model_type" not in config:
         return "timm"
     kind = str(config.get("model_type", ""))
@@ -44,7 +44,7 @@ def start_preprocess(path: str | os.PathLike) -> dict:
     """
     path, kind = Path(path), start_kind(path)
     if kind == "open_clip":
-        cfg = _json(path / OPEN_CLIP_CONFIG)
+        cfg = read_json_object(path / OPEN_CLIP_CONFIG)
         pre = cfg.get("preprocess_cfg", {})
         size = pre.get("size") or cfg.get("model_cfg", {}).get("vision_cfg", {}).get("image_size")
         # open_clip's defaults (its PreprocessCfg): bicubic, the shorter side resized to the size, no margin
@@ -53,11 +53,11 @@ def start_preprocess(path: str | os.PathLike) -> dict:
             pre.get("interpolation", "bicubic"), mode, 1.0 if mode == "shortest" else None
         )
     if kind == "timm":
-        pre = _json(path / "config.json").get("pretrained_cfg", {})
+        pre = read_json_object(path / "config.json").get("pretrained_cfg", {})
         mode = {"center": "shortest", "squash": "squash"}.get(pre.get("crop_mode", "center"))
         geometry = _geometry(pre.get("interpolation"), mode, pre.get("crop_pct"))
         return _fields((pre.get("input_size") or [None, None])[-1], pre.get("mean"), pre.get("std")) | geometry
-    pre = _json(path / "preprocessor_config.json")
+    pre = read_json_object(path / "preprocessor_config.json")
     return _fields(_processor_size(pre), pre.get("image_mean"), pre.get("image_std")) | _processor_geometry(pre)
 
 
@@ -98,8 +98,8 @@ def start_embed_dim(path: str | os.PathLike) -> int | None:
     """The embedding width of a whole dual encoder's directory (open_clip, CLIP, SigLIP); None for another."""
     path, kind = Path(path), start_kind(path)
     if kind == "open_clip":
-        return _json(path / OPEN_CLIP_CONFIG).get("model_cfg", {}).get("embed_dim")
-    config = _json(path / "config.json")
+        return read_json_object(path / OPEN_CLIP_CONFIG).get("model_cfg", {}).get("embed_dim")
+    config = read_json_object(path / "config.json")
     if kind == "hf-clip":
         return config.get("projection_dim", 512)
     if kind == "hf-siglip":
@@ -147,11 +147,3 @@ def _fields(size, mean, std) -> dict:
         size = size[-1]
     out = {"image_size": int(size)} if isinstance(size, int | float) and size else {}
     return out | {k: tuple(float(x) for x in v) for k, v in (("mean", mean), ("std", std)) if v and len(v) == 3}
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

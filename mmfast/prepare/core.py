@@ -49,6 +49,7 @@ from mmfast.util.fsutil import (
     dir_lock_path,
     file_lock,
     is_replaceable,
+    read_json_object,
     recover_dir,
     write_errors,
 )
@@ -103,11 +104,8 @@ def replaceable(directory: Path) -> bool:
 
 
 def _is_legacy(directory: Path) -> bool:
-    try:
-        summary = json.loads((directory / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and "input_fingerprint" in summary and "counts" in summary
+    summary = read_json_object(directory / SUMMARY_FILE)
+    return "input_fingerprint" in summary and "counts" in summary
 
 
 def check_out_writable(out: Path) -> None:

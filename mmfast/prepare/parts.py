@@ -45,6 +45,7 @@ from mmfast.util.fsutil import (
     file_lock,
     file_sha256,
     is_replaceable,
+    read_json_object,
     recover_dir,
     write_errors,
 )
@@ -267,11 +268,8 @@ def _read_part_summary(directory: Path) -> dict | None:
     """A complete part's part.json (None: absent, incomplete or not a part)."""
     if not _is_part(directory):
         return None
-    try:
-        summary = json.loads((directory / "part.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) and "input_fingerprint" in summary else None
+    summary = read_json_object(directory / "part.json")
+    return summary if "input_fingerprint" in summary else None
 
 
 def _is_part(directory: Path) -> bool:

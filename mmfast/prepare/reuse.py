@@ -3,7 +3,6 @@ was prepared from the same input and settings and whose files are as recorded (`
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from mmfast.data.dataset import (
 )
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer
-from mmfast.util.fsutil import atomic_write_json, file_sha256
+from mmfast.util.fsutil import atomic_write_json, file_sha256, read_json_object
 
 log = logging.getLogger(__name__)
 SPLIT_FILES = (*map(split_file, SPLITS), LABELS_FILE, REJECTED_FILE)
@@ -40,11 +39,8 @@ def reuse(out: Path, fp: str) -> dict | None:
     """prepare.json of ``out`` when it was prepared from the same input and settings (fingerprint ``fp``) and
     its files are as recorded; a changed token cache is rebuilt (it follows from the verified rows and
     tokenizer). None when ``out`` must be prepared again."""
-    try:
-        summary = json.loads((out / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("input_fingerprint") != fp:
+    summary = read_json_object(out / SUMMARY_FILE)
+    if summary.get("input_fingerprint") != fp:
         return None
     if not isinstance(summary.get("files"), dict) or not summary["files"]:
         return None

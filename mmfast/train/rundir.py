@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mmfast.data.dataset import PREPARED_MARKER
 from mmfast.prepare.config import PREPARED_KIND
-from mmfast.util.fsutil import RUN_MARKER, marker_kind
+from mmfast.util.fsutil import RUN_MARKER, marker_kind, read_json_object
 
 LOCK_FILE = ".mmfast-run.lock"
 RUN_TOKENIZER_DIR = "tokenizer"  # <run>/tokenizer: the tokenizer the run trains with (snapshot_tokenizer)
@@ -45,11 +45,8 @@ def is_run_dir(path: Path) -> bool:
     """True when mmfast wrote ``path`` as a run directory (marker, or an older run's config.json)."""
     if (path / RUN_MARKER).is_file():
         return True
-    try:  # runs written before the marker existed: config.json with mmfast's own keys
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and {"model", "preset", "grad_accum"} <= set(cfg)
+    # runs written before the marker existed: config.json with mmfast's own keys
+    return {"model", "preset", "grad_accum"} <= set(read_json_object(path / "config.json"))
 
 
 def never_started(path: Path) -> bool:

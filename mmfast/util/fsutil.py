@@ -146,6 +146,16 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """The JSON object in ``path``; ``{}`` when the file is missing, unreadable, not JSON or not an object.
+    For files mmfast wrote and can do without; a file the user must mend is read with its own error."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def atomic_write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
     """Atomically write one JSON object per line (UTF-8; a row holding text that UTF-8 cannot encode, such
     as a lone surrogate from a ``"\\ud800"`` escape, is written with ASCII escapes instead)."""
@@ -312,11 +322,8 @@ def write_marker(directory: Path, kind: str) -> None:
 
 def marker_kind(directory: Path) -> str | None:
     """The ``kind`` in ``directory``'s marker; None without a readable marker."""
-    try:
-        data = json.loads((Path(directory) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data.get("kind") if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
+    kind = read_json_object(Path(directory) / MARKER).get("kind")
+    return kind if isinstance(kind, str) else None
 
 
 def is_replaceable(directory: Path, kind: str | None = None) -> bool:
