@@ -160,9 +160,9 @@ def export(model, args: argparse.Namespace, peers: dict | None = None, left_out:
 
     out = Path(args.out)
     report: dict = {"model": str(Path(args.model).resolve()), "config": model.config}
-    weights = Path(args.model) / "model.safetensors"
-    if weights.is_file():  # what tells a later export into OUT whether it exports the same model
-        report["weights_sha256"] = file_sha256(weights)
+    weights = _weights_sha256(Path(args.model))  # what tells a later export into OUT whether it is the same model
+    if weights:
+        report["weights_sha256"] = weights
     if left_out:
         report["left_out"] = left_out
     with staged_files(out) as stage:
@@ -290,6 +290,18 @@ def _remove_output(path: Path) -> bool:
         remove_ours(path)
         return True
     return False
+
+
+def _weights_sha256(model_dir: Path) -> str | None:
+    """The weights' SHA-256: checksums.json's, which load_model has just checked against the file, else the
+    file's own (a directory written before checksums); None without a weights file."""
+    from mmfast.infer.model_dir import CHECKSUMS_FILE, WEIGHTS_FILE  # torch: imported when the command runs
+
+    listed = read_json_object(model_dir / CHECKSUMS_FILE).get(WEIGHTS_FILE)
+    if isinstance(listed, str):
+        return listed
+    weights = model_dir / WEIGHTS_FILE
+    return file_sha256(weights) if weights.is_file() else None
 
 
 def _written(report: dict) -> set[str]:

@@ -178,6 +178,21 @@ def test_export_errors_are_one_line(model_dir, tmp_path, capsys):
     assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
+def test_export_names_the_weights_by_their_checksum_with_or_without_checksums_json(model_dir, tmp_path):
+    """export.json's weights_sha256 is the weights' SHA-256: read from checksums.json, which load_model checked,
+    or from the file itself in a folder written before checksums existed."""
+    import shutil
+
+    from mmfast.util.fsutil import file_sha256
+
+    want = file_sha256(model_dir / "model.safetensors")
+    old = shutil.copytree(model_dir, tmp_path / "old-model")
+    (old / "checksums.json").unlink()
+    for model, out in ((model_dir, tmp_path / "e1"), (old, tmp_path / "e2")):
+        assert export_tool.main(["--model", str(model), "--out", str(out), "--format", "torch"]) == 0
+        assert json.loads((out / "export.json").read_text())["weights_sha256"] == want
+
+
 @pytest.fixture(scope="module")
 def bad_images(tmp_path_factory, demo_manifest) -> dict[str, Path]:
     """Images predict cannot use: text named .jpg, an empty file, a PNG whose header declares 9400x9400 (11 KB
