@@ -190,19 +190,15 @@ def _download(url: str, out, size: int | None, policy: _Policy, stats: FetchStat
                 failing_since, furthest = now, max(furthest, progress.done)
             left = failing_since + policy.retry_s - now
             if left <= 0 or (policy.retries is not None and attempt >= policy.retries):
-                raise TransientRemoteError(
-                    f"{e}; still failing after {attempt + 1} attempt{'s' if attempt else ''} in "
-                    f"{now - started:.1f} s: the store or the network is down or throttling; re-run when it is "
-                    f"back (a training run: with --resume latest; {TRAIN} --store-timeout waits longer, now "
-                    f"{policy.retry_s:g} s)",
-                    url,
-                ) from None
-            jittered = min(policy.backoff_s * 2 ** min(attempt, 16), _MAX_DELAY_S) * random.uniform(0.5, 1.0)
-            delay = min(jittered, left)  # the last attempt is made at the bound
+                advice = (
+                    f"re-run when it is back (a training run: with --resume latest; {TRAIN} --store-timeout waits "
+                    f"longer, now {policy.retry_s:g} s)"
+                )
+                raise _gave_up(e, url, attempt, started, advice) from None
             attempt += 1
+            delay = _retry_delay(e, attempt, left, policy)
             stats.retries += 1
             stats.retry_seconds += delay
-            log.warning("%s; retry %d in %.2f s (retrying for up to %g s)", e, attempt, delay, policy.retry_s)
             if (policy.stop or threading.Event()).wait(delay):  # an Event never set: a plain sleep
                 raise FetchStopped(f"{redact(url)}: stopped") from None
 
@@ -432,7 +428,7 @@ def remote_version(url: str, *, timeout_s: float = 30.0) -> tuple[int, str]:
 def _retrying(url: str, call, retry_s: float = RETRY_S, backoff_s: float = 0.5):
     """``call()`` under ``reading(url)``, its transient failures retried for up to ``retry_s`` seconds: a listing
     or a stat at preparation rides out what a download would (a store restarting, a network blip)."""
-    started, attempt = time.monotonic(), 0
+    policy, started, attempt = _Policy(retry_s, None, backoff_s, None), time.monotonic(), 0
     while True:
         try:
             with reading(url):
@@ -440,13 +436,26 @@ def _retrying(url: str, call, retry_s: float = RETRY_S, backoff_s: float = 0.5):
         except TransientRemoteError as e:
             left = started + retry_s - time.monotonic()
             if left <= 0:
-                raise TransientRemoteError(
-                    f"{e}; still failing after {attempt + 1} attempt{'s' if attempt else ''} in "
-                    f"{time.monotonic() - started:.1f} s: the store or the network is down or throttling; check "
-                    "that the store answers (an S3-compatible server: AWS_ENDPOINT_URL) and re-run",
-                    url,
-                ) from None
+                advice = "check that the store answers (an S3-compatible server: AWS_ENDPOINT_URL) and re-run"
+                raise _gave_up(e, url, attempt, started, advice) from None
             attempt += 1
-            delay = min(backoff_s * 2 ** min(attempt, 8), _MAX_DELAY_S, left)
-            log.warning("%s; retry %d in %.2f s (retrying for up to %g s)", e, attempt, delay, retry_s)
-            time.sleep(delay)
+            time.sleep(_retry_delay(e, attempt, left, policy))
+
+
+def _retry_delay(e: Exception, attempt: int, left: float, policy: _Policy) -> float:
+    """How long to wait before retry ``attempt`` (from 1): twice the last wait, from ``policy.backoff_s``, jittered
+    and capped, and never past the ``left`` seconds of the bound (the last attempt is made at the bound)."""
+    delay = min(policy.backoff_s * 2 ** min(attempt - 1, 16), _MAX_DELAY_S) * random.uniform(0.5, 1.0)
+    delay = min(delay, left)
+    log.warning("%s; retry %d in %.2f s (retrying for up to %g s)", e, attempt, delay, policy.retry_s)
+    return delay
+
+
+def _gave_up(e: Exception, url: str, attempts: int, started: float, advice: str) -> TransientRemoteError:
+    """The error once retries are spent: the last failure, how many attempts in how long, and ``advice``."""
+    took = time.monotonic() - started
+    return TransientRemoteError(
+        f"{e}; still failing after {attempts + 1} attempt{'s' if attempts else ''} in {took:.1f} s: the store or "
+        f"the network is down or throttling; {advice}",
+        url,
+    )
