@@ -55,13 +55,13 @@ class Prefetcher:
             end = _End(e)
         self._put(end)
 
-    def _put(self, item) -> bool:
-        """Queue ``item``; False once the consumer has stopped."""
+    def _put(self, item, _full: type[Exception] = queue.Full) -> bool:
+        """Queue ``item``; False once the consumer has stopped. ``_full``: bound now, as ``close``'s ``_empty``."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=_POLL_S)
                 return True
-            except queue.Full:
+            except _full:
                 continue
         return False
 
@@ -90,13 +90,14 @@ class Prefetcher:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the prefetch thread ended without a word") from None
 
-    def close(self) -> None:
-        """Stop the producer and wait for it to leave (its batch in progress, at most ``_JOIN_S``)."""
+    def close(self, _empty: type[Exception] = queue.Empty) -> None:
+        """Stop the producer and wait for it to leave (its batch in progress, at most ``_JOIN_S``).
+        ``_empty``: bound now, since a generator closed as the interpreter exits finds module globals None."""
         self._stop.set()
         while True:  # unblock a producer waiting on a full queue
             try:
                 self._queue.get_nowait()
-            except queue.Empty:
+            except _empty:
                 break
         if self._thread is not threading.current_thread():
             self._thread.join(_JOIN_S)
