@@ -49,7 +49,7 @@ def _ranks_t2i(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torc
             own_score = sim.gather(1, text_image[s : s + _CHUNK, None])  # (c, 1)
             ranks.append((sim >= own_score).sum(1))  # the own image counts once: 1 + the others scoring >= it
             continue
-        own = owns(torch.arange(len(image_emb), device=sim.device)[None, :], owns.group[s : s + _CHUNK, None])
+        own = owns.images_of(owns.group[s : s + _CHUNK], len(image_emb))
         best = sim.masked_fill(~own, float("-inf")).max(1, keepdim=True).values  # (c, 1)
         ranks.append(1 + ((sim >= best) & ~own).sum(1))  # the other images scoring >= the best own
     return torch.cat(ranks)
@@ -67,22 +67,46 @@ def _ranks_i2t(image_emb: torch.Tensor, text_emb: torch.Tensor, text_image: torc
         else:  # each distinct caption's best score, a column per caption group
             group = owns.group[None, :].expand_as(sim)
             sim = sim.new_full((len(sim), owns.groups), float("-inf")).scatter_reduce(1, group, sim, "amax")
-            own = owns(rows, torch.arange(owns.groups, device=sim.device)[None, :])
+            own = owns.groups_of(s, s + len(sim))
         best = sim.masked_fill(~own, float("-inf")).max(1, keepdim=True).values  # (c, 1)
         ranks.append(1 + ((sim >= best) & ~own).sum(1))  # the other captions scoring >= the best own
     return torch.cat(ranks)
 
 
 class _Owns:
-    """Which (image, caption group) pairs a split holds: ``owns(images, groups)`` is True where that image has a
-    caption of that group (broadcast like the two index tensors). ``group``: (Nt,) each text's group, 0..G-1."""
+    """Which (image, caption group) pairs a split holds, as masks of the similarity blocks: ``groups_of`` an
+    image's, ``images_of`` a caption group's. ``group``: (Nt,) each text's group, 0..G-1. Built once, in
+    O(Nt log Nt); each block costs its own size (a lookup of every cell against all pairs was quadratic)."""
 
     def __init__(self, text_image: torch.Tensor, group: torch.Tensor, groups: int):
-        self.group, self.groups = group, groups
-        self._keys = torch.unique(text_image * self.groups + self.group)
+        self.group, self.groups, self._text_image = group, groups, text_image
+        self._by_image = torch.argsort(text_image, stable=True)  # texts in order of their image
+        every = torch.arange(len(text_image) + 1, device=text_image.device)  # >= the images + 1
+        self._image_start = torch.searchsorted(text_image[self._by_image], every)
+        self._by_group = torch.argsort(group, stable=True)  # texts in order of their group
+        each = torch.arange(groups + 1, device=group.device)
+        self._group_start = torch.searchsorted(group[self._by_group], each)
 
-    def __call__(self, images: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        return torch.isin(images * self.groups + groups, self._keys)
+    def groups_of(self, first: int, end: int) -> torch.Tensor:
+        """(end - first, G) bool: True where image ``first + i`` has a caption of group g."""
+        lo, hi = int(self._image_start[first]), int(self._image_start[min(end, len(self._image_start) - 1)])
+        texts = self._by_image[lo:hi]  # the texts of images first..end-1, a run of the sorted order
+        own = torch.zeros(end - first, self.groups, dtype=torch.bool, device=self.group.device)
+        own[self._text_image[texts] - first, self.group[texts]] = True
+        return own
+
+    def images_of(self, groups: torch.Tensor, images: int) -> torch.Tensor:
+        """(len(groups), images) bool: True where image i has a caption of group ``groups[j]``."""
+        start, end = self._group_start[groups], self._group_start[groups + 1]
+        counts = end - start
+        rows = torch.repeat_interleave(torch.arange(len(groups), device=groups.device), counts)
+        offsets = torch.arange(int(counts.sum()), device=groups.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts
+        )
+        texts = self._by_group[torch.repeat_interleave(start, counts) + offsets]
+        own = torch.zeros(len(groups), images, dtype=torch.bool, device=groups.device)
+        own[rows, self._text_image[texts]] = True
+        return own
 
 
 def _median(ranks: torch.Tensor) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,34 @@ def test_captions_all_distinct_give_the_figures_of_no_groups(chunk):
     plain = retrieval_figures(img, txt, text_image)
     assert retrieval_figures(img, txt, text_image, torch.arange(100, 112)) == plain
     assert retrieval_figures(img, txt, text_image, torch.arange(11, -1, -1)) == plain
+
+
+def test_repeated_captions_in_random_splits_rank_as_the_definition_says(chunk):
+    """Random images with one to three captions drawn from a few distinct ones, texts in shuffled order: each
+    rank equals the one counted out by the module doc's definition, pair by pair."""
+    g = torch.Generator().manual_seed(3)
+    ni, vocab = 23, 9
+    text_image = torch.cat([torch.arange(ni), torch.randint(0, ni, (19,), generator=g)])
+    text_image = text_image[torch.randperm(len(text_image), generator=g)]
+    groups = torch.randint(0, vocab, (len(text_image),), generator=g) * 5 + 2  # any values, a few repeated
+    img = torch.nn.functional.normalize(torch.randn(ni, 4, generator=g), dim=1)
+    word = torch.nn.functional.normalize(torch.randn(vocab * 5 + 3, 4, generator=g), dim=1)
+    txt = word[groups]  # one caption, one embedding
+    owned = {(int(i), int(c)) for i, c in zip(text_image, groups, strict=True)}
+    sim = img @ txt.T
+    i2t, t2i = [], []
+    for i in range(ni):
+        best = {int(c): float(sim[i, t]) for t, c in enumerate(groups)}  # a caption's score, once per caption
+        own = max(v for c, v in best.items() if (i, c) in owned)
+        i2t.append(1 + sum(v >= own for c, v in best.items() if (i, c) not in owned))
+    for t, c in enumerate(groups.tolist()):
+        own = max(float(sim[i, t]) for i in range(ni) if (i, c) in owned)
+        t2i.append(1 + sum(float(sim[i, t]) >= own for i in range(ni) if (i, c) not in owned))
+    f = retrieval_figures(img, txt, text_image, groups)
+    for way, ranks in (("i2t", i2t), ("t2i", t2i)):
+        for k in (1, 5, 10):
+            assert f[f"{way}_r{k}"] == pytest.approx(100.0 * sum(r <= k for r in ranks) / len(ranks))
+        assert f[f"{way}_median_rank"] == float(np.median(ranks))
 
 
 def test_class_names_as_captions_retrieve_their_class():
