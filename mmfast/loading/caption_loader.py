@@ -26,6 +26,7 @@ import torch
 from mmfast.data.caption_tokens import CaptionTokens, tokenize_captions
 from mmfast.data.captions import read_captioned
 from mmfast.data.validate import DEFAULT_MAX_PIXELS
+from mmfast.loading.epoch_reader import refuse_forked
 from mmfast.loading.image_loader import ImageLoader
 from mmfast.loading.prefetch import Prefetcher
 from mmfast.loading.transforms import agree_with_transform, options_from_transform
@@ -132,6 +133,7 @@ class CaptionLoader:
         self._skipped: dict[int, dict] = {}  # row id -> its entry, over every image loader used
         self.images = self._image_loader(self._cache_setting())
         self._prefetcher: Prefetcher | None = None
+        self._pid = os.getpid()  # refuse_forked
 
     # -- what DataLoader code and open_clip's trainer read -----------------------------------------------
     def __len__(self) -> int:
@@ -199,6 +201,7 @@ class CaptionLoader:
 
     def __iter__(self) -> Iterator[Pairs | dict[str, torch.Tensor]]:
         """One epoch of batches, made ready on a thread of their own."""
+        refuse_forked(self, self._pid)
         if self._prefetcher is not None:
             self._prefetcher.close()
         self.images = self._next_images()

@@ -8,6 +8,7 @@ into the engine's).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -391,3 +392,14 @@ class EpochReader:
                 self.stream = None  # the chunk is consumed
         self.epoch, self.step = self.epoch + 1, 0
         self._drop_decoded_over_budget()
+
+
+def refuse_forked(loader, built_in: int) -> None:
+    """Raise in a process forked from the one that built ``loader`` (pid ``built_in``): a fork carries the
+    loader's DALI pipelines and thread pools without their threads, so its first batch would wait for ever."""
+    if os.getpid() != built_in:
+        raise RuntimeError(
+            f"this {type(loader).__name__} was built in process {built_in}, and this process ({os.getpid()}) was "
+            "forked from it: a fork does not carry the loader's DALI pipelines and threads. Build a new loader "
+            "in this process, or start worker processes with multiprocessing's 'spawn' or 'forkserver' method"
+        )

@@ -28,7 +28,7 @@ from mmfast.loading.dropin import (
     loader_from_folder,
     split_options,
 )
-from mmfast.loading.epoch_reader import EpochReader
+from mmfast.loading.epoch_reader import EpochReader, refuse_forked
 from mmfast.loading.file_health import FileHealth
 from mmfast.loading.host_finish import default_threads, make_finisher
 from mmfast.loading.sampling import DATALOADER, Layout, ShardSampler
@@ -255,6 +255,7 @@ class ImageLoader:
         self._sampler: ShardSampler | None = None
         self._keep_position = False  # a restored position the next iter() continues from
         self._generation = 0  # bumped by each iter(): an older iterator raises if it is advanced again
+        self._pid = os.getpid()  # a forked child cannot read through this process's pipelines and threads
 
     # -- the settings, as DataLoader code and the engine read them ----------------------------------------
     batch_size = property(lambda self: self.settings.batch_size)
@@ -458,6 +459,7 @@ class ImageLoader:
         (``MultimodalLoader``): (images on the DALI output device (B, 3, S, S), sample ids as numpy, their
         positions in ``files`` (-1 for padding and stand-ins), the batch's index in the epoch); whole batches.
         ``generation``: raise when another ``iter()`` has begun."""
+        refuse_forked(self, self._pid)
         current = None if generation is None else (lambda: generation == self._generation)
         return self._reader.batches(current, type(self).__name__)
 
@@ -467,10 +469,16 @@ class ImageLoader:
     def __iter__(self) -> Iterator[Batch | dict[str, torch.Tensor]]:
         """One epoch of batches: the epoch ``set_epoch`` selected, else the one after the last; a restored
         position (``load_state_dict``) continues, and an epoch left by a ``break`` is not resumed."""
+        return dataloader_batches(self, self.begin_iteration())
+
+    def begin_iteration(self) -> int:
+        """What an ``iter()`` does before its first batch (also for loaders built on this one): move to the
+        epoch it reads, as ``__iter__`` says; returns its generation, for ``raw_batches``."""
+        refuse_forked(self, self._pid)
         if self.step >= len(self):  # the last batch was taken, but the loop never asked for more
             self._end_epoch()
         elif self.step > 0 and not self._keep_position:  # an earlier loop stopped mid-epoch
             self.epoch, self.step = self.epoch + 1, 0
         self._keep_position = False
         self._generation += 1
-        return dataloader_batches(self, self._generation)
+        return self._generation

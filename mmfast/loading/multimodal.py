@@ -178,17 +178,25 @@ class MultimodalLoader:
     def __reduce__(self):
         return self.images.__reduce__()  # refuses: it holds a live DALI pipeline
 
-    # -- the epoch protocol and what the engine reads: the image loader's -----------------------------------
+    # The epoch protocol and what the engine reads are the image loader's.
+
     def __len__(self) -> int:
+        """Batches in one epoch of this process's shard."""
         return len(self.images)
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order and augmentation draws the next ``iter()`` uses (as
+        ``DistributedSampler.set_epoch``); the epoch a restored position is in keeps that position."""
         self.images.set_epoch(epoch)
 
     def state_dict(self) -> dict:
+        """Position for an exact resume, JSON-safe: the epoch, the batches of it already delivered, and DALI's
+        checkpoint of the pipeline that will deliver the next one."""
         return self.images.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a position from ``state_dict()`` (same data, seed, batch size and process count); the next
+        ``iter()`` yields exactly the rest of that epoch."""
         self.images.load_state_dict(state)
 
     epoch = property(lambda self: self.images.epoch)
@@ -215,8 +223,14 @@ class MultimodalLoader:
     cached_bytes = property(lambda self: self.images.cached_bytes)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch of batch dicts, by ``ImageLoader``'s rules: each ``iter()`` starts the epoch ``set_epoch``
+        selected, else the next one, also after a ``break``; a restored position (``load_state_dict``)
+        continues; an older iterator advanced after a newer one began raises."""
+        return self._batches(self.images.begin_iteration())
+
+    def _batches(self, generation: int) -> Iterator[dict[str, torch.Tensor]]:
         loader = self.images
-        for images, ids, pos, _ in loader.raw_batches():
+        for images, ids, pos, _ in loader.raw_batches(generation):
             labels = np.where(pos >= 0, loader.labels[pos], IGNORE_LABEL)
             # pinned on CUDA machines, so the copies below are asynchronous
             text = self.tokens.gather(ids, self.text_padding)

@@ -150,6 +150,9 @@ class WholeBatchOrder:
     partial_last_batch = False
     set_epoch_keeps_any_position = True  # set_epoch(current) keeps whatever position the epoch is at
 
+    def __repr__(self) -> str:  # read in help(MultimodalLoader)'s signature
+        return "WHOLE_BATCHES" if type(self) is WholeBatchOrder else f"{type(self).__name__}()"
+
     def epoch_size(self, layout: Layout) -> int:
         """Positions an epoch reads over all processes, before padding."""
         return layout.n

@@ -203,6 +203,69 @@ def test_epochs_reshuffle_and_the_seed_fixes_the_order(prepared):
     assert first != second and loader.epoch == 2
 
 
+def test_each_iter_of_a_multimodal_loader_starts_a_new_epoch_also_after_a_peek(prepared):
+    """``next(iter(loader))`` (the guide's first look), then a loop: the loop reads a whole epoch, the next one,
+    as ImageLoader's does; an older iterator advanced after a newer one began raises, not a split stream."""
+
+    def ids(loader):
+        return [i for b in loader for i in b["id"].tolist()]
+
+    reference = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=3)
+    epochs = [ids(reference) for _ in range(3)]
+    loader = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=3)
+    peek = iter(loader)
+    next(peek), next(peek)
+    assert ids(loader) == epochs[1] and len(epochs[1]) == len(loader) * 16
+    with pytest.raises(RuntimeError, match="replaced by a newer iter"):
+        next(peek)
+    assert ids(loader) == epochs[2]
+    val = MultimodalLoader(prepared, "val", batch_size=16, size=32)
+    whole = ids(val)
+    next(iter(val))
+    assert ids(val) == whole  # an evaluation after a peek sees every sample
+
+
+def _in_a_forked_child(work) -> str:
+    """What ``work()`` raised in a child forked from this process ("" when nothing); bounded by a minute."""
+    import os
+    import signal
+    import time
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, without running any destructor
+        try:
+            work()
+            said = ""
+        except BaseException as e:  # noqa: BLE001 - the parent asserts on what it was
+            said = f"{type(e).__name__}: {e}"
+        os.write(w, said.encode()[:8000] or b"-")
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child still waits after a minute")
+        time.sleep(0.1)
+    with os.fdopen(r, "rb") as f:
+        said = f.read().decode()
+    return "" if said == "-" else said
+
+
+def test_a_loader_inherited_by_a_forked_child_refuses_at_once_naming_what_to_do(prepared):
+    """A fork carries the loader's DALI pipelines and thread pools without their threads: its next batch
+    waited for ever. The child is told to build its own loader; the parent's loader still reads."""
+    loader = MultimodalLoader(prepared, "train", batch_size=16, size=32)
+    first = next(iter(loader))["id"]
+    for work in (lambda: next(iter(loader)), lambda: next(iter(loader.images))):
+        said = _in_a_forked_child(work)
+        assert said.startswith("RuntimeError: this ") and "was forked from it" in said, said
+        assert "Build a new loader in this process" in said
+    assert len([i for b in loader for i in b["id"].tolist()]) == len(loader) * 16 and len(first) == 16
+
+
 def test_resume_from_a_mid_epoch_state_yields_exactly_the_rest(prepared):
     full = MultimodalLoader(prepared, "train", batch_size=16, size=32)
     full.set_epoch(3)

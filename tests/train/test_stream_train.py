@@ -262,12 +262,13 @@ def test_the_first_batch_needs_only_the_first_shard(prepared_s3, proxy, tmp_path
             proxy.add_fault(f"/{BUCKET}/{_key(source.tars[k])}", delay_s=later_s)
         assert proxy.count(SHARD_GETS) == 0  # building the loader fetches nothing
         started = time.monotonic()
-        batch = next(iter(loader))
+        epoch = iter(loader)
+        batch = next(epoch)
         waited = time.monotonic() - started
         cached = [k for k, url in enumerate(source.tars) if cache.path_for(url, source.checks[k][1]).exists()]
         fetched_then = cache.stats()["fetches"]
         needed = {int(source.shard_of[p]) for p in np.flatnonzero(np.isin(loader.images.ids, batch["id"].numpy()))}
-        rest = list(loader)
+        rest = list(epoch)
     assert waited < later_s and needed == set(cached) == {first}, (waited, cached, first)
     assert fetched_then == 1
     assert len(rest) == len(loader) - 1 and cache.stats()["fetches"] == SHARDS
