@@ -106,6 +106,10 @@ class LoopProfiler:
             ``data_wait_frac``, ``images_per_s``, ``utilization``, ``warmup``, ``settings`` and ``verdict``
             ({"bound": "input" | "host" | "compute", "summary", "next_steps"}).
         """
+        if not self.timer.steps:
+            raise RuntimeError(
+                "no step was timed, so there is nothing to report: loop over profiler.iterate(loader) first"
+            )
         words = OWN_LOOP if self.settings.get("mmfast_loader") else TORCH_LOADER
         return build_report(self.timer, self.sampler, extra={"settings": self.settings}, words=words)
 
@@ -116,8 +120,8 @@ class LoopProfiler:
         return report
 
     def save(self, folder: str | Path) -> dict:
-        """Write ``folder``/profile.json (with the utilization timeline) and profile.png; returns the report.
-        ``mmfast-profile --run FOLDER`` prints it again."""
+        """Write ``folder``/profile.json (with the utilization timeline) and profile.png, replacing the ones an
+        earlier ``save`` wrote there; returns the report. ``mmfast-profile --run FOLDER`` prints it again."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         report = self.report()
@@ -154,12 +158,19 @@ def batch_samples(batch) -> int:
     """The samples of a batch: the first dimension of its images (``batch["image"]``, ``batch[0]``), or of
     the first tensor it holds."""
     if isinstance(batch, dict):
-        first = batch["image"] if "image" in batch else next(iter(batch.values()))
+        first = batch["image"] if "image" in batch else next(iter(batch.values()), None)
     elif isinstance(batch, list | tuple):
-        first = batch[0]
+        first = batch[0] if batch else None
     else:
         first = batch
-    return int(first.shape[0]) if hasattr(first, "shape") else len(first)
+    if hasattr(first, "shape") and len(first.shape):
+        return int(first.shape[0])
+    if isinstance(first, list | tuple):
+        return len(first)
+    raise TypeError(
+        f"cannot count the samples of a batch ({type(batch).__name__}, its first item of type "
+        f"{type(first).__name__}): pass iterate(loader, samples=lambda batch: ...)"
+    )
 
 
 def _outside_seconds(timer: StepTimer) -> float:

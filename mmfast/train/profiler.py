@@ -380,7 +380,8 @@ def plot_report(report: dict, samples: list[dict], path: str) -> None:
     ax1.set_xlabel("seconds")
     ax1.set_ylabel("utilization %")
     ax1.set_title("utilization timeline")
-    ax1.legend(loc="lower right")
+    if samples:  # no line, no legend (a loop shorter than the sampler's first look)
+        ax1.legend(loc="lower right")
     phases = report["phase_s"]
     names = [p for p in PHASES if p in phases] + [p for p in phases if p not in PHASES and p != "eval"] + ["other"]
     vals = [phases.get(n, report["other_s"]) for n in names]

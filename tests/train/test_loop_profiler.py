@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mmfast
+from mmfast.train.loop_profiler import batch_samples
 from mmfast.train.verdict import INPUT_BOUND
 from tools import profile_run as profile_tool
 
@@ -129,6 +130,21 @@ def test_an_input_bound_loop_is_called_so_and_a_compute_bound_one_is_not(prepare
 def test_untimed_takes_only_the_phases_left_out_of_the_figures():
     with pytest.raises(ValueError, match="eval, checkpoint"):
         mmfast.LoopProfiler().untimed("forward")
+
+
+def test_no_verdict_without_a_timed_step_and_a_batch_it_cannot_count_is_named():
+    """A report before any step raised nothing and called the loop compute-bound; a batch of plain numbers gave
+    "object of type 'int' has no len()" from deep inside."""
+    profiler = mmfast.LoopProfiler(warmup_steps=0)
+    with pytest.raises(RuntimeError, match=r"no step was timed.*profiler.iterate\(loader\)"):
+        profiler.report()
+    with pytest.raises(TypeError, match=r"batch \(list, its first item of type int\): pass iterate\(loader, samp"):
+        for _ in profiler.iterate([[1, 2], [3, 4]]):
+            pass
+    for _ in profiler.iterate([[1, 2], [3, 4]], samples=len):
+        pass
+    assert profiler.report()["samples"] == 4
+    assert [batch_samples(b) for b in ({"x": [1, 2, 3]}, (torch.zeros(5, 2),))] == [3, 5]
 
 
 class _SlowImages(torch.utils.data.Dataset):
