@@ -46,7 +46,7 @@ from mmfast.inputs.manifest import NO_LABEL, Candidate, ManifestError, Reject, p
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import expand, fetch_to, is_remote, remote_version
 from mmfast.util.fsutil import atomic_write_json, file_sha256
-from mmfast.util.pool import process_map
+from mmfast.util.pool import process_map, progress_lines
 
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
@@ -177,9 +177,10 @@ def read_shards(
         for p in shards
     ]
     if workers > 1 and len(jobs) > 1:
-        parts = list(process_map(_read_shard_job, jobs, min(workers, len(jobs))))
+        done = process_map(_read_shard_job, jobs, min(workers, len(jobs)))
     else:
-        parts = [_read_shard_job(j) for j in jobs]
+        done = (_read_shard_job(j) for j in jobs)
+    parts = list(progress_lines(done, len(jobs), "reading and checking shards", "shards"))
     cands = [c for part in parts for c in part[0]]
     rejects = [r for part in parts for r in part[1]]
     return cands, rejects

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import select
 import signal
 import sys
 import threading
+import time
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from tqdm import tqdm
@@ -18,20 +20,42 @@ from tqdm import tqdm
 from mmfast.util.voice import carried
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LOG_EVERY_S = 30.0  # a progress line in a log (no terminal) at most this often
+log = logging.getLogger(__name__)
 
 
 def map_files(fn, items: list, workers: int, desc: str, progress: bool = False) -> list:
     """``[fn(x) for x in items]`` over ``workers`` processes (threads inside a daemonic process, which may
     not start children), in order, with a progress bar. ``fn`` must be picklable (a module-level function
     or a ``functools.partial`` of one)."""
-    bar = dict(total=len(items), desc=desc, unit="img", disable=None if progress else True, leave=False)
+
+    def shown(results: Iterable) -> Iterable:
+        if not progress:
+            return results
+        if sys.stderr.isatty():
+            return tqdm(results, total=len(items), desc=desc, unit="img", leave=False)
+        return progress_lines(results, len(items), desc, "images")  # a log or CI: a line now and then
+
     if workers <= 1 or len(items) <= 64:
-        return [fn(x) for x in tqdm(items, **bar)]
+        return [fn(x) for x in shown(items)]
     chunk = max(1, min(64, len(items) // (workers * 8)))
     if multiprocessing.current_process().daemon:  # PIL releases the GIL while decoding and encoding
         with ThreadPoolExecutor(workers) as pool:
-            return list(tqdm(pool.map(carried(fn), items, chunksize=chunk), **bar))
-    return list(tqdm(process_map(fn, items, workers, chunk), **bar))
+            return list(shown(pool.map(carried(fn), items, chunksize=chunk)))
+    return list(shown(process_map(fn, items, workers, chunk)))
+
+
+def progress_lines(items: Iterable, total: int, desc: str, unit: str, every_s: float | None = None) -> Iterator:
+    """``items`` as they come, logging how far they got at most every ``every_s`` seconds (``LOG_EVERY_S``): a
+    progress bar's news where stderr is no terminal (a log, CI), which otherwise hears nothing till the end."""
+    every_s = LOG_EVERY_S if every_s is None else every_s
+    start = last = time.monotonic()
+    for n, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= every_s and n < total:
+            last = now
+            log.info("%s: %d of %d %s (%.0f%%) in %.0f s", desc, n, total, unit, 100 * n / total, now - start)
 
 
 def process_map(fn, items: list, workers: int, chunksize: int = 1) -> Iterator:

@@ -125,3 +125,40 @@ def test_a_manifest_image_is_named_by_the_users_file(tmp_path):
     assert prepare_cli.main([str(tmp_path / "data" / "m.jsonl"), "--out", str(out), *FLAGS]) == 0
     big = {"image": str((tmp_path / "data" / "6.png").resolve()), "width": 40, "height": 30}
     assert _summary(out)["largest_image"] == big
+
+
+def test_a_prepare_into_a_log_says_how_far_it_got(tmp_path, monkeypatch, caplog):
+    """With stderr no terminal (a log, CI), a progress bar shows nothing: a 40-minute preparation said nothing
+    until its summary. Lines now say how many shards, and how many image files, are done (every 30 s; here
+    every item)."""
+    import logging
+
+    from mmfast.util import pool
+
+    monkeypatch.setattr(pool, "LOG_EVERY_S", 0.0)
+    pictures = _pictures(tmp_path / "pictures")
+    flags = [f for f in FLAGS if f != "--no-progress"]
+    with caplog.at_level(logging.INFO, logger="mmfast.util.pool"):
+        assert (
+            prepare_cli.main(
+                [
+                    str(_shards(tmp_path / "shards", pictures)),
+                    "--out",
+                    str(tmp_path / "a"),
+                    "--wds-label-field",
+                    "label",
+                    *flags,
+                ]
+            )
+            == 0
+        )
+        lines = [r.getMessage() for r in caplog.records if r.name == "mmfast.util.pool"]
+        assert lines == ["reading and checking shards: 1 of 2 shards (50%) in 0 s"]
+        caplog.clear()
+        manifest = tmp_path / "pictures" / "rows.jsonl"
+        manifest.write_text("".join(json.dumps({"image": f"{k}.png", "text": f"p {k}"}) + "\n" for k in range(10)))
+        assert prepare_cli.main([str(manifest), "--out", str(tmp_path / "b"), *flags, "--no-labels"]) == 0
+        lines = [r.getMessage() for r in caplog.records if r.name == "mmfast.util.pool"]
+        assert [line.split(" in ")[0] for line in lines] == [
+            f"validating images: {n} of 10 images ({n}0%)" for n in range(1, 10)
+        ]
