@@ -23,6 +23,7 @@ _LAZY = {
     "LoopProfiler": "mmfast.train.loop_profiler",
     "MultimodalLoader": "mmfast.loading.multimodal",
     "MmfastModel": "mmfast.infer.model_dir",
+    "ModelDirError": "mmfast.infer.model_config",
     "load_model": "mmfast.infer.model_dir",
     "build_model": "mmfast.models",
     "TokenCache": "mmfast.data.token_cache",
@@ -30,6 +31,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from mmfast.data.token_cache import TokenCache
+    from mmfast.infer.model_config import ModelDirError
     from mmfast.infer.model_dir import MmfastModel, load_model
     from mmfast.loading.caption_loader import CaptionLoader
     from mmfast.loading.image_loader import ImageLoader
@@ -49,6 +51,7 @@ __all__ = [
     "ImageLoader",
     "LoopProfiler",
     "MmfastModel",
+    "ModelDirError",
     "MultimodalLoader",
     "TokenCache",
     "build_model",

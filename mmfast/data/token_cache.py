@@ -150,8 +150,17 @@ class TokenCache:
             max_length: truncation length, special tokens included.
             first_id: sample id of ``texts[0]``.
             batch_size: texts per tokenizer call.
+
+        Raises:
+            TypeError: a text that is not a string (its index and sample id are named).
         """
         directory = Path(directory)
+        bad = next((k for k, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise TypeError(
+                f"texts[{bad}] (sample id {first_id + bad}) is {type(texts[bad]).__name__}, not a caption string: "
+                "give every sample a string (an empty one for no caption)"
+            )
         fp = cache_fingerprint(tokenizer, max_length, texts)
         with file_lock(directory / f".{split}.lock"):
             reason = _stale_reason(directory, split, fp, first_id)

@@ -72,11 +72,17 @@ def pil_transform(config: dict):
         geometry = [transforms.Resize(shorter, interpolation=mode), transforms.CenterCrop(size)]
     return transforms.Compose(
         [
+            transforms.Lambda(_as_rgb),  # RGBA, gray or palette pictures: three channels, as the decoder gives
             *geometry,
             transforms.ToTensor(),
             transforms.Normalize(config["mean"] or (0.5,) * 3, config["std"] or (0.5,) * 3),
         ]
     )
+
+
+def _as_rgb(image):
+    """A PIL image in RGB (alpha dropped, as DALI's decoder drops it); a module function, so it pickles."""
+    return image.convert("RGB") if getattr(image, "mode", "RGB") != "RGB" else image
 
 
 def preprocessed_batch(images, size: int) -> torch.Tensor | None:

@@ -121,7 +121,10 @@ class MmfastModel(
         return pil_transform(self.config)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | dict:
-        return self.model(batch)  # (B, C), or the dual encoder's dict
+        """The network on a batch as the loaders give it ("image", "input_ids", "attention_mask"): a
+        classifier's logits (B, C), or a dual encoder's dict of embeddings. In eval mode (as loaded) the late
+        fusion model also gives logits; in train mode it gives its dict with the auxiliary heads."""
+        return self.model(batch)
 
     @property
     def embeds(self) -> bool:
@@ -149,7 +152,7 @@ class MmfastModel(
                 resized to image_size / crop_ratio, center crop, mean/std). That is close to, not bit-equal to,
                 the DALI pipeline of ``mmfast-predict --embed image``: the resize filters differ. A float tensor
                 is a batch already preprocessed as config.json says (what the loaders give): (N, 3, S, S), S the
-                model's image_size; any other float tensor is refused.
+                model's image_size, or one image (3, S, S); a float tensor of another shape is refused.
             batch_size: images per forward.
             max_pixels: decoded-pixel budget of an image file, read from its header (default: the model's,
                 as its training data was prepared).

@@ -63,9 +63,13 @@ def build_model(
 
     Returns:
         The model; its encoders are ``model.image`` / ``model.text`` (None where it declares no such modality).
+        Its forward takes a batch dict and gives logits (B, C), except: "clip" gives a dict of embeddings, and
+        "late" in train mode (with an ``aux_weight`` > 0) gives {"logits", "aux", "aux_weight"}, the per-branch
+        logits its loss adds (``tasks.classification.training_loss``); in eval mode, logits.
 
     Raises:
-        ValueError: unknown name, backbone or text model; mismatched weights.
+        ValueError: unknown name, backbone or text model; mismatched weights; "bert-tiny" / "bert-mini" without
+            ``vocab_size``.
     """
     cls = model_class(name)
     if getattr(cls, "classifies", True) and num_classes < 2:

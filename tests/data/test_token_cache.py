@@ -125,3 +125,12 @@ def test_a_tokenizer_folder_named_with_a_tilde_is_found(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     train_wordpiece(["a cat on a mat", "a dog"], vocab_size=60).save_pretrained(tmp_path / "tok")
     assert load_tokenizer("~/tok")("a cat")["input_ids"]
+
+
+def test_a_caption_that_is_not_a_string_is_named_before_anything_is_written(tmp_path, minilm_tok):
+    """A None caption gave "'NoneType' object has no attribute 'encode'" from inside the fingerprint."""
+    with pytest.raises(TypeError, match=r"texts\[1\] \(sample id 11\) is NoneType, not a caption string"):
+        TokenCache.build(tmp_path / "tokens", "train", ["a cat", None, "a dog"], minilm_tok, 16, first_id=10)
+    assert not (tmp_path / "tokens" / "train.ids.bin").exists()
+    cache = TokenCache.build(tmp_path / "tokens", "train", ["a cat", "", "a dog"], minilm_tok, 16, first_id=10)
+    assert len(cache) == 3

@@ -195,6 +195,10 @@ def test_model_dir_round_trips_encode_image_and_encode_text(prepared, net, clip_
     assert torch.equal(
         loaded.transform(Image.open(paths[0]).convert("RGB")), tf(Image.open(paths[0]).convert("RGB"))
     )
+    rgba = Image.open(paths[0]).convert("RGBA")  # the transform takes any mode, as encode_image does
+    rgba.putalpha(90)
+    assert torch.equal(loaded.transform(rgba), tf(Image.open(paths[0]).convert("RGB")))
+    assert torch.equal(loaded.transform(Image.open(paths[0]).convert("L")), tf(Image.open(paths[0]).convert("LA")))
     with torch.no_grad():
         want = net.model.encode_image(torch.stack([tf(Image.open(p).convert("RGB")) for p in paths]))
     torch.testing.assert_close(loaded.encode_image(paths, batch_size=2), want, rtol=1e-5, atol=1e-6)
