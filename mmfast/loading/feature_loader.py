@@ -53,7 +53,7 @@ class FeatureLoader:
         self._absent = np.isin(np.asarray(loader.ids), np.fromiter(features.absent, np.int64))
         self.text_length = (text.meta["parts"].get("tokens") or {}).get("length") if text is not None else None
         self.dataset = loader.dataset
-        self.epoch, self.step = 0, 0
+        self.epoch, self.step, self._restored = 0, 0, False  # _restored: a position load_state_dict set
 
     # what the engine and the run read of a loader: the image loader's layout, this loader's position
     batch_size = property(lambda self: self.loader.batch_size)
@@ -119,10 +119,12 @@ class FeatureLoader:
         for key in ("seed", "num_samples", "num_shards", "batch_size"):
             if key in state and state[key] != self.state_dict()[key]:
                 raise ValueError(f"cannot resume loader: {key} was {state[key]}, now {self.state_dict()[key]}")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.epoch, self.step, self._restored = int(state["epoch"]), int(state["step"]), True
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.step >= len(self):  # the last batch was taken, but the loop never asked for more
+        if self._restored:  # the rest of a resumed epoch (none, when it was saved after the last batch)
+            self._restored = False
+        elif self.step >= len(self):  # the last batch was taken, but the loop never asked for more
             self.epoch, self.step = self.epoch + 1, 0
         return self._epoch()
 

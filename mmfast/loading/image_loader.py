@@ -425,10 +425,6 @@ class ImageLoader:
         mid-epoch resume survives the usual ``set_epoch`` call at the top of the loop); otherwise the next
         ``iter()`` starts that epoch from its first batch.
         """
-        if self.sampling.set_epoch_keeps_any_position:  # the engine's: whatever position the epoch is at
-            if epoch != self.epoch:
-                self.epoch, self.step = epoch, 0
-            return
         if epoch != self.epoch or not self._keep_position:
             self.epoch, self.step, self._keep_position = epoch, 0, False
 
@@ -475,10 +471,11 @@ class ImageLoader:
         """What an ``iter()`` does before its first batch (also for loaders built on this one): move to the
         epoch it reads, as ``__iter__`` says; returns its generation, for ``raw_batches``."""
         refuse_forked(self, self._pid)
-        if self.step >= len(self):  # the last batch was taken, but the loop never asked for more
+        if self._keep_position:  # restored: the rest of its epoch (none, when it was saved after the last batch)
+            self._keep_position = False
+        elif self.step >= len(self):  # the last batch was taken, but the loop never asked for more
             self._end_epoch()
-        elif self.step > 0 and not self._keep_position:  # an earlier loop stopped mid-epoch
+        elif self.step > 0:  # an earlier loop stopped mid-epoch
             self.epoch, self.step = self.epoch + 1, 0
-        self._keep_position = False
         self._generation += 1
         return self._generation

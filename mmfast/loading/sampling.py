@@ -112,7 +112,6 @@ class DataLoaderOrder:
 
     name = "dataloader"
     partial_last_batch = True  # the loader cuts DALI's filler off the last batch
-    set_epoch_keeps_any_position = False  # set_epoch(current) keeps only a position load_state_dict restored
 
     def epoch_size(self, layout: Layout) -> int:
         """Positions an epoch reads over all processes, before padding."""
@@ -148,7 +147,6 @@ class WholeBatchOrder:
 
     name = "whole-batches"
     partial_last_batch = False
-    set_epoch_keeps_any_position = True  # set_epoch(current) keeps whatever position the epoch is at
 
     def __repr__(self) -> str:  # read in help(MultimodalLoader)'s signature
         return "WHOLE_BATCHES" if type(self) is WholeBatchOrder else f"{type(self).__name__}()"

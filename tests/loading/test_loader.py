@@ -223,6 +223,31 @@ def test_each_iter_of_a_multimodal_loader_starts_a_new_epoch_also_after_a_peek(p
     whole = ids(val)
     next(iter(val))
     assert ids(val) == whole  # an evaluation after a peek sees every sample
+    fresh = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=3)
+    next(iter(fresh))
+    fresh.set_epoch(0)  # as DistributedSampler's: the epoch asked for, from its first batch
+    assert ids(fresh) == epochs[0]
+
+
+def test_a_position_saved_after_an_epochs_last_batch_resumes_to_nothing_then_the_next_epoch(prepared):
+    """A run stopped on an epoch's last step saves (epoch, len(loader)): the resumed loop of that epoch takes no
+    batch, as the engine counts on, and the next epoch is whole (it used to be read in the ended one's place)."""
+    reference = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=3)
+    reference.set_epoch(4)
+    want = [i for b in reference for i in b["id"].tolist()]
+    loader = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=3)
+    loader.set_epoch(3)
+    epoch = iter(loader)
+    for _ in range(len(loader)):  # the loop stops on the last batch, before asking for one more
+        next(epoch)
+    state = loader.state_dict()
+    assert (state["epoch"], state["step"]) == (3, len(loader))
+    resumed = MultimodalLoader(prepared, "train", batch_size=16, size=32, seed=3)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)
+    assert list(resumed) == []
+    resumed.set_epoch(4)
+    assert [i for b in resumed for i in b["id"].tolist()] == want
 
 
 def _in_a_forked_child(work) -> str:

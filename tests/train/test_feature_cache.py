@@ -581,9 +581,15 @@ def test_locked_text_features_are_the_eval_mode_towers_and_rebuilt_for_other_wei
         assert not torch.allclose(model.text(tokens["input_ids"], tokens["attention_mask"]), want, atol=1e-4)
 
     images, _ = build_image_features(cfg, cpu_accelerator, dataset, model, norm)
-    batch = next(iter(FeatureLoader(loader, images, text=text)))
+    served = FeatureLoader(loader, images, text=text)
+    batch = next(iter(served))
     assert "input_ids" not in batch and "image" not in batch
     assert torch.equal(batch["text_features"], text.gather(batch["id"], None))
+    served.load_state_dict({**served.state_dict(), "epoch": 0, "step": len(served)})  # stopped on the last step
+    served.set_epoch(0)
+    assert list(served) == []  # the resumed epoch has no batch left; epoch 1 was read in its place
+    served.set_epoch(1)
+    assert len(list(served)) == len(served)
 
     _, again = build_text_features(cfg, cpu_accelerator, dataset, model, loader)
     assert again["built"] is None
