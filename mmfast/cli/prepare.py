@@ -142,7 +142,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """--no-progress and --stop-grace: how the command runs, not what it prepares."""
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (a log or CI)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars on a terminal (in a log or CI, a line every 30 s says how far it got)",
+    )
     p.add_argument(
         "--stop-grace",
         type=float,

@@ -90,16 +90,18 @@ class Prefetcher:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the prefetch thread ended without a word") from None
 
-    def close(self, _empty: type[Exception] = queue.Empty) -> None:
-        """Stop the producer and wait for it to leave (its batch in progress, at most ``_JOIN_S``).
-        ``_empty``: bound now, since a generator closed as the interpreter exits finds module globals None."""
+    def close(
+        self, _empty: type[Exception] = queue.Empty, _join_s: float = _JOIN_S, _current=threading.current_thread
+    ) -> None:
+        """Stop the producer and wait for it to leave (its batch in progress, at most ``_JOIN_S``). The
+        defaults are bound now: a generator closed as the interpreter exits finds module globals None."""
         self._stop.set()
         while True:  # unblock a producer waiting on a full queue
             try:
                 self._queue.get_nowait()
             except _empty:
                 break
-        if self._thread is not threading.current_thread():
-            self._thread.join(_JOIN_S)
+        if self._thread is not _current():
+            self._thread.join(_join_s)
             if self._thread.is_alive():
-                raise RuntimeError(f"the prefetch thread did not stop within {_JOIN_S:.0f} s")
+                raise RuntimeError(f"the prefetch thread did not stop within {_join_s:.0f} s")

@@ -96,7 +96,9 @@ class _Owns:
         return own
 
     def images_of(self, groups: torch.Tensor, images: int) -> torch.Tensor:
-        """(len(groups), images) bool: True where image i has a caption of group ``groups[j]``."""
+        """(len(groups), images) bool: True where image i has a caption of group ``groups[j]``. Built once per
+        distinct group of the block: a caption on half the split, repeated down the block, is expanded once."""
+        groups, inverse = torch.unique(groups, return_inverse=True)
         start, end = self._group_start[groups], self._group_start[groups + 1]
         counts = end - start
         rows = torch.repeat_interleave(torch.arange(len(groups), device=groups.device), counts)
@@ -106,7 +108,7 @@ class _Owns:
         texts = self._by_group[torch.repeat_interleave(start, counts) + offsets]
         own = torch.zeros(len(groups), images, dtype=torch.bool, device=groups.device)
         own[rows, self._text_image[texts]] = True
-        return own
+        return own[inverse]
 
 
 def _median(ranks: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from pathlib import Path
 
 import torch
@@ -105,10 +105,14 @@ class LoopProfiler:
             ``steps``, ``samples``, ``train_wall_s``, ``phase_s`` ({"data", "compute", ...} seconds),
             ``data_wait_frac``, ``images_per_s``, ``utilization``, ``warmup``, ``settings`` and ``verdict``
             ({"bound": "input" | "host" | "compute", "summary", "next_steps"}).
+
+        Raises:
+            RuntimeError: no step was timed (no loop over ``iterate``, or its loader gave no batch).
         """
         if not self.timer.steps:
             raise RuntimeError(
-                "no step was timed, so there is nothing to report: loop over profiler.iterate(loader) first"
+                "no step was timed, so there is nothing to report: loop over profiler.iterate(loader) first "
+                "(a loader that gives no batch times none)"
             )
         words = OWN_LOOP if self.settings.get("mmfast_loader") else TORCH_LOADER
         return build_report(self.timer, self.sampler, extra={"settings": self.settings}, words=words)
@@ -122,9 +126,9 @@ class LoopProfiler:
     def save(self, folder: str | Path) -> dict:
         """Write ``folder``/profile.json (with the utilization timeline) and profile.png, replacing the ones an
         earlier ``save`` wrote there; returns the report. ``mmfast-profile --run FOLDER`` prints it again."""
+        report = self.report()  # before the folder: a report that cannot be made leaves no folder
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        report = self.report()
         atomic_write_json(folder / "profile.json", {**report, "timeline": self.sampler.samples})
         with contextlib.suppress(ImportError):  # matplotlib: the profile extra
             plot_report(report, self.sampler.samples, str(folder / "profile.png"))
@@ -165,7 +169,7 @@ def batch_samples(batch) -> int:
         first = batch
     if hasattr(first, "shape") and len(first.shape):
         return int(first.shape[0])
-    if isinstance(first, list | tuple):
+    if isinstance(first, Sized) and not isinstance(first, str | bytes):
         return len(first)
     raise TypeError(
         f"cannot count the samples of a batch ({type(batch).__name__}, its first item of type "

@@ -26,15 +26,14 @@ log = logging.getLogger(__name__)
 
 def map_files(fn, items: list, workers: int, desc: str, progress: bool = False) -> list:
     """``[fn(x) for x in items]`` over ``workers`` processes (threads inside a daemonic process, which may
-    not start children), in order, with a progress bar. ``fn`` must be picklable (a module-level function
+    not start children), in order, with a progress bar on a terminal (``progress``) and lines in a log
+    (``progress_lines``). ``fn`` must be picklable (a module-level function
     or a ``functools.partial`` of one)."""
 
     def shown(results: Iterable) -> Iterable:
-        if not progress:
-            return results
-        if sys.stderr.isatty():
-            return tqdm(results, total=len(items), desc=desc, unit="img", leave=False)
-        return progress_lines(results, len(items), desc, "images")  # a log or CI: a line now and then
+        if not sys.stderr.isatty():  # a log or CI: a line now and then, which no bar would give
+            return progress_lines(results, len(items), desc, "images")
+        return tqdm(results, total=len(items), desc=desc, unit="img", leave=False) if progress else results
 
     if workers <= 1 or len(items) <= 64:
         return [fn(x) for x in shown(items)]
