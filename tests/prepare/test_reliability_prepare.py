@@ -153,6 +153,13 @@ def test_out_that_contains_the_input_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{m2}, line 2: image {out / 'extra.png'} is inside --out {out}" in err
     assert _tree(out) == kept
+    (tmp_path / "by-folder").symlink_to(out)  # the same image through a symlinked folder, or a symlinked file
+    (tmp_path / "by-file.png").symlink_to(out / "extra.png")
+    for k, linked in enumerate((tmp_path / "by-folder" / "extra.png", tmp_path / "by-file.png")):
+        m3 = write_jsonl(tmp_path / f"m3-{k}.jsonl", [rows[0], {"image": str(linked), "text": "u", "label": "b"}])
+        assert prepare_data.main([str(m3), "--out", str(out), "--no-progress"]) == 2
+        assert f"{m3}, line 2: image {linked} is inside --out {out}" in capsys.readouterr().err
+        assert _tree(out) == kept
     folder = tmp_path / "folder"  # an image folder with --out inside it would read --out as a class
     save_image(folder / "cat" / "1.png")
     assert prepare_data.main([str(folder), "--out", str(folder / "prepared"), "--no-progress"]) == 2
