@@ -13,7 +13,8 @@ OUT/confusion.png and OUT/predictions.jsonl.
 
 A dual encoder (--model clip) is evaluated by retrieval instead: image -> text and text -> image recall@1/5/10
 and median rank over the rows (the rows of one image file are its captions), and zero-shot accuracy over the
-rows with a label (prompts: --templates, else the model's); labels are optional. Writes OUT/metrics.json.
+rows with a label (prompts: --templates, else the model's); labels are optional. Writes OUT/metrics.json, and
+OUT/errors.jsonl when rows were left out (each with its reason).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from pathlib import Path
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
 from mmfast.cli.predict import add_max_pixels_flag, load_rows, none_usable, report_errors
-from mmfast.util.fsutil import OutputError, atomic_write_json, claim_output_dir
+from mmfast.util.fsutil import OutputError, atomic_write_json, atomic_write_jsonl, claim_output_dir
 from mmfast.util.quiet import filter_native_stderr
 from mmfast.util.voice import command_line
+
+ERRORS_FILE = "errors.jsonl"  # a retrieval evaluation's rows left out, each with its "error"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,10 +121,15 @@ def evaluate_retrieval(args: argparse.Namespace, model, rows: list[dict], device
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = figures.pop("rows")
+    failed = [r for r in results if r.get("error")]
     out = output_dir(args)
     try:
         out = claim_output_dir(out, "evaluation")  # a folder of the user's is refused, never written into
         atomic_write_json(out / "metrics.json", figures)
+        if failed:  # every row left out, with its reason (stderr names the first ten)
+            atomic_write_jsonl(out / ERRORS_FILE, failed)
+        else:  # an earlier evaluation's list, in this mmfast folder, would name rows this one scored
+            (out / ERRORS_FILE).unlink(missing_ok=True)
     except OutputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -129,8 +137,9 @@ def evaluate_retrieval(args: argparse.Namespace, model, rows: list[dict], device
         print(f"error: {write_failure(out, e)}", file=sys.stderr)
         return 2
     print_retrieval(figures)
-    if figures["errors"]:
+    if failed:
         report_errors(results, "evaluated")
+        print(f"wrote {out / ERRORS_FILE}: the {len(failed)} rows left out, each with its reason", file=sys.stderr)
     print(f"wrote {out}/metrics.json")
     return 0
 

@@ -374,6 +374,17 @@ def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_sho
     assert evaluate_tool.main(argv) == 0
     figures = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     assert figures["texts"] == len(val) and "i2t_r1" in figures and "zero_shot_acc" not in figures
+    assert not (tmp_path / "ev" / "errors.jsonl").exists()
+    missing = [{"image": str(tmp_path / f"gone-{k}.png"), "text": "a picture not there"} for k in range(12)]
+    with rows.open("a") as f:  # more than the ten rows stderr names: the file lists them all
+        f.write("".join(json.dumps(r) + "\n" for r in missing))
+    capsys.readouterr()
+    assert evaluate_tool.main(argv) == 0
+    errors = [json.loads(line) for line in (tmp_path / "ev" / "errors.jsonl").read_text().splitlines()]
+    assert [e["image"] for e in errors] == [r["image"] for r in missing] and all(e["error"] for e in errors)
+    assert f"wrote {tmp_path / 'ev' / 'errors.jsonl'}: the 12 rows left out" in capsys.readouterr().err
+    rows.write_text("".join(json.dumps({"image": r["image"], "text": r["text"]}) + "\n" for r in val))
+    assert evaluate_tool.main(argv) == 0 and not (tmp_path / "ev" / "errors.jsonl").exists()  # none now
 
 
 def test_onnx_export_of_both_towers_matches_pytorch(clip_dir, tmp_path):
