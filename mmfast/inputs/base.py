@@ -92,6 +92,17 @@ class Member(NamedTuple):
     nbytes: int
 
 
+@dataclass
+class InPlaceRead:
+    """What ``ImagesInPlace.read_checked`` gives: the rows kept and dropped, a ``file_reads`` record of each
+    local file, and how many rows came from records of unchanged files instead of reading."""
+
+    cands: list[Candidate]
+    rejects: list[Reject]
+    records: list[dict]
+    reused: int
+
+
 @dataclass(frozen=True)
 class ImagesInPlace:
     """The capabilities of a kind whose images stay inside the user's files (WebDataset shards): preparation
@@ -99,10 +110,11 @@ class ImagesInPlace:
 
     Args:
         noun: how messages name one of those files ("WebDataset shard").
-        read_checked: (source, options, workers, max_pixels, part) -> (candidates, rejects), every candidate's
-            image validated by the reader where it lies, with its width and height (0 when not read);
-            ``part`` (i, n) reads only the i-th of n contiguous slices of the files (so the rows of two parts
-            were never compared: the merge drops duplicates).
+        read_checked: (source, options, workers, max_pixels, part, earlier) -> ``InPlaceRead``, every
+            candidate's image validated by the reader where it lies, with its width and height (0 when not
+            read); ``part`` (i, n) reads only the i-th of n contiguous slices of the files (so the rows of two
+            parts were never compared: the merge drops duplicates); ``earlier``: ``file_reads.load``'s
+            records, whose unchanged files are not read again.
         files: source -> the user's files holding the images: the input's fingerprint is their names, sizes and
             mtimes (not their bytes), and none may be inside --out.
         member: where a candidate's image lies in those files (what prepared rows and the index record; what
@@ -112,7 +124,7 @@ class ImagesInPlace:
     """
 
     noun: str
-    read_checked: Callable[..., tuple[list[Candidate], list[Reject]]]
+    read_checked: Callable[..., InPlaceRead]
     files: Callable[[str], list[Path]]
     member: Callable[[Candidate], Member]
     index_dir: str

@@ -29,6 +29,7 @@ import glob
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import tarfile
@@ -41,7 +42,8 @@ import numpy as np
 
 from mmfast.data.dataset import WDS_DIR, WDS_ID_DIGITS, WDS_IMAGE_EXT
 from mmfast.data.validate import DEFAULT_MAX_PIXELS, check_image_bytes, dali_rejects
-from mmfast.inputs.base import ImagesInPlace, InputOptions, Member, Reader
+from mmfast.inputs import file_reads
+from mmfast.inputs.base import ImagesInPlace, InPlaceRead, InputOptions, Member, Reader
 from mmfast.inputs.manifest import NO_LABEL, Candidate, ManifestError, Reject, parse_label
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import expand, fetch_to, is_remote, remote_version
@@ -51,6 +53,7 @@ from mmfast.util.pool import process_map, progress_lines
 # The one component of mmfast's index lines (the sample's image, whatever its extension) and the digits of
 # the sample id that close its name: what the image graph reads (int32 ids fit in 10 digits).
 INDEX_EXT, ID_DIGITS = WDS_IMAGE_EXT, WDS_ID_DIGITS
+log = logging.getLogger(__name__)
 _DALI_CHUNK = 1024  # images of a shard confirmed by DALI's decoder at a time (bounds the memory held)
 
 
@@ -142,7 +145,8 @@ def read_shards(
     workers: int = 1,
     max_pixels: int | None = None,
     part: tuple[int, int] | None = None,
-) -> tuple[list[Candidate], list[Reject]]:
+    earlier: dict[str, dict] | None = None,
+) -> InPlaceRead:
     """Read every shard of ``source`` (``part`` (i, n): the i-th of n contiguous slices of them) into
     candidate rows (images already validated) and rejects.
 
@@ -157,6 +161,8 @@ def read_shards(
         workers: processes reading shards at once.
         max_pixels: the decoded-pixel budget of an image (default: ``validate.DEFAULT_MAX_PIXELS``).
         part: (i, n), or None for every shard.
+        earlier: ``file_reads.load``'s records of an earlier preparation: a local shard whose record still
+            matches (size, mtime, options) is not read again.
     """
     shards = expand_shards(source)
     if part is not None:
@@ -164,26 +170,34 @@ def read_shards(
     src = Path(source)
     base = src if src.is_dir() else Path(os.path.dirname(str(source)) or ".")
     env = _store_env() if any(is_remote(p) for p in shards) else {}
-    jobs = [
-        (
-            (
-                str(p),
-                redact(p) if is_remote(p) else _relative(p, base.resolve()),
-                _wds_opts(opts),
-                max_pixels or DEFAULT_MAX_PIXELS,
-            ),
-            env,
-        )
-        for p in shards
+    o, budget = _wds_opts(opts), max_pixels or DEFAULT_MAX_PIXELS
+    key = {"options": o, "max_pixels": budget}
+    rels = [redact(p) if is_remote(p) else _relative(p, base.resolve()) for p in shards]
+    stats = [None if is_remote(p) else shard_stats([p])[0] for p in shards]
+    got = [
+        None if stat is None else file_reads.reusable((earlier or {}).get(str(p)), stat, key, rel)
+        for p, stat, rel in zip(shards, stats, rels, strict=True)
     ]
+    todo = [k for k, rows in enumerate(got) if rows is None]
+    reused = sum(len(rows[0]) + len(rows[1]) for rows in got if rows is not None)
+    if len(todo) < len(shards):
+        log.info("%d of %d shards unchanged since last read: not read again", len(shards) - len(todo), len(shards))
+    jobs = [((str(shards[k]), rels[k], o, budget), env) for k in todo]
     if workers > 1 and len(jobs) > 1:
         done = process_map(_read_shard_job, jobs, min(workers, len(jobs)))
     else:
         done = (_read_shard_job(j) for j in jobs)
-    parts = list(progress_lines(done, len(jobs), "reading and checking shards", "shards"))
-    cands = [c for part in parts for c in part[0]]
-    rejects = [r for part in parts for r in part[1]]
-    return cands, rejects
+    done = progress_lines(done, len(jobs), "reading and checking shards", "shards")
+    for k, rows in zip(todo, done, strict=True):
+        got[k] = rows
+    records = [
+        file_reads.record(p, stat, key, rel, rows)
+        for p, stat, rel, rows in zip(shards, stats, rels, got, strict=True)
+        if stat is not None
+    ]
+    cands = [c for rows in got for c in rows[0]]
+    rejects = [r for rows in got for r in rows[1]]
+    return InPlaceRead(cands, rejects, records, reused)
 
 
 def _read_all(
@@ -191,7 +205,8 @@ def _read_all(
 ) -> tuple[list[Candidate], list[Reject]]:
     """Every shard, in this process: ``read_shards`` as the registry calls a reader (``confine`` and
     ``image_dir`` do not apply: the images stay in the shards)."""
-    return read_shards(path, opts)
+    got = read_shards(path, opts)
+    return got.cands, got.rejects
 
 
 def _member(c: Candidate) -> Member:

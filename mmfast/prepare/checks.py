@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mmfast.data.dataset import DatasetError, PreparedDataset
 from mmfast.data.validate import ImageCheck, check_images
-from mmfast.inputs import ImagesInPlace, Reader, check_image_root, read_source, reader_for
+from mmfast.inputs import ImagesInPlace, Reader, check_image_root, file_reads, read_source, reader_for
 from mmfast.inputs.manifest import Candidate, Reject, finish_rows
 from mmfast.prepare.config import IMAGES_DIR, PrepareConfig
 from mmfast.prepare.downscale import downscale_images, downscaled_path
@@ -33,8 +33,9 @@ class Checked:
     n_input: int  # rows read: len(good) + len(rejects)
     kind: str  # the input reader's name
     seconds: dict[str, float]  # read, validate, downscale
-    reused: int = 0  # images whose earlier check was reused (unchanged since an earlier preparation)
+    reused: int = 0  # rows whose earlier check was reused (unchanged since an earlier preparation)
     downscaled: int = 0
+    file_reads: list[dict] = field(default_factory=list)  # ``inputs.file_reads`` records, for the next one
 
 
 def in_place_kind(cfg: PrepareConfig) -> Reader | None:
@@ -55,18 +56,19 @@ def read_and_check(
     if in_place is not None:  # images stay in the user's files; the reader validates them there
         _refuse_copies(cfg, in_place)
         check_image_root(reader, cfg.inputs)  # read_source's check, which this input does not go through
-        cands, rejects = in_place.read_checked(cfg.source, cfg.inputs, workers, cfg.max_pixels, part)
+        got = in_place.read_checked(cfg.source, cfg.inputs, workers, cfg.max_pixels, part, earlier_reads(cfg))
+        cands, rejects, records, reused = got.cands, got.rejects, got.records, got.reused
         if part is None:  # duplicates across the parts' files are found when the parts are merged
             cands, rejects = finish_rows(cands, rejects)
         kind = reader.name
     else:
         cands, rejects, kind = read_source(cfg.source, cfg.inputs, cfg.confine, (work / IMAGES_DIR).resolve())
+        records = []
         if part is not None:
             cands, rejects = _slice(cands, rejects, part, work)
     n_input = len(cands) + len(rejects)
     t_read = time.perf_counter()
 
-    reused = 0
     if in_place is not None:
         checks = [ImageCheck(True, width=c.width, height=c.height) for c in cands]  # as the reader found them
     else:
@@ -88,7 +90,7 @@ def read_and_check(
     if cfg.max_side:
         good, n_downscaled = _downscale(good, cfg, work, workers, rejects)
     seconds = {"read": t_read - t0, "validate": t_validate - t_read, "downscale": time.perf_counter() - t_validate}
-    return Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled)
+    return Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled, records)
 
 
 def _refuse_copies(cfg: PrepareConfig, in_place: ImagesInPlace) -> None:
@@ -203,6 +205,19 @@ def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
         return earlier
     except (OSError, DatasetError, KeyError, TypeError):
         return {}  # nothing to reuse: every image is checked
+
+
+def earlier_reads(cfg: PrepareConfig) -> dict[str, dict]:
+    """``inputs.file_reads`` records of a complete earlier preparation into --out (what ``earlier_checks`` is to
+    image files, for the files an input reads its images from in place)."""
+    out = Path(cfg.out)
+    try:
+        if not (out / MARKER).is_file():
+            return {}
+        PreparedDataset(out, verify=False)  # complete: an interrupted preparation's records are not trusted
+    except (OSError, DatasetError, KeyError, TypeError):
+        return {}
+    return file_reads.load(out)  # a record matches only the pixel budget and options it was read with
 
 
 def _content_key(path: str) -> str:

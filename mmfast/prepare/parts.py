@@ -32,7 +32,7 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from mmfast.inputs import reader_named
+from mmfast.inputs import file_reads, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows
 from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
 from mmfast.prepare.config import PrepareConfig, part_dir, parts_root
@@ -100,6 +100,8 @@ def prepare_part(cfg: PrepareConfig) -> dict:
             base = tmp.resolve()
             atomic_write_jsonl(tmp / "accepted.jsonl", [_candidate_row(c, base) for c in checked.good])
             atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in checked.rejects])
+            if checked.file_reads:  # the merge passes them on to the next preparation
+                atomic_write_jsonl(tmp / file_reads.FILE_READS, checked.file_reads)
             summary = {
                 "input_fingerprint": fp,
                 "part": [i, n],
@@ -130,13 +132,14 @@ def merge_parts(cfg: PrepareConfig, tmp: Path, fp: str) -> Checked:
     summaries, rows = {}, {}
     for i in range(n):
         summaries[i], rows[i] = _checked_part(cfg.out, i, n, fp)
-    good, rejects, n_input, reused, downscaled = [], [], 0, 0, 0
+    good, rejects, n_input, reused, downscaled, records = [], [], 0, 0, 0, []
     seconds = {"read": 0.0, "validate": 0.0, "downscale": 0.0}
     for i in range(n):
         src = part_dir(cfg.out, i, n)
         accepted, rejected = rows[i]
         good += [_candidate(row, src, tmp / "parts" / f"{i:05d}") for row in accepted]
         rejects += [_reject(r) for r in rejected]
+        records += file_reads.load(src).values()  # none, or damaged: the next preparation reads those files
         s = summaries[i]
         n_input += s["counts"]["input_rows"]
         reused += s["reused_checks"]
@@ -145,7 +148,7 @@ def merge_parts(cfg: PrepareConfig, tmp: Path, fp: str) -> Checked:
     kind = summaries[0]["kind"]
     if reader_named(kind).in_place is not None:  # each part read only its files: duplicates across them now
         good, rejects = finish_rows(good, rejects)
-    return Checked(good, rejects, n_input, kind, seconds, reused, downscaled)
+    return Checked(good, rejects, n_input, kind, seconds, reused, downscaled, records)
 
 
 def _checked_part(out, i: int, n: int, fp: str) -> tuple[dict, tuple[list[dict], list[dict]]]:

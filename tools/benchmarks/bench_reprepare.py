@@ -1,10 +1,16 @@
 """A re-preparation after rows were added: what reusing the earlier checks saves.
 
     python tools/benchmarks/bench_reprepare.py [--n 512] [--added 16] [--workers N] [--json OUT]
+    python tools/benchmarks/bench_reprepare.py --shards 10 [--per-shard 5000] [--workers N] [--json OUT]
 
 Prepares N real 800x600 JPEG photos (cut from scikit-image's, as bench_loader's), adds --added new photos
 to the manifest, and prepares again into the same directory: the baseline is the first preparation, which
 decodes every image; the second decodes only the new ones (``prepare.json``'s ``reused_checks``).
+
+--shards S: S WebDataset shards of --per-shard tiny JPEGs (``bench_wds_scale``'s), prepared into two
+directories; then one shard more is written, as a crawl's next day adds, and both are prepared again. The
+baseline is the one whose ``file_reads.jsonl`` was removed first: it reads every shard, as preparation did
+before those records; the other reads the new shard only. The two run one after the other, baseline first.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ def parse_args(argv):
     p.add_argument("--n", type=int, default=512)
     p.add_argument("--added", type=int, default=16)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--shards", type=int, default=0, help="WebDataset shards instead of photo files")
+    p.add_argument("--per-shard", type=int, default=5000)
     p.add_argument("--json", default="bench_out/bench_reprepare.json")
     return p.parse_args(argv)
 
@@ -36,6 +44,8 @@ def main(argv=None) -> int:
     from mmfast.util.fsutil import atomic_write_json
 
     args = parse_args(argv)
+    if args.shards:
+        return shards_again(args)
     source = photo_manifest(default_cache_dir() / "bench", n=args.n)
     with tempfile.TemporaryDirectory(prefix="bench_reprepare_") as tmp:
         photos = Path(tmp) / "photos"
@@ -68,6 +78,59 @@ def main(argv=None) -> int:
     print(f"{f'first: {args.n} photos (baseline)':<40}{t_first:>10.2f}{report['first_validate_s']:>12.2f}")
     label = f"again, {args.added} added ({again['reused_checks']} reused)"
     print(f"{label:<40}{t_again:>10.2f}{report['again_validate_s']:>12.2f}   {report['speedup']:.1f}x faster")
+    atomic_write_json(args.json, report)
+    print(f"wrote {args.json}")
+    return 0
+
+
+def shards_again(args) -> int:
+    """--shards: one shard added to S, prepared again with and without the earlier shards' records."""
+    from bench_wds_scale import write_shards
+
+    from mmfast.data.dataset import FILE_READS
+    from mmfast.prepare.core import PrepareConfig, prepare_dataset
+    from mmfast.util.fsutil import atomic_write_json
+
+    with tempfile.TemporaryDirectory(prefix="bench_reprepare_") as tmp:
+        root = Path(tmp)
+        shards, staged = root / "shards", root / "staged"
+        shards.mkdir()
+        staged.mkdir()
+        write_shards(staged, (args.shards + 1) * args.per_shard, args.per_shard, 16)
+        last = sorted(staged.glob("*.tar"))[-1]
+        for tar in sorted(staged.glob("*.tar"))[:-1]:
+            tar.rename(shards / tar.name)
+
+        def prepare(out: str) -> tuple[float, dict]:
+            opts = {"workers": args.workers, "val_fraction": 0.01, "progress": False}
+            cfg = PrepareConfig(str(shards), str(root / out), **opts)
+            t0 = time.perf_counter()
+            summary = prepare_dataset(cfg)
+            return time.perf_counter() - t0, summary
+
+        t_first, _ = prepare("baseline")
+        prepare("records")
+        (root / "baseline" / FILE_READS).unlink()
+        last.rename(shards / last.name)  # the next day's shard
+        t_base, base = prepare("baseline")
+        t_again, again = prepare("records")
+    report = {
+        "shards": args.shards,
+        "per_shard": args.per_shard,
+        "workers": args.workers,
+        "first_s": t_first,
+        "baseline_s": t_base,
+        "again_s": t_again,
+        "again_read_s": again["timings_s"]["read"],
+        "baseline_read_s": base["timings_s"]["read"],
+        "reused_checks": again["reused_checks"],
+        "speedup": t_base / t_again,
+    }
+    print(f"{'preparation':<52}{'wall s':>10}{'read s':>10}")
+    print(f"{f'first: {args.shards} shards of {args.per_shard}':<52}{t_first:>10.2f}")
+    print(f"{'one shard added, every shard read (baseline)':<52}{t_base:>10.2f}{report['baseline_read_s']:>10.2f}")
+    label = f"one shard added, records kept ({again['reused_checks']} reused)"
+    print(f"{label:<52}{t_again:>10.2f}{report['again_read_s']:>10.2f}   {report['speedup']:.1f}x faster")
     atomic_write_json(args.json, report)
     print(f"wrote {args.json}")
     return 0

@@ -1,0 +1,59 @@
+"""What reading each of the user's files gave (the rows and rejects of one WebDataset shard), kept beside a
+prepared dataset so that a later preparation does not decode an unchanged file again.
+
+A record holds one file's path, its [size, mtime_ns] when it was read, the reading options (``key``: the
+members, label rule, pixel budget, and the format's version), the path by which its rows name it (``rel``), and
+its candidates and rejects as read. A later preparation reuses the record only when all of these still match;
+a missing, damaged or older record file reuses nothing. Remote files are not recorded: a stat of them is a
+request, and their fetch is what a check would save.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from mmfast.data.dataset import FILE_READS
+from mmfast.inputs.manifest import Candidate, Reject
+
+Rows = tuple[list[Candidate], list[Reject]]
+VERSION = 1  # of a record's layout; a change makes every earlier record unused
+
+
+def record(path: Path, stat: list[int], key: dict, rel: str, rows: Rows) -> dict:
+    """One file's record: ``stat`` [size, mtime_ns] as taken before reading it; ``rows``: what reading gave."""
+    cands, rejects = rows
+    return {
+        "file": str(path),
+        "stat": stat,
+        "key": key | {"version": VERSION},
+        "rel": rel,
+        "rows": [asdict(c) for c in cands],
+        "rejects": [asdict(r) for r in rejects],
+    }
+
+
+def reusable(rec: dict | None, stat: list[int], key: dict, rel: str) -> Rows | None:
+    """The rows of ``rec`` when it was read with ``key`` as ``rel`` and the file still has ``stat``; else None."""
+    if rec is None or rec.get("stat") != stat or rec.get("key") != key | {"version": VERSION}:
+        return None
+    if rec.get("rel") != rel:  # the same file reached through another source: its rows name it otherwise
+        return None
+    try:
+        cands = [Candidate(**c) for c in rec["rows"]]
+        for c in cands:
+            c.decoded = tuple(c.decoded) if c.decoded else None
+        return cands, [Reject(**r) for r in rec["rejects"]]
+    except (KeyError, TypeError):
+        return None
+
+
+def load(folder: Path) -> dict[str, dict]:
+    """{file path: record} of ``folder``'s record file; empty when there is none or it cannot be read."""
+    try:
+        with open(folder / FILE_READS, encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        return {r["file"]: r for r in recs if isinstance(r, dict) and isinstance(r.get("file"), str)}
+    except (OSError, ValueError):
+        return {}  # nothing to reuse: every file is read

@@ -1,0 +1,133 @@
+"""Preparing shards again after one changed reads only that shard: the others' rows and rejects come from the
+records the last preparation kept (``inputs.file_reads``), and the result is the one a fresh preparation gives.
+Shards written with the ``webdataset`` library's TarWriter from scikit-image's photos."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mmfast.inputs import InputOptions
+from mmfast.inputs import wds as wds_input
+from mmfast.inputs.file_reads import FILE_READS, load
+from mmfast.prepare.core import PrepareConfig, prepare_dataset
+from mmfast.prepare.parts import part_dir
+
+wds = pytest.importorskip("webdataset")
+PHOTOS = ("rocket.jpg", "chelsea.png", "coffee.png", "astronaut.png")
+ROW_FILES = ("train.jsonl", "val.jsonl", "rejected.jsonl", "labels.json", "wds/train.rows.npy", "wds/val.rows.npy")
+
+
+def _pictures() -> list[bytes]:
+    import skimage
+
+    out = []
+    for name in PHOTOS:
+        im = Image.open(Path(skimage.data_dir) / name).convert("RGB").resize((64, 48))
+        buf = io.BytesIO()
+        im.save(buf, "JPEG")
+        out.append(buf.getvalue())
+    return out
+
+
+def _write_shard(path: Path, pictures: list[bytes], tag: str, extra: int = 0) -> None:
+    """A shard of each picture with a caption and label, one cut-short picture, and ``extra`` more samples."""
+    with wds.TarWriter(str(path)) as w:
+        for j in range(len(pictures) + extra):
+            pic = pictures[j % len(pictures)]
+            w.write({"__key__": f"{tag}{j:04d}", "jpg": pic, "txt": f"{tag} picture {j}", "cls": str(j % 3)})
+        w.write({"__key__": f"{tag}cut", "jpg": pictures[0][:300], "txt": "cut short", "cls": "0"})
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    pictures, folder = _pictures(), tmp_path / "shards"
+    folder.mkdir()
+    for k in range(3):
+        _write_shard(folder / f"{k:05d}.tar", pictures, f"s{k}")
+    return folder
+
+
+def _prepare(folder: Path, out: Path, minilm_dir: str, **kw) -> dict:
+    cfg = PrepareConfig(
+        source=str(folder),
+        out=str(out),
+        tokenizer=minilm_dir,
+        max_length=16,
+        progress=False,
+        workers=1,  # shards read in this process, where the test counts them
+        val_fraction=0.25,
+        inputs=InputOptions(),
+        **kw,
+    )
+    return prepare_dataset(cfg)
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[str]:
+    """The shards ``read_shard`` opens from now on, by name."""
+    seen: list[str] = []
+    real = wds_input.read_shard
+
+    def counted(shard, *args, **kwargs):
+        seen.append(Path(shard).name)
+        return real(shard, *args, **kwargs)
+
+    monkeypatch.setattr(wds_input, "read_shard", counted)
+    return seen
+
+
+def test_an_edited_shard_is_read_again_and_the_others_are_not(tmp_path, folder, minilm_dir, reads, caplog):
+    out = tmp_path / "prepared"
+    _prepare(folder, out, minilm_dir)
+    assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
+    assert sorted(Path(f).name for f in load(out)) == sorted(reads)
+    _write_shard(folder / "00001.tar", _pictures(), "s1", extra=2)  # two samples more in shard 1
+    reads.clear()
+    with caplog.at_level("INFO", logger="mmfast.inputs.wds"):
+        summary = _prepare(folder, out, minilm_dir)
+    assert reads == ["00001.tar"]
+    assert "2 of 3 shards unchanged since last read" in caplog.text
+    assert summary["reused_checks"] == 2 * (len(PHOTOS) + 1)  # shards 0 and 2: their rows and rejects
+    assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1) + 2
+    fresh = tmp_path / "fresh"
+    _prepare(folder, fresh, minilm_dir)
+    for name in ROW_FILES:  # the same rows, rejects, split and index as a preparation that read everything
+        assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
+
+
+def test_other_options_or_a_damaged_record_read_every_shard(tmp_path, folder, minilm_dir, reads):
+    out = tmp_path / "prepared"
+    _prepare(folder, out, minilm_dir)
+    reads.clear()
+    _prepare(folder, out, minilm_dir, max_pixels=64 * 48)  # another pixel budget, at the pictures' size
+    assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
+    reads.clear()
+    (out / FILE_READS).write_text('{"file": "' + str(folder / "00000.tar") + '", "rows": [')  # cut short
+    tar = folder / "00002.tar"
+    os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))  # touched: prepared again
+    summary = _prepare(folder, out, minilm_dir, max_pixels=64 * 48)
+    assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"] and summary["reused_checks"] == 0
+    records = [json.loads(line) for line in (out / FILE_READS).read_text().splitlines()]
+    assert len(records) == 3 and all(r["key"]["max_pixels"] == 64 * 48 for r in records)
+
+
+def test_parts_reuse_the_merged_records_and_pass_theirs_on(tmp_path, folder, minilm_dir, reads):
+    out = tmp_path / "prepared"
+    for i in range(2):
+        _prepare(folder, out, minilm_dir, shard=(i, 2))
+    _prepare(folder, out, minilm_dir, merge=True)
+    assert sorted(Path(f).name for f in load(out)) == ["00000.tar", "00001.tar", "00002.tar"]
+    _write_shard(folder / "00002.tar", _pictures(), "s2", extra=1)
+    reads.clear()
+    for i in range(2):
+        _prepare(folder, out, minilm_dir, shard=(i, 2))
+    assert reads == ["00002.tar"]  # part 0 holds shard 0, part 1 shards 1 and 2
+    assert json.loads((part_dir(out, 1, 2) / "part.json").read_text())["reused_checks"] == len(PHOTOS) + 1
+    summary = _prepare(folder, out, minilm_dir, merge=True)
+    assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1) + 1
