@@ -208,6 +208,11 @@ class MixedOrder(WholeBatchOrder):
         if self.samples < 1:
             raise ValueError(f"samples per epoch must be >= 1, got {samples}")
 
+    def __repr__(self) -> str:
+        sizes = [len(m) for m in self.members]
+        weights = [round(float(w), 4) for w in self.weights]
+        return f"MixedOrder(sources of {sizes} rows, weights {weights}, {self.samples} samples per epoch)"
+
     def shares(self) -> list[int]:
         """Positions each source gets per epoch: ``weights`` of ``samples``, by largest remainders."""
         exact = self.weights * self.samples

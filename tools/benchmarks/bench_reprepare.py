@@ -1,7 +1,8 @@
 """A re-preparation after rows were added: what reusing the earlier checks saves.
 
     python tools/benchmarks/bench_reprepare.py [--n 512] [--added 16] [--workers N] [--json OUT]
-    python tools/benchmarks/bench_reprepare.py --shards 10 [--per-shard 5000] [--workers N] [--json OUT]
+    python tools/benchmarks/bench_reprepare.py --shards 10 [--per-shard 5000] [--side 16] [--workers N]
+        [--json OUT]
 
 Prepares N real 800x600 JPEG photos (cut from scikit-image's, as bench_loader's), adds --added new photos
 to the manifest, and prepares again into the same directory: the baseline is the first preparation, which
@@ -32,6 +33,7 @@ def parse_args(argv):
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--shards", type=int, default=0, help="WebDataset shards instead of photo files")
     p.add_argument("--per-shard", type=int, default=5000)
+    p.add_argument("--side", type=int, default=16, help="--shards: the JPEGs' side, pixels")
     p.add_argument("--json", default="bench_out/bench_reprepare.json")
     return p.parse_args(argv)
 
@@ -96,7 +98,7 @@ def shards_again(args) -> int:
         shards, staged = root / "shards", root / "staged"
         shards.mkdir()
         staged.mkdir()
-        write_shards(staged, (args.shards + 1) * args.per_shard, args.per_shard, 16)
+        write_shards(staged, (args.shards + 1) * args.per_shard, args.per_shard, args.side)
         last = sorted(staged.glob("*.tar"))[-1]
         for tar in sorted(staged.glob("*.tar"))[:-1]:
             tar.rename(shards / tar.name)
@@ -117,6 +119,7 @@ def shards_again(args) -> int:
     report = {
         "shards": args.shards,
         "per_shard": args.per_shard,
+        "side": args.side,
         "workers": args.workers,
         "first_s": t_first,
         "baseline_s": t_base,
