@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from mmfast.data.open_clip_tokenizer import OpenClipTokenizer, is_open_clip_tokenizer
+from mmfast.util.hub import refuse_unreachable_hub
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"  # an open_clip model directory (mmfast.models.start_dirs)
 SHORT_NAMES = ("minilm",)  # the names load_tokenizer resolves itself, offline
@@ -104,6 +105,7 @@ def load_tokenizer(name_or_path: str | Path):
         name_or_path = minilm_path()  # raises ValueError naming the package to install
     name_or_path = os.path.expanduser(str(name_or_path))  # "~/tok" from a config file: the shell did not expand it
     _refuse_a_typo(name_or_path)
+    refuse_unreachable_hub(name_or_path, "tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), use_fast=True)
     except Exception as e:

@@ -14,6 +14,7 @@ from torch import nn
 from mmfast.data.tokenizer import minilm_path
 from mmfast.models.catalog import IMAGE_BACKBONES, IMAGE_POOLS
 from mmfast.util.fsutil import file_sha256
+from mmfast.util.hub import refuse_unreachable_hub
 from mmfast.util.voice import setting
 
 TIMM_PREFIX = "timm:"  # "timm:<name>": any timm model, random init unless --image-weights names a file
@@ -351,6 +352,7 @@ class TextEncoder(nn.Module):
             self.model = BertModel(cfg, add_pooling_layer=False)
         else:
             path = resolve_text_model(name)
+            refuse_unreachable_hub(path, "text model")
             try:
                 with quiet_transformers():  # its load report lists the pooler left out on purpose
                     try:

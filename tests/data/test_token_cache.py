@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -104,6 +105,26 @@ def test_two_processes_building_at_once_produce_one_valid_cache(tmp_path, minilm
         "train.offsets.npy",
     ]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_hub_name_where_the_hub_cannot_be_reached_is_refused_at_once(monkeypatch):
+    """Offline, a hub name not in the cache cost transformers' 28 s of retries and five retry lines: the tokenizer
+    and the text model now refuse it at once, naming the host and the download to do instead."""
+    from huggingface_hub import constants
+
+    from mmfast.models.encoders import TextEncoder
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as a user's machine, not this suite, has it
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # a host no resolver knows
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    t0 = time.monotonic()
+    for load, what in ((load_tokenizer, "tokenizer"), (TextEncoder, "text model")):
+        with pytest.raises(ValueError, match=f"{what} 'nobody-here/no-such-model' is not a local directory") as e:
+            load("nobody-here/no-such-model")
+        assert "the hub (hub.invalid) cannot be reached" in str(e.value)
+        assert "huggingface-cli download nobody-here/no-such-model --local-dir DIR" in str(e.value)
+    assert time.monotonic() - t0 < 10
 
 
 def test_a_tokenizer_name_one_letter_off_or_a_missing_folder_is_refused_at_once(tmp_path):
