@@ -20,6 +20,7 @@ from mmfast.inputs import ImagesInPlace, Reader, check_image_root, file_reads, r
 from mmfast.inputs.manifest import Candidate, Reject, finish_rows
 from mmfast.prepare.config import IMAGES_DIR, PrepareConfig
 from mmfast.prepare.downscale import downscale_images, downscaled_path
+from mmfast.prepare.last_prepared import last_prepared, source_name
 from mmfast.util.fsutil import MARKER, OutputDirError
 
 
@@ -180,10 +181,26 @@ def _check(
     return checks, len(cands) - len(todo)
 
 
-def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
-    """{image path: (size, mtime_ns, width, height, decoded (height, width) or None)} of the images a complete
-    earlier preparation into ``out`` accepted under the same pixel budget (empty when there is none, or it
-    predates these records)."""
+def earlier_dirs(cfg: PrepareConfig) -> list[Path]:
+    """Where earlier checks of the input may be: the folder it was last prepared into, when that is another,
+    then --out, whose own records win."""
+    out = Path(cfg.out)
+    other = last_prepared(source_name(cfg.source), out)
+    return [out] if other is None else [other, out]
+
+
+def earlier_checks(cfg: PrepareConfig) -> dict[str, tuple]:
+    """{image path: (size, mtime_ns, width, height, decoded (height, width) or None)} of the images that
+    complete earlier preparations of the input (``earlier_dirs``) accepted under the same pixel budget (empty
+    when there is none, or they predate these records)."""
+    earlier: dict[str, tuple] = {}
+    for folder in earlier_dirs(cfg):
+        earlier |= _checks_in(folder, cfg)
+    return earlier
+
+
+def _checks_in(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
+    """``earlier_checks`` of one folder."""
     try:
         if not (out / MARKER).is_file():
             return {}
@@ -208,16 +225,18 @@ def earlier_checks(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
 
 
 def earlier_reads(cfg: PrepareConfig) -> dict[str, dict]:
-    """``inputs.file_reads`` records of a complete earlier preparation into --out (what ``earlier_checks`` is to
-    image files, for the files an input reads its images from in place)."""
-    out = Path(cfg.out)
-    try:
-        if not (out / MARKER).is_file():
-            return {}
-        PreparedDataset(out, verify=False)  # complete: an interrupted preparation's records are not trusted
-    except (OSError, DatasetError, KeyError, TypeError):
-        return {}
-    return file_reads.load(out)  # a record matches only the pixel budget and options it was read with
+    """``inputs.file_reads`` records of complete earlier preparations of the input (``earlier_dirs``): what
+    ``earlier_checks`` is to image files, for the files an input reads its images from in place."""
+    records: dict[str, dict] = {}
+    for out in earlier_dirs(cfg):
+        try:
+            if not (out / MARKER).is_file():
+                continue
+            PreparedDataset(out, verify=False)  # complete: an interrupted preparation's records are not trusted
+        except (OSError, DatasetError, KeyError, TypeError):
+            continue
+        records |= file_reads.load(out)  # a record matches only the pixel budget and options it was read with
+    return records
 
 
 def _content_key(path: str) -> str:

@@ -34,6 +34,7 @@ from mmfast.inputs.manifest import Candidate, ManifestError, Reject
 from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
 from mmfast.prepare.fingerprint import input_fingerprint
+from mmfast.prepare.last_prepared import remember, source_name
 from mmfast.prepare.parts import merge_parts, prepare_part
 from mmfast.prepare.reuse import files_map, reuse
 from mmfast.prepare.split import split_rows
@@ -91,6 +92,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict:
             check_out_writable(out)
             with atomic_dir(out, PREPARED_KIND, replaceable) as tmp:
                 summary = _prepare_into(cfg, tmp, fp)
+        remember(source_name(cfg.source), out)  # the next preparation of this input elsewhere keeps its checks
         _remove_failure_report(cfg)
     return summary
 
@@ -172,7 +174,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     if cfg.merge:
         checked = merge_parts(cfg, tmp, fp)
     else:
-        checked = read_and_check(cfg, tmp, part=None, earlier=earlier_checks(Path(cfg.out), cfg))
+        checked = read_and_check(cfg, tmp, part=None, earlier=earlier_checks(cfg))
     return _write_prepared(cfg, tmp, fp, checked)
 
 
@@ -214,7 +216,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     largest = _largest_image(good, cfg.max_side, work, Path(cfg.out).resolve(), in_place)
     summary = {
         "version": PREPARE_VERSION,
-        "source": redact(cfg.source) if is_remote(cfg.source) else str(Path(cfg.source).resolve()),
+        "source": source_name(cfg.source),
         "input_kind": checked.kind,
         "input_fingerprint": fp,
         "config": asdict(cfg) | {"source": redact(cfg.source)},  # never a URL's credentials
