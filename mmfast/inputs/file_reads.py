@@ -21,9 +21,13 @@ Rows = tuple[list[Candidate], list[Reject]]
 VERSION = 1  # of a record's layout; a change makes every earlier record unused
 
 
-def record(path: Path, stat: list[int], key: dict, rel: str, rows: Rows) -> dict:
-    """One file's record: ``stat`` [size, mtime_ns] as taken before reading it; ``rows``: what reading gave."""
+def record(path, stat: list[int] | None, key: dict, rel: str, rows: Rows) -> dict | None:
+    """One file's record: ``stat`` [size, mtime_ns] as taken before reading it; ``rows``: what reading gave.
+    None for a remote file (no stat), and for a read that ended early (a reject at line 0: the file could not be
+    read to its end, which may pass, as a network filesystem's error does)."""
     cands, rejects = rows
+    if stat is None or any(r.line == 0 for r in rejects):
+        return None
     return {
         "file": str(path),
         "stat": stat,
@@ -34,9 +38,9 @@ def record(path: Path, stat: list[int], key: dict, rel: str, rows: Rows) -> dict
     }
 
 
-def reusable(rec: dict | None, stat: list[int], key: dict, rel: str) -> Rows | None:
+def reusable(rec: dict | None, stat: list[int] | None, rel: str, key: dict) -> Rows | None:
     """The rows of ``rec`` when it was read with ``key`` as ``rel`` and the file still has ``stat``; else None."""
-    if rec is None or rec.get("stat") != stat or rec.get("key") != key | {"version": VERSION}:
+    if rec is None or stat is None or rec.get("stat") != stat or rec.get("key") != key | {"version": VERSION}:
         return None
     if rec.get("rel") != rel:  # the same file reached through another source: its rows name it otherwise
         return None

@@ -174,10 +174,8 @@ def read_shards(
     key = {"options": o, "max_pixels": budget}
     rels = [redact(p) if is_remote(p) else _relative(p, base.resolve()) for p in shards]
     stats = [None if is_remote(p) else shard_stats([p])[0] for p in shards]
-    got = [
-        None if stat is None else file_reads.reusable((earlier or {}).get(str(p)), stat, key, rel)
-        for p, stat, rel in zip(shards, stats, rels, strict=True)
-    ]
+    kept = [None if stat is None else (earlier or {}).get(str(p)) for p, stat in zip(shards, stats, strict=True)]
+    got = [file_reads.reusable(*x, key) for x in zip(kept, stats, rels, strict=True)]
     todo = [k for k, rows in enumerate(got) if rows is None]
     reused = sum(len(rows[0]) + len(rows[1]) for rows in got if rows is not None)
     if len(todo) < len(shards):
@@ -189,12 +187,8 @@ def read_shards(
         done = (_read_shard_job(j) for j in jobs)
     done = progress_lines(done, len(jobs), "reading and checking shards", "shards")
     for k, rows in zip(todo, done, strict=True):
-        got[k] = rows
-    records = [
-        file_reads.record(p, stat, key, rel, rows)
-        for p, stat, rel, rows in zip(shards, stats, rels, got, strict=True)
-        if stat is not None
-    ]
+        got[k], kept[k] = rows, file_reads.record(shards[k], stats[k], key, rels[k], rows)
+    records = [rec for rec in kept if rec is not None]  # a reused shard's as it was
     cands = [c for rows in got for c in rows[0]]
     rejects = [r for rows in got for r in rows[1]]
     return InPlaceRead(cands, rejects, records, reused)

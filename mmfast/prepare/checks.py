@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from mmfast.data.dataset import DatasetError, PreparedDataset
+from mmfast.data.dataset import SUMMARY_FILE, DatasetError, PreparedDataset
 from mmfast.data.validate import ImageCheck, check_images
 from mmfast.inputs import ImagesInPlace, Reader, check_image_root, file_reads, read_source, reader_for
 from mmfast.inputs.manifest import Candidate, Reject, finish_rows
-from mmfast.prepare.config import IMAGES_DIR, PrepareConfig
+from mmfast.prepare.config import IMAGES_DIR, PREPARE_VERSION, PrepareConfig
 from mmfast.prepare.downscale import downscale_images, downscaled_path
 from mmfast.prepare.last_prepared import last_prepared, source_name
-from mmfast.util.fsutil import MARKER, OutputDirError
+from mmfast.util.fsutil import MARKER, OutputDirError, read_json_object
 
 
 @dataclass
@@ -235,6 +235,8 @@ def earlier_reads(cfg: PrepareConfig) -> dict[str, dict]:
             PreparedDataset(out, verify=False)  # complete: an interrupted preparation's records are not trusted
         except (OSError, DatasetError, KeyError, TypeError):
             continue
+        if read_json_object(out / SUMMARY_FILE).get("version") != PREPARE_VERSION:
+            continue  # rows read by other code: a fix to reading must reach every shard
         records |= file_reads.load(out)  # a record matches only the pixel budget and options it was read with
     return records
 

@@ -38,12 +38,12 @@ def remember(source: str, out: Path) -> None:
         entries = list(entry.parent.glob("*.json"))
         if len(entries) > _REMEMBERED:
             _forget(entries)
-    except OSError as e:
+    except (OSError, ValueError, TypeError) as e:  # a cache that cannot be written, or a damaged entry
         log.debug("cannot note where %s was prepared (%s)", source, e)
 
 
 def _forget(entries: list[Path]) -> None:
-    gone = [e for e in entries if not (Path(read_json_object(e).get("out", "")) / SUMMARY_FILE).is_file()]
+    gone = [e for e in entries if _folder(read_json_object(e)) is None]
     for e in gone:
         e.unlink(missing_ok=True)
     kept = sorted((e for e in entries if e not in gone), key=lambda e: e.stat().st_mtime_ns)
@@ -55,10 +55,15 @@ def last_prepared(source: str, out: Path) -> Path | None:
     """The folder ``source`` was last prepared into, when it is not ``out`` and is still a complete preparation
     of it; else None."""
     got = read_json_object(_entry(source))
-    other = got.get("out")
-    if got.get("source") != source or not isinstance(other, str) or not os.path.isabs(other):
+    other = _folder(got)
+    if other is None or got.get("source") != source or other == out.resolve():
         return None
-    other = Path(other)
-    if other == out.resolve() or read_json_object(other / SUMMARY_FILE).get("source") != source:
+    return other if read_json_object(other / SUMMARY_FILE).get("source") == source else None
+
+
+def _folder(entry: dict) -> Path | None:
+    """An entry's folder, when the entry names an absolute one that still holds a preparation."""
+    out = entry.get("out")
+    if not isinstance(out, str) or not os.path.isabs(out) or not (Path(out) / SUMMARY_FILE).is_file():
         return None
-    return other
+    return Path(out)

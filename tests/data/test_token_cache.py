@@ -127,6 +127,31 @@ def test_a_hub_name_where_the_hub_cannot_be_reached_is_refused_at_once(monkeypat
     assert time.monotonic() - t0 < 10
 
 
+def test_the_hub_probe_asks_the_endpoints_own_port_and_steps_aside_where_it_cannot_know(monkeypatch):
+    """A mirror on another port that takes connections is not refused; nor is anything behind a proxy or in
+    offline mode, where only the library knows the way (here nothing would answer on port 443)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from mmfast.util.hub import refuse_unreachable_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as mirror:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{mirror.getsockname()[1]}")
+        refuse_unreachable_hub("nobody-here/no-such-model", "text model")  # the mirror answers: no refusal
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    with pytest.raises(ValueError, match="cannot be reached"):
+        refuse_unreachable_hub("nobody-here/no-such-model", "text model")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    refuse_unreachable_hub("nobody-here/no-such-model", "text model")
+    monkeypatch.delenv("HTTP_PROXY")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    refuse_unreachable_hub("nobody-here/no-such-model", "text model")
+
+
 def test_a_tokenizer_name_one_letter_off_or_a_missing_folder_is_refused_at_once(tmp_path):
     """Offline, the hub spent about a minute of retries on 'minilmm' before failing with no hint: a near miss
     of a short name, and a path that does not exist, are refused before the hub is asked."""

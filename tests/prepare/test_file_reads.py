@@ -15,6 +15,7 @@ from PIL import Image
 from mmfast.inputs import InputOptions
 from mmfast.inputs import wds as wds_input
 from mmfast.inputs.file_reads import FILE_READS, load
+from mmfast.inputs.manifest import NO_LABEL
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.prepare.parts import part_dir
 
@@ -62,8 +63,7 @@ def _prepare(folder: Path, out: Path, minilm_dir: str, **kw) -> dict:
         progress=False,
         workers=1,  # shards read in this process, where the test counts them
         val_fraction=0.25,
-        inputs=InputOptions(),
-        **kw,
+        **({"inputs": InputOptions()} | kw),
     )
     return prepare_dataset(cfg)
 
@@ -105,6 +105,15 @@ def test_other_options_or_a_damaged_record_read_every_shard(tmp_path, folder, mi
     out = tmp_path / "prepared"
     _prepare(folder, out, minilm_dir)
     reads.clear()
+    tar = folder / "00000.tar"
+    os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))  # the same size, another mtime
+    _prepare(folder, out, minilm_dir)
+    assert reads == ["00000.tar"]
+    reads.clear()
+    _prepare(folder, out, minilm_dir, inputs=InputOptions(no_labels=True))  # another reading of the samples
+    assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
+    assert all(r["label"] == NO_LABEL for r in load(out)[str(tar)]["rows"])
+    reads.clear()
     _prepare(folder, out, minilm_dir, max_pixels=64 * 48)  # another pixel budget, at the pictures' size
     assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
     reads.clear()
@@ -131,3 +140,22 @@ def test_parts_reuse_the_merged_records_and_pass_theirs_on(tmp_path, folder, min
     assert json.loads((part_dir(out, 1, 2) / "part.json").read_text())["reused_checks"] == len(PHOTOS) + 1
     summary = _prepare(folder, out, minilm_dir, merge=True)
     assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1) + 1
+
+
+def test_a_shard_read_only_in_part_is_read_again(tmp_path, folder, minilm_dir, reads):
+    """A shard whose reading stopped early (cut short here; on a network filesystem an error that may pass) keeps
+    no record: the next preparation reads it again instead of keeping its first samples for ever."""
+    whole = (folder / "00001.tar").read_bytes()
+    (folder / "00001.tar").write_bytes(whole[: len(whole) // 2])
+    out = tmp_path / "prepared"
+    summary = _prepare(folder, out, minilm_dir)
+    assert summary["rejected_by_reason"].get("shard unreadable after", 0) or any(
+        "shard unreadable" in line for line in (out / "rejected.jsonl").read_text().splitlines()
+    )
+    assert sorted(Path(f).name for f in load(out)) == ["00000.tar", "00002.tar"]
+    (folder / "00001.tar").write_bytes(whole)  # the file whole again: same name, another size
+    os.utime(folder / "00002.tar", ns=(1, 2 * 10**9))  # and another shard touched, so the input changed
+    reads.clear()
+    summary = _prepare(folder, out, minilm_dir)
+    assert sorted(reads) == ["00001.tar", "00002.tar"]
+    assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1)

@@ -56,6 +56,7 @@ def test_each_epoch_draws_each_source_by_its_weight_and_other_rows_each_time():
     order = MixedOrder(groups, [0.7, 0.3], samples=1000)
     assert order.shares() == [700, 300]
     assert repr(order) == "MixedOrder(sources of [400, 600] rows, weights [0.7, 0.3], 1000 samples per epoch)"
+    assert "weights [0.25, 0.75]," in repr(MixedOrder(groups, [1, 3]))  # normalized, as they are drawn
     layout = _layout(len(groups), batch=10)
     epochs = [order.order(layout, e) for e in range(3)]
     for drawn in epochs:
