@@ -29,7 +29,7 @@ def refuse_unreachable_hub(name: str, what: str) -> None:
     """
     if Path(name).exists() or any(os.environ.get(v) for v in _PROXIES):
         return
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants, try_to_load_from_cache  # a slow import, only for a hub name
 
     if constants.HF_HUB_OFFLINE:
         return
