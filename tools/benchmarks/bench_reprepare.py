@@ -1,12 +1,13 @@
 """A re-preparation after rows were added: what reusing the earlier checks saves.
 
-    python tools/benchmarks/bench_reprepare.py [--n 512] [--added 16] [--workers N] [--json OUT]
+    python tools/benchmarks/bench_reprepare.py [--n 512] [--added 16] [--elsewhere] [--workers N] [--json OUT]
     python tools/benchmarks/bench_reprepare.py --shards 10 [--per-shard 5000] [--side 16] [--workers N]
         [--json OUT]
 
 Prepares N real 800x600 JPEG photos (cut from scikit-image's, as bench_loader's), adds --added new photos
 to the manifest, and prepares again into the same directory: the baseline is the first preparation, which
-decodes every image; the second decodes only the new ones (``prepare.json``'s ``reused_checks``).
+decodes every image; the second decodes only the new ones (``prepare.json``'s ``reused_checks``). With
+--elsewhere the second goes into a new folder, as a second run's raw --data does.
 
 --shards S: S WebDataset shards of --per-shard tiny JPEGs (``bench_wds_scale``'s), prepared into two
 directories; then one shard more is written, as a crawl's next day adds, and both are prepared again. The
@@ -23,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -34,6 +36,7 @@ def parse_args(argv):
     p.add_argument("--shards", type=int, default=0, help="WebDataset shards instead of photo files")
     p.add_argument("--per-shard", type=int, default=5000)
     p.add_argument("--side", type=int, default=16, help="--shards: the JPEGs' side, pixels")
+    p.add_argument("--elsewhere", action="store_true", help="prepare again into a new folder (a second run's)")
     p.add_argument("--json", default="bench_out/bench_reprepare.json")
     return p.parse_args(argv)
 
@@ -62,11 +65,14 @@ def main(argv=None) -> int:
             shutil.copy(photos / rows[k]["image"], photos / f"added{k}.jpg")
             rows.append({**rows[k], "image": f"added{k}.jpg", "text": f"{rows[k]['text']} (added {k})"})
         manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if args.elsewhere:  # where the input was prepared last is noted under $MMFAST_CACHE
+            cfg = replace(cfg, out=str(Path(tmp) / "elsewhere"))
         t0 = time.perf_counter()
         again = prepare_dataset(cfg)
         t_again = time.perf_counter() - t0
     report = {
         "images": args.n,
+        "elsewhere": args.elsewhere,
         "added": args.added,
         "workers": args.workers,
         "first_s": t_first,
@@ -76,10 +82,11 @@ def main(argv=None) -> int:
         "reused_checks": again["reused_checks"],
         "speedup": t_first / t_again,
     }
-    print(f"{'preparation':<40}{'wall s':>10}{'validate s':>12}")
-    print(f"{f'first: {args.n} photos (baseline)':<40}{t_first:>10.2f}{report['first_validate_s']:>12.2f}")
-    label = f"again, {args.added} added ({again['reused_checks']} reused)"
-    print(f"{label:<40}{t_again:>10.2f}{report['again_validate_s']:>12.2f}   {report['speedup']:.1f}x faster")
+    print(f"{'preparation':<52}{'wall s':>10}{'validate s':>12}")
+    print(f"{f'first: {args.n} photos (baseline)':<52}{t_first:>10.2f}{report['first_validate_s']:>12.2f}")
+    where = "into a new folder" if args.elsewhere else "into the same folder"
+    label = f"again {where}, {args.added} added ({again['reused_checks']} reused)"
+    print(f"{label:<52}{t_again:>10.2f}{report['again_validate_s']:>12.2f}   {report['speedup']:.1f}x faster")
     atomic_write_json(args.json, report)
     print(f"wrote {args.json}")
     return 0
@@ -103,7 +110,10 @@ def shards_again(args) -> int:
         for tar in sorted(staged.glob("*.tar"))[:-1]:
             tar.rename(shards / tar.name)
 
+        os.environ["MMFAST_CACHE"] = str(root / "cache")  # each folder's own records only: no note of the other
+
         def prepare(out: str) -> tuple[float, dict]:
+            shutil.rmtree(root / "cache", ignore_errors=True)
             opts = {"workers": args.workers, "val_fraction": 0.01, "progress": False}
             cfg = PrepareConfig(str(shards), str(root / out), **opts)
             t0 = time.perf_counter()
