@@ -49,7 +49,7 @@ from mmfast.util.fsutil import file_sha256, restore_interrupted_swap
 SUMMARY_FILE = "prepare.json"  # written last: its presence means the directory is complete
 LABELS_FILE = "labels.json"
 REJECTED_FILE = "rejected.jsonl"
-FILE_READS = "file_reads.jsonl"  # what reading each shard gave: the next preparation reuses it
+FILE_READS = "file_reads"  # what reading each shard gave, a file each: the next preparation reuses it
 TOKENIZER_DIR = "tokenizer"
 TOKENS_DIR = "tokens"
 WDS_DIR = "wds"

@@ -113,8 +113,8 @@ class ImagesInPlace:
         read_checked: (source, options, workers, max_pixels, part, earlier) -> ``InPlaceRead``, every
             candidate's image validated by the reader where it lies, with its width and height (0 when not
             read); ``part`` (i, n) reads only the i-th of n contiguous slices of the files (so the rows of two
-            parts were never compared: the merge drops duplicates); ``earlier``: ``file_reads.load``'s
-            records, whose unchanged files are not read again.
+            parts were never compared: the merge drops duplicates); ``earlier``: folders of earlier
+            preparations, whose ``file_reads`` records of unchanged files spare reading them again.
         files: source -> the user's files holding the images: the input's fingerprint is their names, sizes and
             mtimes (not their bytes), and none may be inside --out.
         member: where a candidate's image lies in those files (what prepared rows and the index record; what

@@ -4,18 +4,20 @@ prepared dataset so that a later preparation does not decode an unchanged file a
 A record holds one file's path, its [size, mtime_ns] when it was read, the reading options (``key``: the
 members, label rule, pixel budget, and the format's version), the path by which its rows name it (``rel``), and
 its candidates and rejects as read. A later preparation reuses the record only when all of these still match;
-a missing, damaged or older record file reuses nothing. Remote files are not recorded: a stat of them is a
-request, and their fetch is what a check would save.
+a missing, damaged or older record reuses nothing. Each record is a file of its own in the folder
+``FILE_READS``, named by a hash of the file's path, so a ``--shard`` part reads only its own files' records.
+Remote files are not recorded: a stat of them is a request, and their fetch is what a check would save.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 from dataclasses import asdict
 from pathlib import Path
 
 from mmfast.data.dataset import FILE_READS
 from mmfast.inputs.manifest import Candidate, Reject
+from mmfast.util.fsutil import atomic_write_json, read_json_object
 
 Rows = tuple[list[Candidate], list[Reject]]
 VERSION = 1  # of a record's layout; a change makes every earlier record unused
@@ -53,11 +55,31 @@ def reusable(rec: dict | None, stat: list[int] | None, rel: str, key: dict) -> R
         return None
 
 
-def load(folder: Path) -> dict[str, dict]:
-    """{file path: record} of ``folder``'s record file; empty when there is none or it cannot be read."""
-    try:
-        with open(folder / FILE_READS, encoding="utf-8") as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-        return {r["file"]: r for r in recs if isinstance(r, dict) and isinstance(r.get("file"), str)}
-    except (OSError, ValueError):
-        return {}  # nothing to reuse: every file is read
+def _name(path) -> str:
+    return hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:32] + ".json"
+
+
+def write(folder: Path, records: list[dict]) -> None:
+    """Each record into ``folder``'s ``FILE_READS``, a file each (no folder for none)."""
+    if records:
+        (folder / FILE_READS).mkdir(exist_ok=True)
+    for rec in records:
+        atomic_write_json(folder / FILE_READS / _name(rec["file"]), rec)
+
+
+def load(folders: list[Path], paths: list) -> dict[str, list[dict]]:
+    """{file path: its records in ``folders``, the last folder's first} for each of ``paths`` that has one; a
+    missing or damaged record is left out (that file is read)."""
+    found: dict[str, list[dict]] = {}
+    for folder in reversed(folders):
+        for path in paths:
+            rec = read_json_object(folder / FILE_READS / _name(path))
+            if rec.get("file") == str(path):
+                found.setdefault(str(path), []).append(rec)
+    return found
+
+
+def load_all(folder: Path) -> list[dict]:
+    """Every record in ``folder`` (a part's, for the merge)."""
+    recs = (read_json_object(p) for p in sorted((folder / FILE_READS).glob("*.json")))
+    return [r for r in recs if isinstance(r.get("file"), str)]

@@ -145,7 +145,7 @@ def read_shards(
     workers: int = 1,
     max_pixels: int | None = None,
     part: tuple[int, int] | None = None,
-    earlier: dict[str, dict] | None = None,
+    earlier: list[Path] | None = None,
 ) -> InPlaceRead:
     """Read every shard of ``source`` (``part`` (i, n): the i-th of n contiguous slices of them) into
     candidate rows (images already validated) and rejects.
@@ -161,8 +161,8 @@ def read_shards(
         workers: processes reading shards at once.
         max_pixels: the decoded-pixel budget of an image (default: ``validate.DEFAULT_MAX_PIXELS``).
         part: (i, n), or None for every shard.
-        earlier: ``file_reads.load``'s records of an earlier preparation: a local shard whose record still
-            matches (size, mtime, options) is not read again.
+        earlier: folders of earlier preparations, the most trusted last: a local shard whose ``file_reads``
+            record there still matches (size, mtime, options) is not read again.
     """
     shards = expand_shards(source)
     if part is not None:
@@ -174,8 +174,13 @@ def read_shards(
     key = {"options": o, "max_pixels": budget}
     rels = [redact(p) if is_remote(p) else _relative(p, base.resolve()) for p in shards]
     stats = [None if is_remote(p) else shard_stats([p])[0] for p in shards]
-    kept = [None if stat is None else (earlier or {}).get(str(p)) for p, stat in zip(shards, stats, strict=True)]
-    got = [file_reads.reusable(*x, key) for x in zip(kept, stats, rels, strict=True)]
+    recs = file_reads.load(earlier or [], [p for p, stat in zip(shards, stats, strict=True) if stat is not None])
+    kept: list[dict | None] = [None] * len(shards)
+    got: list[file_reads.Rows | None] = [None] * len(shards)
+    for k, p in enumerate(shards):
+        for rec in recs.get(str(p), []):  # the first that still matches
+            if got[k] is None and (rows := file_reads.reusable(rec, stats[k], rels[k], key)) is not None:
+                got[k], kept[k] = rows, rec
     todo = [k for k, rows in enumerate(got) if rows is None]
     reused = sum(len(rows[0]) + len(rows[1]) for rows in got if rows is not None)
     if len(todo) < len(shards):

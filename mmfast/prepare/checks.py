@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mmfast.data.dataset import SUMMARY_FILE, DatasetError, PreparedDataset
 from mmfast.data.validate import ImageCheck, check_images
-from mmfast.inputs import ImagesInPlace, Reader, check_image_root, file_reads, read_source, reader_for
+from mmfast.inputs import ImagesInPlace, Reader, check_image_root, read_source, reader_for
 from mmfast.inputs.manifest import Candidate, Reject, finish_rows
 from mmfast.prepare.config import IMAGES_DIR, PREPARE_VERSION, PrepareConfig
 from mmfast.prepare.downscale import downscale_images, downscaled_path
@@ -46,7 +46,7 @@ def in_place_kind(cfg: PrepareConfig) -> Reader | None:
 
 
 def read_and_check(
-    cfg: PrepareConfig, work: Path, part: tuple[int, int] | None, earlier: dict[str, tuple[int, ...]]
+    cfg: PrepareConfig, work: Path, part: tuple[int, int] | None, earlier: dict[str, list[tuple]]
 ) -> Checked:
     """Read the input (``part`` (i, n): only the i-th of n slices of it), validate every image (those of
     ``earlier`` that did not change since are not decoded again) and store --max-side copies into ``work``."""
@@ -154,7 +154,7 @@ def _slice(
 
 
 def _check(
-    cands: list[Candidate], cfg: PrepareConfig, workers: int, earlier: dict[str, tuple[int, ...]], work: Path
+    cands: list[Candidate], cfg: PrepareConfig, workers: int, earlier: dict[str, list[tuple]], work: Path
 ) -> tuple[list[ImageCheck], int]:
     """Validate the candidates' images; one that an earlier preparation accepted and whose size and mtime
     are unchanged keeps that check (the loader trusts the same two figures), and so does an image written
@@ -164,16 +164,18 @@ def _check(
     extracted = str(work.resolve() / IMAGES_DIR) + os.sep
     for k, c in enumerate(cands):
         by_content = c.image.startswith(extracted)
-        known = earlier.get(_content_key(c.image) if by_content else c.image)
-        if known is None:
+        knowns = earlier.get(_content_key(c.image) if by_content else c.image)
+        if not knowns:
             continue
         try:
             st = os.stat(c.image)
         except OSError:
             continue
-        # an image named by its bytes is the same image at the same size, whatever its (fresh) mtime
-        if st.st_size == known[0] and (by_content or st.st_mtime_ns == known[1]):
-            checks[k] = ImageCheck(True, width=known[2], height=known[3], decoded=known[4])
+        for known in knowns:  # the first that still holds
+            # an image named by its bytes is the same image at the same size, whatever its (fresh) mtime
+            if st.st_size == known[0] and (by_content or st.st_mtime_ns == known[1]):
+                checks[k] = ImageCheck(True, width=known[2], height=known[3], decoded=known[4])
+                break
     todo = [k for k, chk in enumerate(checks) if chk is None]
     fresh = check_images([cands[k].image for k in todo], workers, progress=cfg.progress, max_pixels=cfg.max_pixels)
     for k, chk in zip(todo, fresh, strict=True):
@@ -189,13 +191,14 @@ def earlier_dirs(cfg: PrepareConfig) -> list[Path]:
     return [out] if other is None else [other, out]
 
 
-def earlier_checks(cfg: PrepareConfig) -> dict[str, tuple]:
-    """{image path: (size, mtime_ns, width, height, decoded (height, width) or None)} of the images that
+def earlier_checks(cfg: PrepareConfig) -> dict[str, list[tuple]]:
+    """{image path: [(size, mtime_ns, width, height, decoded (height, width) or None), ...]} of the images that
     complete earlier preparations of the input (``earlier_dirs``) accepted under the same pixel budget (empty
     when there is none, or they predate these records)."""
-    earlier: dict[str, tuple] = {}
+    earlier: dict[str, list[tuple]] = {}
     for folder in earlier_dirs(cfg):
-        earlier |= _checks_in(folder, cfg)
+        for key, known in _checks_in(folder, cfg).items():
+            earlier.setdefault(key, []).insert(0, known)  # --out's own first
     return earlier
 
 
@@ -224,10 +227,11 @@ def _checks_in(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
         return {}  # nothing to reuse: every image is checked
 
 
-def earlier_reads(cfg: PrepareConfig) -> dict[str, dict]:
-    """``inputs.file_reads`` records of complete earlier preparations of the input (``earlier_dirs``): what
-    ``earlier_checks`` is to image files, for the files an input reads its images from in place."""
-    records: dict[str, dict] = {}
+def earlier_reads(cfg: PrepareConfig) -> list[Path]:
+    """The folders of complete earlier preparations of the input (``earlier_dirs``) by this version of mmfast,
+    whose ``inputs.file_reads`` records may spare reading a file again: what ``earlier_checks`` is to image
+    files, for the files an input reads its images from in place."""
+    folders = []
     for out in earlier_dirs(cfg):
         try:
             if not (out / MARKER).is_file():
@@ -235,10 +239,9 @@ def earlier_reads(cfg: PrepareConfig) -> dict[str, dict]:
             PreparedDataset(out, verify=False)  # complete: an interrupted preparation's records are not trusted
         except (OSError, DatasetError, KeyError, TypeError):
             continue
-        if read_json_object(out / SUMMARY_FILE).get("version") != PREPARE_VERSION:
-            continue  # rows read by other code: a fix to reading must reach every shard
-        records |= file_reads.load(out)  # a record matches only the pixel budget and options it was read with
-    return records
+        if read_json_object(out / SUMMARY_FILE).get("version") == PREPARE_VERSION:  # else rows read by other code
+            folders.append(out)  # a record matches only the pixel budget and options it was read with
+    return folders
 
 
 def _content_key(path: str) -> str:

@@ -18,7 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mmfast.data.dataset import (
-    FILE_READS,
     LABELS_FILE,
     REJECTED_FILE,
     SUMMARY_FILE,
@@ -29,7 +28,7 @@ from mmfast.data.dataset import (
 )
 from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
-from mmfast.inputs import ImagesInPlace, Reader, reader_named
+from mmfast.inputs import ImagesInPlace, Reader, file_reads, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject
 from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
@@ -209,8 +208,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     atomic_write_jsonl(tmp / split_file("train"), train_rows)
     atomic_write_jsonl(tmp / split_file("val"), val_rows)
     atomic_write_jsonl(tmp / REJECTED_FILE, [r.to_json() for r in rejects])
-    if checked.file_reads:  # what the next preparation need not read again
-        atomic_write_jsonl(tmp / FILE_READS, checked.file_reads)
+    file_reads.write(tmp, checked.file_reads)  # what the next preparation need not read again
     atomic_write_json(tmp / LABELS_FILE, label_map)
     _write_index(cfg, tmp, in_place, {"train": train_rows, "val": val_rows}, label_map)
     largest = _largest_image(good, cfg.max_side, work, Path(cfg.out).resolve(), in_place)

@@ -100,8 +100,7 @@ def prepare_part(cfg: PrepareConfig) -> dict:
             base = tmp.resolve()
             atomic_write_jsonl(tmp / "accepted.jsonl", [_candidate_row(c, base) for c in checked.good])
             atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in checked.rejects])
-            if checked.file_reads:  # the merge passes them on to the next preparation
-                atomic_write_jsonl(tmp / file_reads.FILE_READS, checked.file_reads)
+            file_reads.write(tmp, checked.file_reads)  # the merge passes them on to the next preparation
             summary = {
                 "input_fingerprint": fp,
                 "part": [i, n],
@@ -139,7 +138,7 @@ def merge_parts(cfg: PrepareConfig, tmp: Path, fp: str) -> Checked:
         accepted, rejected = rows[i]
         good += [_candidate(row, src, tmp / "parts" / f"{i:05d}") for row in accepted]
         rejects += [_reject(r) for r in rejected]
-        records += file_reads.load(src).values()  # none, or damaged: the next preparation reads those files
+        records += file_reads.load_all(src)  # none, or damaged: the next preparation reads those files
         s = summaries[i]
         n_input += s["counts"]["input_rows"]
         reused += s["reused_checks"]

@@ -14,7 +14,7 @@ from PIL import Image
 
 from mmfast.inputs import InputOptions
 from mmfast.inputs import wds as wds_input
-from mmfast.inputs.file_reads import FILE_READS, load
+from mmfast.inputs.file_reads import FILE_READS, load_all
 from mmfast.inputs.manifest import NO_LABEL
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.prepare.parts import part_dir
@@ -54,6 +54,11 @@ def folder(tmp_path) -> Path:
     return folder
 
 
+def _recorded(out: Path) -> dict[str, dict]:
+    """{shard name: its record} of a prepared folder."""
+    return {Path(r["file"]).name: r for r in load_all(out)}
+
+
 def _prepare(folder: Path, out: Path, minilm_dir: str, **kw) -> dict:
     cfg = PrepareConfig(
         source=str(folder),
@@ -86,7 +91,7 @@ def test_an_edited_shard_is_read_again_and_the_others_are_not(tmp_path, folder, 
     out = tmp_path / "prepared"
     _prepare(folder, out, minilm_dir)
     assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
-    assert sorted(Path(f).name for f in load(out)) == sorted(reads)
+    assert sorted(_recorded(out)) == sorted(reads)
     _write_shard(folder / "00001.tar", _pictures(), "s1", extra=2)  # two samples more in shard 1
     reads.clear()
     with caplog.at_level("INFO", logger="mmfast.inputs.wds"):
@@ -112,17 +117,18 @@ def test_other_options_or_a_damaged_record_read_every_shard(tmp_path, folder, mi
     reads.clear()
     _prepare(folder, out, minilm_dir, inputs=InputOptions(no_labels=True))  # another reading of the samples
     assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
-    assert all(r["label"] == NO_LABEL for r in load(out)[str(tar)]["rows"])
+    assert all(r["label"] == NO_LABEL for r in _recorded(out)["00000.tar"]["rows"])
     reads.clear()
     _prepare(folder, out, minilm_dir, max_pixels=64 * 48)  # another pixel budget, at the pictures' size
     assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"]
     reads.clear()
-    (out / FILE_READS).write_text('{"file": "' + str(folder / "00000.tar") + '", "rows": [')  # cut short
+    for record in (out / FILE_READS).glob("*.json"):
+        record.write_text('{"file": "' + str(folder / "00000.tar") + '", "rows": [')  # cut short
     tar = folder / "00002.tar"
     os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))  # touched: prepared again
     summary = _prepare(folder, out, minilm_dir, max_pixels=64 * 48)
     assert sorted(reads) == ["00000.tar", "00001.tar", "00002.tar"] and summary["reused_checks"] == 0
-    records = [json.loads(line) for line in (out / FILE_READS).read_text().splitlines()]
+    records = [json.loads(p.read_text()) for p in (out / FILE_READS).glob("*.json")]
     assert len(records) == 3 and all(r["key"]["max_pixels"] == 64 * 48 for r in records)
 
 
@@ -131,7 +137,7 @@ def test_parts_reuse_the_merged_records_and_pass_theirs_on(tmp_path, folder, min
     for i in range(2):
         _prepare(folder, out, minilm_dir, shard=(i, 2))
     _prepare(folder, out, minilm_dir, merge=True)
-    assert sorted(Path(f).name for f in load(out)) == ["00000.tar", "00001.tar", "00002.tar"]
+    assert sorted(_recorded(out)) == ["00000.tar", "00001.tar", "00002.tar"]
     _write_shard(folder / "00002.tar", _pictures(), "s2", extra=1)
     reads.clear()
     for i in range(2):
@@ -152,7 +158,7 @@ def test_a_shard_read_only_in_part_is_read_again(tmp_path, folder, minilm_dir, r
     assert summary["rejected_by_reason"].get("shard unreadable after", 0) or any(
         "shard unreadable" in line for line in (out / "rejected.jsonl").read_text().splitlines()
     )
-    assert sorted(Path(f).name for f in load(out)) == ["00000.tar", "00002.tar"]
+    assert sorted(_recorded(out)) == ["00000.tar", "00002.tar"]
     (folder / "00001.tar").write_bytes(whole)  # the file whole again: same name, another size
     os.utime(folder / "00002.tar", ns=(1, 2 * 10**9))  # and another shard touched, so the input changed
     reads.clear()

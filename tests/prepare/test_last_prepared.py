@@ -82,6 +82,16 @@ def test_a_new_folder_keeps_the_last_preparations_checks(tmp_path, manifest, dec
         assert (second / name).read_bytes() == (fresh / name).read_bytes(), name
 
 
+def test_a_stale_check_of_out_gives_way_to_the_other_folders(tmp_path, manifest, decoded):
+    """a's check of p3 is stale once p3 changed and b checked it again: preparing into a then keeps b's."""
+    _prepare(manifest, tmp_path / "a")
+    changed = manifest.parent / "p3.jpg"
+    Image.open(changed).rotate(90, expand=True).save(changed, "JPEG")
+    _prepare(manifest, tmp_path / "b")
+    decoded.clear()
+    assert _prepare(manifest, tmp_path / "a")["reused_checks"] == 2 * len(PHOTOS) and decoded == []
+
+
 def test_a_removed_or_reused_folder_is_not_trusted(tmp_path, manifest, decoded):
     first, second = tmp_path / "a", tmp_path / "b"
     _prepare(manifest, first)
@@ -114,6 +124,12 @@ def test_shards_read_for_one_folder_are_not_read_for_another(tmp_path, monkeypat
         wds_input, "read_shard", lambda shard, *a, **kw: opened.append(shard) or real(shard, *a, **kw)
     )
     assert _prepare(folder, tmp_path / "b")["reused_checks"] == 2 * len(PHOTOS) and opened == []
+    tar = folder / "00000.tar"
+    os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))
+    _prepare(folder, tmp_path / "b")
+    assert [Path(s).name for s in opened] == ["00000.tar"]
+    opened.clear()  # a's own record of shard 0 is stale now, b's is not: b's serves
+    assert _prepare(folder, tmp_path / "a")["reused_checks"] == 2 * len(PHOTOS) and opened == []
 
 
 def test_only_so_many_inputs_are_remembered(tmp_path, cache):

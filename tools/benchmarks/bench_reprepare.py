@@ -11,7 +11,7 @@ decodes every image; the second decodes only the new ones (``prepare.json``'s ``
 
 --shards S: S WebDataset shards of --per-shard tiny JPEGs (``bench_wds_scale``'s), prepared into two
 directories; then one shard more is written, as a crawl's next day adds, and both are prepared again. The
-baseline is the one whose ``file_reads.jsonl`` was removed first: it reads every shard, as preparation did
+baseline is the one whose ``file_reads`` records were removed first: it reads every shard, as preparation did
 before those records; the other reads the new shard only. The two run one after the other, baseline first.
 """
 
@@ -122,7 +122,7 @@ def shards_again(args) -> int:
 
         t_first, _ = prepare("baseline")
         prepare("records")
-        (root / "baseline" / FILE_READS).unlink()
+        shutil.rmtree(root / "baseline" / FILE_READS)
         last.rename(shards / last.name)  # the next day's shard
         t_base, base = prepare("baseline")
         t_again, again = prepare("records")
