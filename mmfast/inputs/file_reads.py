@@ -12,12 +12,14 @@ Remote files are not recorded: a stat of them is a request, and their fetch is w
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 from mmfast.data.dataset import FILE_READS
 from mmfast.inputs.manifest import Candidate, Reject
-from mmfast.util.fsutil import atomic_write_json, read_json_object
+from mmfast.util.fsutil import read_json_object
 
 Rows = tuple[list[Candidate], list[Reject]]
 VERSION = 1  # of a record's layout; a change makes every earlier record unused
@@ -48,23 +50,32 @@ def reusable(rec: dict | None, stat: list[int] | None, rel: str, key: dict) -> R
         return None
     try:
         cands = [Candidate(**c) for c in rec["rows"]]
+        rejects = [Reject(**r) for r in rec["rejects"]]
         for c in cands:
             c.decoded = tuple(c.decoded) if c.decoded else None
-        return cands, [Reject(**r) for r in rec["rejects"]]
     except (KeyError, TypeError):
         return None
+    if not all(isinstance(v, kind) for c in cands for v, kind in _fields(c)):
+        return None  # a record edited by hand: read the file again
+    return cands, rejects
+
+
+def _fields(c: Candidate) -> list[tuple]:
+    """(value, type) of the fields the index and the checks rely on."""
+    return [(c.source, dict), (c.image, str), (c.text, str), (c.line, int), (c.width, int), (c.height, int)]
 
 
 def _name(path) -> str:
-    return hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:32] + ".json"
+    return hashlib.sha256(os.fsencode(str(path))).hexdigest()[:32] + ".json"  # any name the filesystem holds
 
 
 def write(folder: Path, records: list[dict]) -> None:
-    """Each record into ``folder``'s ``FILE_READS``, a file each (no folder for none)."""
+    """Each record into ``folder``'s ``FILE_READS``, a file each (no folder for none). ``folder`` is a directory
+    being built (``fsutil.atomic_dir``), whose swap makes them durable: no file is synced on its own."""
     if records:
         (folder / FILE_READS).mkdir(exist_ok=True)
-    for rec in records:
-        atomic_write_json(folder / FILE_READS / _name(rec["file"]), rec)
+    for rec in records:  # ASCII JSON: a path that is not UTF-8 is kept as its escapes
+        (folder / FILE_READS / _name(rec["file"])).write_text(json.dumps(rec, separators=(",", ":")))
 
 
 def load(folders: list[Path], paths: list) -> dict[str, list[dict]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmfast.inputs import InputOptions
+from mmfast.inputs import InputOptions, file_reads
 from mmfast.inputs import wds as wds_input
 from mmfast.inputs.file_reads import FILE_READS, load_all
 from mmfast.inputs.manifest import NO_LABEL
@@ -132,7 +132,23 @@ def test_other_options_or_a_damaged_record_read_every_shard(tmp_path, folder, mi
     assert len(records) == 3 and all(r["key"]["max_pixels"] == 64 * 48 for r in records)
 
 
-def test_parts_reuse_the_merged_records_and_pass_theirs_on(tmp_path, folder, minilm_dir, reads):
+def test_a_record_keeps_any_file_name_and_refuses_rows_edited_by_hand(tmp_path):
+    """A shard name that is not UTF-8 (as glob gives it: surrogate escapes) is recorded and found again; a record
+    whose rows no longer hold what the index reads is not reused."""
+    shard = tmp_path / os.fsdecode(b"caf\xe9.tar")
+    cand = file_reads.Candidate(
+        3, f"{shard}:k.jpg", "a cat", 1, {"shard": "x", "member": "k.jpg"}, width=4, height=3
+    )
+    rec = file_reads.record(shard, [10, 20], {"max_pixels": 9}, shard.name, ([cand], []))
+    file_reads.write(tmp_path, [rec])
+    found = file_reads.load([tmp_path], [shard])[str(shard)]
+    assert file_reads.reusable(found[0], [10, 20], shard.name, {"max_pixels": 9}) == ([cand], [])
+    assert file_reads.reusable(found[0], [10, 21], shard.name, {"max_pixels": 9}) is None  # another mtime
+    found[0]["rows"][0]["source"] = "k.jpg"
+    assert file_reads.reusable(found[0], [10, 20], shard.name, {"max_pixels": 9}) is None
+
+
+def test_parts_reuse_the_merged_records_and_pass_theirs_on(tmp_path, folder, minilm_dir, reads, monkeypatch):
     out = tmp_path / "prepared"
     for i in range(2):
         _prepare(folder, out, minilm_dir, shard=(i, 2))
@@ -140,9 +156,15 @@ def test_parts_reuse_the_merged_records_and_pass_theirs_on(tmp_path, folder, min
     assert sorted(_recorded(out)) == ["00000.tar", "00001.tar", "00002.tar"]
     _write_shard(folder / "00002.tar", _pictures(), "s2", extra=1)
     reads.clear()
+    opened: list[list[str]] = []
+    real = file_reads.read_json_object
+    monkeypatch.setattr(file_reads, "read_json_object", lambda p: opened[-1].append(Path(p).name) or real(p))
     for i in range(2):
+        opened.append([])
         _prepare(folder, out, minilm_dir, shard=(i, 2))
     assert reads == ["00002.tar"]  # part 0 holds shard 0, part 1 shards 1 and 2
+    assert set(opened[0]) == {file_reads._name(folder.resolve() / "00000.tar")}  # only its own shard's record
+    assert len(set(opened[1])) == 2
     assert json.loads((part_dir(out, 1, 2) / "part.json").read_text())["reused_checks"] == len(PHOTOS) + 1
     summary = _prepare(folder, out, minilm_dir, merge=True)
     assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1) + 1
