@@ -200,7 +200,9 @@ def print_summary(summary: dict) -> None:
         f"{summary['max_length']})"
     )
     if summary.get("reused_checks"):
-        print(f"{'checks reused':<22}{summary['reused_checks']:>8}  (images unchanged since the last preparation)")
+        where = summary.get("reused_checks_from")
+        since = f"the preparation in {where}" if where else "the last preparation"
+        print(f"{'checks reused':<22}{summary['reused_checks']:>8}  (images unchanged since {since})")
     print(f"{'prepared in':<22}{summary['timings_s']['total']:.1f} s")  # a reused directory's: when it was
     big = summary.get("largest_image")
     if big and big["width"] * big["height"] > LARGE_IMAGE_PIXELS:

@@ -37,6 +37,7 @@ class Checked:
     reused: int = 0  # rows whose earlier check was reused (unchanged since an earlier preparation)
     downscaled: int = 0
     file_reads: list[dict] = field(default_factory=list)  # ``inputs.file_reads`` records, for the next one
+    reused_from: str = ""  # the input's last folder, when checks came from there and not from --out alone
 
 
 def in_place_kind(cfg: PrepareConfig) -> Reader | None:

@@ -33,7 +33,7 @@ from mmfast.inputs.manifest import Candidate, ManifestError, Reject
 from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
 from mmfast.prepare.fingerprint import input_fingerprint
-from mmfast.prepare.last_prepared import remember, source_name
+from mmfast.prepare.last_prepared import last_prepared, remember, source_name
 from mmfast.prepare.parts import merge_parts, prepare_part
 from mmfast.prepare.reuse import files_map, reuse
 from mmfast.prepare.split import split_rows
@@ -170,10 +170,13 @@ def _check_input_outside(cfg: PrepareConfig) -> None:
 
 
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
+    elsewhere = last_prepared(source_name(cfg.source), Path(cfg.out))  # before this preparation is noted
     if cfg.merge:
         checked = merge_parts(cfg, tmp, fp)
     else:
         checked = read_and_check(cfg, tmp, part=None, earlier=earlier_checks(cfg))
+    if elsewhere is not None and checked.reused:
+        checked.reused_from = str(elsewhere)
     return _write_prepared(cfg, tmp, fp, checked)
 
 
@@ -230,6 +233,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
         "rejected_by_reason": dict(Counter(_reason_kind(r.reason) for r in rejects).most_common()),
         **({"largest_image": largest} if largest else {}),  # none when the reader learnt no image's size
         "reused_checks": checked.reused,
+        **({"reused_checks_from": checked.reused_from} if checked.reused_from else {}),
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
         "vocab_size": len(tok),
         "max_length": cfg.max_length,

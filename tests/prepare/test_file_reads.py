@@ -99,6 +99,7 @@ def test_an_edited_shard_is_read_again_and_the_others_are_not(tmp_path, folder, 
     assert reads == ["00001.tar"]
     assert "2 of 3 shards unchanged since last read" in caplog.text
     assert summary["reused_checks"] == 2 * (len(PHOTOS) + 1)  # shards 0 and 2: their rows and rejects
+    assert "reused_checks_from" not in summary  # from --out itself
     assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1) + 2
     fresh = tmp_path / "fresh"
     _prepare(folder, fresh, minilm_dir)

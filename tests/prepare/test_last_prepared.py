@@ -73,6 +73,7 @@ def test_a_new_folder_keeps_the_last_preparations_checks(tmp_path, manifest, dec
     second = tmp_path / "runs" / "b" / "prepared"
     summary = _prepare(manifest, second)
     assert decoded == ["p3.jpg"] and summary["reused_checks"] == 2 * len(PHOTOS) - 1
+    assert summary["reused_checks_from"] == str(first.resolve())  # what the command's summary names
     fresh = tmp_path / "fresh"
     shutil.rmtree(cache)  # nothing remembered: every image decoded
     decoded.clear()
