@@ -46,19 +46,21 @@ def in_place_kind(cfg: PrepareConfig) -> Reader | None:
     return reader if reader is not None and reader.in_place is not None else None
 
 
-def read_and_check(
-    cfg: PrepareConfig, work: Path, part: tuple[int, int] | None, earlier: dict[str, list[tuple]]
-) -> Checked:
-    """Read the input (``part`` (i, n): only the i-th of n slices of it), validate every image (those of
-    ``earlier`` that did not change since are not decoded again) and store --max-side copies into ``work``."""
+def read_and_check(cfg: PrepareConfig, work: Path, part: tuple[int, int] | None) -> Checked:
+    """Read the input (``part`` (i, n): only the i-th of n slices of it), validate every image (those that
+    earlier preparations of the input checked and that did not change since are not decoded again: image files
+    by ``earlier_checks``, files read in place by their ``inputs.file_reads`` records) and store --max-side
+    copies into ``work``."""
     t0 = time.perf_counter()
     workers = cfg.workers or os.cpu_count() or 1
+    earlier = {d: ds for d in earlier_dirs(cfg) if (ds := _prepared(d)) is not None}  # interrupted: not trusted
     reader = in_place_kind(cfg)
     in_place = reader.in_place if reader is not None else None
     if in_place is not None:  # images stay in the user's files; the reader validates them there
         _refuse_copies(cfg, in_place)
         check_image_root(reader, cfg.inputs)  # read_source's check, which this input does not go through
-        got = in_place.read_checked(cfg.source, cfg.inputs, workers, cfg.max_pixels, part, earlier_reads(cfg))
+        reads = _same_version(list(earlier))  # the folders whose records of unchanged files spare reading them
+        got = in_place.read_checked(cfg.source, cfg.inputs, workers, cfg.max_pixels, part, reads)
         cands, rejects, records, reused = got.cands, got.rejects, got.records, got.reused
         if part is None:  # duplicates across the parts' files are found when the parts are merged
             cands, rejects = finish_rows(cands, rejects)
@@ -74,7 +76,7 @@ def read_and_check(
     if in_place is not None:
         checks = [ImageCheck(True, width=c.width, height=c.height) for c in cands]  # as the reader found them
     else:
-        checks, reused = _check(cands, cfg, workers, earlier, work)
+        checks, reused = _check(cands, cfg, workers, earlier_checks(earlier, cfg), work)
     good: list[Candidate] = []
     for c, chk in zip(cands, checks, strict=True):
         if chk.ok:
@@ -192,23 +194,29 @@ def earlier_dirs(cfg: PrepareConfig) -> list[Path]:
     return [out] if other is None else [other, out]
 
 
-def earlier_checks(cfg: PrepareConfig) -> dict[str, list[tuple]]:
+def _prepared(out: Path) -> PreparedDataset | None:
+    """``out`` as a complete preparation mmfast wrote (its rows unverified: a row is trusted by its own size and
+    mtime), or None."""
+    try:
+        return PreparedDataset(out, verify=False) if (out / MARKER).is_file() else None
+    except (OSError, DatasetError, KeyError, TypeError):
+        return None
+
+
+def earlier_checks(folders: dict[Path, PreparedDataset], cfg: PrepareConfig) -> dict[str, list[tuple]]:
     """{image path: [(size, mtime_ns, width, height, decoded (height, width) or None), ...]} of the images that
-    complete earlier preparations of the input (``earlier_dirs``) accepted under the same pixel budget (empty
-    when there is none, or they predate these records)."""
+    the complete preparations ``folders`` ({folder: its ``_prepared``}) accepted under the same pixel budget,
+    the last folder's first (empty when there is none, or they predate these records)."""
     earlier: dict[str, list[tuple]] = {}
-    for folder in earlier_dirs(cfg):
-        for key, known in _checks_in(folder, cfg).items():
+    for folder, earlier_set in folders.items():
+        for key, known in _checks_in(folder, earlier_set, cfg).items():
             earlier.setdefault(key, []).insert(0, known)  # --out's own first
     return earlier
 
 
-def _checks_in(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
+def _checks_in(out: Path, earlier_set: PreparedDataset, cfg: PrepareConfig) -> dict[str, tuple]:
     """``earlier_checks`` of one folder."""
     try:
-        if not (out / MARKER).is_file():
-            return {}
-        earlier_set = PreparedDataset(out, verify=False)  # a row is trusted by its own size and mtime
         if earlier_set.max_pixels != cfg.max_pixels:
             return {}
         earlier = {}
@@ -228,21 +236,10 @@ def _checks_in(out: Path, cfg: PrepareConfig) -> dict[str, tuple]:
         return {}  # nothing to reuse: every image is checked
 
 
-def earlier_reads(cfg: PrepareConfig) -> list[Path]:
-    """The folders of complete earlier preparations of the input (``earlier_dirs``) by this version of mmfast,
-    whose ``inputs.file_reads`` records may spare reading a file again: what ``earlier_checks`` is to image
-    files, for the files an input reads its images from in place."""
-    folders = []
-    for out in earlier_dirs(cfg):
-        try:
-            if not (out / MARKER).is_file():
-                continue
-            PreparedDataset(out, verify=False)  # complete: an interrupted preparation's records are not trusted
-        except (OSError, DatasetError, KeyError, TypeError):
-            continue
-        if read_json_object(out / SUMMARY_FILE).get("version") == PREPARE_VERSION:  # else rows read by other code
-            folders.append(out)  # a record matches only the pixel budget and options it was read with
-    return folders
+def _same_version(folders: list[Path]) -> list[Path]:
+    """Those of ``folders`` prepared by this version of mmfast: an ``inputs.file_reads`` record holds rows as
+    the reading code then read them, and a fix to reading must reach every file."""
+    return [d for d in folders if read_json_object(d / SUMMARY_FILE).get("version") == PREPARE_VERSION]
 
 
 def _content_key(path: str) -> str:

@@ -30,7 +30,7 @@ from mmfast.data.token_cache import TokenCache
 from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
 from mmfast.inputs import ImagesInPlace, Reader, file_reads, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject
-from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
+from mmfast.prepare.checks import Checked, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
 from mmfast.prepare.fingerprint import input_fingerprint
 from mmfast.prepare.last_prepared import last_prepared, remember, source_name
@@ -174,7 +174,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     if cfg.merge:
         checked = merge_parts(cfg, tmp, fp)
     else:
-        checked = read_and_check(cfg, tmp, part=None, earlier=earlier_checks(cfg))
+        checked = read_and_check(cfg, tmp, part=None)
     if elsewhere is not None and checked.reused:
         checked.reused_from = str(elsewhere)
     return _write_prepared(cfg, tmp, fp, checked)

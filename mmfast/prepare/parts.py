@@ -34,7 +34,7 @@ from pathlib import Path
 
 from mmfast.inputs import file_reads, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows
-from mmfast.prepare.checks import Checked, earlier_checks, read_and_check
+from mmfast.prepare.checks import Checked, read_and_check
 from mmfast.prepare.config import PrepareConfig, part_dir, parts_root
 from mmfast.prepare.fingerprint import input_fingerprint
 from mmfast.util.fsutil import (
@@ -96,7 +96,7 @@ def prepare_part(cfg: PrepareConfig) -> dict:
         if os.path.lexists(final) and not _is_part(final):
             raise ValueError(f"{final} is in the way and is not a part mmfast wrote; move it away")
         with atomic_dir(final, PART_KIND, _is_part) as tmp:
-            checked = read_and_check(cfg, tmp, part=(i, n), earlier=earlier_checks(cfg))
+            checked = read_and_check(cfg, tmp, part=(i, n))
             base = tmp.resolve()
             atomic_write_jsonl(tmp / "accepted.jsonl", [_candidate_row(c, base) for c in checked.good])
             atomic_write_jsonl(tmp / "rejected.jsonl", [r.to_json() for r in checked.rejects])
