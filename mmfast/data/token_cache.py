@@ -6,7 +6,9 @@ Layout of ``tokens/`` (one set per split):
     <split>.meta.json    fingerprint, dtype, counts, first_id, pad id; written last, so its presence
                          means the split is complete
 A split is rebuilt when its fingerprint (tokenizer, max_length, texts) differs or its files do not match
-the meta (truncated, missing); each build goes to a temp name and is renamed into place.
+the meta (truncated, missing); each build goes to a temp name and is renamed into place. A build may be given
+earlier caches of the same tokenizer and max_length with their texts: a caption found there is copied, not
+tokenized again (a corpus prepared again after a shard was added tokenizes only the new shard's captions).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +87,7 @@ class TokenCache:
         )
         self.lengths = np.diff(np.asarray(self.offsets)).astype(np.int64)
         self._pin = torch.cuda.is_available()
+        self.copied = 0  # rows ``build`` copied from earlier caches rather than tokenized
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -137,6 +141,7 @@ class TokenCache:
         max_length: int,
         first_id: int = 0,
         batch_size: int = 4096,
+        earlier: Sequence[tuple[TokenCache, Sequence[str] | Callable[[], Sequence[str]]]] = (),
     ) -> TokenCache:
         """Open the split's cache, (re)building it first if it is missing, stale or damaged.
 
@@ -150,6 +155,9 @@ class TokenCache:
             max_length: truncation length, special tokens included.
             first_id: sample id of ``texts[0]``.
             batch_size: texts per tokenizer call.
+            earlier: (cache, its texts in row order, or a function that reads them) pairs; where a cache was
+                built by this tokenizer with this max_length, its rows stand in for tokenizing the same captions
+                again. Others are passed over.
 
         Raises:
             TypeError: a text that is not a string (its index and sample id are named).
@@ -164,11 +172,15 @@ class TokenCache:
         fp = cache_fingerprint(tokenizer, max_length, texts)
         with file_lock(directory / f".{split}.lock"):
             reason = _stale_reason(directory, split, fp, first_id)
+            copied = 0
             if reason:  # a first build (a preparation's temp directory) is no news; a rebuild is
                 level = logging.DEBUG if reason == _NO_CACHE else logging.INFO
                 log.log(level, "token cache %s/%s: building (%s)", directory, split, reason)
-                _write_split(directory, split, texts, tokenizer, max_length, first_id, fp, batch_size)
-        return cls(directory, split)
+                *rows, copied = _token_rows(texts, tokenizer, max_length, batch_size, earlier, fp)
+                _write_split(directory, split, rows, tokenizer, max_length, first_id, fp)
+        cache = cls(directory, split)
+        cache.copied = copied
+        return cache
 
 
 def _check_files(directory: Path, split: str, meta: dict) -> str:
@@ -202,17 +214,62 @@ def _stale_reason(directory: Path, split: str, fp: str, first_id: int) -> str:
     return _check_files(directory, split, meta)
 
 
-def _write_split(
-    directory: Path, split: str, texts: list[str], tok, max_length: int, first_id: int, fp: str, batch_size: int
-) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{split}.meta.json").unlink(missing_ok=True)  # the split is incomplete from here on
-    vocab = len(tok)
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
+def _token_rows(
+    texts: Sequence[str], tok, max_length: int, batch_size: int, earlier: Sequence[tuple], fp: str
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(all token ids concatenated, each row's length, how many rows were copied) of ``texts``: a caption that
+    one of the ``earlier`` caches of this tokenizer and max_length holds is copied from it, the others are
+    tokenized. An earlier cache of the very same fingerprint is copied whole, its texts never read."""
+    dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.int32
+    for cache, _ in earlier:
+        if cache.meta.get("fingerprint") == fp and cache.meta.get("format") == FORMAT_VERSION:
+            log.info("token cache: the captions are those of %s/%s; its rows are copied", cache.dir, cache.split)
+            return np.asarray(cache.ids), cache.lengths, len(cache)
+    tok_fp = tokenizer_fingerprint(tok) if earlier else ""
+    pools, known, base = [], {}, 0
+    for cache, texts_of in earlier:
+        if not _same_tokens(cache, tok_fp, max_length, dtype):
+            continue
+        their_texts = texts_of() if callable(texts_of) else texts_of
+        if len(their_texts) != len(cache):
+            continue
+        starts = (np.asarray(cache.offsets[:-1]) + base).tolist()
+        known.update(zip(their_texts, zip(starts, cache.lengths.tolist(), strict=True), strict=True))
+        pools.append(np.asarray(cache.ids))
+        base += len(cache.ids)
+    if not known:
+        return *_encode(texts, tok, max_length, dtype, batch_size), 0
+    found = [known.get(t) for t in texts]
+    missing = [t for t, f in zip(texts, found, strict=True) if f is None]
+    new_ids, new_lengths = _encode(missing, tok, max_length, dtype, batch_size)
+    new_starts = iter((base + np.concatenate(([0], np.cumsum(new_lengths)[:-1]))).tolist())
+    new_len = iter(new_lengths.tolist())
+    spans = [f if f is not None else (next(new_starts), next(new_len)) for f in found]
+    starts = np.fromiter((s for s, _ in spans), dtype=np.int64, count=len(spans))
+    lengths = np.fromiter((n for _, n in spans), dtype=np.int64, count=len(spans))
+    pool = np.concatenate([*pools, new_ids])
+    firsts = np.cumsum(lengths) - lengths  # where each row begins in the result
+    index = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - firsts, lengths)
+    log.info("token cache: %d of %d captions tokenized, the rest copied from earlier", len(missing), len(texts))
+    return pool[index], lengths, len(texts) - len(missing)
+
+
+def _same_tokens(cache: TokenCache, tok_fp: str, max_length: int, dtype) -> bool:
+    """Whether ``cache`` was built as a build with this tokenizer and max_length would be."""
+    meta = cache.meta
+    return (
+        meta.get("tokenizer") == tok_fp
+        and meta.get("max_length") == max_length
+        and meta.get("dtype") == np.dtype(dtype).name
+        and meta.get("format") == FORMAT_VERSION
+    )
+
+
+def _encode(texts: Sequence[str], tok, max_length: int, dtype, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     chunks, lengths = [], []
     for s in range(0, len(texts), batch_size):
         enc = tok(
-            texts[s : s + batch_size],
+            list(texts[s : s + batch_size]),
             truncation=True,
             max_length=max_length,
             add_special_tokens=True,
@@ -222,7 +279,16 @@ def _write_split(
         lengths.extend(len(e) for e in enc)
         chunks.append(np.fromiter((t for e in enc for t in e), dtype=dtype))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
-    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    return flat, np.asarray(lengths, dtype=np.int64)
+
+
+def _write_split(
+    directory: Path, split: str, rows: tuple[np.ndarray, np.ndarray], tok, max_length: int, first_id: int, fp: str
+) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{split}.meta.json").unlink(missing_ok=True)  # the split is incomplete from here on
+    flat, lengths = rows
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     atomic_write_bytes(directory / f"{split}.ids.bin", flat.tobytes())
     buf = io.BytesIO()
@@ -233,12 +299,13 @@ def _write_split(
         {
             "format": FORMAT_VERSION,
             "fingerprint": fp,
-            "dtype": np.dtype(dtype).name,
-            "n_rows": len(texts),
+            "tokenizer": tokenizer_fingerprint(tok),  # which earlier caches a later build may copy rows from
+            "dtype": flat.dtype.name,
+            "n_rows": len(lengths),
             "n_tokens": int(flat.size),
             "first_id": first_id,
             "pad_id": int(tok.pad_token_id),
             "max_length": max_length,
-            "vocab_size": vocab,
+            "vocab_size": len(tok),
         },
     )

@@ -38,6 +38,7 @@ class Checked:
     downscaled: int = 0
     file_reads: list[dict] = field(default_factory=list)  # ``inputs.file_reads`` records, for the next one
     reused_from: str = ""  # the input's last folder, when checks came from there and not from --out alone
+    earlier: list[Path] = field(default_factory=list)  # complete preparations of the input by this version
 
 
 def in_place_kind(cfg: PrepareConfig) -> Reader | None:
@@ -94,7 +95,9 @@ def read_and_check(cfg: PrepareConfig, work: Path, part: tuple[int, int] | None)
     if cfg.max_side:
         good, n_downscaled = _downscale(good, cfg, work, workers, rejects)
     seconds = {"read": t_read - t0, "validate": t_validate - t_read, "downscale": time.perf_counter() - t_validate}
-    return Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled, records)
+    done = Checked(good, rejects, n_input, kind, seconds, reused, n_downscaled, records)
+    done.earlier = _same_version(list(earlier))  # their tokenizer and token cache may serve too
+    return done
 
 
 def _refuse_copies(cfg: PrepareConfig, in_place: ImagesInPlace) -> None:
@@ -201,6 +204,12 @@ def _prepared(out: Path) -> PreparedDataset | None:
         return PreparedDataset(out, verify=False) if (out / MARKER).is_file() else None
     except (OSError, DatasetError, KeyError, TypeError):
         return None
+
+
+def earlier_preparations(cfg: PrepareConfig) -> list[Path]:
+    """The complete preparations of the input by this version of mmfast (of ``earlier_dirs``): what a merge
+    of parts, which reads no earlier checks, may still keep the tokenizer and token cache of."""
+    return _same_version([d for d in earlier_dirs(cfg) if _prepared(d) is not None])
 
 
 def earlier_checks(folders: dict[Path, PreparedDataset], cfg: PrepareConfig) -> dict[str, list[tuple]]:

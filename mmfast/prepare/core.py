@@ -7,11 +7,9 @@ never see half of it; a second run with the same inputs and settings reuses it (
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import re
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -21,22 +19,19 @@ from mmfast.data.dataset import (
     LABELS_FILE,
     REJECTED_FILE,
     SUMMARY_FILE,
-    TOKENIZER_DIR,
-    TOKENS_DIR,
     WDS_DIR,
     split_file,
 )
-from mmfast.data.token_cache import TokenCache
-from mmfast.data.tokenizer import load_tokenizer, train_wordpiece
 from mmfast.inputs import ImagesInPlace, Reader, file_reads, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject
-from mmfast.prepare.checks import Checked, read_and_check
+from mmfast.prepare.checks import Checked, earlier_preparations, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
 from mmfast.prepare.fingerprint import input_fingerprint
 from mmfast.prepare.last_prepared import last_prepared, remember, source_name
 from mmfast.prepare.parts import merge_parts, prepare_part
 from mmfast.prepare.reuse import files_map, reuse
 from mmfast.prepare.split import split_rows
+from mmfast.prepare.tokens import tokenize
 from mmfast.prepare.wds_export import export_wds
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import is_remote
@@ -173,6 +168,7 @@ def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
     elsewhere = last_prepared(source_name(cfg.source), Path(cfg.out))  # before this preparation is noted
     if cfg.merge:
         checked = merge_parts(cfg, tmp, fp)
+        checked.earlier = earlier_preparations(cfg)
     else:
         checked = read_and_check(cfg, tmp, part=None)
     if elsewhere is not None and checked.reused:
@@ -194,19 +190,9 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     train, val = split_rows(good, cfg.val_fraction, cfg.seed, _split_bases(cfg), str(work), member)
     train_rows = [_row(c, i, label_map, work, in_place) for i, c in enumerate(train)]
     val_rows = [_row(c, len(train) + i, label_map, work, in_place) for i, c in enumerate(val)]
-    tok = (
-        load_tokenizer(cfg.tokenizer)
-        if cfg.tokenizer
-        else train_wordpiece([r["text"] for r in train_rows], cfg.vocab_size)
-    )
-    _save_tokenizer(tok, tmp / TOKENIZER_DIR)
-    t_tok = time.perf_counter()
-    caches = {}
-    for split, rows in (("train", train_rows), ("val", val_rows)):
-        first = rows[0]["id"] if rows else len(train_rows)
-        caches[split] = TokenCache.build(
-            tmp / TOKENS_DIR, split, [r["text"] for r in rows], tok, cfg.max_length, first_id=first
-        )
+    t_split = time.perf_counter()
+    tokenized = tokenize(cfg, tmp, {"train": train_rows, "val": val_rows}, checked.earlier)
+    tok, caches = tokenized.tokenizer, tokenized.caches
     t_cache = time.perf_counter()
     atomic_write_jsonl(tmp / split_file("train"), train_rows)
     atomic_write_jsonl(tmp / split_file("val"), val_rows)
@@ -235,14 +221,18 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
         "reused_checks": checked.reused,
         **({"reused_checks_from": checked.reused_from} if checked.reused_from else {}),
         "tokenizer": cfg.tokenizer or "wordpiece trained on the training captions",
+        **({"tokenizer_kept_from": tokenized.tokenizer_from} if tokenized.tokenizer_from else {}),
         "vocab_size": len(tok),
         "max_length": cfg.max_length,
         "token_cache": {
             s: {"fingerprint": c.fingerprint, "dtype": c.meta["dtype"], "tokens": c.meta["n_tokens"]}
+            | ({"rows_copied": c.copied} if c.copied else {})  # from an earlier preparation's cache
             for s, c in caches.items()
         },
         "timings_s": checked.seconds
-        | {"tokenizer": t_tok - t0, "token_cache": t_cache - t_tok, "write": time.perf_counter() - t_cache},
+        | {"split": t_split - t0}
+        | tokenized.seconds
+        | {"write": time.perf_counter() - t_cache},
     }
     summary["timings_s"]["total"] = sum(summary["timings_s"].values())
     assert checked.n_input == len(good) + len(rejects), "every input row is either kept or rejected"
@@ -343,16 +333,6 @@ def _label_map(rows: list[Candidate]) -> dict[str, int]:
     """
     distinct = sorted({c.label for c in rows})  # one type per manifest (read_input rejects a mix)
     return {str(v): i for i, v in enumerate(distinct)}
-
-
-def _save_tokenizer(tok, path: Path) -> None:
-    try:
-        tok.save_pretrained(path)
-    except OSError:
-        raise
-    except Exception as e:  # the tokenizers library reports a failed write as a bare Exception
-        code = re.search(r"os error (\d+)", str(e))
-        raise OSError(int(code.group(1)) if code else errno.EIO, f"saving the tokenizer: {e}", str(path)) from e
 
 
 def _split_bases(cfg: PrepareConfig) -> list[str]:

@@ -264,3 +264,28 @@ def test_an_image_folder_takes_captions_from_name_txt_and_name_ext_txt(tmp_path)
         "b.png": "a grey kitten",
         "c.jpg": "dog",  # no caption file: the class name
     }
+
+
+def test_a_merge_prepared_again_copies_the_token_rows(manifest, tmp_path):
+    out = tmp_path / "out"
+    flags = ["--max-length", "16", "--tokenizer", minilm_dir(), "--workers", "1", "--no-progress"]
+
+    def parts_and_merge() -> dict:
+        for i in range(2):
+            assert prepare_data.main([str(manifest), "--out", str(out), "--shard", f"{i}/2", *flags]) == 0
+        assert prepare_data.main([str(manifest), "--out", str(out), "--merge", *flags]) == 0
+        return json.loads((out / "prepare.json").read_text())
+
+    first = parts_and_merge()
+    assert all("rows_copied" not in c for c in first["token_cache"].values())
+    from PIL import Image
+
+    changed = manifest.parent / "004.jpg"
+    Image.open(changed).rotate(90).save(changed, quality=90)  # the input changed; no caption did
+    again = parts_and_merge()
+    assert {s: c.get("rows_copied") for s, c in again["token_cache"].items()} == {
+        s: again["counts"][s] for s in ("train", "val")
+    }
+    single = tmp_path / "single"
+    prepare_dataset(_cfg(manifest, single))
+    assert _content(out)["tokens"] == _content(single)["tokens"]

@@ -79,7 +79,8 @@ def tiny_jpegs(side: int, n: int = 256) -> list[bytes]:
     return out
 
 
-def write_shards(folder: Path, rows: int, per_shard: int, side: int) -> float:
+def write_shards(folder: Path, rows: int, per_shard: int, side: int, captions: list[str] | None = None) -> float:
+    """Shards of ``rows`` tiny JPEGs; row i's caption is ``captions[i % len]`` numbered i, or a made-up one."""
     images = tiny_jpegs(side)
     t0 = time.perf_counter()
     for s in range(0, rows, per_shard):
@@ -87,13 +88,21 @@ def write_shards(folder: Path, rows: int, per_shard: int, side: int) -> float:
             for i in range(s, min(rows, s + per_shard)):
                 for name, blob in (
                     (f"{i:09d}.jpg", images[i % len(images)]),
-                    (f"{i:09d}.txt", f"tiny picture number {i} of class {i % 10}".encode()),
+                    (f"{i:09d}.txt", _caption(i, captions).encode()),
                     (f"{i:09d}.cls", str(i % 10).encode()),
                 ):
                     info = tarfile.TarInfo(name)
                     info.size = len(blob)
                     tar.addfile(info, io.BytesIO(blob))
     return time.perf_counter() - t0
+
+
+def _caption(i: int, captions: list[str] | None) -> str:
+    return (
+        f"{captions[i % len(captions)]} (picture {i})"
+        if captions
+        else f"tiny picture number {i} of class {i % 10}"
+    )
 
 
 def _run_parts(shards: Path, out: Path, args) -> float:
