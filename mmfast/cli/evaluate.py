@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
-from mmfast.cli.predict import add_max_pixels_flag, load_rows, none_usable, report_errors
+from mmfast.cli.predict import add_max_pixels_flag, add_templates_flag, load_rows, none_usable, report_errors
 from mmfast.util.fsutil import OutputError, atomic_write_json, atomic_write_jsonl, claim_output_dir
 from mmfast.util.quiet import filter_native_stderr
 from mmfast.util.voice import command_line
@@ -52,12 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
-    p.add_argument(
-        "--templates",
-        default=None,
-        help="a dual encoder's zero-shot prompts: joined by '|' with {} for the class name, or a file with one "
-        "per line (default: those the model was trained with)",
-    )
+    add_templates_flag(p)
     add_max_pixels_flag(p)
     add_input_flags(p, "--input")
     return p.parse_args(argv)

@@ -11,7 +11,8 @@ mmfast/infer/predict_inputs.py): a manifest, image folder, HF imagefolder metada
 WebDataset shards. Labels are optional. Writes JSONL (or CSV for a .csv --out): per input row the class, its
 probability and the top-k, or the reason the row could not be predicted (naming its file and line; the other
 rows are predicted anyway). Exit status 2 when the input cannot be read or no row of it can be predicted.
-A dual encoder (--model clip) trained with labels predicts zero-shot among its classes, from the image alone.
+A dual encoder (--model clip) predicts zero-shot from the image alone: among --classes (names separated by
+commas, or a file with one per line) in the prompts of --templates, else among the classes it was trained with.
 --embed image|text (a dual encoder, --model clip) writes the rows' normalized embeddings instead: OUT.npy
 (N, D) float32, OUT.ids.npy (N,) int64 (the prepared sample id with --data, else the row's position in the
 input) and, when pyarrow is installed, OUT.parquet (id, image, text, embedding). An --out that is a folder (or
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags, input_options
-from mmfast.util.fsutil import check_output_file
+from mmfast.util.fsutil import check_output_file, read_json_object
 from mmfast.util.quiet import filter_native_stderr
 from mmfast.util.voice import command_line
 
@@ -59,6 +60,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a dual encoder (clip): write the rows' image or text embeddings (OUT.npy, OUT.ids.npy, "
         "OUT.parquet; in a folder OUT/: image.npy or text.npy, ...) instead of predictions; needs --out",
     )
+    p.add_argument(
+        "--classes",
+        default=None,
+        help="a dual encoder: predict zero-shot among these class names, separated by commas, or a file with one "
+        "per line (default: the classes it was trained with)",
+    )
+    add_templates_flag(p)
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     p.add_argument("--num-workers", type=int, default=None, help="DALI CPU threads (default: all cores)")
@@ -73,6 +81,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bench-json", help="with --compare-pil: write the timings here")
     add_input_flags(p, "--input")
     return p.parse_args(argv)
+
+
+def add_templates_flag(p: argparse.ArgumentParser) -> None:
+    """--templates, as predict and evaluate take it."""
+    p.add_argument(
+        "--templates",
+        default=None,
+        help="a dual encoder's zero-shot prompts: joined by '|' with {} for the class name, or a file with one "
+        "per line (default: those the model was trained with)",
+    )
 
 
 def add_max_pixels_flag(p: argparse.ArgumentParser) -> None:
@@ -93,6 +111,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _missing_data(data: str, model: str | None) -> str:
+    """--data names nothing: say so, and name the prepared folder the model's run trained on when it is there
+    (a run given a prepared --data has no prepared/ of its own)."""
+    from mmfast.data.dataset import COMPLETE, prepared_state  # only for this error
+    from mmfast.train.rundir import RAW_DATA_DIR
+
+    why = f"--data {data}: no such folder"
+    run = Path(model).parent if model else None
+    if run is not None:
+        trained = read_json_object(run / "config.json").get("data")
+        for folder in (run / RAW_DATA_DIR, Path(trained) if isinstance(trained, str) else None):
+            if folder is not None and prepared_state(folder) == COMPLETE:
+                return f"{why}; the model's run trained on {folder}: pass --data {folder}"
+    return f"{why}; pass the folder mmfast-prepare wrote (its --out), or use --input for a manifest or images"
+
+
 def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
     """The rows of --data, --image or --input (its images stored as bytes in a temp folder ``stack`` removes).
 
@@ -103,6 +137,8 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
     from mmfast.infer.predict_inputs import input_rows
 
     if getattr(args, "data", None):
+        if not Path(args.data).exists():
+            raise ValueError(_missing_data(args.data, getattr(args, "model", None)))
         rows = prepared_rows(
             args.data, args.split, stack.enter_context(tempfile.TemporaryDirectory(prefix="mmfast-rows-"))
         )
@@ -242,6 +278,25 @@ def embed(args: argparse.Namespace, model, rows: list[dict], device, source: str
     return 0
 
 
+def _refused(args: argparse.Namespace, model) -> str:
+    """Why the model cannot predict what was asked ('' when it can)."""
+    if not model.embeds:
+        for flag in ("classes", "templates"):
+            if getattr(args, flag):
+                return (
+                    f"--{flag} is for a dual encoder; {args.model} is a classifier, which predicts its own classes"
+                )
+        return ""
+    if args.compare_pil:
+        return f"{args.model} is a dual encoder and --compare-pil times a classifier: pass --embed image|text"
+    if not model.knows_classes and not args.classes:
+        return (
+            f"{args.model} is a dual encoder and it was trained without labels: pass --classes NAMES for "
+            "zero-shot among your class names, or --embed image|text for embeddings"
+        )
+    return ""
+
+
 @command_line
 def main(argv: list[str] | None = None) -> int:
     with filter_native_stderr():  # libpng's harmless colour-profile warnings (mmfast.util.quiet)
@@ -254,6 +309,7 @@ def _main(argv: list[str] | None) -> int:
     from mmfast.infer.model_dir import load_for_inference
     from mmfast.infer.predict import image_file, predict_rows, write_predictions
     from mmfast.inputs.manifest import ManifestError
+    from mmfast.tasks.retrieval import read_class_names, read_templates
 
     args = parse_args(argv)
     source = args.input or args.data or args.image
@@ -274,19 +330,24 @@ def _main(argv: list[str] | None) -> int:
             return 2
         if args.embed:
             return embed(args, model, rows, device, source)
-        if model.embeds and (args.compare_pil or not model.knows_classes):
-            why = "--compare-pil times a classifier" if model.knows_classes else "it was trained without labels"
-            print(
-                f"error: {args.model} is a dual encoder and {why}: pass --embed image|text for embeddings",
-                file=sys.stderr,
-            )
+        refused = _refused(args, model)
+        if refused:
+            print(f"error: {refused}", file=sys.stderr)
             return 2
         if args.compare_pil:
             compare_pil(model, rows, args, device)
             return 0
         loader = {"batch_size": args.batch_size, "device": device, "num_workers": args.num_workers}
-        if model.embeds:  # zero-shot among the classes it was trained with
-            results = zero_shot_rows(model, rows, top_k=args.top_k, max_pixels=args.max_pixels, **loader)
+        if model.embeds:  # zero-shot among --classes, else the classes it was trained with
+            try:
+                classes = read_class_names(args.classes) if args.classes else None
+                templates = read_templates(args.templates) if args.templates else None
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            results = zero_shot_rows(
+                model, rows, templates, args.top_k, classes, max_pixels=args.max_pixels, **loader
+            )
         else:
             results = predict_rows(model, rows, top_k=args.top_k, max_pixels=args.max_pixels, **loader)
     if none_usable(results, source, table=args.image is None):

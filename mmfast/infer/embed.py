@@ -252,25 +252,30 @@ def _class_embeddings(model: MmfastModel, classes: list[str], templates) -> torc
 
 
 def zero_shot_rows(
-    model: MmfastModel, rows: list[dict], templates: list[str] | None = None, top_k: int = 5, **kwargs
+    model: MmfastModel,
+    rows: list[dict],
+    templates: list[str] | None = None,
+    top_k: int = 5,
+    classes: list[str] | None = None,
+    **kwargs,
 ) -> list[dict]:
-    """A dual encoder's predictions among the classes it was trained with (config.json's ``class_names``): each
-    row's image against the class prompts, as ``predict_rows`` gives a classifier's ("class", "class_id",
-    "prob", "top_k"). The probability is a softmax over the classes of the model's scaled cosines; the caption
-    is not used.
+    """A dual encoder's predictions among ``classes``, else the classes it was trained with (config.json's
+    ``class_names``): each row's image against the class prompts, as ``predict_rows`` gives a classifier's
+    ("class", "class_id", "prob", "top_k"; class_id indexes ``classes`` when given). The probability is a
+    softmax over the classes of the model's scaled cosines; the caption is not used.
 
     Args:
         **kwargs: ``embed_rows``' loader arguments.
 
     Raises:
-        ValueError: the model knows no classes (trained without labels).
+        ValueError: no ``classes`` and the model knows none (trained without labels).
     """
-    if not model.knows_classes:
+    if not classes and not model.knows_classes:
         raise ValueError(
-            "the model was trained without labels: it knows no classes to predict; embed the images instead "
-            "(mmfast-predict --embed image)"
+            "the model was trained without labels: it knows no classes to predict; name them (mmfast-predict "
+            "--classes) or embed the images instead (mmfast-predict --embed image)"
         )
-    names = model.class_names
+    names = list(classes) if classes else model.class_names
     done, img, kept = embed_rows(model, rows, "image", **kwargs)
     scale = model.model.scale_and_bias()[0].detach()  # the scale training and evaluation use
     probs = torch.softmax(scale * torch.from_numpy(img) @ _class_embeddings(model, names, templates).T, dim=1)

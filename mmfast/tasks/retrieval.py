@@ -226,6 +226,30 @@ def zero_shot_figures(image_emb: torch.Tensor, labels: torch.Tensor, class_text_
     return {"zero_shot_acc": 100.0 * float(right.double().mean()), "zero_shot_samples": int(len(labels))}
 
 
+def read_class_names(value: str | os.PathLike) -> list[str]:
+    """Zero-shot class names given by the user: a file (one name per line, blank lines and lines starting with
+    '#' skipped), else names separated by commas.
+
+    Raises:
+        ValueError: fewer than two names (one class is every image's answer), or a name given twice.
+    """
+    path = Path(value)
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        names = [n.strip() for n in lines if n.strip() and not n.strip().startswith("#")]
+    else:
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+    if len(names) < 2:
+        raise ValueError(
+            f"--classes {str(value)!r}: give at least two class names, separated by commas or one per line in a "
+            "file (with one, every image is that class)"
+        )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--classes: {', '.join(map(repr, twice))} given more than once; give each class once")
+    return names
+
+
 def read_templates(value: str | os.PathLike | None) -> list[str]:
     """Zero-shot prompt templates: None -> DEFAULT_TEMPLATES; a file (one template per line, blank lines and
     lines starting with '#' skipped); else '|'-separated templates.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import subprocess
 import sys
 from dataclasses import fields
@@ -316,3 +317,19 @@ def test_evaluate_names_its_default_folder_after_what_it_scored(tmp_path, source
     model = tmp_path / "run" / "model"
     assert output_dir(parse_args(["--model", str(model), *source])) == tmp_path / "run" / folder
     assert output_dir(parse_args(["--model", str(model), *source, "--out", "here"])) == Path("here")
+
+
+def test_a_missing_data_folder_names_the_one_the_models_run_trained_on(prepared, tmp_path, capsys):
+    from mmfast.cli import evaluate
+
+    run = tmp_path / "runs" / "clip"  # a run given a prepared --data: it has no prepared/ of its own
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"data": str(prepared), "model": "clip"}))
+    argv = ["--model", str(run / "model"), "--data", str(run / "prepared"), "--split", "val"]
+    assert evaluate.main(argv) == 2
+    said = capsys.readouterr().err
+    assert f"no such folder; the model's run trained on {prepared}: pass --data {prepared}" in said
+    assert "no prepare.json" not in said  # not "run mmfast-prepare": the data was prepared
+    (run / "config.json").write_text(json.dumps({"data": str(tmp_path / "gone"), "model": "clip"}))
+    assert evaluate.main(argv) == 2
+    assert "no such folder; pass the folder mmfast-prepare wrote (its --out)" in capsys.readouterr().err

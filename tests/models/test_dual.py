@@ -322,6 +322,40 @@ def test_predict_with_a_dual_encoder_is_zero_shot_among_its_classes(prepared, cl
     assert 100 * right / len(first) == pytest.approx(figures["zero_shot_acc"], abs=1e-6)
 
 
+def test_predict_with_the_users_class_names_scores_each_image_against_their_prompts(prepared, clip_dir, tmp_path):
+    """--classes and --templates: each image's probabilities are the softmax of the model's scaled cosines to
+    the prompts of those names, ensembled, computed here from encode_image / encode_text."""
+    import tools.predict as predict_tool
+    from mmfast.infer.embed import embed_rows
+    from mmfast.infer.predict import prepared_rows
+
+    classes = ["a red square", "a green circle", "a blue triangle", "noise"]
+    names_file = tmp_path / "classes.txt"
+    names_file.write_text("# my classes\n" + "\n".join(classes) + "\n\n")
+    out = tmp_path / "mine.jsonl"
+    argv = ["--model", str(clip_dir), "--data", str(prepared), "--split", "val", "--out", str(out)]
+    assert (
+        predict_tool.main(
+            [*argv, "--classes", str(names_file), "--templates", "{}|a drawing of {}", "--top-k", "4"]
+        )
+        == 0
+    )
+    got = [json.loads(line) for line in out.read_text().splitlines()][:6]
+    model = mmfast.load_model(clip_dir)
+    _, img, _ = embed_rows(model, prepared_rows(prepared, "val")[:6], "image")  # the images as predict embeds them
+    with torch.no_grad():
+        prompts = [t.format(c) for c in classes for t in ("{}", "a drawing of {}")]
+        text = model.encode_text(prompts).reshape(4, 2, -1)
+        cls = torch.nn.functional.normalize(torch.nn.functional.normalize(text, dim=-1).mean(1), dim=-1)
+        img = torch.from_numpy(img)
+        probs = torch.softmax(model.model.scale_and_bias()[0] * img @ cls.T, dim=1)
+    for r, p in zip(got, probs, strict=True):
+        assert r["class"] == classes[int(p.argmax())] and r["prob"] == pytest.approx(float(p.max()), abs=1e-3)
+        assert dict(r["top_k"]) == pytest.approx(dict(zip(classes, p.tolist(), strict=True)), abs=1e-3)
+    assert predict_tool.main([*argv, "--classes", "only one"]) == 2
+    assert predict_tool.main([*argv, "--classes", "cat,dog,cat"]) == 2
+
+
 def test_evaluate_reports_retrieval_and_zero_shot(prepared, clip_dir, tmp_path, capsys):
     import tools.evaluate as evaluate_tool
     from mmfast.data.dataset import PreparedDataset
@@ -369,7 +403,13 @@ def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_sho
     rows = tmp_path / "pairs.jsonl"
     rows.write_text("".join(json.dumps({"image": r["image"], "text": r["text"]}) + "\n" for r in val))
     assert predict_tool.main(["--model", str(model_dir), "--image", val[0]["image"]]) == 2
-    assert "is a dual encoder and it was trained without labels: pass --embed" in capsys.readouterr().err
+    assert "is a dual encoder and it was trained without labels: pass --classes NAMES" in capsys.readouterr().err
+    out = tmp_path / "named.jsonl"  # the user's own class names: zero-shot without any trained class
+    argv = ["--model", str(model_dir), "--input", str(rows), "--classes", "dog, cat,bird", "--out", str(out)]
+    assert predict_tool.main(argv) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == len(val) and {r["class"] for r in got} <= {"dog", "cat", "bird"}
+    assert all(sum(p for _, p in r["top_k"]) == pytest.approx(1.0, abs=1e-5) for r in got)  # top 3 of 3 classes
     argv = ["--model", str(model_dir), "--input", str(rows), "--no-labels", "--out", str(tmp_path / "ev")]
     assert evaluate_tool.main(argv) == 0
     figures = json.loads((tmp_path / "ev" / "metrics.json").read_text())
