@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -69,13 +70,28 @@ def _name(path) -> str:
     return hashlib.sha256(os.fsencode(str(path))).hexdigest()[:32] + ".json"  # any name the filesystem holds
 
 
-def write(folder: Path, records: list[dict]) -> None:
-    """Each record into ``folder``'s ``FILE_READS``, a file each (no folder for none). ``folder`` is a directory
-    being built (``fsutil.atomic_dir``), whose swap makes them durable: no file is synced on its own."""
-    if records:
+def write(folder: Path, records: list[dict], carried: list[Path] = ()) -> None:
+    """Each record into ``folder``'s ``FILE_READS``, a file each (no folder for none), and the record files
+    ``carried`` (``record_files`` of a merge's parts) linked in unread. ``folder`` is a directory being built
+    (``fsutil.atomic_dir``), whose swap makes them durable: no file is synced on its own."""
+    if records or carried:
         (folder / FILE_READS).mkdir(exist_ok=True)
     for rec in records:  # ASCII JSON: a path that is not UTF-8 is kept as its escapes
         (folder / FILE_READS / _name(rec["file"])).write_text(json.dumps(rec, separators=(",", ":")))
+    for src in carried:  # a damaged one is refused when read, as any record is
+        dest = folder / FILE_READS / src.name
+        try:
+            os.link(src, dest)
+        except FileExistsError:  # parts read disjoint files: never the same record twice
+            continue
+        except OSError:  # a filesystem without hard links, or another device
+            shutil.copyfile(src, dest)
+
+
+def record_files(folder: Path) -> list[Path]:
+    """The record files in ``folder`` (a part's): what a merge carries over without reading them (at millions
+    of rows the records are about the size of the rows)."""
+    return sorted((folder / FILE_READS).glob("*.json"))
 
 
 def load(folders: list[Path], paths: list) -> dict[str, list[dict]]:

@@ -37,6 +37,7 @@ class Checked:
     reused: int = 0  # rows whose earlier check was reused (unchanged since an earlier preparation)
     downscaled: int = 0
     file_reads: list[dict] = field(default_factory=list)  # ``inputs.file_reads`` records, for the next one
+    carried_reads: list[Path] = field(default_factory=list)  # a merge's: its parts' record files, unread
     reused_from: str = ""  # the input's last folder, when checks came from there and not from --out alone
     earlier: list[Path] = field(default_factory=list)  # complete preparations of the input by this version
 

@@ -197,7 +197,7 @@ def _write_prepared(cfg: PrepareConfig, tmp: Path, fp: str, checked: Checked) ->
     atomic_write_jsonl(tmp / split_file("train"), train_rows)
     atomic_write_jsonl(tmp / split_file("val"), val_rows)
     atomic_write_jsonl(tmp / REJECTED_FILE, [r.to_json() for r in rejects])
-    file_reads.write(tmp, checked.file_reads)  # what the next preparation need not read again
+    file_reads.write(tmp, checked.file_reads, checked.carried_reads)  # what the next one need not read again
     atomic_write_json(tmp / LABELS_FILE, label_map)
     _write_index(cfg, tmp, in_place, {"train": train_rows, "val": val_rows}, label_map)
     largest = _largest_image(good, cfg.max_side, work, Path(cfg.out).resolve(), in_place)

@@ -138,7 +138,7 @@ def merge_parts(cfg: PrepareConfig, tmp: Path, fp: str) -> Checked:
         accepted, rejected = rows[i]
         good += [_candidate(row, src, tmp / "parts" / f"{i:05d}") for row in accepted]
         rejects += [_reject(r) for r in rejected]
-        records += file_reads.load_all(src)  # none, or damaged: the next preparation reads those files
+        records += file_reads.record_files(src)  # linked, not read: a damaged one is refused when used
         s = summaries[i]
         n_input += s["counts"]["input_rows"]
         reused += s["reused_checks"]
@@ -147,7 +147,7 @@ def merge_parts(cfg: PrepareConfig, tmp: Path, fp: str) -> Checked:
     kind = summaries[0]["kind"]
     if reader_named(kind).in_place is not None:  # each part read only its files: duplicates across them now
         good, rejects = finish_rows(good, rejects)
-    return Checked(good, rejects, n_input, kind, seconds, reused, downscaled, records)
+    return Checked(good, rejects, n_input, kind, seconds, reused, downscaled, carried_reads=records)
 
 
 def _checked_part(out, i: int, n: int, fp: str) -> tuple[dict, tuple[list[dict], list[dict]]]:

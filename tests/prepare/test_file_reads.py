@@ -188,3 +188,19 @@ def test_a_shard_read_only_in_part_is_read_again(tmp_path, folder, minilm_dir, r
     summary = _prepare(folder, out, minilm_dir)
     assert sorted(reads) == ["00001.tar", "00002.tar"]
     assert summary["counts"]["input_rows"] == 3 * (len(PHOTOS) + 1)
+
+
+def test_a_merge_links_the_parts_records_without_reading_them(tmp_path, folder, minilm_dir, monkeypatch):
+    """At millions of rows the records are about the size of the rows: the merge carries the parts' files over
+    as they are (a damaged one is refused when a later preparation reads it, as any record is)."""
+    out = tmp_path / "prepared"
+    for i in range(2):
+        _prepare(folder, out, minilm_dir, shard=(i, 2))
+    parts = {p.name: p.read_bytes() for i in range(2) for p in (part_dir(out, i, 2) / FILE_READS).glob("*.json")}
+    opened: list[Path] = []
+    real = file_reads.read_json_object
+    monkeypatch.setattr(file_reads, "read_json_object", lambda p: opened.append(p) or real(p))
+    _prepare(folder, out, minilm_dir, merge=True)
+    assert opened == []
+    merged = {p.name: p.read_bytes() for p in (out / FILE_READS).glob("*.json")}
+    assert merged == parts and len(merged) == 3
