@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmfast.data.dataset import COMPLETE, prepared_state
-from mmfast.inputs import ImagesInPlace, InputOptions, detect_kind, read_source, reader_named
+from mmfast.inputs import ImagesInPlace, InputOptions, Reader, detect_kind, read_source, reader_named
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import fetch_to, is_remote
@@ -89,7 +89,7 @@ def read_rows(
     for k, key in enumerate(sorted(chosen)):
         item, with_label = chosen[key]
         if isinstance(item, Reject):
-            where = _where(item, reader.rows_are_files, path, base)
+            where = _where(item, reader, path, base)
             rows.append({**_raw_cells(item, opts), "error": f"{where}: {item.reason}"})
         elif reader.in_place is not None:
             rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir, fetched))
@@ -182,12 +182,13 @@ def _raw_cells(r: Reject, opts: InputOptions) -> dict:
     return {"image": cells["image"], "text": cells["text"]} | ({"label": cells["label"]} if cells["label"] else {})
 
 
-def _where(r: Reject, rows_are_files: bool, path: Path, base: Path) -> str:
-    """The row a reject names: ``<file>:<line>`` (an image folder's row: its image; a whole shard: the shard)."""
-    if rows_are_files and isinstance(r.row, dict) and isinstance(r.row.get("image"), str):
+def _where(r: Reject, reader: Reader, path: Path, base: Path) -> str:
+    """The row a reject names: ``<file>:<line>`` or ``Reader.where``'s (an image folder's row: its image; a
+    whole shard: the shard)."""
+    if reader.rows_are_files and isinstance(r.row, dict) and isinstance(r.row.get("image"), str):
         return str(path / r.row["image"])
     file = base / r.file if r.file else path
-    return f"{file}:{r.line}" if r.line > 0 else str(file)
+    return reader.where(file, r.line) if r.line > 0 else str(file)
 
 
 def _is_flat_image_folder(path: Path, opts: InputOptions) -> bool:

@@ -349,5 +349,5 @@ def _extension(data: bytes, name: str | None) -> str:
     return suffix if suffix in IMAGE_SUFFIXES else ".bin"
 
 
-PARQUET = Reader("parquet", read_parquet, suffixes=(".parquet",), image_root=True)
-ARROW = Reader("arrow", read_arrow, suffixes=(".arrow",), image_root=True)
+PARQUET = Reader("parquet", read_parquet, suffixes=(".parquet",), image_root=True, row_noun="row")
+ARROW = Reader("arrow", read_arrow, suffixes=(".arrow",), image_root=True, row_noun="row")

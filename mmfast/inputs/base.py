@@ -148,6 +148,8 @@ class Reader:
             files (on disk, or written from bytes into ``image_dir``) that preparation validates.
         image_root: its rows name images by paths that may be relative, read from ``InputOptions.image_folder``;
             a kind without it refuses --image-root (``check_image_root``).
+        row_noun: what a reject's number counts when it is not a line of the file ("annotation" of a COCO
+            file, "row" of a Parquet table): a reject is named "<file>, annotation 7", not "<file>:7".
     """
 
     name: str
@@ -157,6 +159,11 @@ class Reader:
     rows_are_files: bool = False
     in_place: ImagesInPlace | None = None
     image_root: bool = False
+    row_noun: str = ""
+
+    def where(self, file: Path | str, line: int) -> str:
+        """The place of a reject's row: ``<file>:<line>``, or ``<file>, <row_noun> <line>``."""
+        return f"{file}, {self.row_noun} {line}" if self.row_noun else f"{file}:{line}"
 
 
 READERS: dict[str, Reader] = {}

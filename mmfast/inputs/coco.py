@@ -94,6 +94,5 @@ def _load(path: Path) -> dict:
     return data
 
 
-READER = Reader(
-    "coco", read_coco, image_root=True
-)  # told from a .json file by its content (``mmfast.inputs.detect_kind``)
+# told from a .json file by its content (``mmfast.inputs.detect_kind``)
+READER = Reader("coco", read_coco, image_root=True, row_noun="annotation")

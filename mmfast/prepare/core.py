@@ -269,7 +269,7 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject], rea
     base = src if src.is_dir() else src.parent  # a reject's file is relative to the input's folder
     lines = [f"{cfg.source}: no usable rows out of {n_input}; the first reasons:"]
     for r in rejects[:_SHOWN_REASONS]:
-        lines.append(f"  {base / r.file if r.file else src}:{r.line}: {r.reason}")
+        lines.append(f"  {reader.where(base / r.file if r.file else src, r.line)}: {r.reason}")
     if len(rejects) > _SHOWN_REASONS:
         common = Counter(_reason_kind(r.reason) for r in rejects[_SHOWN_REASONS:]).most_common(3)
         more = ", ".join(f"{why} ({n})" for why, n in common)

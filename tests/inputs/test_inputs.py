@@ -282,6 +282,9 @@ def test_coco_captions(tmp_path, photos_set):
     _assert_joined(tmp_path / "first", photos_set)
     _prepare(src, tmp_path / "nolabel", coco_captions="first", image_root=str(root), no_labels=True)
     _assert_joined(tmp_path / "nolabel", photos_set, label_of=lambda r: NO_LABEL)
+    shutil.rmtree(root)  # every image gone: the error names each row by its annotation, not a line of the JSON
+    with pytest.raises(ManifestError, match=r"captions_val2017\.json, annotation 1: missing file"):
+        _prepare(src, tmp_path / "gone", **opts)
 
 
 # -- 5. Parquet and save_to_disk, written by datasets -----------------------------------------------------
@@ -381,7 +384,7 @@ def test_parquet_bad_rows_are_rejected_with_file_and_row(tmp_path, photos_set):
     assert rej[4]["reason"] == "empty text"
     assert rej[5]["reason"] == "field 'label': no label (-1)"
     # A caption column of another type: rejected rows, written to rejected.jsonl as JSON
-    with pytest.raises(ManifestError, match=r"t.parquet:1: field 'n' must be a string, got date"):
+    with pytest.raises(ManifestError, match=r"t.parquet, row 1: field 'n' must be a string, got date"):
         _prepare(tmp_path / "t.parquet", tmp_path / "out-n", text_column="n", no_labels=True)
     bad = [json.loads(ln) for ln in failure_report_path(tmp_path / "out-n").read_text().splitlines()]
     assert (
