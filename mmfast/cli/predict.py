@@ -316,8 +316,17 @@ def _main(argv: list[str] | None) -> int:
     if args.embed and not args.out:
         print("error: --embed needs --out (its files: OUT.npy, OUT.ids.npy, OUT.parquet)", file=sys.stderr)
         return 2
+    if args.embed and (args.classes or args.templates):
+        print(
+            "error: --classes and --templates choose zero-shot predictions, and --embed writes embeddings "
+            "instead: drop one or the other",
+            file=sys.stderr,
+        )
+        return 2
     with contextlib.ExitStack() as stack:
         try:
+            classes = read_class_names(args.classes) if args.classes else None  # before any image is read
+            templates = read_templates(args.templates) if args.templates else None
             rows = load_rows(args, stack)
             if args.out:  # never the input, one of its images, or a file of the user's
                 inputs = [str(source)] + [image_file(r) for r in rows if r.get("image")]
@@ -339,12 +348,6 @@ def _main(argv: list[str] | None) -> int:
             return 0
         loader = {"batch_size": args.batch_size, "device": device, "num_workers": args.num_workers}
         if model.embeds:  # zero-shot among --classes, else the classes it was trained with
-            try:
-                classes = read_class_names(args.classes) if args.classes else None
-                templates = read_templates(args.templates) if args.templates else None
-            except ValueError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
             results = zero_shot_rows(
                 model, rows, templates, args.top_k, classes, max_pixels=args.max_pixels, **loader
             )

@@ -18,16 +18,20 @@ import io
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from mmfast.data.tokenizer import tokenizer_fingerprint
+from mmfast.data.tokenizer import library_versions, tokenizer_fingerprint
 from mmfast.util.commands import PREPARE
 from mmfast.util.fsutil import atomic_write_bytes, atomic_write_json
 from mmfast.util.locks import file_lock
+
+if TYPE_CHECKING:  # the earlier rows' module imports this one
+    from mmfast.data.earlier_tokens import EarlierTokens
 
 log = logging.getLogger(__name__)
 _NO_CACHE = "no cache yet"  # the reason for a first build
@@ -141,7 +145,7 @@ class TokenCache:
         max_length: int,
         first_id: int = 0,
         batch_size: int = 4096,
-        earlier: Sequence[tuple[TokenCache, Sequence[str] | Callable[[], Sequence[str]]]] = (),
+        earlier: EarlierTokens | None = None,
     ) -> TokenCache:
         """Open the split's cache, (re)building it first if it is missing, stale or damaged.
 
@@ -155,9 +159,8 @@ class TokenCache:
             max_length: truncation length, special tokens included.
             first_id: sample id of ``texts[0]``.
             batch_size: texts per tokenizer call.
-            earlier: (cache, its texts in row order, or a function that reads them) pairs; where a cache was
-                built by this tokenizer with this max_length, its rows stand in for tokenizing the same captions
-                again. Others are passed over.
+            earlier: rows of earlier caches (``mmfast.data.earlier_tokens``) that stand in for tokenizing the
+                same captions again, where they were made as this build makes them.
 
         Raises:
             TypeError: a text that is not a string (its index and sample id are named).
@@ -215,54 +218,17 @@ def _stale_reason(directory: Path, split: str, fp: str, first_id: int) -> str:
 
 
 def _token_rows(
-    texts: Sequence[str], tok, max_length: int, batch_size: int, earlier: Sequence[tuple], fp: str
+    texts: Sequence[str], tok, max_length: int, batch_size: int, earlier: EarlierTokens | None, fp: str
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(all token ids concatenated, each row's length, how many rows were copied) of ``texts``: a caption that
-    one of the ``earlier`` caches of this tokenizer and max_length holds is copied from it, the others are
-    tokenized. An earlier cache of the very same fingerprint is copied whole, its texts never read."""
+    """(all token ids concatenated, each row's length, how many rows were copied) of ``texts``: the rows
+    ``earlier`` lends, the others tokenized."""
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.int32
-    for cache, _ in earlier:
-        if cache.meta.get("fingerprint") == fp and cache.meta.get("format") == FORMAT_VERSION:
-            log.info("token cache: the captions are those of %s/%s; its rows are copied", cache.dir, cache.split)
-            return np.asarray(cache.ids), cache.lengths, len(cache)
-    tok_fp = tokenizer_fingerprint(tok) if earlier else ""
-    pools, known, base = [], {}, 0
-    for cache, texts_of in earlier:
-        if not _same_tokens(cache, tok_fp, max_length, dtype):
-            continue
-        their_texts = texts_of() if callable(texts_of) else texts_of
-        if len(their_texts) != len(cache):
-            continue
-        starts = (np.asarray(cache.offsets[:-1]) + base).tolist()
-        known.update(zip(their_texts, zip(starts, cache.lengths.tolist(), strict=True), strict=True))
-        pools.append(np.asarray(cache.ids))
-        base += len(cache.ids)
-    if not known:
-        return *_encode(texts, tok, max_length, dtype, batch_size), 0
-    found = [known.get(t) for t in texts]
-    missing = [t for t, f in zip(texts, found, strict=True) if f is None]
-    new_ids, new_lengths = _encode(missing, tok, max_length, dtype, batch_size)
-    new_starts = iter((base + np.concatenate(([0], np.cumsum(new_lengths)[:-1]))).tolist())
-    new_len = iter(new_lengths.tolist())
-    spans = [f if f is not None else (next(new_starts), next(new_len)) for f in found]
-    starts = np.fromiter((s for s, _ in spans), dtype=np.int64, count=len(spans))
-    lengths = np.fromiter((n for _, n in spans), dtype=np.int64, count=len(spans))
-    pool = np.concatenate([*pools, new_ids])
-    firsts = np.cumsum(lengths) - lengths  # where each row begins in the result
-    index = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - firsts, lengths)
-    log.info("token cache: %d of %d captions tokenized, the rest copied from earlier", len(missing), len(texts))
-    return pool[index], lengths, len(texts) - len(missing)
 
+    def encode(these: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        return _encode(these, tok, max_length, dtype, batch_size)
 
-def _same_tokens(cache: TokenCache, tok_fp: str, max_length: int, dtype) -> bool:
-    """Whether ``cache`` was built as a build with this tokenizer and max_length would be."""
-    meta = cache.meta
-    return (
-        meta.get("tokenizer") == tok_fp
-        and meta.get("max_length") == max_length
-        and meta.get("dtype") == np.dtype(dtype).name
-        and meta.get("format") == FORMAT_VERSION
-    )
+    lent = earlier.rows(texts, tok, max_length, dtype, fp, encode) if earlier is not None else None
+    return lent if lent is not None else (*encode(texts), 0)
 
 
 def _encode(texts: Sequence[str], tok, max_length: int, dtype, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -300,6 +266,7 @@ def _write_split(
             "format": FORMAT_VERSION,
             "fingerprint": fp,
             "tokenizer": tokenizer_fingerprint(tok),  # which earlier caches a later build may copy rows from
+            "libraries": library_versions(),
             "dtype": flat.dtype.name,
             "n_rows": len(lengths),
             "n_tokens": int(flat.size),

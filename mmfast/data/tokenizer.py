@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from mmfast.data.open_clip_tokenizer import OpenClipTokenizer, is_open_clip_tokenizer
@@ -145,6 +146,18 @@ def _open_clip_text_cfg(path: str | Path) -> dict | None:
     except (ValueError, KeyError, AttributeError) as e:
         raise ValueError(f"{config}: not an open_clip config ({e})") from e
     return text_cfg if isinstance(text_cfg, dict) else {}
+
+
+def library_versions() -> dict[str, str | None]:
+    """The versions of the libraries that train, save and run a tokenizer: a vocabulary or token rows made under
+    others may differ from what these make (``mmfast.data.earlier_tokens``)."""
+    versions: dict[str, str | None] = {}
+    for name in ("tokenizers", "transformers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def tokenizer_fingerprint(tok) -> str:

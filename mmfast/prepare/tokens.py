@@ -1,16 +1,19 @@
 """A preparation's tokenizer and token cache, kept from earlier preparations of the input where they still
 apply: a WordPiece vocabulary trained on the very same training captions is copied rather than trained again,
-and a caption an earlier token cache of the same tokenizer holds is copied rather than tokenized again. What is
-written is, byte for byte, what a preparation from nothing writes.
+and a caption an earlier token cache of the same tokenizer holds is copied rather than tokenized again
+(``mmfast.data.earlier_tokens``). What is written is, byte for byte, what a preparation from nothing writes.
 
-Only complete preparations by this version of mmfast are used, and of them only files that are still as their
-prepare.json records them (size and SHA-256).
+Only complete preparations by this version of mmfast are used. Every byte taken from one is read once and
+checked against the size and SHA-256 its prepare.json records, so a file changed by hand, damaged, or replaced
+by a preparation running beside this one lends nothing; a file that cannot be read lends nothing either.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import hashlib
+import io
 import json
 import logging
 import re
@@ -19,11 +22,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from mmfast.data.dataset import SPLITS, TOKENIZER_DIR, TOKENS_DIR, DatasetError, PreparedDataset, split_file
+from mmfast.data.earlier_tokens import EarlierSplit, EarlierTokens
 from mmfast.data.token_cache import TokenCache, cache_fingerprint
-from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_wordpiece
+from mmfast.data.tokenizer import library_versions, load_tokenizer, tokenizer_fingerprint, train_wordpiece
 from mmfast.prepare.config import PrepareConfig
-from mmfast.prepare.reuse import changed_files
 
 log = logging.getLogger(__name__)
 
@@ -42,27 +47,30 @@ def tokenize(cfg: PrepareConfig, tmp: Path, rows: dict[str, list[dict]], earlier
     """Write the tokenizer into ``tmp``/tokenizer and each split of ``rows`` into ``tmp``/tokens, using what the
     complete preparations ``earlier`` hold where it is what would be written anyway."""
     t0 = time.perf_counter()
-    folders = [ds for d in reversed(earlier) if (ds := _intact(d)) is not None]  # --out's own first
+    folders = [ds for d in reversed(earlier) if (ds := _opened(d)) is not None]  # --out's own first
     train_texts = [r["text"] for r in rows["train"]]
-    kept = None if cfg.tokenizer else _same_vocabulary(folders, cfg, train_texts)
-    if kept is not None:
-        source, tok = kept
-        shutil.copytree(source.tokenizer_dir, tmp / TOKENIZER_DIR, ignore=shutil.ignore_patterns("*.lock"))
-        log.info("tokenizer: the vocabulary %s trained on the same captions is kept", source.root)
-    else:
+    tok, source = None, None
+    for ds in folders if not cfg.tokenizer else ():
+        tok = _kept_vocabulary(ds, cfg, train_texts, tmp / TOKENIZER_DIR)
+        if tok is not None:
+            source = ds
+            log.info("tokenizer: the vocabulary %s trained on the same captions is kept", ds.root)
+            break
+    if tok is None:
         tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else train_wordpiece(train_texts, cfg.vocab_size)
         save_tokenizer(tok, tmp / TOKENIZER_DIR)
     t_tok = time.perf_counter()
-    pairs = _earlier_caches(folders, tokenizer_fingerprint(tok), cfg.max_length)
+    earlier_rows = EarlierTokens(_earlier_splits(folders, tokenizer_fingerprint(tok), cfg.max_length))
     caches = {}
     first = 0
     for split, these in rows.items():
+        texts = [r["text"] for r in these]
         caches[split] = TokenCache.build(
-            tmp / TOKENS_DIR, split, [r["text"] for r in these], tok, cfg.max_length, first_id=first, earlier=pairs
+            tmp / TOKENS_DIR, split, texts, tok, cfg.max_length, first_id=first, earlier=earlier_rows
         )
         first += len(these)
     seconds = {"tokenizer": t_tok - t0, "token_cache": time.perf_counter() - t_tok}
-    return Tokenized(tok, caches, str(source.root) if kept is not None else "", seconds)
+    return Tokenized(tok, caches, str(source.root) if source is not None else "", seconds)
 
 
 def save_tokenizer(tok, path: Path) -> None:
@@ -76,59 +84,109 @@ def save_tokenizer(tok, path: Path) -> None:
         raise OSError(int(code.group(1)) if code else errno.EIO, f"saving the tokenizer: {e}", str(path)) from e
 
 
-def _intact(folder: Path) -> PreparedDataset | None:
-    """``folder`` when its tokenizer and token cache files are still as its prepare.json records them."""
+def _opened(folder: Path) -> PreparedDataset | None:
     try:
-        ds = PreparedDataset(folder, verify=False)
+        return PreparedDataset(folder, verify=False)
     except (OSError, DatasetError, KeyError, TypeError, ValueError):
         return None
-    ours = {rel: want for rel, want in ds.files.items() if rel.split("/")[0] in (TOKENIZER_DIR, TOKENS_DIR)}
-    return ds if ours and not changed_files(folder, ours) else None
 
 
-def _same_vocabulary(folders: list[PreparedDataset], cfg: PrepareConfig, texts: list[str]) -> tuple | None:
-    """(folder, its tokenizer) of the first folder whose WordPiece vocabulary of ``cfg.vocab_size`` was trained
-    on exactly ``texts``: its train token cache's fingerprint is that of ``texts`` under its tokenizer (so its
-    rows are not read)."""
-    for ds in folders:
-        config = ds.summary.get("config") or {}
-        if config.get("tokenizer") is not None or config.get("vocab_size") != cfg.vocab_size:
-            continue
-        try:
-            meta = TokenCache(ds.tokens_dir, "train").meta
-            tok = load_tokenizer(ds.tokenizer_dir)
-        except (OSError, ValueError):
-            continue
-        if cache_fingerprint(tok, meta.get("max_length"), texts) == meta.get("fingerprint"):
-            return ds, tok
+def _checked(ds: PreparedDataset, rel: str) -> bytes | None:
+    """The bytes of ``rel`` in ``ds``, read once, when they are what its prepare.json records; else None."""
+    want = ds.files.get(rel)
+    try:
+        data = (ds.root / rel).read_bytes()
+    except OSError:
+        return None
+    if not isinstance(want, dict) or len(data) != want.get("size"):
+        return None
+    return data if hashlib.sha256(data).hexdigest() == want.get("sha256") else None
+
+
+def _meta(ds: PreparedDataset, split: str) -> dict | None:
+    data = _checked(ds, f"{TOKENS_DIR}/{split}.meta.json")
+    try:
+        meta = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _kept_vocabulary(ds: PreparedDataset, cfg: PrepareConfig, texts: list[str], dest: Path):
+    """The WordPiece vocabulary of ``cfg.vocab_size`` that ``ds`` trained on exactly ``texts`` under these
+    libraries, its checked files copied into ``dest`` (its train token cache's fingerprint is that of ``texts``
+    under it, so no row is read); None, ``dest`` left absent, when there is none."""
+    config = ds.summary.get("config") or {}
+    if config.get("tokenizer") is not None or config.get("vocab_size") != cfg.vocab_size:
+        return None
+    meta = _meta(ds, "train")
+    if meta is None or meta.get("libraries") != library_versions():
+        return None
+    files = [rel for rel in ds.files if rel.split("/")[0] == TOKENIZER_DIR]
+    try:
+        for rel in files:
+            data = _checked(ds, rel)
+            if data is None:
+                raise ValueError(f"{ds.root / rel} is not as prepared")
+            target = dest / Path(rel).relative_to(TOKENIZER_DIR)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        tok = load_tokenizer(dest) if files else None
+        if tok is not None and cache_fingerprint(tok, meta.get("max_length"), texts) == meta.get("fingerprint"):
+            return tok
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(dest, ignore_errors=True)
     return None
 
 
-def _earlier_caches(folders: list[PreparedDataset], tok_fp: str, max_length: int) -> list[tuple]:
-    """(token cache, a function reading its captions) of each split of the first of ``folders`` whose caches
-    this tokenizer built with this max_length."""
+def _earlier_splits(folders: list[PreparedDataset], tok_fp: str, max_length: int) -> list[EarlierSplit]:
+    """The checked token cache splits of the first of ``folders`` whose caches this tokenizer built with this
+    max_length under these libraries."""
+    versions = library_versions()
     for ds in folders:
-        pairs = []
+        found = []
         for split in SPLITS:
-            try:
-                cache = TokenCache(ds.tokens_dir, split)
-            except (OSError, ValueError):
+            meta = _meta(ds, split)
+            if meta is None or (meta.get("tokenizer"), meta.get("max_length")) != (tok_fp, max_length):
                 continue
-            if cache.meta.get("tokenizer") == tok_fp and cache.meta.get("max_length") == max_length:
-                pairs.append((cache, functools.partial(_texts, ds, split)))
-        if pairs:
-            return pairs
+            ids = _checked(ds, f"{TOKENS_DIR}/{split}.ids.bin")
+            offsets = _checked(ds, f"{TOKENS_DIR}/{split}.offsets.npy")
+            if ids is None or offsets is None or meta.get("libraries") != versions:
+                continue
+            try:
+                found.append(
+                    EarlierSplit(
+                        meta,
+                        np.frombuffer(ids, dtype=meta["dtype"]),
+                        np.load(io.BytesIO(offsets)),
+                        functools.partial(_texts, ds, split),
+                        f"{ds.root}/{split}",
+                    )
+                )
+            except (ValueError, TypeError, KeyError):  # a meta that names no dtype, an offsets file not .npy
+                continue
+        if found:
+            return found
     return []
 
 
 def _texts(ds: PreparedDataset, split: str) -> list[str]:
     """The captions of ``split`` of ``ds``, in row order; [] when its rows file is not as prepare.json records
-    it (a caption edited by hand must not be given the tokens of the one it replaced)."""
+    it (a caption edited by hand must not be given the tokens of the one it replaced) or cannot be read. Read
+    and hashed in one pass."""
     rel = split_file(split)
-    if rel not in ds.files or changed_files(ds.root, {rel: ds.files[rel]}):
-        return []
+    want = ds.files.get(rel)
+    h, texts, size = hashlib.sha256(), [], 0
     try:
         with open(ds.root / rel, "rb") as f:
-            return [json.loads(line)["text"] for line in f if line.strip()]
+            for line in f:
+                h.update(line)
+                size += len(line)
+                if line.strip():
+                    texts.append(json.loads(line)["text"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
+    if not isinstance(want, dict) or (size, h.hexdigest()) != (want.get("size"), want.get("sha256")):
+        return []
+    return texts

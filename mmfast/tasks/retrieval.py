@@ -10,6 +10,7 @@ rank is that of its best-ranked own caption among the other images' captions.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -231,20 +232,28 @@ def read_class_names(value: str | os.PathLike) -> list[str]:
     '#' skipped), else names separated by commas.
 
     Raises:
-        ValueError: fewer than two names (one class is every image's answer), or a name given twice.
+        ValueError: fewer than two names (one class is every image's answer), a name given twice, a file named
+            that is not there or not UTF-8.
     """
-    path = Path(value)
-    if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines()
+    text = str(value)
+    if os.path.isfile(text):  # not Path.is_file(): a long list of names is no file name, not an error
+        try:
+            lines = Path(text).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"--classes {text}: cannot read the file ({e}); give UTF-8 text, one name a line"
+            ) from None
         names = [n.strip() for n in lines if n.strip() and not n.strip().startswith("#")]
+    elif "," not in text and (text.endswith((".txt", ".csv", ".lst")) or os.sep in text):
+        raise ValueError(f"--classes {text}: no such file; give a file of names, one a line, or names, a,b,c")
     else:
-        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        names = [n.strip() for n in text.split(",") if n.strip()]
     if len(names) < 2:
         raise ValueError(
-            f"--classes {str(value)!r}: give at least two class names, separated by commas or one per line in a "
+            f"--classes {text!r}: give at least two class names, separated by commas or one per line in a "
             "file (with one, every image is that class)"
         )
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(n for n, k in Counter(names).items() if k > 1)
     if twice:
         raise ValueError(f"--classes: {', '.join(map(repr, twice))} given more than once; give each class once")
     return names
@@ -260,7 +269,7 @@ def read_templates(value: str | os.PathLike | None) -> list[str]:
     if value is None:
         return list(DEFAULT_TEMPLATES)
     path = Path(value)
-    if path.is_file():
+    if os.path.isfile(path):  # not Path.is_file(): many templates joined by '|' are no file name, not an error
         lines = path.read_text(encoding="utf-8").splitlines()
         where = [(f"{path}:{n}", line.strip()) for n, line in enumerate(lines, 1)]
         where = [(w, t) for w, t in where if t and not t.startswith("#")]

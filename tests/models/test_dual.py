@@ -322,7 +322,9 @@ def test_predict_with_a_dual_encoder_is_zero_shot_among_its_classes(prepared, cl
     assert 100 * right / len(first) == pytest.approx(figures["zero_shot_acc"], abs=1e-6)
 
 
-def test_predict_with_the_users_class_names_scores_each_image_against_their_prompts(prepared, clip_dir, tmp_path):
+def test_predict_with_the_users_class_names_scores_each_image_against_their_prompts(
+    prepared, clip_dir, tmp_path, capsys
+):
     """--classes and --templates: each image's probabilities are the softmax of the model's scaled cosines to
     the prompts of those names, ensembled, computed here from encode_image / encode_text."""
     import tools.predict as predict_tool
@@ -352,8 +354,19 @@ def test_predict_with_the_users_class_names_scores_each_image_against_their_prom
     for r, p in zip(got, probs, strict=True):
         assert r["class"] == classes[int(p.argmax())] and r["prob"] == pytest.approx(float(p.max()), abs=1e-3)
         assert dict(r["top_k"]) == pytest.approx(dict(zip(classes, p.tolist(), strict=True)), abs=1e-3)
-    assert predict_tool.main([*argv, "--classes", "only one"]) == 2
-    assert predict_tool.main([*argv, "--classes", "cat,dog,cat"]) == 2
+    refusals = {
+        "only one": "give at least two class names",
+        "cat,dog,cat": "'cat' given more than once",
+        "my-classes.txt": "my-classes.txt: no such file",
+        ",".join(f"class number {k}" for k in range(40)): None,  # a long list is no file name: no OSError
+    }
+    for value, said in refusals.items():
+        capsys.readouterr()
+        code = predict_tool.main([*argv, "--classes", value, "--templates", "{"])
+        assert code == 2 and (said or "must hold exactly one {}") in capsys.readouterr().err
+    embed = ["--model", str(clip_dir), "--data", str(prepared), "--embed", "image", "--out", str(tmp_path / "e")]
+    assert predict_tool.main([*embed, "--classes", "cat,dog"]) == 2
+    assert "--embed writes embeddings instead: drop one or the other" in capsys.readouterr().err
 
 
 def test_evaluate_reports_retrieval_and_zero_shot(prepared, clip_dir, tmp_path, capsys):

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from mmfast.data import tokenizer as tokenizer_mod
+from mmfast.data.earlier_tokens import EarlierSplit, EarlierTokens
 from mmfast.data.token_cache import TokenCache
 from mmfast.prepare import tokens as prepare_tokens
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
@@ -88,6 +89,7 @@ def test_same_captions_keep_the_vocabulary_and_every_token_row(tmp_path, cache, 
     assert trained == [first["counts"]["train"]]
     changed = manifest.parent / "p3.jpg"
     Image.open(changed).rotate(90, expand=True).save(changed, "JPEG")  # the input changes, its captions do not
+    (out / "tokenizer" / "notes.txt").write_text("a file of the user's, not of the vocabulary")
     trained.clear()
     again = _prepare(manifest, out)
     assert trained == []  # the vocabulary was copied, not trained again
@@ -139,7 +141,8 @@ def test_a_damaged_earlier_cache_is_not_copied_from(tmp_path, cache, minilm_dir)
     changed = manifest.parent / "p5.jpg"
     Image.open(changed).rotate(90, expand=True).save(changed, "JPEG")
     again = _prepare(manifest, out, tokenizer=minilm_dir)
-    assert all("rows_copied" not in c for c in again["token_cache"].values())
+    assert "rows_copied" not in again["token_cache"]["train"]  # the val split's cache, intact, still lends
+    assert again["token_cache"]["val"]["rows_copied"] == again["counts"]["val"]
     assert _token_files(out) == _fresh(tmp_path, manifest, cache, tokenizer=minilm_dir)
 
 
@@ -148,13 +151,14 @@ def test_a_cache_build_copies_rows_of_an_earlier_cache_of_the_same_tokenizer(tmp
     old = ["a red bicycle", "", "two dogs play in the snow " * 9, "a red bicycle", "coffee"]
     new = ["coffee", "a cat", "two dogs play in the snow " * 9, "a red bicycle", "", "a cat", "tea"]
     earlier = TokenCache.build(tmp_path / "old", "train", old, tok, 16)
-    built = TokenCache.build(tmp_path / "new", "train", new, tok, 16, first_id=3, earlier=[(earlier, old)])
+    lend = EarlierTokens([EarlierSplit.of_cache(earlier, old)])
+    built = TokenCache.build(tmp_path / "new", "train", new, tok, 16, first_id=3, earlier=lend)
     fresh = TokenCache.build(tmp_path / "fresh", "train", new, tok, 16, first_id=3)
     assert built.copied == 4  # coffee, the dogs (cut at 16 tokens), the bicycle, the empty caption
     for name in ("train.ids.bin", "train.offsets.npy", "train.meta.json"):
         assert (tmp_path / "new" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
     assert fresh.copied == 0
-    wider = TokenCache.build(tmp_path / "wide", "train", new, tok, 24, earlier=[(earlier, old)])
+    wider = TokenCache.build(tmp_path / "wide", "train", new, tok, 24, earlier=lend)
     assert wider.copied == 0  # rows cut at 16 tokens are not rows cut at 24
 
 
@@ -170,3 +174,30 @@ def test_captions_edited_in_the_earlier_rows_lend_no_tokens(tmp_path, cache, min
     again = _prepare(manifest, out, tokenizer=minilm_dir)
     assert again["token_cache"]["val"].get("rows_copied")  # the val rows file was as recorded
     assert _token_files(out) == _fresh(tmp_path, manifest, cache, tokenizer=minilm_dir)
+
+
+def test_a_vocabulary_or_rows_not_as_recorded_or_of_other_libraries_are_made_again(
+    tmp_path, cache, trained, monkeypatch
+):
+    manifest = _photos(tmp_path / "photos", 12)
+    out = tmp_path / "prepared"
+    _prepare(manifest, out)
+    vocab = out / "tokenizer" / "tokenizer.json"
+    vocab.write_text(vocab.read_text().replace('"[MASK]"', '"[MASQ]"', 1))  # edited by hand
+    ids = out / "tokens" / "val.ids.bin"
+    ids.unlink()
+    ids.mkdir()  # a file that cannot be read
+    changed = manifest.parent / "p4.jpg"
+    Image.open(changed).rotate(90, expand=True).save(changed, "JPEG")
+    trained.clear()
+    again = _prepare(manifest, out)
+    assert len(trained) == 1 and "tokenizer_kept_from" not in again
+    assert _token_files(out) == _fresh(tmp_path, manifest, cache)
+    other = {"tokenizers": "0.0.1", "transformers": "0.0.1"}  # what another install would have written
+    monkeypatch.setattr("mmfast.prepare.tokens.library_versions", lambda: other)
+    monkeypatch.setattr("mmfast.data.earlier_tokens.library_versions", lambda: other)
+    Image.open(changed).rotate(90, expand=True).save(changed, "JPEG")
+    trained.clear()
+    again = _prepare(manifest, out)
+    assert len(trained) == 1 and "tokenizer_kept_from" not in again
+    assert all("rows_copied" not in c for c in again["token_cache"].values())
