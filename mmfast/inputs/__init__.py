@@ -23,6 +23,7 @@ loader reads.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -43,6 +44,7 @@ from mmfast.inputs.base import (
     register_reader,
     unregister_reader,
 )
+from mmfast.inputs.columns import detect_columns
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject, finish_rows, read_input
 
 __all__ = [
@@ -175,7 +177,12 @@ def _manifest_reader(fmt: str) -> ReadRows:
 
     def read(path: Path, opts: InputOptions, confine: bool, image_dir: Path | None = None):
         folder = opts.image_folder(path.parent)
-        cands, rejects, _ = read_input(path, confine, opts.table_columns(), fmt, dedupe=False, image_folder=folder)
+        unnamed = frozenset(role for role in ("image", "text", "label") if getattr(opts, f"{role}_column") is None)
+        detect = functools.partial(detect_columns, unnamed=unnamed, path=path)
+        columns = opts.table_columns()
+        cands, rejects, _ = read_input(
+            path, confine, columns, fmt, dedupe=False, image_folder=folder, detect=detect
+        )
         return cands, rejects
 
     return read

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def read_input(
     fmt: str | None = None,
     dedupe: bool = True,
     image_folder: Path | None = None,
+    detect: Callable[[list[tuple[int, dict]], Columns], Columns] | None = None,
 ) -> tuple[list[Candidate], list[Reject], str]:
     """Read a JSONL/CSV manifest or an image folder.
 
@@ -97,6 +99,7 @@ def read_input(
         fmt: "jsonl", "csv" or "folder" (default: told from the path: a folder, or the file's suffix).
         dedupe: reject exact duplicates of an earlier row (see ``finish_rows``).
         image_folder: the folder a manifest's relative image paths are read from (default: the manifest's).
+        detect: (rows, columns) -> the columns to read them by (``inputs.columns.detect_columns``).
 
     Returns:
         (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
@@ -131,6 +134,7 @@ def read_input(
         else:
             raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
         root = (image_folder or path.parent).resolve()
+        columns = detect(rows, columns) if detect is not None else columns  # the columns the user left unnamed
         cands, more = check_rows(rows, root, confine, from_csv=kind == "csv", columns=columns)
         rejects.extend(more)
     cands, rejects = finish_rows(cands, rejects, dedupe)

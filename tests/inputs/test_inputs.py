@@ -210,6 +210,31 @@ def test_open_clip_train_csv_is_read_as_open_clip_writes_it(tmp_path, photos_set
         read_source(table, InputOptions(no_labels=True, image_column="image", text_column="caption"))
 
 
+def test_a_jsonl_with_other_field_names_is_read_by_them_and_says_so(tmp_path, photos_set, caplog):
+    """A JSONL manifest with ``filepath`` / ``caption`` / ``category`` (as Hugging Face and open_clip users name
+    them) prepares without --*-column flags, as Parquet does, and says which field it read; a field the rows
+    have under the default name wins, and a named column is never replaced."""
+    names = _copy_images(photos_set, tmp_path / "imgs")
+    rows = [
+        {"filepath": f"imgs/{n}", "caption": r["text"], "category": r["label"], "title": "not the caption"}
+        for n, r in zip(names, photos_set, strict=True)
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("INFO"):
+        _prepare(manifest, tmp_path / "out")
+    _assert_joined(tmp_path / "out", photos_set)
+    said = caplog.text
+    assert "m.jsonl: text read from the field 'caption' (--text-column names another)" in said
+    assert "field 'filepath'" in said and "field 'category'" in said
+    cands, _, _ = read_source(manifest, InputOptions(text_column="title"))  # named: not second-guessed
+    assert {c.text for c in cands} == {"not the caption"} and len(cands) == N
+    both = [dict(r, text=f"the default field {k}") for k, r in enumerate(rows)]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in both))
+    cands, _, _ = read_source(manifest)
+    assert sorted(c.text for c in cands) == sorted(r["text"] for r in both)
+
+
 def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
     names = _copy_images(photos_set, tmp_path / "imgs")
     tsv = tmp_path / "cc3m.tsv"
