@@ -256,7 +256,7 @@ def train_split(path: Path, parts: list[Path], split_of) -> list[Path]:
         return parts
     where = "; ".join(f"{s}: {', '.join(str(p) for p in parts if named.get(p) == s)}" for s in left)
     log.warning(
-        "%s: read its train split; left out its %s split%s (%s): to evaluate on one, prepare it on its own (its "
-        "files in a folder of their own)", path, ", ".join(left), "s" if len(left) > 1 else "", where,
+        "%s: read its train split; left out its %s split%s (%s): to read one of those, give its own files or "
+        "folder as the input", path, ", ".join(left), "s" if len(left) > 1 else "", where,
     )  # fmt: skip
     return train

@@ -340,9 +340,10 @@ def report_text(report: dict) -> str:
     lines.append(f"{'other':<12}{report['other_s']:>10.3f}")
     util = report.get("utilization") or {}
     gpu = util.get("gpu", {})
-    gpu_line = (
-        f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {gpu.get('reason', 'n/a')}"
-    )
+    reason = gpu.get("reason", "n/a")
+    if "Shared Library Not Found" in reason:  # no NVIDIA driver installed: a CPU machine, nothing to explain
+        reason = "none"
+    gpu_line = f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {reason}"
     if util and not util.get("samples"):
         gpu_line = "no utilization samples in the steady state: profile more steps"
     warm = report.get("warmup") or {}

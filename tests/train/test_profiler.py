@@ -252,3 +252,19 @@ def test_cpu_share_counts_this_process_and_its_children():
     assert max(own) > 0.3 * 100 / os.cpu_count(), own  # one busy core of cpu_count, under load
     every = [s["proc_cpu_util"] for s in sampler.samples]
     assert stats["cpu_util_mean"] == round(sum(every) / len(every), 1)  # the run's share, not the machine's
+
+
+@pytest.mark.parametrize(
+    "reason, shown",
+    [
+        ("none: NVML unavailable (NVML Shared Library Not Found)", "GPU: none\n"),  # no driver: a CPU machine
+        ("none: NVML unavailable (Driver Not Loaded)", "GPU: none: NVML unavailable (Driver Not Loaded)"),
+    ],
+)
+def test_a_machine_without_an_nvidia_driver_reads_gpu_none(reason, shown):
+    from mmfast.train.profiler import report_text
+
+    report = _run(4, 0.001, 0.004)
+    report["utilization"]["gpu"] = {"available": False, "reason": reason}
+    report["utilization"]["samples"] = report["utilization"].get("samples") or 1
+    assert shown in report_text(report) + "\n"
