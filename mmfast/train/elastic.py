@@ -25,10 +25,12 @@ def elastic(saved_run: dict, now: dict) -> bool:
 
 
 def without_elastic(diffs: list[str], saved_run: dict, now: dict) -> list[str]:
-    """``resume_rules.resume_differences``' lines, less those of ``ELASTIC_KEYS`` when the resume is elastic."""
-    if not elastic(saved_run, now):
-        return diffs
-    return [d for d in diffs if d.split(":", 1)[0] not in ELASTIC_KEYS]
+    """``resume_rules.resume_differences``' lines, less those of ``ELASTIC_KEYS`` when the resume is elastic, or
+    when the checkpoint's run fixed a global batch that this one changes or leaves out: the layout follows from
+    the global batch, so that line alone says what to pass."""
+    if elastic(saved_run, now) or saved_run.get("global_batch_size") is not None:
+        return [d for d in diffs if d.split(":", 1)[0] not in ELASTIC_KEYS]
+    return diffs
 
 
 def loader_state(states: list[dict], batch_size: int, num_shards: int, shard_id: int) -> dict:

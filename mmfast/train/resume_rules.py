@@ -68,4 +68,11 @@ def _difference(key: str, saved: dict, now: dict) -> str:
         moved = f"{saved.get('data')!r} -> {now.get('data')!r}" if saved.get("data") != now.get("data") else ""
         where = f"data: {moved}" if moved else f"data at {now.get('data')!r}"
         return f"{where}: other prepared data than the run trained on (its rows, captions, images or split differ)"
-    return f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
+    line = f"{key}: {_shown(saved.get(key))} -> {_shown(now.get(key))}"
+    if key == "global_batch_size" and saved.get(key) is not None:  # what lets the process count change
+        line += f" (pass --global-batch-size {saved[key]}: each process's batch follows from it)"
+    return line
+
+
+def _shown(value) -> str:
+    return "not set" if value is None else repr(value)

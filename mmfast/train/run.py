@@ -310,8 +310,12 @@ def _schedule_change(saved: dict, now: dict, steps: int) -> str | None:
     keys = [k for k in ("epochs", "max_steps") if k in saved and saved[k] != now.get(k)]
     if not keys:
         return None
-    was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in keys)
-    new = ", ".join(f"--{k.replace('_', '-')} {now.get(k)}" for k in keys)
+
+    def flag(k: str, v) -> str:
+        return f"--{k.replace('_', '-')} {v}" if v is not None else f"no --{k.replace('_', '-')}"
+
+    was = ", ".join(flag(k, saved[k]) for k in keys)
+    new = ", ".join(flag(k, now.get(k)) for k in keys)
     return (
         f"the learning-rate schedule now spans {steps} steps ({new}; the checkpoint's run had {was}): "
         "the rate from here follows it, and may rise again"

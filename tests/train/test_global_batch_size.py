@@ -233,3 +233,22 @@ def test_with_batch_norm_training_one_process_accumulating_and_two_processes_end
     variances = [k for k in a if k.endswith("running_var")]
     assert variances and all(not torch.allclose(a[k], torch.ones_like(a[k])) for k in variances)  # they moved
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_resume_that_changes_the_global_batch_names_it_alone_with_the_flag_to_pass():
+    """The per-process batch, accumulation and process count follow from the global batch: a resume that
+    changes or leaves out the checkpoint's --global-batch-size is refused by that one line, not by its
+    consequences, and no value reads as a bare None."""
+    from mmfast.train.elastic import without_elastic
+    from mmfast.train.resume_rules import resume_differences
+
+    saved = {"task": "clip", "global_batch_size": 32, "num_processes": 2, "grad_accum": 1, "batch_size": 16}
+    for given, shown in ((64, "64"), (None, "not set")):
+        now = {**saved, "global_batch_size": given, "num_processes": 1, "grad_accum": 4}
+        lines = without_elastic(resume_differences(saved, now), saved, now)
+        assert lines == [
+            f"global_batch_size: 32 -> {shown} (pass --global-batch-size 32: each process's batch follows from it)"
+        ]
+    fixed = {"task": "clip", "num_processes": 2, "grad_accum": 1, "batch_size": 16}  # no global batch
+    lines = without_elastic(resume_differences(fixed, {**fixed, "num_processes": 1}), fixed, {})
+    assert lines == ["num_processes: 2 -> 1"]
