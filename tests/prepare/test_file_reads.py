@@ -145,6 +145,8 @@ def test_a_record_keeps_any_file_name_and_refuses_rows_edited_by_hand(tmp_path):
     found = file_reads.load([tmp_path], [shard])[str(shard)]
     assert file_reads.reusable(found[0], [10, 20], shard.name, {"max_pixels": 9}) == ([cand], [])
     assert file_reads.reusable(found[0], [10, 21], shard.name, {"max_pixels": 9}) is None  # another mtime
+    # the same file reached through another source (its folder's parent given): its rows would name it otherwise
+    assert file_reads.reusable(found[0], [10, 20], f"sub/{shard.name}", {"max_pixels": 9}) is None
     found[0]["rows"][0]["source"] = "k.jpg"
     assert file_reads.reusable(found[0], [10, 20], shard.name, {"max_pixels": 9}) is None
 
