@@ -82,6 +82,10 @@ def read_captioned(
     return Captioned(files, texts, source)
 
 
+class PathsFromElsewhere(ValueError):
+    """A table whose relative image paths start from its own folder, not from the current directory."""
+
+
 def _check_relative_to_here(table: Path, files: list[str], probe: int = 8) -> None:
     """Refuse a table whose relative paths name files beside the table but not from the current directory:
     every picture would be missing, found only once the first batches are read."""
@@ -90,9 +94,10 @@ def _check_relative_to_here(table: Path, files: list[str], probe: int = 8) -> No
         return
     folder = table.resolve().parent
     if all((folder / f).exists() for f in relative):
-        raise ValueError(
+        raise PathsFromElsewhere(
             f"{table}: its image paths are relative to the table's folder, and they start from the current "
-            f"directory ({Path.cwd()}), as open_clip reads them: run from {folder}, or pass root='{folder}'"
+            f"directory ({Path.cwd()}), as open_clip reads them: run from {folder} (cd there first; the "
+            f"trainer's other paths then start there too), or, building the loader yourself, pass root='{folder}'"
         )
 
 

@@ -119,7 +119,9 @@ def read_dataset(dataset, labels) -> tuple[list[str], list[int], list, dict]:
     if not (hasattr(base, "samples") and hasattr(base, "classes")):
         raise TypeError(
             f"ImageLoader reads image files: pass files and labels, a torchvision ImageFolder / DatasetFolder "
-            f"(or a Subset of one), or use ImageLoader.from_folder(root); got {type(dataset).__name__}"
+            f"(or a Subset of one), or use ImageLoader.from_folder(root); got {type(dataset).__name__}. For "
+            "images with captions, CaptionLoader(files, captions, tokenizer=..., transform=...) batches both, "
+            "and batch.ids finds each sample's other fields (docs/guides/dropin-loader.md)"
         )
     if labels is not None:
         raise TypeError("ImageLoader(dataset, ...) takes its labels from the dataset; pass no labels")

@@ -20,6 +20,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from mmfast.data.captions import PathsFromElsewhere
 from mmfast.loading.caption_loader import CaptionLoader
 from mmfast.loading.transforms import OPEN_CLIP_AUGMENTATIONS, UnsupportedTransform
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.get_data = get_data  # the name the trainer's main module calls
     try:
         trainer.main(sys.argv[1:] if argv is None else argv)
-    except UnsupportedTransform as e:  # a setting, not a failure: one line, not a traceback
+    except (UnsupportedTransform, PathsFromElsewhere) as e:  # a setting, not a failure: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -25,8 +25,8 @@ OPEN_CLIP_AUGMENTATIONS = ("color_jitter", "gray_scale")
 
 
 REPRODUCED = (
-    "RandomResizedCrop(S) [+ RandomHorizontalFlip()] [+ ColorJitter(j, j, j)] or Resize(R) + CenterCrop(S), "
-    "bilinear or bicubic, then ToTensor() and Normalize(mean, std)"
+    "RandomResizedCrop(S) [+ RandomHorizontalFlip()] [+ ColorJitter(j, j, j)], Resize(R) + CenterCrop(S) or "
+    "Resize((S, S)), bilinear or bicubic, then ToTensor() and Normalize(mean, std)"
 )
 
 
@@ -78,9 +78,10 @@ def options_from_transform(transform) -> dict:
     open_clip's preprocess, does.
 
     Understood: train ``RandomResizedCrop(S)`` [+ ``RandomHorizontalFlip()``] [+ ``ColorJitter(j, j, j)``];
-    eval ``Resize(R)`` + ``CenterCrop(S)``; bilinear or bicubic; then ``ToTensor()`` (or
-    ``PILToTensor``/``ToImage`` + ``ConvertImageDtype``/``ToDtype(..., scale=True)``) and ``Normalize(mean,
-    std)``. open_clip's conversions to RGB and to a tensor are the loader's own.
+    eval ``Resize(R)`` + ``CenterCrop(S)``, or ``Resize((S, S))`` (``resize_mode`` "squash"); bilinear or
+    bicubic; then ``ToTensor()`` (or ``PILToTensor``/``ToImage`` + ``ConvertImageDtype``/``ToDtype(...,
+    scale=True)``) and ``Normalize(mean, std)``. open_clip's conversions to RGB and to a tensor are the loader's
+    own.
 
     Returns:
         a dict of ``train``, ``size``, ``dtype`` and the image options (scale, ratio, flip, color_jitter,
@@ -111,8 +112,12 @@ def options_from_transform(transform) -> dict:
                 found["color_jitter"] = strength
         elif name == "Resize":
             size = [op.size] if isinstance(op.size, int) else list(op.size)
-            if len(size) != 1 or op.max_size is not None:
-                _unsupported(op, "only Resize(int) (the shorter side) is reproduced")
+            if op.max_size is not None or len(size) not in (1, 2) or (len(size) == 2 and size[0] != size[1]):
+                _unsupported(
+                    op, "only Resize(int) (the shorter side) and Resize((S, S)) (squashed) are reproduced"
+                )
+            if len(size) == 2:
+                found["resize_mode"] = "squash"  # the whole picture to S x S, no crop
             resize = size[0]
         elif name == "CenterCrop":
             crop = _square(op, op.size)
@@ -150,9 +155,18 @@ def _finish_options(found: dict, resize: int | None, crop: int | None, scale_to_
         if resize is not None or crop is not None:
             raise UnsupportedTransform("a resize or crop after RandomResizedCrop", "the crop is the last resize")
         return found
+    if found.get("resize_mode") == "squash" and crop in (None, resize) and not found["flip"]:
+        if not found["color_jitter"]:  # Resize((S, S)), a centre crop of S or none: the picture squashed
+            return {**found, "train": False, "size": resize}
     if resize is None or crop is None or crop > resize or found["flip"] or found["color_jitter"]:
         raise UnsupportedTransform(
-            "the geometry", "it is neither a training crop nor an evaluation resize and centre crop with R >= S"
+            "the geometry",
+            "it is neither a training crop nor an evaluation resize and centre crop with R >= S, nor "
+            "Resize((S, S))",
+        )
+    if found.get("resize_mode") == "squash":
+        raise UnsupportedTransform(
+            "Resize((S, S)) followed by a smaller crop", "the squashed picture is the last resize"
         )
     return {**found, "train": False, "size": crop, "crop_ratio": crop / resize}
 

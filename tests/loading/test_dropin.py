@@ -162,11 +162,26 @@ def test_torchvision_transforms_become_loader_arguments(tv):
     assert round(224 / found["crop_ratio"]) == 232 and found["mean"] == (0, 0, 0) and found["std"] == (255,) * 3
 
 
+def test_a_squashing_loaders_own_transform_is_taken_back(folder):
+    """resize_mode="squash" reads as Resize((S, S)) in torchvision, and an ImageFolder given that transform makes
+    the same loader: the same options and the same pixels."""
+    squash = ImageLoader.from_folder(
+        folder, batch_size=8, size=48, train=False, resize_mode="squash", shuffle=False
+    )
+    transform = squash.torchvision_transform()
+    found = options_from_transform(transform)
+    assert (found["train"], found["size"], found["resize_mode"]) == (False, 48, "squash")
+    again = ImageLoader(datasets.ImageFolder(folder, transform), batch_size=8, shuffle=False)
+    (a, la), (b, lb) = next(iter(squash)), next(iter(again))
+    assert torch.equal(la, lb) and torch.allclose(a, b)
+
+
 @pytest.mark.parametrize(
     "transform, says",
     [
         (T.Compose([T.RandomCrop(32), T.ToTensor()]), "RandomCrop"),
-        (T.Compose([T.Resize((64, 64)), T.ToTensor()]), "only Resize\\(int\\)"),
+        (T.Compose([T.Resize((64, 48)), T.ToTensor()]), "only Resize\\(int\\) .* and Resize\\(\\(S, S\\)\\)"),
+        (T.Compose([T.Resize((64, 64)), T.CenterCrop(48), T.ToTensor()]), "followed by a smaller crop"),
         (
             T.Compose([T.Resize(73, interpolation=T.InterpolationMode.NEAREST), T.CenterCrop(64), T.ToTensor()]),
             "only bilinear and bicubic",

@@ -164,6 +164,28 @@ def test_an_aug_cfg_the_loader_cannot_draw_is_one_line_naming_the_step_and_the_f
     assert "drop the --aug-cfg entries that add it (color_jitter_prob" in line and "Traceback" not in err
 
 
+def test_a_table_whose_paths_start_from_its_folder_is_one_line_saying_to_cd_there(
+    tables, tmp_path, capsys, monkeypatch
+):
+    """Run from elsewhere, a table whose relative paths name the files beside it is refused before training,
+    in one line that says where to run from: the command has no root= to pass."""
+    first = Path(tables["val"][0]["filepath"])
+    beside = first.parent / "beside.csv"
+    beside.write_text(
+        "filepath\ttitle\n" + "".join(f"{Path(r['filepath']).name}\t{r['title']}\n" for r in tables["val"])
+    )
+    monkeypatch.chdir(tmp_path)
+    code = open_clip_data.main([
+        "--model", "RN50", "--train-data", str(beside), "--batch-size", "8", "--epochs", "1", "--workers", "1",
+        "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", "elsewhere", "--device", "cpu",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"run from {first.parent} (cd there first" in next(
+        ln for ln in err.splitlines() if ln.startswith("error: ")
+    )
+
+
 def test_open_clip_resize_modes_the_loader_does_not_do_are_named_as_such():
     """open_clip's 'longest' resize is not an augmentation: its refusal says which resize mode, not --aug-cfg."""
     from mmfast.loading.transforms import UnsupportedTransform, options_from_transform
