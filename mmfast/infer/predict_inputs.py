@@ -31,6 +31,7 @@ from pathlib import Path
 
 from mmfast.data.dataset import COMPLETE, prepared_state
 from mmfast.inputs import ImagesInPlace, InputOptions, Reader, detect_kind, read_source, reader_named
+from mmfast.inputs.columns import cell_name
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import fetch_to, is_remote
@@ -177,7 +178,7 @@ def _raw_cells(r: Reject, opts: InputOptions) -> dict:
     them (else None), so that its line of the predictions keeps what the user wrote."""
     raw = r.row if isinstance(r.row, dict) else {}
     names = {"image": opts.image_column, "text": opts.text_column, "label": opts.label_column}
-    cells = {key: raw.get(column or key) for key, column in names.items()}
+    cells = {key: raw.get(cell_name(key, column, raw)) for key, column in names.items()}  # as found, if found
     cells = {k: str(v) if isinstance(v, int | float | str) else None for k, v in cells.items()}  # not a list
     return {"image": cells["image"], "text": cells["text"]} | ({"label": cells["label"]} if cells["label"] else {})
 

@@ -1,6 +1,9 @@
 """The columns of a manifest the user did not name, told from its rows: a JSONL or CSV file whose captions are in
 ``caption`` (or ``title``, as open_clip's CSVs have them) is read without --text-column, as Parquet is. A
-column named by its flag is never second-guessed, and the default name wins where the rows have it."""
+column named by its flag is never second-guessed; the default name wins where any row has it; another name is
+taken only when every row has it, with a value of the kind the role needs (an image path or caption string, a
+label string or integer), so that a field a few rows carry, or a list of labels, changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -14,24 +17,42 @@ from mmfast.inputs.manifest import Columns
 log = logging.getLogger(__name__)
 
 IMAGE_NAMES = ("image", "filepath", "file_name", "filename", "image_path", "img", "path", "file")
-_LOOKED_AT = 100  # the first rows whose fields decide
+NAMES = {"image": IMAGE_NAMES, "text": TEXT_NAMES, "label": LABEL_NAMES}
 
 
 def detect_columns(rows: list[tuple[int, dict]], columns: Columns, unnamed: frozenset[str], path: Path) -> Columns:
-    """``columns``, each role in ``unnamed`` ("image", "text", "label") whose default name no row of the first
-    ones has replaced by the first of its known names that they have; each choice is logged."""
-    present: list[str] = []
-    for _, row in rows[:_LOOKED_AT]:
-        present += [k for k in row if isinstance(k, str) and k not in present]
-    taken = {getattr(columns, role) for role in ("image", "text", "label")} - {None}
+    """``columns``, each role in ``unnamed`` ("image", "text", "label") whose default name no row has replaced by
+    the first of its known names that every row has with a value of the role's kind; each choice is said."""
+    present = {k for _, row in rows for k in row}
+    taken = {getattr(columns, role) for role in NAMES} - {None}
     chosen = {}
-    for role, names in (("image", IMAGE_NAMES), ("text", TEXT_NAMES), ("label", LABEL_NAMES)):
+    for role, names in NAMES.items():
         current = getattr(columns, role)
-        if role not in unnamed or current is None or current in present:
+        if role not in unnamed or current is None or current in present or not rows:
             continue
-        found = next((n for n in names if n in present and n not in taken), None)
+        found = next(
+            (n for n in names if n not in taken and all(_fits(role, row.get(n)) for _, row in rows)), None
+        )
         if found is not None:
             chosen[role] = found
             taken.add(found)
-            log.info("%s: %s read from the field '%s' (--%s-column names another)", path.name, role, found, role)
+            log.warning(
+                "%s: no '%s' field; the %s read from '%s' (--%s-column chooses another)",
+                path.name, current, "captions" if role == "text" else f"{role}s", found, role,
+            )  # fmt: skip
     return replace(columns, **chosen) if chosen else columns
+
+
+def _fits(role: str, value) -> bool:
+    """Whether ``value`` is of the kind ``role`` reads: a path or caption string, a label string or integer."""
+    if role == "label":
+        return isinstance(value, str | int) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def cell_name(role: str, given: str | None, row: dict) -> str:
+    """The field ``role`` was read from in ``row``: the one named, else the default where the row has it, else
+    the first known name it has (what ``detect_columns`` would have taken)."""
+    if given:
+        return given
+    return next((n for n in NAMES[role] if n in row), role)

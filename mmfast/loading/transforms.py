@@ -111,6 +111,8 @@ def options_from_transform(transform) -> dict:
             if strength is not None:  # None: ColorJitter(), nothing to do
                 found["color_jitter"] = strength
         elif name == "Resize":
+            if resize is not None or crop is not None:  # the pipeline resizes once, then crops
+                _unsupported(op, "one Resize, before the CenterCrop, is reproduced")
             size = [op.size] if isinstance(op.size, int) else list(op.size)
             if op.max_size is not None or len(size) not in (1, 2) or (len(size) == 2 and size[0] != size[1]):
                 _unsupported(
@@ -120,6 +122,8 @@ def options_from_transform(transform) -> dict:
                 found["resize_mode"] = "squash"  # the whole picture to S x S, no crop
             resize = size[0]
         elif name == "CenterCrop":
+            if crop is not None:
+                _unsupported(op, "one CenterCrop is reproduced")
             crop = _square(op, op.size)
         elif name in _CONVERSIONS:
             target = getattr(op, "dtype", torch.float32 if name == "ToTensor" else None)
@@ -168,7 +172,8 @@ def _finish_options(found: dict, resize: int | None, crop: int | None, scale_to_
         raise UnsupportedTransform(
             "Resize((S, S)) followed by a smaller crop", "the squashed picture is the last resize"
         )
-    return {**found, "train": False, "size": crop, "crop_ratio": crop / resize}
+    # "shortest" said: a resize_mode given beside the transform must agree with it (agree_with_transform)
+    return {**found, "train": False, "size": crop, "crop_ratio": crop / resize, "resize_mode": "shortest"}
 
 
 def _jitter_strength(op) -> float | None:

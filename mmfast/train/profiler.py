@@ -341,7 +341,7 @@ def report_text(report: dict) -> str:
     util = report.get("utilization") or {}
     gpu = util.get("gpu", {})
     reason = gpu.get("reason", "n/a")
-    if "Shared Library Not Found" in reason:  # no NVIDIA driver installed: a CPU machine, nothing to explain
+    if "Shared Library Not Found" in reason and not torch.cuda.is_available():  # no driver: a CPU machine
         reason = "none"
     gpu_line = f"GPU {gpu['gpu_util']['mean']:.0f}% mean" if "gpu_util" in gpu else f"GPU: {reason}"
     if util and not util.get("samples"):

@@ -443,13 +443,13 @@ def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, prepared, tmp
     import tools.predict as predict_tool
 
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text("".join(json.dumps({"image": f"{i}.jpg", "caption": "x"}) + "\n" for i in range(3)))
+    manifest.write_text("".join(json.dumps({"image": f"{i}.jpg", "words": "x"}) + "\n" for i in range(3)))
     assert predict_tool.main(["--model", str(model_dir), "--input", str(manifest)]) == 2
     err = capsys.readouterr().err
     assert f"{manifest}:1: missing field 'text'" in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"error: no row of {manifest} can be predicted")
     # mapped to the right column the rows are read, and then their images are missing: still nothing to predict
-    mapped = ["--model", str(model_dir), "--input", str(manifest), "--text-column", "caption"]
+    mapped = ["--model", str(model_dir), "--input", str(manifest), "--text-column", "words"]
     assert predict_tool.main(mapped) == 2
     err = capsys.readouterr().err
     assert "image not found" in err and err.strip().splitlines()[-1].startswith("error: no row of")
@@ -500,6 +500,9 @@ def test_read_rows_keeps_every_input_row_and_labels_are_optional(photos_set, tmp
         # a row that cannot be used keeps its cells as written, beside the reason
         {"image": c, "text": " ", "label": "x", "error": f"{manifest}:4: empty text"},
     ]
+    renamed = [{{"image": "filepath", "text": "caption"}.get(k, k): v for k, v in r.items()} for r in rows]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in renamed))  # the fields under other usual names
+    assert read_rows(manifest)[3] == {"image": c, "text": " ", "label": "x", "error": f"{manifest}:4: empty text"}
     images = [{"id": i, "file_name": p} for i, p in enumerate((a, b))]
     annotations = [{"id": 9, "image_id": 1, "caption": "first"}, {"id": 8, "image_id": 0, "caption": "second"}]
     coco = tmp_path / "captions.json"

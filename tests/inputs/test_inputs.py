@@ -225,14 +225,25 @@ def test_a_jsonl_with_other_field_names_is_read_by_them_and_says_so(tmp_path, ph
         _prepare(manifest, tmp_path / "out")
     _assert_joined(tmp_path / "out", photos_set)
     said = caplog.text
-    assert "m.jsonl: text read from the field 'caption' (--text-column names another)" in said
-    assert "field 'filepath'" in said and "field 'category'" in said
+    assert "m.jsonl: no 'text' field; the captions read from 'caption' (--text-column chooses another)" in said
+    assert "the images read from 'filepath'" in said and "the labels read from 'category'" in said
     cands, _, _ = read_source(manifest, InputOptions(text_column="title"))  # named: not second-guessed
     assert {c.text for c in cands} == {"not the caption"} and len(cands) == N
     both = [dict(r, text=f"the default field {k}") for k, r in enumerate(rows)]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in both))
     cands, _, _ = read_source(manifest)
     assert sorted(c.text for c in cands) == sorted(r["text"] for r in both)
+    # a field only some rows have, or a list of labels, is no column: the rows read as before, without labels
+    some = [
+        dict(r) if k % 3 == 0 else {k2: v for k2, v in r.items() if k2 != "category"} for k, r in enumerate(rows)
+    ]
+    listed = [dict(r, category=[r["category"]]) for r in rows]
+    for variant in (some, listed):
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in variant))
+        cands, rejects, _ = read_source(manifest)
+        assert not cands and {r.reason for r in rejects} == {"missing field 'label'"}
+        cands, rejects, _ = read_source(manifest, InputOptions(no_labels=True))
+        assert len(cands) == N and not rejects
 
 
 def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):

@@ -182,6 +182,8 @@ def test_a_squashing_loaders_own_transform_is_taken_back(folder):
         (T.Compose([T.RandomCrop(32), T.ToTensor()]), "RandomCrop"),
         (T.Compose([T.Resize((64, 48)), T.ToTensor()]), "only Resize\\(int\\) .* and Resize\\(\\(S, S\\)\\)"),
         (T.Compose([T.Resize((64, 64)), T.CenterCrop(48), T.ToTensor()]), "followed by a smaller crop"),
+        (T.Compose([T.Resize(73), T.CenterCrop(64), T.Resize((64, 64)), T.ToTensor()]), "one Resize"),
+        (T.Compose([T.CenterCrop(64), T.Resize((64, 64)), T.ToTensor()]), "before the CenterCrop"),
         (
             T.Compose([T.Resize(73, interpolation=T.InterpolationMode.NEAREST), T.CenterCrop(64), T.ToTensor()]),
             "only bilinear and bicubic",
@@ -202,6 +204,8 @@ def test_arguments_that_contradict_the_datasets_transform_are_refused(folder):
     dataset = datasets.ImageFolder(folder, EVAL_TF)
     with pytest.raises(ValueError, match="size=128, but the dataset's transform says 64"):
         ImageLoader(dataset, batch_size=8, size=128)
+    with pytest.raises(ValueError, match="resize_mode='squash', but the dataset's transform says 'shortest'"):
+        ImageLoader(dataset, batch_size=8, resize_mode="squash")  # the transform crops the centre
     with pytest.raises(ValueError, match="train=True"):
         ImageLoader(dataset, batch_size=8, train=True)
     for dtype in ("bf16", torch.float16):  # the dtype is yours to choose
