@@ -175,10 +175,19 @@ def test_a_table_whose_paths_start_from_its_folder_is_one_line_saying_to_cd_ther
         "filepath\ttitle\n" + "".join(f"{Path(r['filepath']).name}\t{r['title']}\n" for r in tables["val"])
     )
     monkeypatch.chdir(tmp_path)
-    code = open_clip_data.main([
-        "--model", "RN50", "--train-data", str(beside), "--batch-size", "8", "--epochs", "1", "--workers", "1",
-        "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", "elsewhere", "--device", "cpu",
-    ])  # fmt: skip
+    config = tmp_path / "mmfast-tiny.json"
+    config.write_text(json.dumps(TINY))
+    open_clip.add_model_config(config)
+    handlers = list(logging.getLogger().handlers)
+    try:
+        code = open_clip_data.main([
+            "--model", "mmfast-tiny", "--train-data", str(beside), "--batch-size", "8", "--epochs", "1",
+            "--workers", "1", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", "elsewhere",
+        ])  # fmt: skip
+    finally:  # the trainer's log handlers write to this test's captured stderr: not to the next tests'
+        for h in set(logging.getLogger().handlers) - set(handlers):
+            logging.getLogger().removeHandler(h)
+            h.close()
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"run from {first.parent} (cd there first" in next(
