@@ -44,7 +44,7 @@ def reuse(out: Path, fp: str) -> dict | None:
         return None
     if not isinstance(summary.get("files"), dict) or not summary["files"]:
         return None
-    changed = changed_files(out, summary["files"])
+    changed = _changed_files(out, summary["files"])
     if not changed:
         return summary
     if any(not rel.startswith("tokens/") for rel in changed):
@@ -57,8 +57,7 @@ def reuse(out: Path, fp: str) -> dict | None:
     return summary
 
 
-def changed_files(root: Path, files: dict) -> list[str]:
-    """The paths of ``files`` ({relative path: {"size", "sha256"}}) that are missing or differ under ``root``."""
+def _changed_files(root: Path, files: dict) -> list[str]:
     changed = []
     for rel, want in sorted(files.items()):
         p = root / rel

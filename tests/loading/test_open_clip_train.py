@@ -140,23 +140,29 @@ def whole_picture(train_transform):
     return T.Compose([resize, *train_transform.transforms[1:]])
 
 
-def test_an_aug_cfg_the_loader_cannot_draw_is_one_line_naming_the_step_and_the_flag(tables, tmp_path, capsys):
-    """open_clip's colour jitter (--aug-cfg color_jitter_prob) is not drawn by the pipeline: the run ends with
-    one error line naming open_clip's step and the flag that adds it, not a traceback with an object's repr."""
+def _tiny_trainer(tmp_path: Path, table: str, name: str, *flags: str) -> int:
+    """open_clip_data.main on the tiny model for one epoch of ``table``; the trainer's log handlers, which write
+    to this test's captured stderr, are removed after it, not left for the next tests."""
     config = tmp_path / "mmfast-tiny.json"
     config.write_text(json.dumps(TINY))
     open_clip.add_model_config(config)
     handlers = list(logging.getLogger().handlers)
     try:
-        code = open_clip_data.main([
-            "--model", "mmfast-tiny", "--train-data", tables["train_csv"], "--batch-size", "8", "--epochs", "1",
-            "--workers", "1", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", "jitter",
-            "--aug-cfg", "color_jitter_prob=0.5", "color_jitter=(0.4,0.4,0.4,0.1)",
+        return open_clip_data.main([
+            "--model", "mmfast-tiny", "--train-data", table, "--batch-size", "8", "--epochs", "1",
+            "--workers", "1", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", name, *flags,
         ])  # fmt: skip
     finally:
         for h in set(logging.getLogger().handlers) - set(handlers):
             logging.getLogger().removeHandler(h)
             h.close()
+
+
+def test_an_aug_cfg_the_loader_cannot_draw_is_one_line_naming_the_step_and_the_flag(tables, tmp_path, capsys):
+    """open_clip's colour jitter (--aug-cfg color_jitter_prob) is not drawn by the pipeline: the run ends with
+    one error line naming open_clip's step and the flag that adds it, not a traceback with an object's repr."""
+    code = _tiny_trainer(tmp_path, tables["train_csv"], "jitter", "--aug-cfg", "color_jitter_prob=0.5",
+                         "color_jitter=(0.4,0.4,0.4,0.1)")  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and trainer.get_data.__module__ == "open_clip_train.data"
     line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
@@ -175,19 +181,7 @@ def test_a_table_whose_paths_start_from_its_folder_is_one_line_saying_to_cd_ther
         "filepath\ttitle\n" + "".join(f"{Path(r['filepath']).name}\t{r['title']}\n" for r in tables["val"])
     )
     monkeypatch.chdir(tmp_path)
-    config = tmp_path / "mmfast-tiny.json"
-    config.write_text(json.dumps(TINY))
-    open_clip.add_model_config(config)
-    handlers = list(logging.getLogger().handlers)
-    try:
-        code = open_clip_data.main([
-            "--model", "mmfast-tiny", "--train-data", str(beside), "--batch-size", "8", "--epochs", "1",
-            "--workers", "1", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", "elsewhere",
-        ])  # fmt: skip
-    finally:  # the trainer's log handlers write to this test's captured stderr: not to the next tests'
-        for h in set(logging.getLogger().handlers) - set(handlers):
-            logging.getLogger().removeHandler(h)
-            h.close()
+    code = _tiny_trainer(tmp_path, str(beside), "elsewhere")
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"run from {first.parent} (cd there first" in next(

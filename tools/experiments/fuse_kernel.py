@@ -58,15 +58,23 @@ def _features(run: Path, label: str, cache: Path, threads: int) -> tuple[dict, P
     return torch.load(path, weights_only=False), data
 
 
+def kept_runs(runs: str, recipe: str) -> list[tuple[str, Path]]:
+    """(its set and draw, "SET-innerD", the run's folder) of each kept run of ``recipe`` in ``runs``.
+
+    Raises:
+        SystemExit: there is none.
+    """
+    found = sorted(Path(runs).glob(f"*-{recipe}-seed*"))
+    if not found:
+        raise SystemExit(f"no run of {recipe} in {runs}")
+    return [(run.name[: run.name.index(f"-{recipe}-seed")], run) for run in found]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     baselines, fuse = _modules()
-    runs = sorted(Path(args.runs).glob(f"*-{args.recipe}-seed*"))
-    if not runs:
-        raise SystemExit(f"no run of {args.recipe} in {args.runs}")
     rows = []
-    for run in runs:
-        label = run.name[: run.name.index(f"-{args.recipe}-seed")]
+    for label, run in kept_runs(args.runs, args.recipe):
         feats, data = _features(run, label, Path(args.features), args.threads)
         model = fuse.model_embeddings(run / "model-last", data, args.threads)
         maps = {"kernel": baselines.kernel_ridge_embeddings(feats), "ridge": baselines.ridge_embeddings(feats)}

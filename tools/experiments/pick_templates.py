@@ -44,6 +44,14 @@ def _baselines():
     return baselines
 
 
+def _fuse_kernel():
+    try:
+        import tools.experiments.fuse_kernel as fuse_kernel
+    except ImportError:  # run as a script from tools/experiments
+        import fuse_kernel
+    return fuse_kernel
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", required=True, help="compare_contrastive's OUT/runs, its runs kept (--keep-runs)")
@@ -128,12 +136,8 @@ def score_run(run: Path, most: int, threads: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs = sorted(Path(args.runs).glob(f"*-{args.recipe}-seed*"))
-    if not runs:
-        raise SystemExit(f"no run of {args.recipe} in {args.runs}")
     rows = []
-    for run in runs:
-        label = run.name[: run.name.index(f"-{args.recipe}-seed")]
+    for label, run in _fuse_kernel().kept_runs(args.runs, args.recipe):
         got = {"set": label.split("-inner")[0], "draw": label} | score_run(run, args.most, args.threads)
         rows.append(got)
         print(f"{label}: {got['picked']} train {got['picked_train']:.1f}, val {got['default_val']:.1f} -> "
