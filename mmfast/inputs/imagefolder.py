@@ -16,7 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmfast.inputs.base import LABEL_NAMES, SPLIT_NAME, TEXT_NAMES, InputOptions, Reader, pick_column, train_split
-from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, _csv_rows, _jsonl_rows, check_rows
+from mmfast.inputs.csv_rows import _csv_rows
+from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, _jsonl_rows, check_rows
 
 _FOLDER = "label (the image's folder)"  # the label column of metadata that has none: the class folders
 
@@ -43,7 +44,7 @@ def read_imagefolder(
         rel = meta.relative_to(root).as_posix()
         if meta.suffix == ".csv":
             present = _csv_header(meta)
-            rows, bad = _csv_rows(meta, ",", _columns(meta, present, opts, label=None))
+            rows, bad, _ = _csv_rows(meta, ",", _columns(meta, present, opts, label=None))
         else:
             rows, bad = _jsonl_rows(meta)
             present = list(dict.fromkeys(k for _, r in rows[:1000] for k in r))

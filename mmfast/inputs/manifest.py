@@ -6,78 +6,32 @@ its line number, so counts always add up. Images are not opened here (see ``mmfa
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mmfast.data.dataset import COMPLETE, INCOMPLETE, incomplete_message, prepared_state
+from mmfast.inputs.csv_rows import _csv_rows, _table_layout
+from mmfast.inputs.rows import (  # the row types: the readers and stages import them from here too
+    IMAGE_SUFFIXES,
+    MAX_LINE_BYTES,
+    NO_LABEL,
+    Candidate,
+    Columns,
+    ManifestError,
+    Reject,
+    not_utf8,
+    read_bytes,
+    split_lines,
+)
 from mmfast.util.commands import PREPARE, TRAIN
 from mmfast.util.fsutil import is_mmfast_output
 
-MAX_LINE_BYTES = 1 << 20  # a manifest row over 1 MiB is not a caption, it is a mistake
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pnm", ".jp2"}
 _INT_RE = re.compile(r"^[+-]?\d+$")
 _DECIMAL_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+(?=[eE]))([eE][+-]?\d+)?$")  # 0.7, 3.0, .5, 1e3
 _URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-NO_LABEL = "unlabeled"  # the one label of every row of an input read with Columns(label=None) (--no-labels)
-
-
-class ManifestError(ValueError):
-    """The manifest as a whole cannot be used (unreadable, unparseable, or no usable rows)."""
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Which columns of a table hold the image, the text and the label.
-
-    Args:
-        image, text, label: column names; ``label=None`` reads an input without labels (every row gets
-            ``NO_LABEL``).
-        names: the column names of a CSV/TSV without a header line (its first line is then a row).
-    """
-
-    image: str = "image"
-    text: str = "text"
-    label: str | None = "label"
-    names: tuple[str, ...] | None = None
-
-    def required(self) -> list[str]:
-        return [c for c in (self.image, self.text, self.label) if c is not None]
-
-
-@dataclass(slots=True)  # no per-object __dict__: preparation holds one per input row
-class Candidate:
-    """One input row that passed the manifest-level checks; its image is still to be validated."""
-
-    line: int  # 1-based line number in the manifest (or index for an image folder)
-    image: str  # absolute path
-    text: str
-    label: str | int
-    source: dict = field(default_factory=dict)  # the row as given, for rejected.jsonl
-    file: str = ""  # the input file the row came from, when an input has several (else the source)
-    original: str = ""  # the image as given, when ``image`` is a downscaled copy of it (--max-side)
-    width: int = 0  # the image's size, once validation decoded it (0: not yet)
-    height: int = 0
-    decoded: tuple[int, int] | None = None  # (height, width) as DALI decodes it, when validation recorded it
-
-
-@dataclass
-class Reject:
-    line: int
-    reason: str
-    row: dict | str
-    file: str = ""  # the input file the row came from, when an input has several (else the source)
-
-    def to_json(self) -> dict:
-        out = {"line": self.line, "reason": self.reason, "row": self.row}
-        if self.file:
-            out["file"] = self.file
-        return out
 
 
 def read_input(
@@ -126,15 +80,15 @@ def read_input(
             if columns.names is not None:
                 raise ManifestError(f"{path}: --columns names the columns of a CSV/TSV without a header line")
             rows, rejects = _jsonl_rows(path)
+            columns = detect(rows, columns) if detect is not None else columns  # the columns left unnamed
             kind = "jsonl"
         elif fmt == "csv":
             delimiter, columns = _table_layout(path, suffix, columns)
-            rows, rejects = _csv_rows(path, delimiter=delimiter, columns=columns)
+            rows, rejects, columns = _csv_rows(path, delimiter, columns, detect)
             kind = "csv"
         else:
             raise ManifestError(f"{path}: unknown manifest format '{suffix}'; use .jsonl, .csv or an image folder")
         root = (image_folder or path.parent).resolve()
-        columns = detect(rows, columns) if detect is not None else columns  # the columns the user left unnamed
         cands, more = check_rows(rows, root, confine, from_csv=kind == "csv", columns=columns)
         rejects.extend(more)
     cands, rejects = finish_rows(cands, rejects, dedupe)
@@ -227,13 +181,6 @@ def _refuse_prepared_dir(path: Path) -> None:
         raise ManifestError(incomplete_message(path))
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read the manifest: {e.strerror or e}") from e
-
-
 def _encoding_problem(what: str, value: str) -> str:
     """Why ``value`` cannot be written as UTF-8 (a lone surrogate from a JSON ``"\\ud800"`` escape, or a file
     name that is not UTF-8); "" when it can. Such text would fail later in the tokenizer, DALI or a writer."""
@@ -247,23 +194,9 @@ def _encoding_problem(what: str, value: str) -> str:
     return ""
 
 
-def _split_lines(raw: bytes) -> list[tuple[int, bytes]]:
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    return [(i + 1, ln.rstrip(b"\r")) for i, ln in enumerate(raw.split(b"\n"))]
-
-
-def _not_utf8(line: int, raw: bytes, e: UnicodeDecodeError) -> Reject:
-    return Reject(
-        line,
-        f"not UTF-8 ({e.reason} at byte {e.start}); re-encode the manifest",
-        raw[:200].decode("utf-8", "replace"),
-    )
-
-
 def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
     rows, rejects = [], []
-    for line, raw in _split_lines(_read_bytes(path)):
+    for line, raw in split_lines(read_bytes(path)):
         if not raw.strip():
             continue
         if len(raw) > MAX_LINE_BYTES:
@@ -272,7 +205,7 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            rejects.append(_not_utf8(line, raw, e))
+            rejects.append(not_utf8(line, raw, e))
             continue
         try:
             row = json.loads(text)
@@ -283,85 +216,6 @@ def _jsonl_rows(path: Path) -> tuple[list[tuple[int, dict]], list[Reject]]:
             rejects.append(Reject(line, f"row is a JSON {type(row).__name__}, expected an object", text[:200]))
             continue
         rows.append((line, row))
-    return rows, rejects
-
-
-OPEN_CLIP_COLUMNS = {"image": "filepath", "text": "title"}  # open_clip_train's --csv-img-key, --csv-caption-key
-
-
-def _table_layout(path: Path, suffix: str, columns: Columns) -> tuple[str, Columns]:
-    """The delimiter and columns of a CSV / TSV with a header line: a tab for a .tsv, or for a .csv whose header
-    has tabs and no comma (open_clip's trainer reads tab-separated .csv files by default); open_clip's column
-    names (filepath, title) where the header has them and not mmfast's defaults (image, text)."""
-    with open(path, "rb") as f:
-        first = f.readline(MAX_LINE_BYTES)
-    tab = suffix == ".tsv" or (b"\t" in first and b"," not in first)
-    if columns.names is not None:  # no header line: --columns names them
-        return ("\t" if tab else ","), columns
-    header = set(first.decode("utf-8", "replace").strip().split("\t" if tab else ","))
-    found = {
-        key: name
-        for key, name in OPEN_CLIP_COLUMNS.items()
-        if getattr(columns, key) == key and key not in header and name in header
-    }
-    return ("\t" if tab else ","), replace(columns, **found)
-
-
-def _csv_rows(
-    path: Path, delimiter: str, columns: Columns | None = None
-) -> tuple[list[tuple[int, dict]], list[Reject]]:
-    columns = columns or Columns()
-    rejects, good_lines = [], []
-    for line, raw in _split_lines(_read_bytes(path)):
-        try:
-            good_lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            rejects.append(_not_utf8(line, raw, e))
-            good_lines.append("")  # keep line numbers aligned; an empty line is skipped by csv
-    headerless = columns.names is not None
-    if rejects and rejects[0].line == 1 and not headerless:
-        raise ManifestError(f"{path}:1: the header is {rejects[0].reason} (as UTF-8)")
-    csv.field_size_limit(MAX_LINE_BYTES)
-    reader = csv.DictReader(
-        io.StringIO("\n".join(good_lines), newline=""),
-        fieldnames=list(columns.names) if headerless else None,
-        delimiter=delimiter,
-        # A headerless TSV (CC3M's caption<TAB>url) quotes nothing: a caption may hold a '"'.
-        quoting=csv.QUOTE_NONE if headerless and delimiter == "\t" else csv.QUOTE_MINIMAL,
-    )
-    if reader.fieldnames is None:
-        raise ManifestError(
-            f"{path}: empty CSV; the first line must name the columns image,text,label (or pass --columns)"
-        )
-    missing = set(columns.required()) - set(reader.fieldnames)
-    if missing and headerless:
-        raise ManifestError(
-            f"--columns {','.join(columns.names)} lacks {sorted(missing)}; name the image, text and label "
-            "columns (or map them with --image-column/--text-column/--label-column, --no-labels)"
-        )
-    if missing:
-        raise ManifestError(
-            f"{path}:1: CSV header {reader.fieldnames} lacks {sorted(missing)}; name the columns "
-            "image,text,label, map yours with --image-column/--text-column/--label-column, or pass --columns "
-            "for a file without a header line"
-            + ("; pairs without labels (for --model clip): --no-labels" if missing == {columns.label} else "")
-        )
-    rows = []
-    end = reader.line_num  # the header's last line
-    try:
-        for row in reader:
-            # A quoted field may span lines (or an unclosed quote swallow some): a row is named by its first
-            # line, where the problem starts, not by reader.line_num, its last.
-            start, end = end + 1, reader.line_num
-            while start < end and not good_lines[start - 1].strip():
-                start += 1
-            extra = row.pop(None, None)
-            if extra:
-                rejects.append(Reject(start, f"{len(extra)} more fields than the header", row))
-                continue
-            rows.append((start, row))
-    except csv.Error as e:
-        raise ManifestError(f"{path}:{reader.line_num}: CSV cannot be parsed: {e}") from e
     return rows, rejects
 
 

@@ -246,6 +246,28 @@ def test_a_jsonl_with_other_field_names_is_read_by_them_and_says_so(tmp_path, ph
         assert len(cands) == N and not rejects
 
 
+def test_a_csv_with_usual_names_is_read_by_them_with_or_without_a_header(tmp_path, photos_set, caplog):
+    """A CSV whose header is ``filepath,caption,category``, and a headerless one named by ``--columns
+    caption,filepath``, read as the JSONL above does: the usual names found, and said; unknown names still
+    refused with the columns they lack."""
+    names = _copy_images(photos_set, tmp_path / "imgs")
+    pairs = list(zip(names, photos_set, strict=True))
+    table = tmp_path / "t.csv"
+    table.write_text(
+        "filepath,caption,category\n" + "".join(f"imgs/{n},{r['text']},{r['label']}\n" for n, r in pairs)
+    )
+    with caplog.at_level("INFO"):
+        cands, rejects, _ = read_source(table)
+    assert not rejects and "t.csv: no 'text' field; the captions read from 'caption'" in caplog.text
+    assert [(Path(c.image).name, c.text, c.label) for c in cands] == [(n, r["text"], r["label"]) for n, r in pairs]
+    bare = tmp_path / "bare.csv"
+    bare.write_text("".join(f"{r['text']},imgs/{n}\n" for n, r in pairs))
+    cands, rejects, _ = read_source(bare, InputOptions(no_labels=True, columns=("caption", "filepath")))
+    assert not rejects and [(Path(c.image).name, c.text) for c in cands] == [(n, r["text"]) for n, r in pairs]
+    with pytest.raises(ManifestError, match=r"--columns cap,fp lacks \['image', 'text'\]"):
+        read_source(bare, InputOptions(no_labels=True, columns=("cap", "fp")))
+
+
 def test_headerless_tsv_and_mapped_columns(tmp_path, photos_set, capsys):
     names = _copy_images(photos_set, tmp_path / "imgs")
     tsv = tmp_path / "cc3m.tsv"
