@@ -8,11 +8,11 @@ tower, each with a bias-free linear projection, the text read by the mean of its
 ``open_clip_model.safetensors``, the tokenizer and the text encoder's ``config.json``.
 
 open_clip reads the text encoder's architecture from the path in ``text_cfg.hf_model_name``: this directory's
-absolute path, so a moved copy needs that field changed to its new place. Its eval transform resizes the
-shorter side to the image size and crops the centre; mmfast's evaluation resizes it to size / crop_ratio first
-(a tighter centre), unless the model started from a checkpoint that crops none. open_clip cannot express that
-ratio: ``preprocess_cfg`` records the rest (size, mean, std, the filter and resize mode), and the pixels of
-mmfast's own preprocessing give the same embeddings in both.
+absolute path, so a moved copy needs that field changed, or given again to the factory (models-in-and-out.md).
+Its eval transform resizes the shorter side to the image size and crops the centre; mmfast's evaluation resizes
+it to size / crop_ratio first (a tighter centre), unless the model started from a checkpoint that crops none.
+open_clip cannot express that ratio: ``preprocess_cfg`` records the rest (size, mean, std, the filter and resize
+mode), and the pixels of mmfast's own preprocessing give the same embeddings in both.
 
 A model started from an open_clip directory goes back under that directory's config. With open_clip's own text
 transformer there are no tokenizer files: open_clip builds its SimpleTokenizer, and the context length is

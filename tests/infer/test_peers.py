@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +32,18 @@ PHOTO_CAPTIONS = ["a rocket on its launch pad", "galaxies of the deep field", "a
 PHOTO_CAPTIONS += ["an astronaut in a white suit", "a cup of coffee on a saucer"]
 
 
-def run_peer(script: str, folder: Path, inputs: Path, tmp_path: Path) -> dict:
-    """Run a peer script in a fresh interpreter without mmfast on its path; its outputs as a dict."""
+def run_peer(script: str, folder: Path, inputs: Path, tmp_path: Path, *flags: str, fails: bool = False):
+    """Run a peer script in a fresh interpreter without mmfast on its path; its outputs as a dict (its stderr,
+    where it is to fail)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = tmp_path / f"{script}.npz"
     proc = subprocess.run(
-        [sys.executable, str(PEERS / f"{script}.py"), str(folder), str(inputs), str(out)],
+        [sys.executable, str(PEERS / f"{script}.py"), str(folder), str(inputs), str(out), *flags],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    if fails:
+        assert proc.returncode != 0
+        return proc.stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(np.load(out))
 
@@ -119,6 +124,22 @@ def test_open_clip_loads_the_export_and_embeds_as_mmfast(tiny_clip, prepared, ph
     wider = pil_transform({**model.config, "crop_ratio": 1.0})
     want = torch.stack([wider(Image.open(p).convert("RGB")) for p in photos]).numpy()
     np.testing.assert_allclose(theirs["own_pixels"], want, atol=1e-6)
+
+
+def test_a_moved_open_clip_folder_loads_with_its_text_config_given_again(tiny_clip, prepared, photos, tmp_path):
+    """After a move, ``text_cfg.hf_model_name`` names a folder that is gone and open_clip's factory fails inside
+    huggingface_hub; the guide's call (the text config with the new path, passed to the factory) loads it, with
+    the same embeddings, and edits nothing in the folder."""
+    moved = tmp_path / "moved" / "open_clip"
+    shutil.copytree(tiny_clip / "open_clip", moved)
+    config = json.loads((moved / "open_clip_config.json").read_text())
+    config["model_cfg"]["text_cfg"]["hf_model_name"] = str(tmp_path / "gone" / "open_clip")  # where it was
+    (moved / "open_clip_config.json").write_text(json.dumps(config))
+    before = (moved / "open_clip_config.json").read_bytes()
+    inputs, ours = mmfast_inputs(tiny_clip.parent / "model", prepared, photos, tmp_path)
+    assert "gone/open_clip" in run_peer("open_clip_embed", moved, inputs, tmp_path, fails=True)
+    assert_same_embeddings(ours, run_peer("open_clip_embed", moved, inputs, tmp_path, "--moved"))
+    assert (moved / "open_clip_config.json").read_bytes() == before
 
 
 def test_transformers_loads_the_export_and_embeds_as_mmfast(tiny_clip, prepared, photos, tmp_path):
