@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -158,7 +159,24 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
                 f"--text is not UTF-8 ({what} at character {e.start}); pass the caption in UTF-8"
             ) from None
         return [{"image": str(Path(args.image).resolve()), "text": args.text}]
-    return stack.enter_context(input_rows(args.input, input_options(args)))
+    opts = dataclasses.replace(input_options(args), captions_needed=_reads_captions(args))
+    return stack.enter_context(input_rows(args.input, opts))
+
+
+def _reads_captions(args: argparse.Namespace) -> bool:
+    """Whether what is asked reads the rows' captions: not for image embeddings, nor for a dual encoder's
+    zero-shot or a model without a text tower (from --model's config.json; where it cannot be read, the model's
+    own load says why later)."""
+    if args.embed or args.classes:
+        return args.embed == "text"
+    from mmfast.models.registry import MODELS  # here: it imports the model class, and torch with it
+
+    try:
+        cls = MODELS[json.loads((Path(args.model) / "config.json").read_text())["model"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    dual = hasattr(cls, "encode_image") and hasattr(cls, "encode_text")  # as MmfastModel.embeds
+    return not dual and "text" in getattr(cls, "modalities", ("text",))
 
 
 def report_errors(results: list[dict], done: str) -> None:

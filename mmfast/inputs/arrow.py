@@ -180,7 +180,7 @@ def _columns(f: Path, schema, features: dict, opts: InputOptions) -> Columns:
     else:
         classlabels = tuple(n for n in present if _ftype(features, n) == "ClassLabel")
         label = pick_column(present, opts.label_column, classlabels + LABEL_NAMES, "label", str(f))
-    return Columns(image=image, text=text, label=label)
+    return Columns(image=image, text=text, label=label, text_optional=not opts.captions_needed)
 
 
 def _is_image_struct(kind) -> bool:
@@ -254,7 +254,7 @@ def _read_rows(
     rel = f.relative_to(root).as_posix()
     out_dir = None
     cands, rejects, line = [], [], 0
-    wanted = columns.required()
+    wanted = [c for c in (columns.image, columns.text, columns.label) if c is not None]  # text even if optional
     for batch in batches:
         for row in batch.select(wanted).to_pylist():
             line += 1

@@ -40,6 +40,8 @@ class InputOptions:
         wds_text_key: WebDataset: the caption member's extension.
         wds_label_key: WebDataset: the label member's extension (an integer or a name as text).
         wds_label_field: WebDataset: take the label from this field of the ``json`` member instead.
+        captions_needed: False reads a row with an empty or missing caption, its text "" (mmfast-predict's
+            zero-shot and image embeddings read no caption).
     """
 
     kind: str = "auto"
@@ -54,6 +56,7 @@ class InputOptions:
     wds_text_key: str = "txt"
     wds_label_key: str = "cls"
     wds_label_field: str | None = None
+    captions_needed: bool = True
 
     def __post_init__(self):
         if self.kind != "auto":
@@ -75,6 +78,7 @@ class InputOptions:
             text=self.text_column or text,
             label=None if self.no_labels else (self.label_column or label),
             names=self.columns,
+            text_optional=not self.captions_needed,
         )
 
 

@@ -52,7 +52,7 @@ def read_coco(
                 value = categories[value]
             row["label"] = value
         rows.append((line, row))
-    columns = Columns(label=None if opts.no_labels else "label")
+    columns = Columns(label=None if opts.no_labels else "label", text_optional=not opts.captions_needed)
     cands, more = check_rows(rows, root, confine, from_csv=False, columns=columns)
     for r in more:
         if r.reason == "missing field 'label'":

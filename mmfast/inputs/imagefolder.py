@@ -90,7 +90,7 @@ def _columns(meta: Path, present: list[str], opts: InputOptions, label: str | No
         return opts.table_columns(image="file_name")  # an empty file: no rows to check
     image = pick_column(present, opts.image_column, ("file_name",), "image", str(meta))
     text = pick_column(present, opts.text_column, TEXT_NAMES, "text", str(meta))
-    return Columns(image=image, text=text, label=label)
+    return Columns(image=image, text=text, label=label, text_optional=not opts.captions_needed)
 
 
 def _label_column(meta: Path, present: list[str], rows: list[tuple[int, dict]], opts: InputOptions) -> str | None:

@@ -223,6 +223,8 @@ def _check_row(
     row: dict, line: int, root: Path, confine: bool, from_csv: bool, columns: Columns | None = None
 ) -> tuple[Candidate | None, str]:
     columns = columns or Columns()
+    if columns.text_optional and row.get(columns.text) is None:
+        row = {**row, columns.text: ""}  # a command that reads no caption
     for key in columns.required():
         if key not in row or row[key] is None:
             return None, f"missing field '{key}'"
@@ -232,7 +234,7 @@ def _check_row(
         return None, f"field '{columns.image}' must be a non-empty string path, got {type(image).__name__}"
     if not isinstance(text, str):
         return None, f"field '{columns.text}' must be a string, got {type(text).__name__}"
-    if not text.strip():
+    if not text.strip() and not columns.text_optional:
         return None, "empty text"
     label, why = parse_label(label, from_text=from_csv)
     if why:

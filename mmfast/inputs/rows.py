@@ -23,15 +23,19 @@ class Columns:
         image, text, label: column names; ``label=None`` reads an input without labels (every row gets
             ``NO_LABEL``).
         names: the column names of a CSV/TSV without a header line (its first line is then a row).
+        text_optional: a row whose text is empty or missing is read, its text "" (for a command that reads no
+            caption: ``InputOptions.captions_needed``).
     """
 
     image: str = "image"
     text: str = "text"
     label: str | None = "label"
     names: tuple[str, ...] | None = None
+    text_optional: bool = False
 
     def required(self) -> list[str]:
-        return [c for c in (self.image, self.text, self.label) if c is not None]
+        text = None if self.text_optional else self.text
+        return [c for c in (self.image, text, self.label) if c is not None]
 
 
 @dataclass(slots=True)  # no per-object __dict__: preparation holds one per input row

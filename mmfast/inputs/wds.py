@@ -229,6 +229,7 @@ def _wds_opts(opts: InputOptions) -> dict:
         "label_key": opts.wds_label_key,
         "label_field": opts.wds_label_field,
         "no_labels": opts.no_labels,
+        "text_optional": not opts.captions_needed,
     }
 
 
@@ -316,6 +317,8 @@ def read_shard(
                     reject(f"no image member (.{' / .'.join(o['image_keys'])}); set --wds-image-key")
                     continue
                 text, why = _caption(tar, members.get(o["text_key"]), o["text_key"])
+                if why and o["text_optional"]:  # a command that reads no caption
+                    text, why = "", ""
                 if why:
                     reject(why)
                     continue

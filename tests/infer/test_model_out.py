@@ -78,15 +78,17 @@ def test_predict_reports_bad_rows_and_predicts_the_rest(model_dir, demo_manifest
         json.dumps({"image": good[3]["image"], "text": 7}),
         "{not json",
         json.dumps(good[4]),
+        json.dumps({"image": good[4]["image"], "text": " "}),  # a classifier with a text tower reads the caption
     ]
     manifest.write_text("\n".join(lines) + "\n")
     out = tmp_path / "pred.jsonl"
     assert predict_tool.main(["--model", str(model_dir), "--input", str(manifest), "--out", str(out)]) == 0
-    assert capsys.readouterr().out == f"wrote 8 predictions: {out}\n"  # where they went
+    assert capsys.readouterr().out == f"wrote 9 predictions: {out}\n"  # where they went
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(got) == 8
+    assert len(got) == 9
     errors = [bool(r["error"]) for r in got]
-    assert errors == [False, False, False, True, True, True, True, False]
+    assert errors == [False, False, False, True, True, True, True, False, True]
+    assert got[8]["error"] == f"{manifest}:9: empty text"
     assert "not found" in got[3]["error"] and "unreadable" in got[4]["error"]
     assert got[5]["error"] == f"{manifest}:6: field 'text' must be a string, got int"
     assert got[6]["error"].startswith(f"{manifest}:7: invalid JSON")  # the reader's reason, its file and line

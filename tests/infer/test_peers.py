@@ -142,6 +142,49 @@ def test_a_moved_open_clip_folder_loads_with_its_text_config_given_again(tiny_cl
     assert (moved / "open_clip_config.json").read_bytes() == before
 
 
+def test_zero_shot_and_image_embeddings_read_rows_whose_caption_is_empty(tiny_clip, photos_set, tmp_path, capsys):
+    """img2dataset writes an empty .txt for a picture without alt text: that row was refused ("empty caption")
+    by zero-shot and --embed image, which read no caption. They now predict it, its text ""; --embed text
+    still refuses it, naming the shard, line and member."""
+    import tools.predict as predict_tool
+
+    wds = pytest.importorskip("webdataset")
+    model = str(tiny_clip.parent / "model")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with wds.TarWriter(str(shards / "00000.tar")) as w:
+        for j, r in enumerate(photos_set[:6]):
+            sample = {"jpg": r["path"].read_bytes(), "txt": "" if j == 1 else r["text"]}
+            w.write({"__key__": f"{j:04d}", **{k: v for k, v in sample.items() if j != 2 or k != "txt"}})
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"image": str(r["path"]), "text": " " * (j == 0)}) + "\n"
+                                for j, r in enumerate(photos_set[:3])))  # fmt: skip
+    for source, n in ((shards, 6), (manifest, 3)):
+        out = tmp_path / f"{source.name}.jsonl"
+        argv = ["--model", model, "--input", str(source), "--out", str(out)]
+        assert predict_tool.main([*argv, "--classes", "a photo,a drawing"]) == 0
+        got = [json.loads(line) for line in out.read_text().splitlines()]
+        assert (
+            len(got) == n
+            and not any(r["error"] for r in got)
+            and {r["class"] for r in got} <= {"a photo", "a drawing"}
+        )
+        assert got[0]["text"] == "" if source == manifest else got[1]["text"] == "" and got[2]["text"] == ""
+        emb = tmp_path / f"{source.name}-image"
+        assert (
+            predict_tool.main(["--model", model, "--input", str(source), "--embed", "image", "--out", str(emb)])
+            == 0
+        )
+        assert np.load(f"{emb}.npy").shape[0] == n
+    capsys.readouterr()
+    emb = tmp_path / "text"
+    assert predict_tool.main(["--model", model, "--input", str(shards), "--embed", "text", "--out", str(emb)]) == 0
+    assert np.load(f"{emb}.npy").shape[0] == 4
+    err = capsys.readouterr().err
+    assert f"{shards / '00000.tar'}:2: empty caption (0001.txt) (sample 0001)" in err
+    assert f"{shards / '00000.tar'}:3: no caption member (.txt)" in err
+
+
 def test_transformers_loads_the_export_and_embeds_as_mmfast(tiny_clip, prepared, photos, tmp_path):
     inputs, ours = mmfast_inputs(tiny_clip.parent / "model", prepared, photos, tmp_path)
     theirs = run_peer("hf_embed", tiny_clip / "hf", inputs, tmp_path)
