@@ -27,7 +27,7 @@ from mmfast.inputs.rows import (  # the row types: the readers and stages import
     split_lines,
 )
 from mmfast.util.commands import PREPARE, TRAIN
-from mmfast.util.fsutil import is_mmfast_output
+from mmfast.util.fsutil import RUN_MARKER, is_mmfast_output, marker_kind, read_json_object
 
 _INT_RE = re.compile(r"^[+-]?\d+$")
 _DECIMAL_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+(?=[eE]))([eE][+-]?\d+)?$")  # 0.7, 3.0, .5, 1e3
@@ -169,8 +169,16 @@ def finish_rows(
 
 
 def _refuse_prepared_dir(path: Path) -> None:
-    """A prepared dataset directory is not an image folder: say what it is instead of reading its files as
-    classes of images."""
+    """A prepared dataset directory, or a run's, an export's or an evaluation's, is not an image folder: say what
+    it is instead of reading its files as classes of images."""
+    if (path / RUN_MARKER).is_file():
+        data = read_json_object(path / "config.json").get("data")
+        raise ManifestError(
+            f"{path} is a training run's folder, not an image folder; pass the data it trained on"
+            + (f": {data}" if isinstance(data, str) else "")
+        )
+    if is_mmfast_output(path):
+        raise ManifestError(f"{path} is an mmfast {marker_kind(path)} folder, not an image folder; pass the data")
     state = prepared_state(path)
     if state == COMPLETE:
         raise ManifestError(

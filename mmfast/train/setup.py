@@ -217,6 +217,7 @@ def _raw_data_error(e: Exception, source: Path, prepared: Path, run_dir: Path) -
     if report.is_file():
         os.replace(report, kept)
         msg = msg.replace(str(report), str(kept))
+    msg = msg.replace(f" ({prepared} was not changed)", "")  # the run's own copy, which it never made
     if "--" in msg:
         msg += (
             f"\n({TRAIN} reads a raw --data with the default input settings; to pass those flags, prepare it "

@@ -17,11 +17,13 @@ import pytest
 import torch
 from conftest import ROOT, SMALL_RUN, free_port, n_rows, save_image, train_cmd, write_jsonl
 
+from mmfast.inputs import ManifestError, read_source
 from mmfast.prepare.core import PrepareConfig, prepare_dataset
 from mmfast.tasks import classification
 from mmfast.train import engine
 from mmfast.train.rundir import LOCK_FILE, RUN_MARKER, RunDirLock
 from mmfast.util.commands import PREPARE
+from mmfast.util.fsutil import claim_output_dir
 from tools import train as train_tool
 
 
@@ -545,6 +547,26 @@ def test_a_prepared_split_given_as_data_is_refused_naming_its_directory(prepared
     err = capsys.readouterr().err
     assert f"is a split of the prepared dataset {prepared}; pass --data {prepared}" in err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_run_folder_given_as_data_is_refused_naming_what_it_trained_on(prepared, tmp_path, capsys):
+    """``--data RUN`` was read as an image folder: a line per run file ("not an image file name ('.json')"),
+    the reasons written beside --out, and advice naming a prepared folder that never existed."""
+    run = tmp_path / "run"
+    assert _run(prepared, run, "--max-steps", "1") == 0
+    capsys.readouterr()
+    assert _run(run, tmp_path / "runs" / "again", "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: {run} is a training run's folder, not an image folder; pass the data it trained on: {prepared}"
+        in err
+    )
+    assert "not an image file name" not in err and "was not changed" not in err
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    export = claim_output_dir(tmp_path / "export", "export")
+    (export / "a.png").write_bytes((prepared / "train.jsonl").read_bytes()[:10])
+    with pytest.raises(ManifestError, match=f"{export} is an mmfast export folder, not an image folder"):
+        read_source(export)
 
 
 def test_resuming_a_run_already_at_its_last_step_says_nothing_is_left(prepared, tmp_path, capsys):
