@@ -128,7 +128,7 @@ def _missing_data(data: str, model: str | None) -> str:
     return f"{why}; pass the folder mmfast-prepare wrote (its --out), or use --input for a manifest or images"
 
 
-def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
+def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack, captions_needed: bool = True) -> list[dict]:
     """The rows of --data, --image or --input (its images stored as bytes in a temp folder ``stack`` removes).
 
     Raises:
@@ -159,7 +159,7 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dic
                 f"--text is not UTF-8 ({what} at character {e.start}); pass the caption in UTF-8"
             ) from None
         return [{"image": str(Path(args.image).resolve()), "text": args.text}]
-    opts = dataclasses.replace(input_options(args), captions_needed=_reads_captions(args))
+    opts = dataclasses.replace(input_options(args), captions_needed=captions_needed)
     return stack.enter_context(input_rows(args.input, opts))
 
 
@@ -345,7 +345,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             classes = read_class_names(args.classes) if args.classes else None  # before any image is read
             templates = read_templates(args.templates) if args.templates else None
-            rows = load_rows(args, stack)
+            rows = load_rows(args, stack, captions_needed=_reads_captions(args))
             if args.out:  # never the input, one of its images, or a file of the user's
                 inputs = [str(source)] + [image_file(r) for r in rows if r.get("image")]
                 check_outputs(args, inputs)

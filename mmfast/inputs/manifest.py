@@ -41,7 +41,7 @@ def read_input(
     fmt: str | None = None,
     dedupe: bool = True,
     image_folder: Path | None = None,
-    detect: Callable[[list[tuple[int, dict]], Columns], Columns] | None = None,
+    detect: Callable[..., Columns] | None = None,
 ) -> tuple[list[Candidate], list[Reject], str]:
     """Read a JSONL/CSV manifest or an image folder.
 
@@ -53,7 +53,7 @@ def read_input(
         fmt: "jsonl", "csv" or "folder" (default: told from the path: a folder, or the file's suffix).
         dedupe: reject exact duplicates of an earlier row (see ``finish_rows``).
         image_folder: the folder a manifest's relative image paths are read from (default: the manifest's).
-        detect: (rows, columns) -> the columns to read them by (``inputs.columns.detect_columns``).
+        detect: (rows, columns, jsonl=...) -> the columns to read them by (``inputs.columns.detect_columns``).
 
     Returns:
         (candidates, rejects, kind) where kind is "jsonl", "csv" or "folder".
@@ -80,7 +80,7 @@ def read_input(
             if columns.names is not None:
                 raise ManifestError(f"{path}: --columns names the columns of a CSV/TSV without a header line")
             rows, rejects = _jsonl_rows(path)
-            columns = detect(rows, columns) if detect is not None else columns  # the columns left unnamed
+            columns = detect(rows, columns, jsonl=True) if detect is not None else columns  # those left unnamed
             kind = "jsonl"
         elif fmt == "csv":
             delimiter, columns = _table_layout(path, suffix, columns)

@@ -9,6 +9,7 @@ import csv
 import hashlib
 import json
 import logging
+import re
 import shutil
 from datetime import date
 from pathlib import Path
@@ -229,6 +230,18 @@ def test_a_jsonl_with_other_field_names_is_read_by_them_and_says_so(tmp_path, ph
     assert "the images read from 'filepath'" in said and "the labels read from 'category'" in said
     cands, _, _ = read_source(manifest, InputOptions(text_column="title"))  # named: not second-guessed
     assert {c.text for c in cands} == {"not the caption"} and len(cands) == N
+    # a named field no row has, or an image no row has under any usual name: one error with the rows' fields
+    fields = "['caption', 'category', 'filepath', 'title']"
+    with pytest.raises(
+        ManifestError, match=re.escape(f"no row has the field 'captoin' (--text-column); the rows have {fields}")
+    ):
+        read_source(manifest, InputOptions(text_column="captoin"))
+    pictures = tmp_path / "pictures.jsonl"
+    pictures.write_text("".join(json.dumps({"picture": r["filepath"], "text": r["caption"]}) + "\n" for r in rows))
+    with pytest.raises(
+        ManifestError, match=r"no row has the field 'image' or another usual image field \(filepath"
+    ):
+        read_source(pictures, InputOptions(no_labels=True))
     both = [dict(r, text=f"the default field {k}") for k, r in enumerate(rows)]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in both))
     cands, _, _ = read_source(manifest)
