@@ -22,7 +22,7 @@ from mmfast.data.dataset import (
     WDS_DIR,
     split_file,
 )
-from mmfast.inputs import ImagesInPlace, Reader, file_reads, reader_named
+from mmfast.inputs import ImagesInPlace, Reader, detect_kind, file_reads, reader_named
 from mmfast.inputs.manifest import Candidate, ManifestError, Reject
 from mmfast.prepare.checks import Checked, earlier_preparations, read_and_check
 from mmfast.prepare.config import PREPARE_VERSION, PREPARED_KIND, PrepareConfig, failure_report_path
@@ -158,9 +158,13 @@ def _check_input_outside(cfg: PrepareConfig) -> None:
             "the input. Pass an --out outside the input's folder"
         )
     if src.is_dir() and out.is_relative_to(src):
+        classes = detect_kind(src) == "folder"  # an image folder's sub-folders are its classes
+        where = (
+            "image folder {}, where it would be read as a class" if classes else "input folder {}, read as input"
+        )
         raise OutputDirError(
-            f"--out {cfg.out} is inside the image folder {cfg.source}, where it would be read as a class; "
-            "pass an --out outside it"
+            f"--out {cfg.out} is inside the {where.format(cfg.source)} by the next preparation; pass an --out "
+            "outside it"
         )
 
 

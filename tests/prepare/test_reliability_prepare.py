@@ -164,6 +164,14 @@ def test_out_that_contains_the_input_is_refused(tmp_path, capsys):
     save_image(folder / "cat" / "1.png")
     assert prepare_data.main([str(folder), "--out", str(folder / "prepared"), "--no-progress"]) == 2
     assert "is inside the image folder" in capsys.readouterr().err and not (folder / "prepared").exists()
+    shards = tmp_path / "shards"  # a folder of WebDataset shards is no image folder: no classes in the advice
+    shards.mkdir()
+    (shards / "00000.tar").write_bytes(b"")
+    assert prepare_data.main([str(shards), "--out", str(shards / "prepared"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"is inside the input folder {shards}, read as input by the next preparation" in err and "class" not in err
+    )
 
 
 # 2. A kill at any instant of the directory swap leaves the old or the new directory.
