@@ -272,12 +272,13 @@ def _no_usable_rows(cfg: PrepareConfig, n_input: int, rejects: list[Reject], rea
     src = Path(cfg.source)
     base = src if src.is_dir() else src.parent  # a reject's file is relative to the input's folder
     lines = [f"{cfg.source}: no usable rows out of {n_input}; the first reasons:"]
-    for r in rejects[:_SHOWN_REASONS]:
+    shown = 3 if len({_reason_kind(r.reason) for r in rejects}) == 1 else _SHOWN_REASONS  # one reason: 3 say it
+    for r in rejects[:shown]:
         lines.append(f"  {reader.where(base / r.file if r.file else src, r.line)}: {r.reason}")
-    if len(rejects) > _SHOWN_REASONS:
-        common = Counter(_reason_kind(r.reason) for r in rejects[_SHOWN_REASONS:]).most_common(3)
+    if len(rejects) > shown:
+        common = Counter(_reason_kind(r.reason) for r in rejects[shown:]).most_common(3)
         more = ", ".join(f"{why} ({n})" for why, n in common)
-        lines.append(f"  ... and {len(rejects) - _SHOWN_REASONS} more ({more})")
+        lines.append(f"  ... and {len(rejects) - shown} more ({more})")
     if rejects and all(r.reason.startswith("missing file") for r in rejects):
         lines.append(f"  (every image is missing: {_where_images_are_read(cfg, base, rejects, reader)})")
     if rejects and all(r.reason.startswith("missing field 'label'") for r in rejects):

@@ -77,9 +77,9 @@ def test_no_usable_rows_prints_the_first_reasons_and_keeps_every_one(tmp_path, c
     assert prepare_data.main(["--source", str(folder), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "no usable rows out of 13" in err
-    for i in range(10):  # the first ten with their file and line, then a count of the rest
+    for i in range(3):  # one reason for every row: the first three with their file and line, then a count
         assert f"{folder / 'metadata.jsonl'}:{i + 1}: missing file" in err
-    assert "metadata.jsonl:11:" not in err and "... and 3 more (missing file (3))" in err
+    assert "metadata.jsonl:4:" not in err and "... and 10 more (missing file (10))" in err
     assert f"every image is missing: relative paths are read from {folder}" in err
     report = failure_report_path(out)
     assert report == tmp_path / "out.rejected.jsonl" and str(report) in err
