@@ -212,8 +212,8 @@ class TrainConfig:
     compile_mode: str = _opt(
         "default",
         "precision",
-        "torch.compile's mode, implying --compile when not default; reduce-overhead records CUDA graphs (one "
-        "launch per step: for small batches, where the host sets the pace)",
+        "torch.compile's mode, implying --compile when not default; reduce-overhead records CUDA graphs on a CUDA "
+        "GPU (one launch per step: for small batches, where the host sets the pace), and only compiles elsewhere",
     )
     text_padding: str = _opt(
         "auto",

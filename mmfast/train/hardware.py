@@ -137,6 +137,15 @@ def check_compile_fits(cfg: CompileConfig, task) -> None:
         )
 
 
+def compile_note(cfg: CompileConfig, device_type: str) -> str | None:
+    """What the run says when --compile-mode asks for CUDA graphs on a device without them, else None."""
+    if cfg.compile_mode != "reduce-overhead" or uses_cuda_graphs(cfg, device_type):
+        return None
+    return (
+        f"--compile-mode reduce-overhead records CUDA graphs on a CUDA GPU only; on the {device_type} it compiles"
+    )
+
+
 def uses_cuda_graphs(cfg: CompileConfig | LoopConfig, device_type: str) -> bool:
     """Whether the compiled step replays CUDA graphs (``reduce-overhead`` on a CUDA device)."""
     return cfg.compile_mode == "reduce-overhead" and device_type == "cuda"  # the mode implies compiling

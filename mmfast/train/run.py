@@ -25,7 +25,13 @@ from mmfast.train.data import build_loaders, image_norm, images_note, train_view
 from mmfast.train.elastic import loader_state, without_elastic
 from mmfast.train.engine import EpochRunner, check_finite_weights, initial_state
 from mmfast.train.features import feature_train_loader, feature_val_loader
-from mmfast.train.hardware import check_compile_fits, choices_made, compile_options, resolve_channels_last
+from mmfast.train.hardware import (
+    check_compile_fits,
+    choices_made,
+    compile_note,
+    compile_options,
+    resolve_channels_last,
+)
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
 from mmfast.train.profiler import UtilizationSampler
@@ -266,6 +272,8 @@ def _optimized(parts: Slices, accelerator, model, task: Task, steps: int, wise_f
     start = start_weights(model, wise_ft)  # of the module itself, before compiling: the wrappers share its tensors
     if (compiling := compile_options(parts.compile)) is not None:
         check_compile_fits(parts.compile, task)
+        if note := compile_note(parts.compile, accelerator.device.type):
+            accelerator.print(f"note: {note}")
         model = torch.compile(model, **compiling)
     optimizer, scheduler = build_optimizer(parts.optim, model, steps, accelerator.device.type)
     # The scheduler is not passed to prepare(): Accelerate would step it num_processes times per step.

@@ -102,6 +102,12 @@ def test_a_compiled_step_pads_to_buckets_with_static_shapes_and_the_flags_win():
     assert hardware.compile_options(graphs) == {"mode": "reduce-overhead", "dynamic": False}
     assert hardware.uses_cuda_graphs(graphs, "cuda") and not hardware.uses_cuda_graphs(graphs, "cpu")
     assert not hardware.uses_cuda_graphs(_cfg("--compile"), "cuda")
+    assert hardware.compile_note(graphs, "cpu") == (
+        "--compile-mode reduce-overhead records CUDA graphs on a CUDA GPU only; on the cpu it compiles"
+    )
+    assert (
+        hardware.compile_note(graphs, "cuda") is None and hardware.compile_note(_cfg("--compile"), "cpu") is None
+    )
     # padded to each batch's longest caption, a compiled step keeps dynamic shapes (a graph per width otherwise)
     assert hardware.compile_options(_cfg("--compile", "--text-padding", "longest"))["dynamic"] is None
     assert hardware.resolve_text_padding(_cfg("--text-padding", "max")) == "max"
