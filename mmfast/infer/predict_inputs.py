@@ -91,7 +91,9 @@ def read_rows(
         item, with_label = chosen[key]
         if isinstance(item, Reject):
             where = _where(item, reader, path, base)
-            rows.append({**_raw_cells(item, opts), "error": f"{where}: {item.reason}"})
+            cells = _raw_cells(item, opts)
+            cells["image"] = cells["image"] or _sample_image(item, opts, base / item.file if item.file else path)
+            rows.append({**cells, "error": f"{where}: {item.reason}"})
         elif reader.in_place is not None:
             rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir, fetched))
         else:
@@ -181,6 +183,15 @@ def _raw_cells(r: Reject, opts: InputOptions) -> dict:
     cells = {key: raw.get(cell_name(key, column, raw)) for key, column in names.items()}  # as found, if found
     cells = {k: str(v) if isinstance(v, int | float | str) else None for k, v in cells.items()}  # not a list
     return {"image": cells["image"], "text": cells["text"]} | ({"label": cells["label"]} if cells["label"] else {})
+
+
+def _sample_image(r: Reject, opts: InputOptions, shard: Path) -> str | None:
+    """A WebDataset sample's image as its good rows name it, ``<shard>:<member>``, where the reject lists its
+    members (else None)."""
+    members = r.row.get("members") if isinstance(r.row, dict) and "shard" in r.row else None
+    keys = [k.strip().lower() for k in opts.wds_image_key.replace(",", ";").split(";")]
+    image = next((m for k in keys for m in members or () if m.lower().endswith(f".{k}")), None)
+    return f"{shard}:{image}" if image else None
 
 
 def _where(r: Reject, reader: Reader, path: Path, base: Path) -> str:

@@ -402,12 +402,16 @@ def test_predict_on_webdataset_shards_equals_the_manifest(model_dir, labeled_pho
                 w.write({"__key__": f"{k}{j:04d}", **sample})
             if k == 0:  # a sample without its image: an error row naming the shard and the key
                 w.write({"__key__": "0nojpg", "txt": "a caption without its image", "cls": r["label"]})
+            else:  # a damaged image: its error row named as a good one is, shard:member
+                w.write({"__key__": "1cut", "jpg": r["path"].read_bytes()[:60], "txt": "cut", "cls": r["label"]})
     before = {p.name: p.read_bytes() for p in shards.iterdir()}
     got = _predict(model_dir, f"{shards}/{{00000..00001}}.tar", tmp_path / "pred.jsonl")
-    assert len(got) == len(reference) + 1
+    assert len(got) == len(reference) + 2
+    cut = got.pop()
+    assert cut["image"] == f"{shards / '00001.tar'}:1cut.jpg" and "(sample 1cut)" in cut["error"]
     bad = got.pop(half)
     assert bad["error"].startswith(f"{shards / '00000.tar'}:{half + 1}: no image member")
-    assert "(sample 0nojpg)" in bad["error"]
+    assert "(sample 0nojpg)" in bad["error"] and bad["image"] is None
     assert _figures(got) == _figures(reference)
     assert got[0]["image"] == f"{shards / '00000.tar'}:00000.jpg"  # the sample named in its shard
     assert got[half]["image"] == f"{shards / '00001.tar'}:10000.jpg"
