@@ -169,7 +169,8 @@ class ContrastiveTask:
         return (
             f"note: the train split's {self._train_rows} rows have {self._train_captions} distinct captions, "
             f"fewer than the {samples} samples of a step; rows that share a caption are not each other's "
-            "negatives, so the model learns at most which caption fits an image"
+            "negatives, so the model learns at most which caption fits an image (with class names as captions, "
+            "--model concat trains a better classifier; give each image its own caption for a CLIP)"
         )
 
     def epoch_figures(self, accelerator) -> dict:
