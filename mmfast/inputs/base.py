@@ -241,6 +241,9 @@ def pick_column(present: list[str], given: str | None, names: tuple[str, ...], w
         if name in present:
             return name
     hint = f"pass {flag} NAME" + (" or --no-labels" if what == "label" else "")
+    if what == "image" and {"url", "key", "status"} <= set(present):  # the table img2dataset writes per shard
+        hint = "it looks like img2dataset's metadata, whose pictures are in the .tar shard of the same name: pass "
+        hint += "the shards (their folder, or a pattern such as 'DIR/{00000..00009}.tar')"
     raise ManifestError(f"{where}: no {what} column among {present}; {hint}")
 
 

@@ -404,6 +404,20 @@ def test_parquet_with_image_bytes_and_classlabel_names(tmp_path, photos_set):
     assert write_wds(tmp_path / "out")["train"]["samples"] == summary["counts"]["train"]
 
 
+def test_img2dataset_metadata_given_as_input_points_to_its_shards(tmp_path):
+    """img2dataset writes NNNNN.parquet beside each NNNNN.tar: its url, key, status and caption, no picture.
+    Given alone, the refusal lists its columns and says where the pictures are."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    columns = {"url": ["https://example.com/a.jpg"], "caption": ["a cat"], "key": ["000000000"]}
+    columns |= {"status": ["success"], "error_message": [None], "width": [256], "height": [256]}
+    pq.write_table(pa.table(columns), tmp_path / "00000.parquet")
+    with pytest.raises(ManifestError) as e:
+        read_source(tmp_path / "00000.parquet", InputOptions(no_labels=True))
+    assert "no image column among ['url', 'caption', 'key', 'status'" in str(e.value)
+    assert "img2dataset's metadata, whose pictures are in the .tar shard of the same name" in str(e.value)
+
+
 def test_parquet_rows_of_one_picture_share_its_file_and_an_exact_repeat_is_a_duplicate(tmp_path, photos_set):
     rows = [photos_set[0], photos_set[0], {**photos_set[0], "text": "the same picture, another caption"}]
     rows += photos_set[1:]
