@@ -75,9 +75,14 @@ def traceable_attention():
 
 def _longest(model: MmfastModel) -> int:
     """The longest caption an exported program takes: 512 tokens, or fewer when the text tower has fewer positions
-    (an open_clip text transformer's context)."""
+    (an open_clip text transformer's context), less the positions early fusion's image tokens take."""
     text = getattr(model.model, "text", None)
-    return min(512, getattr(text, "max_positions", None) or 512)
+    longest = min(512, getattr(text, "max_positions", None) or 512)
+    if hasattr(model.model, "image_tokens"):  # early fusion: [CLS], the image's tokens, then the caption's
+        size = model.config["image_size"]
+        with torch.no_grad():
+            longest -= model.model.image_tokens(torch.zeros(1, 3, size, size)).shape[1]
+    return longest
 
 
 def export_onnx(model: MmfastModel, path: str | os.PathLike, opset: int = 17) -> Path:

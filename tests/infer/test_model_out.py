@@ -13,7 +13,7 @@ from conftest import SMALL_RUN, n_rows, write_jsonl
 from PIL import Image
 
 from mmfast.data.tokenizer import load_tokenizer
-from mmfast.infer.export import LogitsModule, example_inputs, export_onnx, onnx_parity
+from mmfast.infer.export import LogitsModule, _longest, example_inputs, export_onnx, export_program, onnx_parity
 from mmfast.infer.model_dir import MmfastModel, load_model, save_model_dir
 from mmfast.infer.predict import predict_rows
 from mmfast.infer.predict_inputs import read_rows
@@ -313,6 +313,10 @@ def test_every_model_kind_exports_to_onnx_with_parity(kind, prepared, tmp_path):
     model = MmfastModel({**_config(prepared), "model": kind, **({"combine": "learned"} if kind == "late" else {})})
     path = export_onnx(model, tmp_path / f"{kind}.onnx")
     assert onnx_parity(model, path, example_inputs(model, batch=4, length=15, seed=4)) <= 1e-4
+    # torch.export: early fusion's image tokens take positions, so its longest caption is shorter by them
+    program = torch.export.load(str(export_program(model, tmp_path / f"{kind}.pt2"))).module()
+    for x in (example_inputs(model, batch=3, length=7, seed=5), example_inputs(model, length=_longest(model))):
+        torch.testing.assert_close(program(*x), LogitsModule(model)(*x), rtol=1e-4, atol=1e-4)
 
 
 # -- --input: whatever mmfast-prepare reads ---------------------------------------------------------------
