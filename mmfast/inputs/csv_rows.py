@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,8 @@ from mmfast.inputs.rows import (
     read_bytes,
     split_lines,
 )
+
+log = logging.getLogger(__name__)
 
 OPEN_CLIP_COLUMNS = {"image": "filepath", "text": "title"}  # open_clip_train's --csv-img-key, --csv-caption-key
 
@@ -37,6 +40,16 @@ def _table_layout(path: Path, suffix: str, columns: Columns) -> tuple[str, Colum
         for key, name in OPEN_CLIP_COLUMNS.items()
         if getattr(columns, key) == key and key not in header and name in header
     }
+    for key, name in found.items():  # said as inputs.columns says the names it finds
+        role = "captions" if key == "text" else "images"
+        log.warning(
+            "%s: no '%s' field; the %s read from '%s' (--%s-column chooses another)",
+            path.name,
+            key,
+            role,
+            name,
+            key,
+        )
     return ("\t" if tab else ","), replace(columns, **found)
 
 

@@ -196,15 +196,20 @@ def test_imagefolder_without_a_caption_column_names_the_flag(tmp_path, photos_se
 
 # -- 3. column mapping and a headerless CC3M-style TSV ----------------------------------------------------
 @pytest.mark.parametrize("sep", ["\t", ","])
-def test_open_clip_train_csv_is_read_as_open_clip_writes_it(tmp_path, photos_set, sep):
+def test_open_clip_train_csv_is_read_as_open_clip_writes_it(tmp_path, photos_set, sep, caplog):
     """open_clip's trainer reads train.csv with columns filepath and title, tab-separated by default: the same
     file prepares as it is, with no --image-column, --text-column or --csv-separator to pass."""
     names = _copy_images(photos_set, tmp_path / "imgs")
     table = tmp_path / "train.csv"
     rows = [f"imgs/{n}{sep}{r['text']}" for n, r in zip(names, photos_set, strict=True)]
     table.write_text("\n".join([f"filepath{sep}title", *rows]) + "\n")
-    cands, rejects, _ = read_source(table, InputOptions(no_labels=True))
+    with caplog.at_level("INFO"):
+        cands, rejects, _ = read_source(table, InputOptions(no_labels=True))
     assert not rejects
+    assert (
+        "train.csv: no 'text' field; the captions read from 'title' (--text-column chooses another)" in caplog.text
+    )
+    assert "train.csv: no 'image' field; the images read from 'filepath'" in caplog.text
     want = [(n, r["text"]) for n, r in zip(names, photos_set, strict=True)]
     assert [(Path(c.image).name, c.text) for c in cands] == want
     with pytest.raises(ManifestError, match="no column 'image'|lacks"):  # a named column is still required
