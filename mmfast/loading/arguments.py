@@ -19,7 +19,7 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.loading.device import resolve_device, resolve_dtype
 from mmfast.loading.graphs import DALI_SAFE_BATCH
 from mmfast.loading.sampling import WHOLE_BATCHES, Layout, Sampling
-from mmfast.util.voice import setting
+from mmfast.util.voice import on_command_line, setting
 
 if TYPE_CHECKING:
     from mmfast.loading.cache_plan import CachePlan
@@ -364,9 +364,11 @@ def check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels:
             "size"
         )
     if drop_last and n < batch_size * num_shards:
+        dropped = "and training drops a partial batch" if on_command_line() else "with drop_last=True"
         raise ValueError(
-            f"{n} samples cannot fill one batch of {batch_size} on each of {num_shards} processes "
-            "with drop_last=True; lower the batch size"
+            f"{n} samples cannot fill one batch of {batch_size}"
+            + (f" on each of {num_shards} processes" if num_shards > 1 else "")
+            + f" {dropped}; lower {setting('batch_size')}"
         )
 
 

@@ -164,7 +164,7 @@ class ContrastiveTask:
                 "each step's batch is --batch-size x --grad-accum x processes; raise --batch-size (or "
                 "--grad-accum: the window's micro-batches are one batch) to 2 or more"
             )
-        if self._train_captions >= samples:
+        if self._train_captions >= min(samples, self._train_rows):  # no caption shared, or enough for a step
             return None
         return (
             f"note: the train split's {self._train_rows} rows have {self._train_captions} distinct captions, "

@@ -457,6 +457,8 @@ def test_a_step_of_one_sample_is_refused_and_few_captions_are_noted():
     assert task.check_step_samples(2) is None  # two distinct captions: a step of two may hold both
     said = task.check_step_samples(16)
     assert "3 rows have 2 distinct captions, fewer than the 16 samples" in said and "--model concat" in said
+    distinct = ContrastiveTask(Rows(_rows([("a.jpg", "cat"), ("b.jpg", "dog")])))
+    assert distinct.check_step_samples(16) is None  # a step larger than the split: no caption is shared
 
 
 def test_an_epoch_without_a_single_negative_stops_the_run(cpu_accelerator):

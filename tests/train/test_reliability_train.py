@@ -569,6 +569,14 @@ def test_a_run_folder_given_as_data_is_refused_naming_what_it_trained_on(prepare
         read_source(export)
 
 
+def test_a_batch_larger_than_the_split_names_the_flag_not_drop_last(prepared, tmp_path, capsys):
+    """mmfast-train has no drop_last: the refusal said 'with drop_last=True' and 'on each of 1 processes'."""
+    assert _run(prepared, tmp_path / "run", "--batch-size", "999", "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert "cannot fill one batch of 999 and training drops a partial batch; lower --batch-size" in err
+    assert "drop_last" not in err and "processes" not in err and not (tmp_path / "run").exists()
+
+
 def test_resuming_a_run_already_at_its_last_step_says_nothing_is_left(prepared, tmp_path, capsys):
     """``--resume latest --max-steps 2`` on a run at step 3 printed only "resumed from ..." and wrote the model
     directories again, as if it had trained."""
