@@ -258,7 +258,12 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "checkpoints", "optimizer steps between checkpoints; 0: at each epoch's end")
     keep_checkpoints: int = _opt(2, "checkpoints", "checkpoints kept (the best one is never removed)")
     checkpoints: bool = _opt(True, "checkpoints", f"write checkpoints (off: a throwaway run, as {PROFILE} makes)")
-    resume: str | None = _opt(None, "checkpoints", "continue from a checkpoint: its PATH, or latest (in --out)")
+    resume: str | None = _opt(
+        None,
+        "checkpoints",
+        "continue from a checkpoint: its PATH, or latest (in --out; with none there yet it starts a fresh run and "
+        "says so, as a job script that restarts itself wants)",
+    )
     stop_grace: float = _opt(
         60.0,
         "checkpoints",
