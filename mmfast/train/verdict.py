@@ -146,8 +146,8 @@ def _compute_advice(settings: dict, on_gpu: bool, words: Knobs) -> list[str]:
     if not on_gpu and settings.get("decode_device") == "cpu" and decodes:
         steps.append(
             "the loader's decoding threads share the CPU cores with the model, so part of the compute time is "
-            f"decoding: fewer pixels (a smaller {words.image_size}, images shrunk offline) free cores for the "
-            "model"
+            f"decoding: fewer pixels (a smaller {words.image_size}, images shrunk offline by mmfast-prepare "
+            "--max-side) free cores for the model"
         )
     gpus, procs = settings.get("cuda_devices", 1 if on_gpu else 0), settings.get("num_processes", 1)
     bf16 = words.mixed_precision.format("bf16")

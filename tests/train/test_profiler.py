@@ -103,6 +103,7 @@ def test_verdict_rules():
     cpu_decoding = verdict({"data_wait_frac": 0.17, "utilization": {}, "settings": {"decode_device": "cpu"}})
     assert cpu_decoding["bound"] == "compute"
     assert cpu_decoding["next_steps"][0].startswith("the loader's decoding threads share the CPU cores")
+    assert "images shrunk offline by mmfast-prepare --max-side" in cpu_decoding["next_steps"][0]
     assert not any("share the CPU cores" in s for s in fp32["next_steps"] + host["next_steps"])
     assert not any("other processes" in s for s in fp32["next_steps"])
     busy_machine = {"cpu_util_mean": 37.0, "machine_cpu_util_mean": 100.0}  # this run's share, everyone's
