@@ -259,10 +259,7 @@ class TrainConfig:
     keep_checkpoints: int = _opt(2, "checkpoints", "checkpoints kept (the best one is never removed)")
     checkpoints: bool = _opt(True, "checkpoints", f"write checkpoints (off: a throwaway run, as {PROFILE} makes)")
     resume: str | None = _opt(
-        None,
-        "checkpoints",
-        "continue from a checkpoint: its PATH, or latest (in --out; with none there yet it starts a fresh run and "
-        "says so, as a job script that restarts itself wants)",
+        None, "checkpoints", "continue from a checkpoint: its PATH, or latest in --out (none there: a fresh run)"
     )
     stop_grace: float = _opt(
         60.0,
