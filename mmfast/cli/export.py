@@ -102,6 +102,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, why in left_out.items():
         print(f"note: --format all leaves out {name}: {why}")
+    with _removed_unless_written(Path(args.out)):
+        return _claim_and_export(model, args, peers, left_out)
+
+
+@contextlib.contextmanager
+def _removed_unless_written(out: Path) -> Iterator[None]:
+    """A new --out that a failed export left holding only mmfast's marker is removed: no empty folder stays."""
+    new = not os.path.lexists(out)
+    try:
+        yield
+    finally:
+        if new and out.is_dir() and [p.name for p in out.iterdir()] == [MARKER]:
+            (out / MARKER).unlink()
+            out.rmdir()
+
+
+def _claim_and_export(model, args: argparse.Namespace, peers: dict, left_out: dict) -> int:
     try:
         claim_output_dir(args.out, "export")  # a folder of the user's is refused, never written into
         return export(model, args, peers, left_out)

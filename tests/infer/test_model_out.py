@@ -133,6 +133,13 @@ def test_onnx_export_matches_pytorch(model_dir, tmp_path):
 def test_export_tool_writes_both_formats(model_dir, tmp_path):
     import tools.export as export_tool
 
+    failed = tmp_path / "failed"  # a failed export into a new folder leaves no folder behind
+    assert (
+        export_tool.main(["--model", str(model_dir), "--out", str(failed), "--format", "onnx", "--atol", "-1"])
+        == 1
+    )
+    assert not failed.exists()
+
     assert export_tool.main(["--model", str(model_dir), "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "export.json").read_text())
     assert report["onnx_max_abs_diff"] <= 1e-4
