@@ -27,7 +27,14 @@ from pathlib import Path
 
 from mmfast.cli import Parser, summary_of, write_failure
 from mmfast.cli.input_flags import add_input_flags
-from mmfast.cli.predict import add_max_pixels_flag, add_templates_flag, load_rows, none_usable, report_errors
+from mmfast.cli.predict import (
+    add_max_pixels_flag,
+    add_templates_flag,
+    load_rows,
+    model_reads_captions,
+    none_usable,
+    report_errors,
+)
 from mmfast.util.fsutil import OutputError, atomic_write_json, atomic_write_jsonl, claim_output_dir
 from mmfast.util.quiet import filter_native_stderr
 from mmfast.util.voice import command_line
@@ -155,7 +162,7 @@ def _main(argv: list[str] | None) -> int:
     source = args.input or args.data
     with contextlib.ExitStack() as stack:
         try:
-            rows = load_rows(args, stack)
+            rows = load_rows(args, stack, captions_needed=model_reads_captions(args.model, dual=True))
             if none_usable(rows, source):
                 return 2
             model, device = load_for_inference(args.model, args.device)

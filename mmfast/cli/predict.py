@@ -165,18 +165,25 @@ def load_rows(args: argparse.Namespace, stack: contextlib.ExitStack, captions_ne
 
 def _reads_captions(args: argparse.Namespace) -> bool:
     """Whether what is asked reads the rows' captions: not for image embeddings, nor for a dual encoder's
-    zero-shot or a model without a text tower (from --model's config.json; where it cannot be read, the model's
-    own load says why later)."""
+    zero-shot (``model_reads_captions``)."""
     if args.embed or args.classes:
         return args.embed == "text"
+    return model_reads_captions(args.model, dual=False)
+
+
+def model_reads_captions(model_dir: str, dual: bool) -> bool:
+    """Whether the model in ``model_dir`` reads captions: a classifier with a text tower does, one without does
+    not, a dual encoder as ``dual`` says (evaluation's retrieval does, zero-shot does not). From its config.json;
+    where that cannot be read, True (the model's own load says why later)."""
     from mmfast.models.registry import MODELS  # here: it imports the model class, and torch with it
 
     try:
-        cls = MODELS[json.loads((Path(args.model) / "config.json").read_text())["model"]]
+        cls = MODELS[json.loads((Path(model_dir) / "config.json").read_text())["model"]]
     except (OSError, ValueError, KeyError, TypeError):
         return True
-    dual = hasattr(cls, "encode_image") and hasattr(cls, "encode_text")  # as MmfastModel.embeds
-    return not dual and "text" in getattr(cls, "modalities", ("text",))
+    if hasattr(cls, "encode_image") and hasattr(cls, "encode_text"):  # a dual encoder, as MmfastModel.embeds
+        return dual
+    return "text" in getattr(cls, "modalities", ("text",))
 
 
 def report_errors(results: list[dict], done: str) -> None:

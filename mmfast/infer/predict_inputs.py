@@ -32,7 +32,14 @@ from pathlib import Path
 from mmfast.data.dataset import COMPLETE, prepared_state
 from mmfast.inputs import ImagesInPlace, InputOptions, Reader, detect_kind, read_source, reader_named
 from mmfast.inputs.columns import cell_name
-from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, ManifestError, Reject, caption_file
+from mmfast.inputs.manifest import (
+    IMAGE_SUFFIXES,
+    Candidate,
+    ManifestError,
+    Reject,
+    caption_file,
+    refuse_output_folder,
+)
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import fetch_to, is_remote
 
@@ -76,6 +83,8 @@ def read_rows(
     path = Path(source)
     if prepared_state(path) == COMPLETE:
         raise ManifestError(f"{source} is a prepared dataset: pass it as --data {source} (with --split)")
+    if path.is_dir():
+        refuse_output_folder(path)  # a run's or an evaluation's folder holds pictures too: not an input
     if _is_flat_image_folder(path, opts):
         return _flat_folder_rows(path)
     work_dir = work_dir.resolve() if work_dir is not None else None
@@ -92,7 +101,7 @@ def read_rows(
         if isinstance(item, Reject):
             where = _where(item, reader, path, base)
             cells = _raw_cells(item, opts)
-            cells["image"] = cells["image"] or _sample_image(item, opts, base / item.file if item.file else path)
+            cells["image"] = cells["image"] or _sample_image(item, opts, _file_of(item.file, base, path))
             rows.append({**cells, "error": f"{where}: {item.reason}"})
         elif reader.in_place is not None:
             rows.append(_copied_out_row(item, k, with_label, reader.in_place, path, base, work_dir, fetched))
@@ -185,13 +194,21 @@ def _raw_cells(r: Reject, opts: InputOptions) -> dict:
     return {"image": cells["image"], "text": cells["text"]} | ({"label": cells["label"]} if cells["label"] else {})
 
 
-def _sample_image(r: Reject, opts: InputOptions, shard: Path) -> str | None:
+def _sample_image(r: Reject, opts: InputOptions, shard: str | Path) -> str | None:
     """A WebDataset sample's image as its good rows name it, ``<shard>:<member>``, where the reject lists its
     members (else None)."""
     members = r.row.get("members") if isinstance(r.row, dict) and "shard" in r.row else None
     keys = [k.strip().lower() for k in opts.wds_image_key.replace(",", ";").split(";")]
-    image = next((m for k in keys for m in members or () if m.lower().endswith(f".{k}")), None)
+    ext = {m: m.rsplit("/", 1)[-1].partition(".")[2].lower() for m in members or ()}  # after the first dot
+    image = next((m for k in keys for m in ext if ext[m] == k), None)  # as the reader chose it
     return f"{shard}:{image}" if image else None
+
+
+def _file_of(file: str, base: Path, path: Path) -> str | Path:
+    """The input file a row came from: a remote shard's URL (its credentials left out), else the local file."""
+    if file and is_remote(file):
+        return redact(file)
+    return base / file if file else path
 
 
 def _where(r: Reject, reader: Reader, path: Path, base: Path) -> str:
@@ -199,7 +216,7 @@ def _where(r: Reject, reader: Reader, path: Path, base: Path) -> str:
     whole shard: the shard)."""
     if reader.rows_are_files and isinstance(r.row, dict) and isinstance(r.row.get("image"), str):
         return str(path / r.row["image"])
-    file = base / r.file if r.file else path
+    file = _file_of(r.file, base, path)
     return reader.where(file, r.line) if r.line > 0 else str(file)
 
 

@@ -20,7 +20,15 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from mmfast.inputs.base import LABEL_NAMES, SPLIT_NAME, TEXT_NAMES, InputOptions, Reader, pick_column, train_split
+from mmfast.inputs.base import (
+    LABEL_NAMES,
+    SPLIT_NAME,
+    InputOptions,
+    Reader,
+    pick_column,
+    pick_text_column,
+    train_split,
+)
 from mmfast.inputs.manifest import IMAGE_SUFFIXES, Candidate, Columns, ManifestError, Reject, check_rows
 
 _BATCH_ROWS = 256  # rows per record batch read: bounds the memory held by image bytes
@@ -174,7 +182,7 @@ def _columns(f: Path, schema, features: dict, opts: InputOptions) -> Columns:
     images += [n for n in present if n not in images and _is_image_struct(schema.field(n).type)]
     images += [n for n in present if n not in images and pa.types.is_binary(schema.field(n).type)]
     image = pick_column(present, opts.image_column, tuple(images) + ("image", "img"), "image", str(f))
-    text = pick_column(present, opts.text_column, TEXT_NAMES, "text", str(f))
+    text = pick_text_column(present, opts, str(f))
     if opts.no_labels:
         label = None
     else:
@@ -256,7 +264,7 @@ def _read_rows(
     cands, rejects, line = [], [], 0
     wanted = [c for c in (columns.image, columns.text, columns.label) if c is not None]  # text even if optional
     for batch in batches:
-        for row in batch.select(wanted).to_pylist():
+        for row in batch.select([c for c in wanted if c in batch.schema.names]).to_pylist():
             line += 1
             image = row[columns.image]
             # The row as rejected.jsonl shows it: JSON values only, no image bytes.
@@ -288,7 +296,7 @@ def _read_rows(
             else:
                 rejects.append(Reject(line, f"field '{columns.image}' has no image bytes or path", source, rel))
                 continue
-            checked = {columns.image: path, columns.text: row[columns.text]}
+            checked = {columns.image: path, columns.text: row.get(columns.text)}  # None: optional, read as ""
             if columns.label:
                 checked[columns.label] = label
             more = check_rows([(line, checked)], folder, confine and data is None, False, columns, rel)

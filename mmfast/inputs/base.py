@@ -226,6 +226,14 @@ def check_image_root(reader: Reader, opts: InputOptions) -> None:
         )
 
 
+def pick_text_column(present: list[str], opts: InputOptions, where: str) -> str:
+    """The caption column, as ``pick_column`` picks it; for a command that reads no caption
+    (``captions_needed=False``) a table without one is read too, every row's text "" (the default name)."""
+    if not opts.captions_needed and opts.text_column is None and not any(n in present for n in TEXT_NAMES):
+        return TEXT_NAMES[0]
+    return pick_column(present, opts.text_column, TEXT_NAMES, "text", where)
+
+
 def pick_column(present: list[str], given: str | None, names: tuple[str, ...], what: str, where: str) -> str:
     """The column holding ``what``: the given one (which must exist), else the first of ``names`` present.
 

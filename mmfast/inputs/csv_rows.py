@@ -97,7 +97,8 @@ def _csv_rows(
             rows.append((start, row))
     except csv.Error as e:
         raise ManifestError(f"{path}:{reader.line_num}: CSV cannot be parsed: {e}") from e
-    columns = detect(rows, columns) if detect is not None else columns
+    if detect is not None:  # every row has every column of the header (a short row is rejected on its own)
+        columns = detect([(1, dict.fromkeys(reader.fieldnames, ""))], columns)
     missing = set(columns.required()) - set(reader.fieldnames)
     if missing:  # named by --columns, or by the header line
         where = (

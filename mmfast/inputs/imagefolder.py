@@ -15,7 +15,15 @@ import io
 from dataclasses import replace
 from pathlib import Path
 
-from mmfast.inputs.base import LABEL_NAMES, SPLIT_NAME, TEXT_NAMES, InputOptions, Reader, pick_column, train_split
+from mmfast.inputs.base import (
+    LABEL_NAMES,
+    SPLIT_NAME,
+    InputOptions,
+    Reader,
+    pick_column,
+    pick_text_column,
+    train_split,
+)
 from mmfast.inputs.csv_rows import _csv_rows
 from mmfast.inputs.manifest import Candidate, Columns, ManifestError, Reject, _jsonl_rows, check_rows
 
@@ -89,7 +97,7 @@ def _columns(meta: Path, present: list[str], opts: InputOptions, label: str | No
     if not present:
         return opts.table_columns(image="file_name")  # an empty file: no rows to check
     image = pick_column(present, opts.image_column, ("file_name",), "image", str(meta))
-    text = pick_column(present, opts.text_column, TEXT_NAMES, "text", str(meta))
+    text = pick_text_column(present, opts, str(meta))
     return Columns(image=image, text=text, label=label, text_optional=not opts.captions_needed)
 
 

@@ -171,14 +171,7 @@ def finish_rows(
 def _refuse_prepared_dir(path: Path) -> None:
     """A prepared dataset directory, or a run's, an export's or an evaluation's, is not an image folder: say what
     it is instead of reading its files as classes of images."""
-    if (path / RUN_MARKER).is_file():
-        data = read_json_object(path / "config.json").get("data")
-        raise ManifestError(
-            f"{path} is a training run's folder, not an image folder; pass the data it trained on"
-            + (f": {data}" if isinstance(data, str) else "")
-        )
-    if is_mmfast_output(path):
-        raise ManifestError(f"{path} is an mmfast {marker_kind(path)} folder, not an image folder; pass the data")
+    refuse_output_folder(path)
     state = prepared_state(path)
     if state == COMPLETE:
         raise ManifestError(
@@ -187,6 +180,18 @@ def _refuse_prepared_dir(path: Path) -> None:
         )
     if state == INCOMPLETE:
         raise ManifestError(incomplete_message(path))
+
+
+def refuse_output_folder(path: Path) -> None:
+    """A training run's, an export's or an evaluation's folder given as input: say what it is (ManifestError)."""
+    if (path / RUN_MARKER).is_file():
+        data = read_json_object(path / "config.json").get("data")
+        raise ManifestError(
+            f"{path} is a training run's folder, not an image folder; pass the data it trained on"
+            + (f": {data}" if isinstance(data, str) else "")
+        )
+    if is_mmfast_output(path):
+        raise ManifestError(f"{path} is an mmfast {marker_kind(path)} folder, not an image folder; pass the data")
 
 
 def _encoding_problem(what: str, value: str) -> str:

@@ -16,8 +16,10 @@ from mmfast.data.tokenizer import load_tokenizer
 from mmfast.infer.export import LogitsModule, _longest, example_inputs, export_onnx, export_program, onnx_parity
 from mmfast.infer.model_dir import MmfastModel, load_model, save_model_dir
 from mmfast.infer.predict import predict_rows
-from mmfast.infer.predict_inputs import read_rows
+from mmfast.infer.predict_inputs import _file_of, _sample_image, read_rows
+from mmfast.inputs import InputOptions, ManifestError, Reject
 from mmfast.loading.multimodal import MultimodalLoader
+from mmfast.util.fsutil import claim_output_dir
 
 
 def _config(prepared: Path) -> dict:
@@ -429,6 +431,21 @@ def test_predict_on_webdataset_shards_equals_the_manifest(model_dir, labeled_pho
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before  # the shards are only read
 
 
+def test_an_unreadable_shard_sample_is_named_by_the_member_the_reader_would_take(tmp_path):
+    """The image member is the one whose extension (after the key's first dot) is an image key; a remote shard
+    is its URL without credentials, not joined to the local folder."""
+    opts = InputOptions()
+    row = {"shard": "00000.tar", "key": "k", "members": ["k.seg.jpg", "k.txt"]}
+    assert _sample_image(Reject(1, "no image member", row), opts, "s.tar") is None  # "seg.jpg" is no image key
+    row = {**row, "members": ["k.png", "k.txt", "k.jpg"]}
+    assert _sample_image(Reject(1, "cut", row), opts, "s.tar") == "s.tar:k.jpg"  # jpg before png, as read
+    url = "https://user:secret@example.com/data/00000.tar"
+    assert "secret" not in str(_file_of(url, tmp_path, tmp_path)) and str(
+        _file_of(url, tmp_path, tmp_path)
+    ).startswith("https://")
+    assert _file_of("a/00000.tar", tmp_path, tmp_path / "x") == tmp_path / "a/00000.tar"
+
+
 def test_predict_on_hf_imagefolder_metadata(model_dir, labeled_photos, reference, tmp_path):
     from test_inputs import _copy_images
 
@@ -477,6 +494,11 @@ def test_an_input_with_no_usable_row_exits_2_saying_why(model_dir, prepared, tmp
     assert err == f"error: cannot predict {tmp_path / 'nope.jpg'}: image not found: {tmp_path / 'nope.jpg'}\n"
     assert evaluate_tool.main([*mapped, "--no-labels", "--out", str(tmp_path / "e")]) == 2
     assert "has a label to score it by" in capsys.readouterr().err and not (tmp_path / "e").exists()
+    # an evaluation's folder holds a picture (confusion.png): refused, not read as a folder of images
+    evaluation = claim_output_dir(tmp_path / "eval", "evaluation")
+    Image.new("RGB", (8, 8)).save(evaluation / "confusion.png")
+    with pytest.raises(ManifestError, match=f"{evaluation} is an mmfast evaluation folder, not an image folder"):
+        read_rows(evaluation)
     # a prepared dataset given as --input: the flag it takes instead
     assert predict_tool.main(["--model", str(model_dir), "--input", str(prepared)]) == 2
     assert f"pass it as --data {prepared}" in capsys.readouterr().err

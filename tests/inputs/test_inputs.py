@@ -282,6 +282,10 @@ def test_a_csv_with_usual_names_is_read_by_them_with_or_without_a_header(tmp_pat
     bare.write_text("".join(f"{r['text']},imgs/{n}\n" for n, r in pairs))
     cands, rejects, _ = read_source(bare, InputOptions(no_labels=True, columns=("caption", "filepath")))
     assert not rejects and [(Path(c.image).name, c.text) for c in cands] == [(n, r["text"]) for n, r in pairs]
+    short = tmp_path / "short.csv"  # a short row is rejected on its own: the header still names the columns
+    short.write_text(table.read_text() + f"imgs/{pairs[0][0]}\n")
+    cands, rejects, _ = read_source(short)
+    assert len(cands) == len(pairs) and [r.reason for r in rejects] == ["missing field 'caption'"]
     with pytest.raises(ManifestError, match=r"--columns cap,fp lacks \['image', 'text'\]"):
         read_source(bare, InputOptions(no_labels=True, columns=("cap", "fp")))
 
@@ -421,6 +425,18 @@ def test_img2dataset_metadata_given_as_input_points_to_its_shards(tmp_path):
         read_source(tmp_path / "00000.parquet", InputOptions(no_labels=True))
     assert "no image column among ['url', 'caption', 'key', 'status'" in str(e.value)
     assert "img2dataset's metadata, whose pictures are in the .tar shard of the same name" in str(e.value)
+
+
+def test_a_table_without_captions_is_read_where_no_caption_is_needed(tmp_path, photos_set):
+    """Zero-shot and image embeddings read no caption: a Parquet table of images and labels is read for them,
+    each text "", and refused for anything else."""
+    _hf_dataset(photos_set, embed=True).remove_columns("caption").to_parquet(tmp_path / "t.parquet")
+    with pytest.raises(ManifestError, match="no text column among"):
+        read_source(tmp_path / "t.parquet", image_dir=tmp_path / "img")
+    cands, rejects, _ = read_source(
+        tmp_path / "t.parquet", InputOptions(captions_needed=False), image_dir=tmp_path / "i"
+    )
+    assert not rejects and len(cands) == N and {c.text for c in cands} == {""}
 
 
 def test_parquet_rows_of_one_picture_share_its_file_and_an_exact_repeat_is_a_duplicate(tmp_path, photos_set):
