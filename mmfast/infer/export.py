@@ -79,9 +79,10 @@ def _longest(model: MmfastModel) -> int:
     text = getattr(model.model, "text", None)
     longest = min(512, getattr(text, "max_positions", None) or 512)
     if hasattr(model.model, "image_tokens"):  # early fusion: [CLS], the image's tokens, then the caption's
-        size = model.config["image_size"]
-        with torch.no_grad():
-            longest -= model.model.image_tokens(torch.zeros(1, 3, size, size)).shape[1]
+        size, training = model.config["image_size"], model.model.training
+        with torch.no_grad():  # in eval mode: a batch norm's running statistics stay as they are
+            longest -= model.model.eval().image_tokens(torch.zeros(1, 3, size, size)).shape[1]
+        model.model.train(training)
     return longest
 
 

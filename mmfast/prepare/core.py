@@ -160,12 +160,11 @@ def _check_input_outside(cfg: PrepareConfig) -> None:
     if src.is_dir() and out.is_relative_to(src):
         classes = detect_kind(src) == "folder"  # an image folder's sub-folders are its classes
         where = (
-            "image folder {}, where it would be read as a class" if classes else "input folder {}, read as input"
+            "image folder {}, where the next preparation would read it as a class"
+            if classes
+            else "input folder {}"
         )
-        raise OutputDirError(
-            f"--out {cfg.out} is inside the {where.format(cfg.source)} by the next preparation; pass an --out "
-            "outside it"
-        )
+        raise OutputDirError(f"--out {cfg.out} is inside the {where.format(cfg.source)}; pass an --out outside it")
 
 
 def _prepare_into(cfg: PrepareConfig, tmp: Path, fp: str) -> dict:
