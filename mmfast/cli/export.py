@@ -102,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, why in left_out.items():
         print(f"note: --format all leaves out {name}: {why}")
+    if "zero_shot_map" in model.config:  # mmfast's own (models/prompt_map.py): no exported format holds it
+        print(
+            "note: the model's zero-shot map (--zero-shot-map) is not exported: zero-shot with the exported "
+            "model scores its own embeddings alone; mmfast-predict --classes on the model directory uses both"
+        )
     with _removed_unless_written(Path(args.out)):
         return _claim_and_export(model, args, peers, left_out)
 

@@ -8,6 +8,7 @@ be read keeps the reason ("error") and gets no embedding; the others are embedde
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -21,9 +22,9 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.encode_inputs import check_on_error
 from mmfast.infer.model_dir import MmfastModel
 from mmfast.infer.predict import bad_image, flag_unreadable, image_file, rows_loader
+from mmfast.models.prompt_map import class_ensemble
 from mmfast.tasks.retrieval import (
     caption_groups,
-    class_embeddings,
     class_prompts,
     known_classes,
     read_templates,
@@ -52,6 +53,7 @@ def embed_rows(
     num_workers: int | None = None,
     max_pixels: int | None = None,
     on_error: str = "skip",
+    zero_shot: bool = False,
 ) -> tuple[list[dict], np.ndarray, list[int]]:
     """Embed every usable row's image or text.
 
@@ -60,6 +62,7 @@ def embed_rows(
         modality: "image" or "text".
         on_error: as ``predict_rows`` takes it: an image training would refuse is a row "error" ("skip") or a
             ``BadImageError`` ("raise").
+        zero_shot: the embeddings zero-shot classification scores (``MmfastModel.encode_image``'s).
 
     Returns:
         (the rows, each a copy, those not embedded with an "error"; embeddings (N, D) float32 normalized, in row
@@ -84,19 +87,23 @@ def embed_rows(
             if not r.get("error") and not isinstance(r.get("text"), str):
                 r["error"] = "no text to embed"
         keep = [i for i, r in enumerate(out) if not r.get("error")]
-        emb = model.encode_text([out[i]["text"] for i in keep], batch_size=batch_size).cpu().numpy()
+        texts = [out[i]["text"] for i in keep]
+        emb = model.encode_text(texts, batch_size=batch_size, zero_shot=zero_shot).cpu().numpy()
         return out, emb.astype(np.float32, copy=False), keep
-    got = _image_embeddings(model, out, batch_size, device, num_workers, max_pixels, on_error)
+    encode = functools.partial(model.encode_image, zero_shot=zero_shot)
+    got = _image_embeddings(model, encode, out, batch_size, device, (num_workers, max_pixels), on_error)
     keep = sorted(got)
-    emb = np.stack([got[i] for i in keep]) if keep else np.zeros((0, model.config["embed_dim"]), np.float32)
+    emb = np.stack([got[i] for i in keep]) if keep else np.zeros((0, model.embedding_width(zero_shot)), np.float32)
     return out, emb.astype(np.float32, copy=False), keep
 
 
 def _image_embeddings(
-    model: MmfastModel, out: list[dict], batch_size: int, device, num_workers, max_pixels, on_error: str
+    model: MmfastModel, encode, out: list[dict], batch_size: int, device, reading: tuple, on_error: str
 ) -> dict[int, np.ndarray]:
-    """{row position: its image's embedding (D,)}; rows whose image cannot be read get an "error" in ``out``
-    (or raise: ``on_error``)."""
+    """{row position: its image's embedding (D,) by ``encode`` (a preprocessed batch -> (B, D))}; rows whose
+    image cannot be read get an "error" in ``out`` (or raise: ``on_error``). ``reading``: (num_workers,
+    max_pixels)."""
+    num_workers, max_pixels = reading
     max_pixels = max_pixels or model.config.get("max_pixels") or DEFAULT_MAX_PIXELS
     usable = flag_unreadable(out, max_pixels, num_workers, on_error)
     got: dict[int, np.ndarray] = {}
@@ -118,7 +125,7 @@ def _image_embeddings(
         try:
             for batch in loader:
                 ids = batch["id"].cpu().numpy()  # (B,) positions in ``usable``; -1: padding
-                emb = model.encode_image(batch["image"]).cpu().numpy()  # (B, D)
+                emb = encode(batch["image"]).cpu().numpy()  # (B, D)
                 for b in np.flatnonzero(ids >= 0):
                     got[usable[int(ids[b])]] = emb[b]
         except ValueError:
@@ -219,7 +226,9 @@ def evaluate_retrieval(model: MmfastModel, rows: list[dict], templates: list[str
             r["error"] = "no text to embed"
     live = [p for p, r in enumerate(rows) if not r.get("error")]
     firsts = [live[k] for k in caption_groups([image_file(rows[p]) for p in live])[0]]  # a row per image
-    done, img, kept = embed_rows(model, [rows[p] for p in firsts], "image", **kwargs)
+    # one pass: the zero-shot embeddings, which hold the retrieval ones (``_model_part``)
+    done, joined, kept = embed_rows(model, [rows[p] for p in firsts], "image", zero_shot=True, **kwargs)
+    img = _model_part(model, joined)
     for p, r in zip(firsts, done, strict=True):  # an unreadable image: all its captions are left out
         rows[p] = r
     index = {image_file(rows[firsts[k]]): j for j, k in enumerate(kept)}  # image file -> its row of ``img``
@@ -237,18 +246,29 @@ def evaluate_retrieval(model: MmfastModel, rows: list[dict], templates: list[str
     labeled = [j for j, k in enumerate(kept) if "label" in rows[firsts[k]]]
     if labeled:
         labels = [str(rows[firsts[kept[j]]]["label"]) for j in labeled]
-        figures.update(_zero_shot(model, img[labeled], labels, templates))
+        figures.update(_zero_shot(model, joined[labeled], labels, templates))
     errors = sum(bool(r.get("error")) for r in rows)
     return {**figures, "images": len(kept), "texts": len(pairs), "errors": errors, "rows": rows}
 
 
+def _model_part(model: MmfastModel, joined: np.ndarray) -> np.ndarray:
+    """The model's own embeddings (N, D) in zero-shot ones (``embed_rows(..., zero_shot=True)``): themselves, or
+    with a zero-shot map their first D columns, sqrt(weight) times the model's (``PromptMap.join``), made unit."""
+    d = model.config["embed_dim"]
+    if joined.shape[1] == d:
+        return joined
+    own = joined[:, :d]
+    return own / np.maximum(np.linalg.norm(own, axis=1, keepdims=True), 1e-12)
+
+
 def _class_embeddings(model: MmfastModel, classes: list[str], templates) -> torch.Tensor:
     """(C, D) normalized: each class name in the zero-shot prompts (``templates``, else the model's config.json's,
-    else ``DEFAULT_TEMPLATES``), ensembled."""
+    else ``DEFAULT_TEMPLATES``), ensembled; joined with the start text tower's where the model has a zero-shot
+    map (``MmfastModel.encode_text``'s ``zero_shot``)."""
     templates = templates or model.config.get("zero_shot_templates") or read_templates(None)
     prompts = class_prompts(classes, templates)
-    flat = model.encode_text([p for per_class in prompts for p in per_class]).cpu()
-    return class_embeddings(flat.reshape(len(classes), len(templates), -1))
+    flat = model.encode_text([p for per_class in prompts for p in per_class], zero_shot=True).cpu()
+    return class_ensemble(model.model, flat.reshape(len(classes), len(templates), -1))
 
 
 def zero_shot_rows(
@@ -262,7 +282,8 @@ def zero_shot_rows(
     """A dual encoder's predictions among ``classes``, else the classes it was trained with (config.json's
     ``class_names``): each row's image against the class prompts, as ``predict_rows`` gives a classifier's
     ("class", "class_id", "prob", "top_k"; class_id indexes ``classes`` when given). The probability is a
-    softmax over the classes of the model's scaled cosines; the caption is not used.
+    softmax over the classes of the model's scaled cosines (with a zero-shot map, the joined ones: ``PromptMap``);
+    the caption is not used.
 
     Args:
         **kwargs: ``embed_rows``' loader arguments.
@@ -276,7 +297,7 @@ def zero_shot_rows(
             "--classes) or embed the images instead (mmfast-predict --embed image)"
         )
     names = list(classes) if classes else model.class_names
-    done, img, kept = embed_rows(model, rows, "image", **kwargs)
+    done, img, kept = embed_rows(model, rows, "image", zero_shot=True, **kwargs)
     scale = model.model.scale_and_bias()[0].detach()  # the scale training and evaluation use
     probs = torch.softmax(scale * torch.from_numpy(img) @ _class_embeddings(model, names, templates).T, dim=1)
     top_p, top_i = probs.topk(min(top_k, len(names)), dim=1)

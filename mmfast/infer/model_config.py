@@ -1,9 +1,11 @@
 """A model directory's config.json: what it records of a run (``model_config``) and the checks it must pass to
-be loaded (``read_config``), with the error those raise (``ModelDirError``)."""
+be loaded (``read_config``; its files against checksums.json: ``verify_model_dir``), with the error those raise
+(``ModelDirError``)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -17,9 +19,14 @@ from mmfast.models import model_class
 from mmfast.models.catalog import IMAGE_POOLS
 from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, pools_stages
 from mmfast.tasks.retrieval import read_templates
+from mmfast.util.fsutil import file_sha256
+
+log = logging.getLogger(__name__)
 
 FORMAT = "mmfast-model/1"
 CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CHECKSUMS_FILE = "checksums.json"  # {relative path: SHA-256} of the files load_model reads
 REMEDY = "copy the model directory again whole from its run (RUN/model, or RUN/model-last), or retrain"
 
 
@@ -100,6 +107,7 @@ def model_config(
         if task == "contrastive"
         else {}
     )
+    prompt_map = getattr(model, "prompt_map", None)  # a zero-shot map's shapes (models/prompt_map.py)
     return {
         "format": FORMAT,
         "weights": weights,
@@ -118,6 +126,7 @@ def model_config(
         "dropout": cfg.dropout,
         **options,
         **templates,
+        **({"zero_shot_map": prompt_map.describe()} if prompt_map is not None else {}),
         "image_size": cfg.image_size,
         # eval: the shorter side resized to image_size / crop_ratio, then cropped (or squashed to the size),
         # with this filter: mmfast's own, or what the start's config says (``start_preprocess``)
@@ -149,6 +158,13 @@ def _templates(v) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(t, str) and t.count("{}") == 1 for t in v)
 
 
+def _map_record(v) -> bool:
+    if not isinstance(v, dict) or v.get("kind") != "kernel" or not isinstance(v.get("text_start"), str):
+        return False
+    sizes = all(_positive_int(v.get(k)) for k in ("rows", "width", "text_width"))
+    return sizes and _number(v.get("gamma")) and _number(v.get("weight")) and 0 < v["weight"] <= 1
+
+
 # config.json's fields: what each must be (the test, and its words for the error)
 _FIELDS = {
     "model": (lambda v: isinstance(v, str), "a model name"),
@@ -173,6 +189,7 @@ _OPTIONAL_FIELDS = {
     "image_pool": (lambda v: v in IMAGE_POOLS, " or ".join(IMAGE_POOLS)),
     "loss": (lambda v: isinstance(v, str), "a loss name"),
     "zero_shot_templates": (_templates, "a list of templates, each with one {}"),
+    "zero_shot_map": (_map_record, "a zero-shot map's record"),
     "image_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),
     "text_tower": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str), "a tower record"),
     "crop_ratio": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
@@ -208,3 +225,40 @@ def read_config(model_dir: str | os.PathLike) -> dict:
             f"{n} outputs ('num_classes'); {REMEDY}"
         )
     return config
+
+
+def verify_model_dir(model_dir: str | os.PathLike) -> None:
+    """Check a model directory's files against its checksums.json; one written before mmfast wrote checksums
+    has none, and passes (``load_model`` still checks that its weights are finite).
+
+    Raises:
+        ModelDirError: a listed file is missing or not the bytes that were written, or checksums.json is
+            unreadable.
+    """
+    model_dir = Path(model_dir)
+    path = model_dir / CHECKSUMS_FILE
+    if not path.exists():
+        log.warning(
+            "%s: no %s, so its files cannot be checked (written before mmfast wrote checksums, or the file was "
+            "removed); loading it unchecked",
+            model_dir,
+            CHECKSUMS_FILE,
+        )
+        return
+    try:
+        sums = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"{path}: unreadable ({one_line(e)}); {REMEDY}") from None
+    if not isinstance(sums, dict) or not isinstance(sums.get(WEIGHTS_FILE), str):
+        raise ModelDirError(f"{path}: does not list {WEIGHTS_FILE}'s checksum; {REMEDY}")
+    for rel, want in sorted(sums.items()):
+        f = model_dir / rel
+        try:
+            got = file_sha256(f)
+        except OSError as e:  # missing, a directory, no permission
+            raise ModelDirError(f"{f}: cannot be read ({e.strerror}), yet {path} lists it; {REMEDY}") from None
+        if got != want:
+            edited = (
+                f"; if you edited it on purpose, delete {path} to load it unchecked" if rel == CONFIG_FILE else ""
+            )
+            raise ModelDirError(f"{f}: is corrupt (checksum mismatch with {CHECKSUMS_FILE}); {REMEDY}{edited}")

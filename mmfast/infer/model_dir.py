@@ -41,18 +41,22 @@ from mmfast.infer.encode_inputs import (  # noqa: F401  (pil_transform, BadImage
 )
 from mmfast.infer.model_card import MODEL_CARD_FILE, model_card
 from mmfast.infer.model_config import (  # noqa: F401  (model_config, ModelDirError: this module's public names too)
+    CHECKSUMS_FILE,
     CONFIG_FILE,
     FORMAT,
     REMEDY,
+    WEIGHTS_FILE,
     ModelConfig,
     ModelDirError,
     model_config,
     model_options,
     one_line,
     read_config,
+    verify_model_dir,
 )
 from mmfast.models import build_model
 from mmfast.models.encoders import quiet_transformers
+from mmfast.models.prompt_map import PromptMap
 from mmfast.models.start_towers import tower_from_record
 from mmfast.tasks.retrieval import known_classes
 from mmfast.util.fsutil import atomic_dir, file_sha256, shared_modes
@@ -60,9 +64,7 @@ from mmfast.util.locks import file_lock
 from mmfast.util.voice import setting
 
 log = logging.getLogger(__name__)
-WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
-CHECKSUMS_FILE = "checksums.json"
 
 
 class MmfastModel(
@@ -100,6 +102,8 @@ class MmfastModel(
                 **_recorded_towers(config),
                 **model_options(config),
             )
+        if (record := config.get("zero_shot_map")) is not None:  # its shell; load_model fills its tensors
+            self.model.prompt_map = PromptMap.from_record(record, self.model.text)
         self.model.eval()
         self.tokenizer = None  # set by load_model / from_pretrained on a local directory
 
@@ -141,7 +145,13 @@ class MmfastModel(
 
     @torch.no_grad()
     def encode_image(
-        self, images, batch_size: int = 64, *, max_pixels: int | None = None, on_error: str = "skip"
+        self,
+        images,
+        batch_size: int = 64,
+        *,
+        max_pixels: int | None = None,
+        on_error: str = "skip",
+        zero_shot: bool = False,
     ) -> torch.Tensor:
         """Normalized image embeddings of a dual encoder.
 
@@ -159,6 +169,9 @@ class MmfastModel(
             on_error: what to do with a file training would refuse (missing, not an image, truncated, over
                 ``max_pixels``): "skip" (log it and leave its row out) or "raise" (``encode_inputs.BadImageError``,
                 naming the file and why).
+            zero_shot: the embeddings zero-shot classification scores against ``encode_text(...,
+                zero_shot=True)``'s prompts: with a zero-shot map (config.json's "zero_shot_map"), the image's
+                embedding joined with the map's (D + the text tower's width); else the image embeddings.
 
         Returns:
             (K, D) float32 torch tensor on the model's device: a row per usable image, in input order, of unit
@@ -172,11 +185,12 @@ class MmfastModel(
             ValueError: an image array of another shape, or a float tensor that is not such a batch.
         """
         tower = self._tower("encode_image")
+        joined = self._zero_shot(zero_shot)
         check_on_error(on_error)
         weight = next(self.parameters())
 
         def encode(batch: torch.Tensor) -> torch.Tensor:  # (B, 3, S, S) -> (B, D)
-            return tower(batch.to(weight.device, weight.dtype)).float()
+            return tower(batch.to(weight.device, weight.dtype), **joined).float()
 
         batch = preprocessed_batch(images, self.config["image_size"])
         if batch is not None:
@@ -192,18 +206,20 @@ class MmfastModel(
                 max_pixels=budget,
                 on_error=on_error,
             )
-        out = self._rows(chunks)
+        out = self._rows(chunks, zero_shot)
         out.kept, out.skipped = kept, skipped
         return out
 
     @torch.no_grad()
-    def encode_text(self, texts: list[str] | str, batch_size: int = 256) -> torch.Tensor:
+    def encode_text(self, texts: list[str] | str, batch_size: int = 256, zero_shot: bool = False) -> torch.Tensor:
         """Normalized text embeddings of a dual encoder: the texts tokenized as in training (the model's
         tokenizer, truncated to its max_length, padded to the longest in each batch).
 
         Args:
             texts: a str, or a list (any iterable) of str.
             batch_size: texts per forward.
+            zero_shot: class prompts, as zero-shot classification embeds them: with a zero-shot map, joined with
+                the start text tower's embedding (``encode_image``'s ``zero_shot``).
 
         Returns:
             (N, D) float32 torch tensor on the model's device, rows of unit length.
@@ -212,6 +228,7 @@ class MmfastModel(
             TypeError: ``texts`` is not a str or a list of str.
         """
         encode = self._tower("encode_text")
+        joined = self._zero_shot(zero_shot)
         texts = text_inputs(texts)
         device = next(self.parameters()).device
         out = []
@@ -224,14 +241,25 @@ class MmfastModel(
                 return_tensors="pt",
                 return_token_type_ids=False,
             )
-            out.append(encode(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float())
-        return self._rows(out)
+            ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+            out.append(encode(ids, mask, **joined).float())
+        return self._rows(out, zero_shot)
 
-    def _rows(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+    def _zero_shot(self, zero_shot: bool) -> dict:
+        """The towers' keyword for zero-shot embeddings: only where the model has a zero-shot map."""
+        return {"zero_shot": True} if zero_shot and getattr(self.model, "prompt_map", None) is not None else {}
+
+    def embedding_width(self, zero_shot: bool = False) -> int:
+        """D of ``encode_image`` / ``encode_text``: the model's embedding width, and with ``zero_shot`` the start
+        text tower's on top where the model has a zero-shot map (``PromptMap.join``)."""
+        joined = self.config.get("zero_shot_map", {}).get("text_width", 0) if zero_shot else 0
+        return self.config["embed_dim"] + joined
+
+    def _rows(self, chunks: list[torch.Tensor], zero_shot: bool = False) -> torch.Tensor:
         """The embeddings of each batch as one (N, D) tensor; (0, D) for none."""
         if chunks:
             return torch.cat(chunks)
-        return torch.zeros(0, self.config["embed_dim"], device=next(self.parameters()).device)
+        return torch.zeros(0, self.embedding_width(zero_shot), device=next(self.parameters()).device)
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, map_location: str = "cpu", **kwargs):
@@ -323,43 +351,6 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
             f"the model was trained with {vocab}: not the tokenizer it was trained with; {REMEDY}"
         )
     return model.eval().to(device)
-
-
-def verify_model_dir(model_dir: str | os.PathLike) -> None:
-    """Check a model directory's files against its checksums.json; one written before mmfast wrote checksums
-    has none, and passes (``load_model`` still checks that its weights are finite).
-
-    Raises:
-        ModelDirError: a listed file is missing or not the bytes that were written, or checksums.json is
-            unreadable.
-    """
-    model_dir = Path(model_dir)
-    path = model_dir / CHECKSUMS_FILE
-    if not path.exists():
-        log.warning(
-            "%s: no %s, so its files cannot be checked (written before mmfast wrote checksums, or the file was "
-            "removed); loading it unchecked",
-            model_dir,
-            CHECKSUMS_FILE,
-        )
-        return
-    try:
-        sums = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelDirError(f"{path}: unreadable ({one_line(e)}); {REMEDY}") from None
-    if not isinstance(sums, dict) or not isinstance(sums.get(WEIGHTS_FILE), str):
-        raise ModelDirError(f"{path}: does not list {WEIGHTS_FILE}'s checksum; {REMEDY}")
-    for rel, want in sorted(sums.items()):
-        f = model_dir / rel
-        try:
-            got = file_sha256(f)
-        except OSError as e:  # missing, a directory, no permission
-            raise ModelDirError(f"{f}: cannot be read ({e.strerror}), yet {path} lists it; {REMEDY}") from None
-        if got != want:
-            edited = (
-                f"; if you edited it on purpose, delete {path} to load it unchecked" if rel == CONFIG_FILE else ""
-            )
-            raise ModelDirError(f"{f}: is corrupt (checksum mismatch with {CHECKSUMS_FILE}); {REMEDY}{edited}")
 
 
 def _load_weights(model: MmfastModel, path: Path) -> None:

@@ -13,6 +13,7 @@ IMAGE_BACKBONES = (
 COMBINE = ("mean", "learned")  # how LateFusion combines its two branches' logits
 IMAGE_POOLS = ("last", "multiscale")  # the image tower's pooled features: the last map's, or also late stages'
 INIT_PROJ = ("ridge", "random")  # how the dual encoder's projections start (mmfast/train/warm_start.py)
+ZERO_SHOT_MAPS = ("none", "kernel")  # --zero-shot-map (mmfast/models/prompt_map.py)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Preset:
     feature_views: int = 4  # augmented views the feature cache stores per train image
     augment: bool = True  # random resized crop + flip on the train split
     wise_ft: float = 1.0  # the trained weights' share of those a run ends with, the start's the rest (WiSE-FT)
+    zero_shot_map: str = "none"  # zero-shot beside a map into the start text tower (models/prompt_map.py)
 
 
 PRESETS = {

@@ -7,6 +7,10 @@ Locked-image tuning (LiT) is ``--freeze-image``: the image tower stays as it is 
 statistics in eval mode), its projection and the text tower learn. ``--text-train-layers N`` trains only the
 text tower's top N layers; a feature cache may then hold the locked lower layers' output (``text_pooled``).
 
+A zero-shot map (``--zero-shot-map kernel``: ``prompt_map``) may join the model's embeddings for zero-shot
+classification only: ``encode_image`` / ``encode_text`` with ``zero_shot=True``, and "zero_shot_image" in the
+output of ``forward`` in eval mode. Retrieval stays the model's own.
+
 A tower that starts from a pretrained pair (``start_towers``: CLIP, open_clip) is ``projected``: it brings its own
 projection, so none is added after it, and the pair's learned temperature (and SigLIP's bias) is the start.
 """
@@ -20,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mmfast.models.encoders import ImageEncoder, TextEncoder
+from mmfast.models.prompt_map import PromptMap
 from mmfast.tasks.registry import LOSSES
 from mmfast.util.voice import setting
 
@@ -71,21 +76,30 @@ class DualEncoder(nn.Module):
             self.logit_bias = nn.Parameter(torch.tensor(init.init_logit_bias if bias is None else float(bias)))
         else:  # no bias would learn (CLIP's softmax is shift-invariant): kept as a constant 0
             self.register_buffer("logit_bias", torch.tensor(0.0))
+        self.prompt_map: PromptMap | None = None  # set by the map's fit, or as a model directory records it
 
-    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        """Normalized image embeddings (B, D) float32 of a normalized image batch (B, 3, S, S)."""
+    def encode_image(self, images: torch.Tensor, zero_shot: bool = False) -> torch.Tensor:
+        """Normalized image embeddings (B, D) float32 of a normalized image batch (B, 3, S, S); ``zero_shot``:
+        joined with the zero-shot map's where the model has one (``PromptMap.join``: (B, D + D_txt))."""
         pooled, _ = self.image(images)  # (B, C_img)
-        return self.encode_image_features(pooled)
+        return self.encode_image_features(pooled, zero_shot)
 
-    def encode_image_features(self, pooled: torch.Tensor) -> torch.Tensor:
+    def encode_image_features(self, pooled: torch.Tensor, zero_shot: bool = False) -> torch.Tensor:
         """Normalized image embeddings (B, D) float32 of the image tower's output (B, C_img): what
         ``encode_image`` computes after the tower, for features a feature cache stored."""
-        return F.normalize(self.image_proj(pooled).float(), dim=-1)
+        emb = F.normalize(self.image_proj(pooled).float(), dim=-1)
+        if zero_shot and self.prompt_map is not None:
+            return self.prompt_map.join(emb, self.prompt_map.image(pooled))
+        return emb
 
-    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Normalized text embeddings (B, D) float32 of token ids and their attention mask (B, L)."""
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, zero_shot: bool = False):
+        """Normalized text embeddings (B, D) float32 of token ids and their attention mask (B, L); ``zero_shot``:
+        joined with the start text tower's where the model has a zero-shot map (class prompts)."""
         pooled = self.text(input_ids, attention_mask)  # (B, D_txt)
-        return self.encode_text_features(pooled)
+        emb = self.encode_text_features(pooled)
+        if zero_shot and self.prompt_map is not None:
+            return self.prompt_map.join(emb, self.prompt_map.text(self.text, input_ids, attention_mask))
+        return emb
 
     def encode_text_features(self, pooled: torch.Tensor) -> torch.Tensor:
         """Normalized text embeddings (B, D) float32 of the text tower's output (B, D_txt): what ``encode_text``
@@ -110,20 +124,17 @@ class DualEncoder(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The embeddings of a batch: its ``image`` (B, 3, S, S), or the locked tower's output of it stored in a
         feature cache, ``image_features`` (B, C_img); and its ``input_ids`` / ``attention_mask``, or what a
-        feature cache stored of them (``text_pooled``)."""
+        feature cache stored of them (``text_pooled``). In eval mode with a zero-shot map, also "zero_shot_image"
+        (``encode_image``'s with ``zero_shot``)."""
         scale, bias = self.scale_and_bias()
         image = batch.get("image")
-        if image is not None:
-            img = self.encode_image(image)  # (B, D)
-        else:
-            img = self.encode_image_features(batch["image_features"])
+        pooled = self.image(image)[0] if image is not None else batch["image_features"]  # (B, C_img)
+        img = self.encode_image_features(pooled)  # (B, D)
         txt = self.encode_text_features(self.text_pooled(batch))  # (B, D)
-        return {
-            "image": img,
-            "text": txt,
-            "logit_scale": scale,
-            "logit_bias": bias,
-        }
+        out = {"image": img, "text": txt, "logit_scale": scale, "logit_bias": bias}
+        if self.prompt_map is not None and not self.training:  # evaluation's zero-shot (B, D + D_txt)
+            out["zero_shot_image"] = self.prompt_map.join(img, self.prompt_map.image(pooled))
+        return out
 
 
 def _embed_dim(image: nn.Module, text: nn.Module, embed_dim: int | None) -> int:

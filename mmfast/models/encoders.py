@@ -420,6 +420,16 @@ class TextEncoder(nn.Module):
             hidden = layer(hidden, mask)
         return _mean_pool(hidden, attention_mask)
 
+    def with_layers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, top: nn.ModuleList):
+        """The pooled output (B, D) with ``top`` in place of its top ``len(top)`` layers (the zero-shot map's
+        copy of them as they started: ``mmfast.models.prompt_map``)."""
+        hidden = self.model.embeddings(input_ids=input_ids)  # (B, T, D)
+        mask = self._layer_mask(hidden, attention_mask)
+        below = len(self.model.encoder.layer) - len(top)
+        for layer in [*self.model.encoder.layer[:below], *top]:
+            hidden = layer(hidden, mask)
+        return _mean_pool(hidden, attention_mask)
+
     def _layer_mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor):
         """The attention mask in the form the model's layers take (as its own forward makes it)."""
         from transformers.masking_utils import create_bidirectional_mask  # transformers: as in __init__

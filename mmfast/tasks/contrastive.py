@@ -8,6 +8,8 @@ recall.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -219,16 +221,16 @@ class ContrastiveTask:
         (padding and repeated ids dropped), one entry per distinct image."""
         model.eval()
         try:
-            ids, labels, img, txt, _ = _embed_split(model, loader)
+            ids, labels, img, txt, zero_shot = _embed_split(model, loader)
             if ids.numel() == 0:
                 return {}
             groups = self.groups(ids)
             first, text_image = caption_groups(groups[0].tolist())
             # byte-identical captions are one candidate, as they are not each other's negatives in the loss
             figures = retrieval_figures(img[first], txt, text_image.to(img.device), groups[1])
-            if self.class_names:
+            if self.class_names:  # with a zero-shot map: its joined embeddings (models/prompt_map.py)
                 class_emb = self._class_embeddings(accelerator, model, img.device)
-                figures |= zero_shot_figures(img[first], labels[first], class_emb)
+                figures |= zero_shot_figures(zero_shot[first], labels[first], class_emb)
         finally:
             model.train()
         figures["samples"] = int(ids.numel())
@@ -237,14 +239,17 @@ class ContrastiveTask:
 
     @torch.no_grad()
     def _class_embeddings(self, accelerator, model, device: torch.device) -> torch.Tensor:
-        """(C, D) prompt-ensemble embedding of each class, its prompts tokenized as the captions were."""
+        """(C, D) prompt-ensemble embedding of each class, its prompts tokenized as the captions were; joined with
+        the start text tower's where the model has a zero-shot map."""
         from mmfast.data.tokenizer import load_tokenizer  # transformers: only when a zero-shot evaluation runs
 
         prompts = class_prompts(self.class_names, self.templates)  # (C, T)
         flat = [p for per_class in prompts for p in per_class]
         tok = load_tokenizer(self.tokenizer_dir)
         enc = tok(flat, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt")
-        encode = accelerator.unwrap_model(model).encode_text
+        net = accelerator.unwrap_model(model)
+        joined = getattr(net, "prompt_map", None) is not None  # a model of another kind takes no zero_shot
+        encode = functools.partial(net.encode_text, zero_shot=True) if joined else net.encode_text
         parts = []
         for s in range(0, len(flat), PROMPT_BATCH):
             ids = enc["input_ids"][s : s + PROMPT_BATCH].to(device)
@@ -252,7 +257,7 @@ class ContrastiveTask:
             with accelerator.autocast():
                 parts.append(encode(ids, mask).float())
         emb = torch.cat(parts).reshape(len(prompts), len(self.templates), -1)
-        return class_embeddings(emb)
+        return net.prompt_map.ensemble(emb) if joined else class_embeddings(emb)
 
     def improves(self, metrics: dict, state: dict) -> bool:
         return metrics.get(self.best_metric, 0.0) > state["best_val_mean_recall"]
@@ -285,24 +290,26 @@ class ContrastiveTask:
 
 
 @torch.no_grad()
-def _embed_split(model, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(ids, labels, image embeddings, text embeddings, token length) of every process's samples of the split,
-    in id order, each id once, padding dropped."""
-    ids, labels, img, txt, length = [], [], [], [], 0
+def _embed_split(model, loader) -> tuple[torch.Tensor, ...]:
+    """(ids, labels, image embeddings, text embeddings, zero-shot image embeddings) of every process's samples
+    of the split, in id order, each id once, padding dropped. The zero-shot ones are the image embeddings
+    joined with a zero-shot map's (the model's "zero_shot_image"), or the image embeddings themselves."""
+    ids, labels, img, txt = [], [], [], []
     for batch in loader:  # no set_epoch: the eval order is fixed
         out = model(batch)
         ids.append(batch["id"])
         labels.append(batch["label"])
         # copies: a compiled model's next call may reuse its outputs' memory (CUDA graphs)
-        img.append(out["image"].to(torch.float32, copy=True))
+        img.append(torch.cat([out["image"], out.get("zero_shot_image", out["image"][:, :0])], 1).float())
         txt.append(out["text"].to(torch.float32, copy=True))
-        length = int(batch["input_ids"].shape[1]) if "input_ids" in batch else 0  # none: cached text features
     device = next(model.parameters()).device
     # every process takes part in the gathers, one that had no batch too (with the others' widths)
-    width = max(gather_sizes(int(img[0].shape[1]) if img else 0, device))
-    length = max(gather_sizes(length, device))
+    widths = (
+        max(gather_sizes(int(img[0].shape[1]) if img else 0, device)),
+        max(gather_sizes(int(txt[0].shape[1]) if txt else 0, device)),
+    )
     meta = torch.stack([torch.cat(ids), torch.cat(labels)], 1) if ids else torch.zeros(0, 2, dtype=torch.int64)
-    emb = torch.cat([torch.cat(img), torch.cat(txt)], 1) if img else torch.zeros(0, 2 * width)
+    emb = torch.cat([torch.cat(img), torch.cat(txt)], 1) if img else torch.zeros(0, sum(widths))
     meta, emb = meta.to(device), emb.to(device)  # (N, 2) id and label, (N, 2D) image and text
     sizes = gather_sizes(meta.shape[0], device)
     meta, emb = all_gather_rows(meta, sizes), all_gather_rows(emb, sizes)
@@ -313,5 +320,6 @@ def _embed_split(model, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         0, inverse, torch.arange(meta.shape[0], device=meta.device), "amin"
     )
     meta, emb = meta[first], emb[first]
-    d = emb.shape[1] // 2
-    return meta[:, 0], meta[:, 1], emb[:, :d], emb[:, d:], length
+    d = widths[1]  # the model's own width; the image rows' rest: a zero-shot map's joined embedding
+    img, txt, zero_shot = emb[:, :d], emb[:, widths[0] :], emb[:, d : widths[0]]
+    return meta[:, 0], meta[:, 1], img, txt, zero_shot if zero_shot.shape[1] else img

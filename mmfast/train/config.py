@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmfast.loading.options import CPU_RESIZE, ON_BAD_IMAGE, SOURCES
-from mmfast.models.catalog import COMBINE, IMAGE_POOLS, INIT_PROJ, PRESETS
+from mmfast.models.catalog import COMBINE, IMAGE_POOLS, INIT_PROJ, PRESETS, ZERO_SHOT_MAPS
 from mmfast.models.registry import MODELS
 from mmfast.tasks.registry import LOSSES, TASKS
+from mmfast.train.data_flags import data_weights
 from mmfast.util.args import parse_size
 from mmfast.util.commands import PROFILE
 
 if TYPE_CHECKING:  # the slices import this module
-    from mmfast.train.slices import DataConfig, LoaderConfig, ProcessConfig
+    from mmfast.train.slices import ProcessConfig
 
 
 def _opt(default, group: str, help: str):
@@ -28,7 +29,7 @@ GROUPS = ("data", "model", "optimization", "evaluation", "precision", "checkpoin
 GROUPS += ("processes",)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # --report-to: Accelerate's trackers mmfast offers
 # choice fields None stands for until resolve_preset fills them
-FROM_RESOLVE = ("task", "preset", "init_proj", "image_pool", "loss", "feature_cache")
+FROM_RESOLVE = ("task", "preset", "init_proj", "image_pool", "loss", "feature_cache", "zero_shot_map")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")  # --optimizer-impl (mmfast/train/hardware.py)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 TEXT_PADDINGS = ("auto", "longest", "buckets", "max")  # --text-padding (auto: hardware.resolve_text_padding)
@@ -139,6 +140,13 @@ class TrainConfig:
         "model",
         "contrastive: how the projections start; ridge: the closed-form ridge map between the towers' features "
         "of the train split (one pass), then trained; none: the preset's",
+    )
+    zero_shot_map: str | None = _opt(
+        None,
+        "model",
+        "contrastive: kernel: zero-shot scores half by the model, half by a map of the locked image tower into "
+        "the text tower as it started (fitted on the train split in one pass): keeps the prompts; none: the "
+        "preset's",
     )
     eval_every: int = _opt(
         1,
@@ -416,6 +424,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "task": tuple(TASKS),
         "loss": tuple(LOSSES),
         "init_proj": INIT_PROJ,
+        "zero_shot_map": ZERO_SHOT_MAPS,
         "image_pool": IMAGE_POOLS,
         "feature_cache": FEATURE_CACHE,
         "combine": COMBINE,
@@ -433,35 +442,6 @@ def choices() -> dict[str, tuple[str, ...]]:
 def help_choices() -> dict[str, tuple[str, ...]]:
     """The choices --help lists: ``choices()`` itself, which imports neither torch nor DALI."""
     return choices()
-
-
-def data_sources(cfg: DataConfig | LoaderConfig) -> list[str]:
-    """The --data paths, in order ([] for the demo set)."""
-    if cfg.data is None:
-        return []
-    return [cfg.data] if isinstance(cfg.data, str) else list(cfg.data)
-
-
-def data_weights(cfg: LoaderConfig) -> list[float] | None:
-    """--data-weights as numbers (None when not given).
-
-    Raises:
-        ValueError: a share that is not a positive finite number, or not one share per --data.
-    """
-    if cfg.data is not None and not (isinstance(cfg.data, str) or all(isinstance(d, str) for d in cfg.data)):
-        raise ValueError(f"--data must be paths, got {cfg.data!r}")
-    if cfg.data_weights is None:
-        return None
-    try:
-        weights = [float(w) for w in str(cfg.data_weights).split(",")]
-    except ValueError:
-        weights = []
-    if not weights or not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ValueError(f"--data-weights must be positive numbers separated by commas, got {cfg.data_weights!r}")
-    given = data_sources(cfg)
-    if len(given) > 1 and len(weights) != len(given):
-        raise ValueError(f"--data-weights gives {len(weights)} shares for {len(given)} --data; give one for each")
-    return weights
 
 
 def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
@@ -487,3 +467,4 @@ def trackers(cfg: ProcessConfig) -> tuple[str, ...]:
 PRESET_FIELDS = ("image_backbone", "text_model", "image_size", "hidden", "lr", "encoder_lr", "epochs")
 PRESET_FIELDS += ("warmup_frac", "freeze_image", "probe_frac", "batch_size", "init_proj", "text_train_layers")
 PRESET_FIELDS += ("image_pool", "loss", "freeze_text", "feature_cache", "feature_views", "augment", "wise_ft")
+PRESET_FIELDS += ("zero_shot_map",)

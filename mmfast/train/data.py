@@ -20,7 +20,7 @@ from mmfast.loading.sampling import WHOLE_BATCHES, MixedOrder, WholeBatchOrder
 from mmfast.loading.sources import choose_source, prepared_source
 from mmfast.remote.objects import fetch_to
 from mmfast.remote.shard_cache import ShardCache
-from mmfast.train.config import data_weights
+from mmfast.train.data_flags import data_weights
 from mmfast.train.hardware import resolve_text_padding
 from mmfast.train.setup import processes_per_machine, usable_cores
 from mmfast.train.slices import LoaderConfig

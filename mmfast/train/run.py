@@ -35,6 +35,7 @@ from mmfast.train.hardware import (
 from mmfast.train.heartbeat import Heartbeat
 from mmfast.train.optim import build_optimizer, total_steps
 from mmfast.train.profiler import UtilizationSampler
+from mmfast.train.prompt_map_fit import fit_prompt_map
 from mmfast.train.report import (
     encoder_lr_note,
     shard_figures,
@@ -216,8 +217,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         val_loader = feature_val_loader(
             parts.features, accelerator, dataset, model, norm, cache, val_loader, features
         )
-        fresh = resume_from is None
-        warm = _warm_start(cfg, accelerator, dataset, model, norm, cache, train_loader, task) if fresh else None
+        starts = _starts(cfg, accelerator, (dataset, model, norm, cache, train_loader, task), resume_from is None)
         steps = total_steps(parts.optim, len(train_loader))
         model, optimizer, scheduler, start = _optimized(parts, accelerator, model, task, steps, cfg.wise_ft)
         state = _start_state(accelerator, task, identity, resume_from, model, train_loader, steps)
@@ -248,8 +248,7 @@ def _run(cfg: TrainConfig, accelerator, resume_from: Path | None, t_start: float
         )
     summary = summarize(parts.report, accelerator, task, state, last_metrics, runner.interrupted, t_start)
     summary["hardware_choices"] = choices_made(parts.compile, accelerator, optimizer)
-    if warm is not None:
-        summary["init_proj"] = warm
+    summary.update(starts)
     summary["images"] = images_note({"train": train_loader, "val": val_loader}, streamed)
     if features is not None:
         summary["feature_cache"] = features
@@ -330,6 +329,16 @@ def _schedule_change(saved: dict, now: dict, steps: int) -> str | None:
     )
 
 
+def _starts(cfg: TrainConfig, accelerator, parts: tuple, fresh: bool) -> dict:
+    """What summary.json records of the passes before training: "init_proj" (a fresh run's ridge start of the
+    projections) and "zero_shot_map" (fitted on a resumed run too, before its checkpoint loads: it depends on
+    nothing training changes), each where there was one. ``parts``: (dataset, model, norm, cache, train_loader,
+    task)."""
+    warm = _warm_start(cfg, accelerator, *parts) if fresh else None
+    starts = {"init_proj": warm, "zero_shot_map": _zero_shot_map(cfg, accelerator, *parts)}
+    return {k: v for k, v in starts.items() if v is not None}
+
+
 def _warm_start(
     cfg: TrainConfig, accelerator, dataset: PreparedDataset, model, norm, cache, train_loader, task
 ) -> dict | None:
@@ -339,16 +348,40 @@ def _warm_start(
     ``FeatureLoader``) the pass reads its centre view instead of decoding."""
     if cfg.init_proj != "ridge":
         return None
-    model.to(accelerator.device)
-    loader = train_view_loader(slices(cfg).loader, accelerator, dataset, norm, cache)
-    if (features := getattr(train_loader, "features", None)) is not None:
-        loader = FeatureLoader(loader, features, centre=True, text=train_loader.text)
+    loader = _centre_loader(cfg, accelerator, dataset, model, norm, cache, train_loader)
     figures = ridge_start(model, loader, accelerator, image_groups=getattr(task, "image_groups", None))
     how = f"lambda {figures['lambda_per_sample']:g}"
     if pick := figures.get("lambda_pick"):
         how += f", picked on {pick['held_out_images']} held-out images"
     accelerator.print(
         f"projections started from the ridge map of {figures['samples']} samples ({how}; {figures['seconds']} s)"
+    )
+    return figures
+
+
+def _centre_loader(cfg: TrainConfig, accelerator, dataset, model, norm, cache, train_loader):
+    """The train split as evaluation sees it, in epoch 0's order, for a pass before training (the model moved
+    to the device): decoded, or the centre view a feature cache holds (``train_loader`` a ``FeatureLoader``)."""
+    model.to(accelerator.device)
+    loader = train_view_loader(slices(cfg).loader, accelerator, dataset, norm, cache)
+    if (features := getattr(train_loader, "features", None)) is not None:
+        loader = FeatureLoader(loader, features, centre=True, text=train_loader.text)
+    return loader
+
+
+def _zero_shot_map(cfg: TrainConfig, accelerator, dataset, model, norm, cache, train_loader, task) -> dict | None:
+    """--zero-shot-map kernel: the dual encoder's zero-shot map fitted in one pass over the train split
+    (``prompt_map_fit``); None without one."""
+    if cfg.zero_shot_map in (None, "none"):
+        return None
+    loader = _centre_loader(cfg, accelerator, dataset, model, norm, cache, train_loader)
+    figures = fit_prompt_map(model, loader, accelerator, getattr(task, "image_groups", None))
+    how = f"lambda {figures['lambda']:g}, gamma {figures['gamma']:g}"
+    if pick := figures.get("pick"):
+        how += f" picked on {pick['held_out_images']} held-out images"
+    accelerator.print(
+        f"zero-shot map: kernel ridge of {figures['samples']} samples into the text tower as it starts ({how}; "
+        f"{figures['seconds']} s)"
     )
     return figures
 

@@ -29,7 +29,8 @@ from mmfast.prepare.mix import prepare_mix
 from mmfast.remote.errors import redact
 from mmfast.remote.objects import is_remote
 from mmfast.tasks import TASKS
-from mmfast.train.config import TRACKERS, data_sources, trackers
+from mmfast.train.config import TRACKERS, trackers
+from mmfast.train.data_flags import data_sources
 from mmfast.train.hardware import launcher_precision_note, resolve_mixed_precision
 from mmfast.train.rendezvous import meet
 from mmfast.train.rundir import RAW_DATA_DIR

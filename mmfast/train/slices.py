@@ -167,11 +167,12 @@ class ReportConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """The run around the loop (``short_profile.time_steps``): where it writes, its seed, the projections'
-    start, the steps it takes, the stop signal's grace and the profile's sampling."""
+    start, the zero-shot map, the steps it takes, the stop signal's grace and the profile's sampling."""
 
     out: str | None
     seed: int
     init_proj: str | None
+    zero_shot_map: str | None
     max_steps: int | None
     stop_grace: float
     profile: bool

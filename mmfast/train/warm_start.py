@@ -86,7 +86,7 @@ def tower_grams(
     if held_out is None:
         return sums
     sums["held"] = _summed(held_sums or _zero_grams(c, d, accelerator.device), accelerator)
-    sums["held_rows"] = _first_rows(rows, c, d, accelerator)
+    sums["held_rows"] = first_rows(rows, c, d, accelerator)
     return sums
 
 
@@ -112,8 +112,10 @@ def _summed(sums: dict[str, torch.Tensor], accelerator) -> dict[str, torch.Tenso
     return sums
 
 
-def _first_rows(rows: list, c: int, d: int, accelerator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, X, T) of every process's held-out rows, the first ``HELD_OUT_MAX`` by sample id."""
+def first_rows(
+    rows: list, c: int, d: int, accelerator, most: int = HELD_OUT_MAX
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, X, T) of every process's ``rows`` (a list of (ids, X, T)), the first ``most`` by sample id."""
     ids = torch.cat([r[0] for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
     x = torch.cat([r[1] for r in rows]) if rows else torch.zeros(0, c)
     t = torch.cat([r[2] for r in rows]) if rows else torch.zeros(0, d)
@@ -123,7 +125,7 @@ def _first_rows(rows: list, c: int, d: int, accelerator) -> tuple[torch.Tensor, 
         x, t = (accelerator.pad_across_processes(v.to(device)) for v in (x, t))
         ids, x, t = (accelerator.gather(v).cpu() for v in (ids, x, t))
         x, t, ids = x[ids >= 0], t[ids >= 0], ids[ids >= 0]
-    order = ids.argsort()[:HELD_OUT_MAX]
+    order = ids.argsort()[:most]
     return ids[order], x[order], t[order]
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import mmfast
 from mmfast.infer import model_config, model_dir
-from mmfast.train import config, data, engine, features, hardware, optim, report, run, setup
+from mmfast.train import config, data, data_flags, engine, features, hardware, optim, report, run, setup
 from mmfast.train.config import TrainConfig
 from mmfast.train.slices import (
     SLICES,
@@ -51,7 +51,8 @@ BUILDERS = {
     model_config: {"model_config": ModelConfig},
     model_dir: {"write_run_models": ModelConfig},
     # the helpers the builders hand their slice to
-    config: {"trackers": ProcessConfig, "data_sources": DataConfig, "data_weights": LoaderConfig},
+    config: {"trackers": ProcessConfig},
+    data_flags: {"data_sources": DataConfig, "data_weights": LoaderConfig},
 }
 
 
@@ -166,5 +167,5 @@ def test_the_new_slices_are_cut_with_their_values():
         0.5,
         3,
     )
-    assert parts.run == RunConfig("r", 0, None, None, 4.0, False, 0.2)
+    assert parts.run == RunConfig("r", 0, None, None, None, 4.0, False, 0.2)
     assert (parts.report.out, parts.report.model, parts.report.text_padding) == ("r", "clip", "longest")
