@@ -57,7 +57,7 @@ def _csv_rows(
     path: Path, delimiter: str, columns: Columns | None = None, detect: Callable | None = None
 ) -> tuple[list[tuple[int, dict]], list[Reject], Columns]:
     """A CSV's rows and rejects, and the columns to read them by: ``detect`` (see ``read_input``) names those
-    the user left unnamed, from the rows under the header or under --columns' names."""
+    the user left unnamed, from the header's names (or --columns'), not from the rows under them."""
     columns = columns or Columns()
     rejects, good_lines = [], []
     for line, raw in split_lines(read_bytes(path)):

@@ -100,10 +100,11 @@ class PromptMap(nn.Module):
 
     def image(self, pooled: torch.Tensor) -> torch.Tensor:
         """(B, D) normalized: image features (B, C) mapped into the start text tower's space."""
-        z = F.normalize((pooled.float() - self.mean) / self.std, dim=-1)
-        # |a - b|^2 = 2 - 2 a.b for unit rows
-        k = torch.exp(-self.gamma * (2 - 2 * z @ self.landmarks.T).clamp(min=0))
-        return F.normalize(k @ self.alpha + self.text_mean, dim=-1)
+        with torch.autocast(pooled.device.type, enabled=False):  # the kernel in float32 under any precision
+            z = F.normalize((pooled.float() - self.mean) / self.std, dim=-1)
+            # |a - b|^2 = 2 - 2 a.b for unit rows
+            k = torch.exp(-self.gamma * (2 - 2 * z @ self.landmarks.T).clamp(min=0))
+            return F.normalize(k @ self.alpha + self.text_mean, dim=-1)
 
     def text(self, text: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, D) normalized: captions by the text tower as it started (``text``: the dual encoder's tower)."""

@@ -55,8 +55,14 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     saved = {"task": "classification", **saved}  # a run that recorded no task trained a classifier
     # a record without the feature cache's fields (an earlier run's) decoded every epoch: on either side
     # and one without --image-pool's pooled the last feature map
-    # and one without --wise-ft's ended with the trained weights alone
-    old = {"feature_cache": "off", "feature_views": 4, "image_pool": "last", "wise_ft": 1.0}
+    # and one without --wise-ft's ended with the trained weights alone; one without --zero-shot-map had none
+    old = {
+        "feature_cache": "off",
+        "feature_views": 4,
+        "image_pool": "last",
+        "wise_ft": 1.0,
+        "zero_shot_map": "none",
+    }
     saved, now = ({**old, **r} for r in (saved, now))
     keys = sorted((set(saved) | set(now)) - MAY_CHANGE_ON_RESUME)
     return [_difference(k, saved, now) for k in keys if saved.get(k) != now.get(k)]

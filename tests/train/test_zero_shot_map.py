@@ -58,6 +58,8 @@ def test_the_map_leaves_training_and_retrieval_as_they_were(runs):
     assert "zero_shot_map" not in json.loads((runs["plain"] / "summary.json").read_text())
     config = json.loads((runs["map"] / "model-last" / "config.json").read_text())
     assert config["zero_shot_map"]["rows"] == summary["samples"]
+    assert "--zero-shot-map kernel" in (runs["map"] / "model-last" / "README.md").read_text()  # the model card
+    assert "zero_shot" not in (runs["plain"] / "model-last" / "README.md").read_text()
     a = load_model(runs["map"] / "model-last")
     b = load_model(runs["plain"] / "model-last")
     images = torch.randn(4, 3, 32, 32)
@@ -171,3 +173,22 @@ def test_a_resumed_run_fits_the_same_map_and_ends_as_the_full_run(prepared, tmp_
     assert any(k.startswith("model.prompt_map.") for k in a)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _metrics(full)[-1]["val_zero_shot_acc"] == _metrics(part)[-1]["val_zero_shot_acc"]
+
+
+def test_an_export_says_the_map_stays_behind(runs, tmp_path, capsys):
+    from mmfast.cli import export
+
+    assert (
+        export.main(
+            ["--model", str(runs["map"] / "model-last"), "--format", "torch", "--out", str(tmp_path / "a")]
+        )
+        == 0
+    )
+    assert "zero-shot map (--zero-shot-map) is not exported" in capsys.readouterr().out
+    assert (
+        export.main(
+            ["--model", str(runs["plain"] / "model-last"), "--format", "torch", "--out", str(tmp_path / "b")]
+        )
+        == 0
+    )
+    assert "zero-shot map" not in capsys.readouterr().out

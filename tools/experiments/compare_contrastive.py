@@ -94,6 +94,7 @@ TOP2 = {k: v for k, v in MS_TOP2.items() if k != "image_pool"}  # the same on th
 VARIANTS = [("warm", {"warmup_frac": 0.3}), ("enc1e-5", {"encoder_lr": 1e-5}), ("enc1e-4", {"encoder_lr": 1e-4})]
 VARIANTS += [("top4", {"text_train_layers": 4}), ("top6", {"text_train_layers": 6})]
 TOP4 = {"-enc1e-4": {"encoder_lr": 1e-4}, **{f"-wise{a:g}": {"wise_ft": a} for a in (0.5, 0.7)}}  # --wise-ft A
+TOP4["-zsmap"] = {"zero_shot_map": "kernel"}  # zero-shot beside a kernel map into the start text tower
 VARIANTS += [(f"top4{k}", {"text_train_layers": 4, **v}) for k, v in TOP4.items()]
 # The dual encoder's recipes (``--methods``): its loss and the training fields it sets on top of the preset's.
 # clip / siglip are the preset's own; the others train fewer text layers (or none) on cached features.
