@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,9 @@ def _templates(v) -> bool:
 
 
 def _map_record(v) -> bool:
-    if not isinstance(v, dict) or v.get("kind") != "kernel" or not isinstance(v.get("text_start"), str):
+    if not isinstance(v, dict) or v.get("kind") != "kernel":
+        return False
+    if not re.fullmatch(r"tower|copy|layers:[1-9][0-9]*", str(v.get("text_start"))):
         return False
     sizes = all(_positive_int(v.get(k)) for k in ("rows", "width", "text_width"))
     return sizes and _number(v.get("gamma")) and _number(v.get("weight")) and 0 < v["weight"] <= 1

@@ -85,7 +85,8 @@ PRESETS = {
     ),
     # contrastive, the best recipe of #45's eleven looks on three real dev sets: the larger locked Lite2 tower at
     # 192 px, its stages pooled too (multiscale), features cached once (the centre view, no augmentation), SigLIP,
-    # MiniLM's top 4 layers training, 32 epochs at a gentler rate (docs/benchmarks/notes/*-recipes-11.md)
+    # MiniLM's top 4 layers training, 32 epochs at a gentler rate (docs/benchmarks/notes/*-recipes-11.md);
+    # zero-shot beside the kernel map into the start text tower (*-recipes-18.md)
     "clip-lite2-minilm": Preset(
         "efficientnet-lite2",
         "minilm",
@@ -104,6 +105,7 @@ PRESETS = {
         feature_cache="auto",
         feature_views=1,
         augment=False,
+        zero_shot_map="kernel",
     ),
     # the write-up's setup: ResNet-50 (2048-d) + BERT-base (768-d)
     "resnet50-bert": Preset(

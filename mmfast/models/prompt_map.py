@@ -18,7 +18,6 @@ captions' mean, and a copy of the text tower's layers that train, as they starte
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn
@@ -49,7 +48,10 @@ class PromptMap(nn.Module):
         super().__init__()
         if not 0 < weight <= 1:  # the model's part of a joined embedding is its embedding, scaled
             raise ValueError(f"the zero-shot map's weight must be in (0, 1], got {weight}")
-        self.gamma, self.weight, self.text_start = float(gamma), float(weight), text_start
+        self.text_start = text_start
+        # parameters, not attributes: a checkpoint carries them with the rest of the fit
+        self.gamma = _frozen(torch.tensor(float(gamma)))
+        self.weight = _frozen(torch.tensor(float(weight)))
         self.mean = _frozen(torch.zeros(width))
         self.std = _frozen(torch.ones(width))
         self.landmarks = _frozen(torch.zeros(rows, width))
@@ -77,8 +79,8 @@ class PromptMap(nn.Module):
             "rows": rows,
             "width": width,
             "text_width": int(self.alpha.shape[1]),
-            "gamma": self.gamma,
-            "weight": self.weight,
+            "gamma": float(self.gamma),
+            "weight": float(self.weight),
             "text_start": self.text_start,
         }
 
@@ -111,13 +113,14 @@ class PromptMap(nn.Module):
         if self.upper is not None:
             pooled = text.with_layers(input_ids, attention_mask, self.upper)
         else:
-            pooled = (self.tower or text)(input_ids, attention_mask)
+            pooled = (self.tower if self.tower is not None else text)(input_ids, attention_mask)
         return F.normalize(pooled.float(), dim=-1)
 
     def join(self, model_emb: torch.Tensor, map_emb: torch.Tensor) -> torch.Tensor:
         """The zero-shot embedding: [sqrt(w) model, sqrt(1 - w) map], unit length when both are, so that the dot
         product of two is w times the model's cosine plus (1 - w) times the map's."""
-        return torch.cat([math.sqrt(self.weight) * model_emb, math.sqrt(1 - self.weight) * map_emb], dim=-1)
+        w = self.weight.to(model_emb.dtype)
+        return torch.cat([w.sqrt() * model_emb, (1 - w).sqrt() * map_emb], dim=-1)
 
     def ensemble(self, prompt_emb: torch.Tensor) -> torch.Tensor:
         """(C, D + D_txt): the prompt ensemble (``class_embeddings``) of joined embeddings (C, T, D + D_txt), of

@@ -58,7 +58,7 @@ def map_rows(model, loader, accelerator, most: int = MAP_ROWS) -> tuple[torch.Te
             taken += n
     finally:
         model.train(was_training)
-    return first_rows(rows, model.image_proj.in_features, model.text_proj.in_features, accelerator, most)
+    return first_rows(rows, model.image.width, model.text.width, accelerator, most)
 
 
 def _unit(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ def fit_prompt_map(model, loader, accelerator, image_groups: torch.Tensor, weigh
     Raises:
         ValueError: the model is no dual encoder, or the pass gave no sample.
     """
-    if not all(hasattr(model, name) for name in ("image_proj", "text_proj", "prompt_map")):
+    if not all(hasattr(model, name) for name in ("image", "text", "prompt_map")):
         raise ValueError("--zero-shot-map kernel: the model has no image and text projections (use --model clip)")
     if any(p.requires_grad for p in model.image.parameters()):
         raise ValueError(
@@ -120,7 +120,7 @@ def fit_prompt_map(model, loader, accelerator, image_groups: torch.Tensor, weigh
     fit, (lam, gamma), picked = kernel_fit(x, t, held_out_samples(image_groups)[ids], image_groups[ids].tolist())
     pmap = PromptMap(len(ids), x.shape[1], t.shape[1], gamma, weight, model.text, text_start(model.text))
     pmap.set_fit(*fit)
-    model.prompt_map = pmap.to(model.image_proj.weight.device)
+    model.prompt_map = pmap.to(next(model.parameters()).device)
     figures = {"method": "kernel", "samples": len(ids), "lambda": lam, "gamma": gamma, "weight": weight}
     figures["text_start"] = pmap.text_start
     if picked:

@@ -37,10 +37,32 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.image_pool is None and start_kind(filled["image_backbone"]) not in (None, "timm"):
         filled["image_pool"] = "last"  # a CLIP / open_clip / Hugging Face tower pools as it was trained to
+    filled["zero_shot_map"] = _zero_shot_map(cfg, filled)
     # a tower that brings its projection sets the width (models/start_dirs.py); else 256
     starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
     filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)
     return replace(cfg, **filled)
+
+
+def _zero_shot_map(cfg: TrainConfig, filled: dict) -> str:
+    """--zero-shot-map as the run uses it: kernel needs a dual encoder whose image tower is locked (the map reads
+    its features as training starts). Where it cannot work, the preset's kernel becomes none, and a flag's is
+    refused before anything is built.
+
+    Raises:
+        ValueError: --zero-shot-map kernel given for another model or a training image tower.
+    """
+    kind = filled["zero_shot_map"]
+    dual = hasattr(MODELS[cfg.model], "image_proj_start")
+    if kind != "kernel" or (dual and filled["freeze_image"]):
+        return kind
+    if cfg.zero_shot_map is None:  # the preset's, on a run it cannot serve
+        return "none"
+    needs = "a locked image tower (--freeze-image)" if dual else "a dual encoder (--model clip)"
+    raise ValueError(
+        f"--zero-shot-map kernel maps the image tower's features as training starts, so it needs {needs}; "
+        "or pass --zero-shot-map none"
+    )
 
 
 def resolve_batches(cfg: TrainConfig, num_processes: int) -> TrainConfig:

@@ -65,6 +65,7 @@ def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_mode
     assert cache["built"] == "no cache yet" and cache["views"] == 1, cache
     run = json.loads((out / "config.json").read_text())
     keys = ("image_backbone", "image_size", "loss", "image_pool", "text_train_layers", "augment", "epochs")
+    keys += ("zero_shot_map",)
     assert {k: run[k] for k in keys} == {
         "image_backbone": "efficientnet-lite2",
         "image_size": 192,
@@ -73,9 +74,11 @@ def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_mode
         "text_train_layers": 4,
         "augment": False,
         "epochs": 2,
+        "zero_shot_map": "kernel",
     }
     model = load_model(out / "model-last")
     assert (model.config["loss"], model.config["image_pool"]) == ("siglip", "multiscale")
+    assert model.config["zero_shot_map"]["text_start"] == "layers:4" and summary["zero_shot_map"]["samples"] > 0
     with torch.no_grad():
         emb = model.encode_image(torch.rand(2, 3, 192, 192))
     assert emb.shape == (2, run["embed_dim"]) and torch.isfinite(emb).all()

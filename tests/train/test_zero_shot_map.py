@@ -77,7 +77,7 @@ def test_zero_shot_is_the_weighted_sum_of_the_models_and_the_start_towers_cosine
     copied = pmap.upper[0].state_dict()
     assert all(torch.allclose(copied[k], start[k], atol=1e-8) for k in start)
     assert any(not torch.allclose(trained[k], start[k]) for k in start)  # the top layer trained
-    names, w = model.class_names, pmap.weight
+    names, w = model.class_names, float(pmap.weight)
     flat = [p for per in class_prompts(names, read_templates(None)) for p in per]
     tok = model.tokenizer(flat, padding=True, truncation=True, max_length=model.config["max_length"])
     tok = {k: torch.tensor(v) for k, v in tok.items()}
@@ -148,8 +148,8 @@ def test_the_kernel_map_finds_a_smooth_function_of_the_features():
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (["--text-train-layers", "1"], "lock it (--freeze-image)"),  # ARGS minus --freeze-image below
-        (["--model", "concat", "--freeze-image"], "use --model clip"),
+        (["--text-train-layers", "1"], "needs a locked image tower (--freeze-image)"),  # ARGS less --freeze-image
+        (["--model", "concat", "--freeze-image"], "needs a dual encoder (--model clip)"),
     ],
 )
 def test_a_map_the_run_cannot_keep_is_refused(prepared, tmp_path, capsys, extra, words):
@@ -170,7 +170,7 @@ def test_a_resumed_run_fits_the_same_map_and_ends_as_the_full_run(prepared, tmp_
     _train(prepared, part, *MAP, "--keep-checkpoints", "10", "--resume", "latest")
     a = load_file(full / "model-last" / "model.safetensors")
     b = load_file(part / "model-last" / "model.safetensors")
-    assert any(k.startswith("model.prompt_map.") for k in a)
+    assert {"model.prompt_map.gamma", "model.prompt_map.weight", "model.prompt_map.alpha"} <= a.keys()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _metrics(full)[-1]["val_zero_shot_acc"] == _metrics(part)[-1]["val_zero_shot_acc"]
 
@@ -192,3 +192,15 @@ def test_an_export_says_the_map_stays_behind(runs, tmp_path, capsys):
         == 0
     )
     assert "zero-shot map" not in capsys.readouterr().out
+
+
+def test_a_presets_map_is_left_out_where_it_cannot_work_and_a_flags_is_refused():
+    from mmfast.train.config import TrainConfig
+    from mmfast.train.resolve import resolve_preset
+
+    lite2 = {"preset": "clip-lite2-minilm"}
+    assert resolve_preset(TrainConfig(model="clip", **lite2)).zero_shot_map == "kernel"
+    assert resolve_preset(TrainConfig(model="concat", **lite2)).zero_shot_map == "none"
+    assert resolve_preset(TrainConfig(model="clip", freeze_image=False, **lite2)).zero_shot_map == "none"
+    with pytest.raises(ValueError, match="needs a locked image tower"):
+        resolve_preset(TrainConfig(model="clip", freeze_image=False, zero_shot_map="kernel", **lite2))
