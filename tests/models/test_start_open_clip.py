@@ -292,3 +292,29 @@ def test_a_native_open_clip_model_starts_the_dual_encoder_and_goes_back(
         feed = {"input_ids": ids.numpy(), "attention_mask": (ids > 0).long().numpy()}
         (text,) = session.run(["embedding"], {i.name: feed[i.name] for i in session.get_inputs()})
         np.testing.assert_allclose(text, ours["text"][:3], atol=1e-5)
+
+
+@pytest.mark.slow  # a training run
+def test_an_open_clip_start_keeps_its_text_tower_for_the_zero_shot_map(demo_manifest, tmp_path):
+    """--zero-shot-map kernel on towers that bring their own projections: the whole text tower is copied as it
+    started, and zero-shot reads the prompts with that copy."""
+    import tools.train as train_tool
+    from mmfast.infer.model_dir import load_model
+
+    start = native_open_clip_dir(tmp_path)
+    run = tmp_path / "run"
+    flags = ["--init-from", str(start), "--freeze-image", "--zero-shot-map", "kernel"]
+    assert train_tool.main(["--data", str(demo_manifest), "--out", str(run), *RUN, *flags]) == 0
+    model = load_model(run / "model-last")
+    record = model.config["zero_shot_map"]
+    assert (record["text_start"], record["text_width"]) == ("copy", 16)  # the tower's own projection's width
+    theirs, tok = _open_clip(start)
+    ids = tok(CAPTIONS[:3])
+    with torch.no_grad():
+        joined = model.model.encode_text(ids, (ids > 0).long(), zero_shot=True)
+        start_text = torch.nn.functional.normalize(theirs.encode_text(ids), dim=-1)
+    assert joined.shape == (3, 16 + 16)
+    w = float(model.model.prompt_map.weight)
+    torch.testing.assert_close(joined[:, 16:] / (1 - w) ** 0.5, start_text, rtol=1e-4, atol=1e-5)
+    trained = model.model.encode_text(ids, (ids > 0).long())
+    assert not torch.allclose(trained, start_text, atol=1e-3)  # the trained tower moved; the copy did not
