@@ -22,9 +22,9 @@ from mmfast.data.validate import DEFAULT_MAX_PIXELS
 from mmfast.infer.encode_inputs import check_on_error
 from mmfast.infer.model_dir import MmfastModel
 from mmfast.infer.predict import bad_image, flag_unreadable, image_file, rows_loader
-from mmfast.models.prompt_map import class_ensemble
 from mmfast.tasks.retrieval import (
     caption_groups,
+    class_ensemble,
     class_prompts,
     known_classes,
     read_templates,

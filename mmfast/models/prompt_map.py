@@ -129,13 +129,6 @@ class PromptMap(nn.Module):
         return self.join(class_embeddings(prompt_emb[..., :-d]), class_embeddings(prompt_emb[..., -d:]))
 
 
-def class_ensemble(net: nn.Module, prompt_emb: torch.Tensor) -> torch.Tensor:
-    """The class embeddings (C, D) of a model's prompt embeddings (C, T, D): its zero-shot map's ensemble where
-    it has one (``PromptMap.ensemble``), else ``class_embeddings``."""
-    pmap = getattr(net, "prompt_map", None)
-    return class_embeddings(prompt_emb) if pmap is None else pmap.ensemble(prompt_emb)
-
-
 def text_start(text: nn.Module) -> str:
     """How a map keeps ``text``'s start (``PromptMap``'s ``text_start``): nothing of a locked tower, a copy of
     the top layers that train, else a copy of the whole tower."""

@@ -19,7 +19,7 @@ from mmfast.tasks.global_batch import all_gather_rows, cached_window_backward, g
 from mmfast.tasks.losses import contrastive_loss, create_loss
 from mmfast.tasks.retrieval import (
     caption_groups,
-    class_embeddings,
+    class_ensemble,
     class_prompts,
     known_classes,
     read_templates,
@@ -257,7 +257,7 @@ class ContrastiveTask:
             with accelerator.autocast():
                 parts.append(encode(ids, mask).float())
         emb = torch.cat(parts).reshape(len(prompts), len(self.templates), -1)
-        return net.prompt_map.ensemble(emb) if joined else class_embeddings(emb)
+        return class_ensemble(net, emb)
 
     def improves(self, metrics: dict, state: dict) -> bool:
         return metrics.get(self.best_metric, 0.0) > state["best_val_mean_recall"]

@@ -201,6 +201,13 @@ def class_embeddings(prompt_emb: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(mean, dim=-1)
 
 
+def class_ensemble(net: torch.nn.Module, prompt_emb: torch.Tensor) -> torch.Tensor:
+    """The class embeddings (C, D) of a model's prompt embeddings (C, T, D): its zero-shot map's ensemble where
+    it has one (``mmfast.models.prompt_map.PromptMap.ensemble``), else ``class_embeddings``."""
+    pmap = getattr(net, "prompt_map", None)
+    return class_embeddings(prompt_emb) if pmap is None else pmap.ensemble(prompt_emb)
+
+
 @torch.no_grad()
 def zero_shot_figures(image_emb: torch.Tensor, labels: torch.Tensor, class_text_emb: torch.Tensor) -> dict:
     """Zero-shot accuracy: an image is right when its class's text embedding scores strictly higher than every

@@ -14,7 +14,7 @@ lambda: the images of every fifth image group are held out of a fit, and the pai
 Nothing here depends on what training changes (a locked image tower, the text tower's start), so a resumed run
 fits the same map again before its checkpoint is loaded. On the project's dev sets the map, beside the trained
 model at weight 0.5, kept the ridge map's zero-shot accuracy where the model alone lost it
-(docs/benchmarks/notes/2026-12-07-recipes-15.md).
+(docs/benchmarks/notes/2026-12-07-recipes-15.md offline, 2026-12-07-recipes-18.md in mmfast).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from mmfast.data.batch import PAD_ID
 from mmfast.models.prompt_map import PromptMap, text_start
 from mmfast.tasks.retrieval import caption_groups, retrieval_figures
-from mmfast.train.warm_start import HELD_OUT_MIN, first_rows, held_out_samples
+from mmfast.train.warm_start import HELD_OUT_MIN, first_rows, held_out_samples, tower_outputs
 
 MAP_ROWS = 2048  # samples the map is fitted on at most (its landmarks): a kernel solve of M x M per pick
 MAP_WEIGHT = 0.5  # the model's share of a zero-shot score, the map's the rest
@@ -49,9 +49,7 @@ def map_rows(model, loader, accelerator, most: int = MAP_ROWS) -> tuple[torch.Te
             if taken >= per_process:
                 break
             keep = batch["id"] != PAD_ID
-            with accelerator.autocast():
-                x = batch["image_features"] if "image" not in batch else model.image(batch["image"])[0]
-                t = model.text_pooled(batch)
+            x, t = tower_outputs(model, batch, accelerator)
             ids = batch["id"][keep].long()[: per_process - taken]
             n = len(ids)
             rows.append((ids.cpu(), x[keep][:n].float().cpu(), F.normalize(t[keep][:n].float(), dim=-1).cpu()))
@@ -104,15 +102,11 @@ def fit_prompt_map(model, loader, accelerator, image_groups: torch.Tensor, weigh
     Args:
         image_groups: per sample id its image's group (``ContrastiveTask.image_groups``).
 
+    A dual encoder with a locked image tower, as ``resolve_preset`` asks of every run with the map.
+
     Raises:
-        ValueError: the model is no dual encoder, or the pass gave no sample.
+        ValueError: the pass gave no sample.
     """
-    if not all(hasattr(model, name) for name in ("image", "text", "prompt_map")):
-        raise ValueError("--zero-shot-map kernel: the model has no image and text projections (use --model clip)")
-    if any(p.requires_grad for p in model.image.parameters()):
-        raise ValueError(
-            "--zero-shot-map kernel maps the image tower's features as they are: lock it (--freeze-image)"
-        )
     t0 = time.perf_counter()
     ids, x, t = map_rows(model, loader, accelerator)
     if len(ids) == 0:

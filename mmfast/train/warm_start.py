@@ -67,10 +67,7 @@ def tower_grams(
             if k == batches:
                 break
             keep = batch["id"] != PAD_ID
-            with accelerator.autocast():
-                # a feature cache's centre view is the tower's output of these pixels (--feature-cache)
-                x = batch["image_features"] if "image" not in batch else model.image(batch["image"])[0]
-                t = model.text_pooled(batch)  # the text tower's output, or what a feature cache stored of it
+            x, t = tower_outputs(model, batch, accelerator)
             x, t = x[keep].double(), F.normalize(t[keep].float(), dim=-1).double()
             _add_grams(sums, x, t)
             if held_out is not None:
@@ -88,6 +85,15 @@ def tower_grams(
     sums["held"] = _summed(held_sums or _zero_grams(c, d, accelerator.device), accelerator)
     sums["held_rows"] = first_rows(rows, c, d, accelerator)
     return sums
+
+
+def tower_outputs(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the image tower's pooled features (B, C), the text tower's output (B, D)) of a batch, under the run's
+    autocast: a feature cache's centre view is the image tower's output of these pixels (--feature-cache), and
+    ``text_pooled`` reads what the cache stored of the text."""
+    with accelerator.autocast():
+        x = batch["image_features"] if "image" not in batch else model.image(batch["image"])[0]
+        return x, model.text_pooled(batch)
 
 
 def _add_grams(sums: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor) -> None:
