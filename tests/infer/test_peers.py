@@ -222,7 +222,11 @@ def _model_dir(prepared: Path, tmp_path: Path, **fields) -> Path:
         ({}, "open_clip", ["image backbone 'resnet10'", "timm's resnet18 with {'layers': [1, 1, 1, 1]}"]),
         ({"model": "concat"}, "open_clip", ["holds image-text dual encoders", "'concat' model is a classifier"]),
         ({"model": "concat"}, "open_clip,hf", ["holds image-text dual encoders", "--format hf"]),
-        ({"image_backbone": "timm:test_efficientnet", "image_pool": "multiscale"}, "hf", ["pools its stages"]),
+        (
+            {"image_backbone": "timm:test_efficientnet", "image_pool": "multiscale"},
+            "hf",
+            ["pools its stages", "train with --image-pool last"],
+        ),
     ],
 )
 def test_a_format_that_cannot_hold_the_model_is_refused_before_anything_is_written(
@@ -358,15 +362,16 @@ def test_a_classifier_exports_its_towers_without_projections(prepared, tmp_path)
 
 
 @pytest.mark.slow
-def test_the_default_clip_preset_goes_to_open_clip_and_transformers(demo_manifest, prepared, photos, tmp_path):
-    """``mmfast-train --model clip`` with its default preset (EfficientNet-Lite0 locked + all-MiniLM-L6-v2, the
-    captions tokenized with MiniLM's vocabulary): both exports reproduce mmfast's embeddings and retrieval."""
+def test_the_lite0_clip_preset_goes_to_open_clip_and_transformers(demo_manifest, prepared, photos, tmp_path):
+    """``mmfast-train --model clip --preset clip-lite0-minilm`` (EfficientNet-Lite0 locked + all-MiniLM-L6-v2,
+    the captions tokenized with MiniLM's vocabulary; the default preset's multiscale tower goes to neither):
+    both exports reproduce mmfast's embeddings and retrieval."""
     import tools.export as export_tool
     import tools.train as train_tool
 
     run = tmp_path / "run"
     argv = ["--data", str(demo_manifest), "--out", str(run), "--model", "clip", "--epochs", "1", "--no-progress"]
-    assert train_tool.main(argv) == 0
+    assert train_tool.main([*argv, "--preset", "clip-lite0-minilm"]) == 0
     config = json.loads((run / "model" / "config.json").read_text())
     assert (config["image_backbone"], config["text_model"]) == ("efficientnet-lite0", "minilm")
     out = run / "export"

@@ -16,7 +16,9 @@ from test_peers import assert_same_embeddings, mmfast_inputs, run_peer
 
 from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-RUN = ["--model", "clip", "--epochs", "1", "--batch-size", "16", "--no-progress", "--mixed-precision", "no"]
+# the recipe these starts were written against (the default clip preset is clip-lite2-minilm's)
+RUN = ["--model", "clip", "--preset", "clip-lite0-minilm", "--epochs", "1", "--batch-size", "16", "--no-progress"]
+RUN += ["--mixed-precision", "no"]
 LOGIT_SCALE = 2.0  # the starts' temperature (log scale): not CLIP's init, log(1 / 0.07)
 
 
@@ -229,21 +231,19 @@ def test_init_from_refuses_what_is_not_a_pair(minilm_dir):
         start_fields(TrainConfig(model="clip", init_from=minilm_dir))
 
 
-def test_a_tower_from_a_directory_pools_as_it_was_trained(minilm_dir, tmp_path, monkeypatch):
-    """A preset's --image-pool multiscale is for the CNNs it names: --init-from's tower keeps its own pooling,
-    and asking a directory's tower for multiscale by flag is refused, naming the flag."""
-    from dataclasses import replace
-
+def test_a_tower_from_a_directory_pools_as_it_was_trained(minilm_dir, tmp_path):
+    """The default preset's --image-pool multiscale and --text-train-layers 4 are for the towers it names:
+    --init-from's towers keep their own pooling and train whole, and asking a directory's tower for multiscale by
+    flag is refused, naming the flag."""
     from mmfast.models import build_model
-    from mmfast.models.catalog import PRESETS
     from mmfast.train.config import TrainConfig
     from mmfast.train.resolve import resolve_preset
 
     clip = hf_clip_dir(tmp_path, minilm_dir)
-    preset = replace(PRESETS["clip-lite0-minilm"], image_pool="multiscale")
-    monkeypatch.setitem(PRESETS, "clip-lite0-minilm", preset)
-    assert resolve_preset(TrainConfig(model="clip")).image_pool == "multiscale"
-    assert resolve_preset(TrainConfig(model="clip", init_from=str(clip))).image_pool == "last"
+    assert resolve_preset(TrainConfig(model="clip")).image_pool == "multiscale"  # the default, clip-lite2-minilm
+    started = resolve_preset(TrainConfig(model="clip", init_from=str(clip)))
+    assert (started.image_pool, started.text_train_layers) == ("last", None)
+    assert resolve_preset(TrainConfig(model="clip")).text_train_layers == 4
     assert resolve_preset(TrainConfig(model="clip", image_pool="last")).image_pool == "last"
     with pytest.raises(ValueError, match="pools as it was trained to; multiscale reads a CNN's stages"):
         build_model("clip", 2, image_backbone=str(clip), text_model=str(clip), image_pool="multiscale")

@@ -404,7 +404,8 @@ def test_the_loop_hands_each_window_to_the_task(prepared, tmp_path, monkeypatch)
 
     monkeypatch.setattr(ContrastiveTask, "backward_window", spy)
     out = tmp_path / "run"
-    flags = ["--data", str(prepared), "--out", str(out), "--model", "clip", "--loss", "siglip"]
+    flags = ["--data", str(prepared), "--out", str(out), "--model", "clip", "--preset", "clip-lite0-minilm"]
+    flags += ["--loss", "siglip"]
     flags += [
         "--image-backbone",
         "resnet10",
@@ -487,7 +488,8 @@ def test_mmfast_train_refuses_a_contrastive_run_that_cannot_learn(prepared, tmp_
 
     from tools import train as train_tool
 
-    flags = ["--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16"]
+    flags = ["--model", "clip", "--preset", "clip-lite0-minilm", "--image-backbone", "resnet10"]
+    flags += ["--text-model", "bert-tiny", "--embed-dim", "16"]
     flags += ["--image-size", "32", "--no-progress", "--no-checkpoints", "--max-steps", "2"]
     flags += ["--eval-batch-size", "32"]  # the ridge start's pass and the evaluation: not one sample at a time
     out = tmp_path / "one"

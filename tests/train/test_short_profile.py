@@ -16,7 +16,8 @@ from tests.conftest import n_rows
 from tools import profile_run as profile_tool
 
 ONLY_THE_PROFILE = {".mmfast-run", ".mmfast-run.lock", "profile.json", "profile.png"}
-CLIP = ["--model", "clip", "--image-backbone", "resnet10", "--text-model", "bert-tiny", "--embed-dim", "16"]
+CLIP = ["--model", "clip", "--preset", "clip-lite0-minilm", "--image-backbone", "resnet10"]
+CLIP += ["--text-model", "bert-tiny", "--embed-dim", "16"]
 
 
 @pytest.fixture
