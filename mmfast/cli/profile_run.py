@@ -9,8 +9,9 @@ processes).
 Trains --warmup + --steps optimizer steps of the run the flags describe and times the last --steps: phases
 timed with honest GPU syncs, GPU (NVML) and CPU utilization sampled in the background. Nothing else a run
 does: no evaluation, checkpoint or model directory, and a dual encoder's projections start at random
-(--init-proj ridge's pass is skipped: a step takes as long). Writes only ``profile.json`` and ``profile.png``
-in --out (plus ``trace.json``, a Chrome trace from torch.profiler, with --trace) and prints the verdict:
+(--init-proj ridge's pass is skipped: a step takes as long; so is --zero-shot-map kernel's). Writes only
+``profile.json`` and ``profile.png`` in --out (plus ``trace.json``, a Chrome trace from torch.profiler, with
+--trace) and prints the verdict:
 input-bound / host-bound / compute-bound, with the next step to try. A raw --data (a manifest, a folder) is
 prepared first, into --out's prepared/, as mmfast-train does: give a prepared directory to time only the steps.
 """

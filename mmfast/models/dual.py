@@ -45,6 +45,7 @@ class DualEncoder(nn.Module):
     modalities = ("image", "text")
     task = "contrastive"  # the objective --task defaults to (mmfast.train.resolve.resolve_preset)
     default_preset = "clip-lite2-minilm"  # what --preset defaults to: the best measured recipe, offline (#45)
+    start_preset = "clip-lite0-minilm"  # and with --init-from: the recipe the starts were tested with
     config_options = ("loss", "embed_dim")  # TrainConfig fields build_model passes as keyword arguments
     classifies = False  # no classifier head: build_model does not ask for two or more classes
     image_proj_start = True  # its projections can start from the ridge fit (--init-proj ridge: train/warm_start)

@@ -77,7 +77,7 @@ class TrainConfig:
         None,
         "model",
         "encoders + training recipe, every field overridable by its flag; none: the model's (tiny for the fusion "
-        "models, clip-lite2-minilm for clip)",
+        "models, clip-lite2-minilm for clip, clip-lite0-minilm for clip with --init-from)",
     )
     image_backbone: str | None = _opt(
         None,
@@ -102,14 +102,15 @@ class TrainConfig:
         "model",
         "the image encoder's pooled features: last (its last feature map, average-pooled) or multiscale (also "
         "its stages' at stride 16 and 32, concatenated: richer features for a locked tower's projection); none: "
-        "the preset's (last for a tower from a directory)",
+        "the preset's for its own tower, else last",
     )
     freeze_text: bool | None = _opt(None, "model", "no gradients into the text encoder; none: the preset's")
     text_train_layers: int | None = _opt(
         None,
         "model",
         "how many of the text encoder's top layers train, -1 for all, 0 for none (locked); the embeddings and "
-        "the layers below stay locked, and --feature-cache stores their output per caption; none: the preset's",
+        "the layers below stay locked, and --feature-cache stores their output per caption; none: the preset's "
+        "for its own tower, else all",
     )
     dropout: float = _opt(0.1, "model", "dropout in the fusion layers (and the random text configs)")
     task: str | None = _opt(

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from mmfast.models.catalog import get_preset
 from mmfast.models.registry import MODELS
-from mmfast.models.start_dirs import WHOLE, StartFlags, start_embed_dim, start_fields, start_kind
+from mmfast.models.start_dirs import StartFlags, start_embed_dim, start_fields
 from mmfast.train.config import PRESET_FIELDS, TrainConfig
 
 
@@ -17,7 +17,7 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
     encoder named by flag that encoder's own (``pretrained_encoder_lr``), not the new layers' ``--lr``."""
     from mmfast.models.encoders import pretrained_encoder_lr  # torch: only once a config is resolved
 
-    cfg = replace(cfg, preset=cfg.preset or getattr(MODELS[cfg.model], "default_preset", "tiny"))
+    cfg = replace(cfg, preset=cfg.preset or default_preset(cfg))
     if cfg.init_from is not None:  # --init-from's towers and image size (models/start_dirs.py)
         flags = StartFlags(
             cfg.init_from, cfg.init_proj, cfg.image_backbone, cfg.text_model, cfg.image_size, cfg.freeze_image
@@ -35,15 +35,26 @@ def resolve_preset(cfg: TrainConfig) -> TrainConfig:
         filled["init_proj"] = (
             "random"  # a preset's start is for the dual encoder; another model has no projections
         )
-    if cfg.image_pool is None and start_kind(filled["image_backbone"]) not in (None, "timm"):
-        filled["image_pool"] = "last"  # a CLIP / open_clip / Hugging Face tower pools as it was trained to
-    if cfg.text_train_layers is None and start_kind(filled["text_model"]) in WHOLE:
-        filled["text_train_layers"] = None  # a CLIP / open_clip text tower trains whole (models/factory.py)
+    # the preset's pooling and top layers are for its own towers: another tower (a directory's pools as it was
+    # trained to; a CLIP / open_clip text tower trains whole) pools its last map, and all its layers train
+    if cfg.image_pool is None and filled["image_backbone"] != preset.image_backbone:
+        filled["image_pool"] = "last"
+    if cfg.text_train_layers is None and filled["text_model"] != preset.text_model:
+        filled["text_train_layers"] = None
     filled["zero_shot_map"] = _zero_shot_map(cfg, filled)
     # a tower that brings its projection sets the width (models/start_dirs.py); else 256
     starts = [start_embed_dim(filled[name]) for name in ("image_backbone", "text_model")]
     filled["embed_dim"] = cfg.embed_dim or next((w for w in starts if w), 256)
     return replace(cfg, **filled)
+
+
+def default_preset(cfg: TrainConfig) -> str:
+    """--preset when none is given: the model's (``default_preset``), or for a run from --init-from the recipe its
+    starts were tested with (``start_preset``: the default's was chosen for its own towers)."""
+    model = MODELS[cfg.model]
+    if cfg.init_from is not None and hasattr(model, "start_preset"):
+        return model.start_preset
+    return getattr(model, "default_preset", "tiny")
 
 
 def _zero_shot_map(cfg: TrainConfig, filled: dict) -> str:

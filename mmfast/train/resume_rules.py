@@ -77,6 +77,8 @@ def _difference(key: str, saved: dict, now: dict) -> str:
     line = f"{key}: {_shown(saved.get(key))} -> {_shown(now.get(key))}"
     if key == "global_batch_size" and saved.get(key) is not None:  # what lets the process count change
         line += f" (pass --global-batch-size {saved[key]}: each process's batch follows from it)"
+    if key == "preset" and saved.get(key) is not None:  # a default that changed (--model clip's, 2026-12-07)
+        line += f" (pass --preset {saved[key]}: the run's recipe)"
     return line
 
 

@@ -6,7 +6,7 @@ run's ``max_steps``) and writes profile.json and profile.png. ``mmfast.cli.profi
 body (``run.as_run``).
 It evaluates nothing, writes no checkpoint, metrics, summary or model directory, starts no tracker and builds
 no val loader. A dual encoder's projections start at random: ``--init-proj ridge`` is a pass before training,
-and a step takes as long from either start.
+and a step takes as long from either start. ``--zero-shot-map kernel``'s pass is skipped too: it changes no step.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from mmfast.train.slices import Slices
 from mmfast.train.stop import StopFlag
 
 RIDGE_SKIPPED = "projections start at random: a profile skips --init-proj ridge's pass (a step takes as long)"
+MAP_SKIPPED = "no zero-shot map: a profile skips --zero-shot-map kernel's pass (it changes no step)"
 
 
 def time_steps(parts: Slices, accelerator, warmup: int) -> dict:
@@ -57,6 +58,7 @@ def time_steps(parts: Slices, accelerator, warmup: int) -> dict:
     norm = image_norm(image)
     loader, _, _, cache = build_loaders(parts.loader, accelerator, dataset, norm, val=False)
     notes = [RIDGE_SKIPPED] if run.init_proj == "ridge" else []
+    notes += [MAP_SKIPPED] if run.zero_shot_map == "kernel" else []
     total = run.max_steps
     accelerator.print(  # the notes are said once, in the report at the end
         f"profiling {total - warmup} steps after {warmup} warm-up step{'s' if warmup != 1 else ''}: "

@@ -16,9 +16,7 @@ from test_peers import assert_same_embeddings, mmfast_inputs, run_peer
 
 from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-# the recipe these starts were written against (the default clip preset is clip-lite2-minilm's)
-RUN = ["--model", "clip", "--preset", "clip-lite0-minilm", "--epochs", "1", "--batch-size", "16", "--no-progress"]
-RUN += ["--mixed-precision", "no"]
+RUN = ["--model", "clip", "--epochs", "1", "--batch-size", "16", "--no-progress", "--mixed-precision", "no"]
 LOGIT_SCALE = 2.0  # the starts' temperature (log scale): not CLIP's init, log(1 / 0.07)
 
 
@@ -232,8 +230,9 @@ def test_init_from_refuses_what_is_not_a_pair(minilm_dir):
 
 
 def test_a_tower_from_a_directory_pools_as_it_was_trained(minilm_dir, tmp_path):
-    """The default preset's --image-pool multiscale and --text-train-layers 4 are for the towers it names:
-    --init-from's towers keep their own pooling and train whole, and asking a directory's tower for multiscale by
+    """--init-from without --preset takes clip-lite0-minilm's recipe, the one the starts were tested with, not the
+    default's. A preset's --image-pool multiscale and --text-train-layers 4 are for the towers it names: a
+    directory's towers keep their own pooling and train whole, and asking a directory's tower for multiscale by
     flag is refused, naming the flag."""
     from mmfast.models import build_model
     from mmfast.train.config import TrainConfig
@@ -242,7 +241,14 @@ def test_a_tower_from_a_directory_pools_as_it_was_trained(minilm_dir, tmp_path):
     clip = hf_clip_dir(tmp_path, minilm_dir)
     assert resolve_preset(TrainConfig(model="clip")).image_pool == "multiscale"  # the default, clip-lite2-minilm
     started = resolve_preset(TrainConfig(model="clip", init_from=str(clip)))
-    assert (started.image_pool, started.text_train_layers) == ("last", None)
+    assert (started.preset, started.loss, started.image_pool, started.text_train_layers) == (
+        "clip-lite0-minilm",
+        "clip",
+        "last",
+        None,
+    )
+    lite2 = resolve_preset(TrainConfig(model="clip", init_from=str(clip), preset="clip-lite2-minilm"))
+    assert (lite2.loss, lite2.image_pool, lite2.text_train_layers) == ("siglip", "last", None)
     assert resolve_preset(TrainConfig(model="clip")).text_train_layers == 4
     assert resolve_preset(TrainConfig(model="clip", image_pool="last")).image_pool == "last"
     with pytest.raises(ValueError, match="pools as it was trained to; multiscale reads a CNN's stages"):

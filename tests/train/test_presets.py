@@ -31,6 +31,35 @@ def test_a_preset_fills_the_recipe_fields_and_a_flag_or_config_key_wins(tmp_path
     assert got[:4] == ("clip", "auto", 1, False)  # the file's loss; the flag's augmentation over the file's
 
 
+def test_a_presets_pooling_and_top_layers_are_for_its_own_towers():
+    """The default's --image-pool multiscale and --text-train-layers 4 are for Lite2 and MiniLM: another tower
+    named by flag pools its last map and trains whole (a ViT has no stages; DistilBERT no BERT layer stack)."""
+    from mmfast.train.flags import parse_config
+    from mmfast.train.resolve import resolve_preset
+
+    def pool_layers(*argv: str) -> tuple:
+        cfg = resolve_preset(parse_config(["--model", "clip", *argv]))
+        return cfg.image_pool, cfg.text_train_layers
+
+    assert pool_layers() == ("multiscale", 4)
+    assert pool_layers("--image-backbone", "efficientnet-lite2", "--text-model", "minilm") == ("multiscale", 4)
+    assert pool_layers("--image-backbone", "timm:vit_tiny_patch16_224") == ("last", 4)
+    assert pool_layers("--text-model", "distilbert-base-uncased") == ("multiscale", None)
+    assert pool_layers("--image-backbone", "resnet18", "--image-pool", "multiscale") == ("multiscale", 4)
+    assert pool_layers("--text-model", "bert-tiny", "--text-train-layers", "1") == ("multiscale", 1)
+
+
+def test_a_resume_under_another_default_preset_names_the_runs():
+    """A run of --model clip's earlier default (clip-lite0-minilm) resumed without --preset now meets another
+    recipe: the refusal names the preset to pass, not only each field that differs."""
+    from mmfast.train.resume_rules import resume_differences
+
+    saved, now = {"task": "contrastive", "preset": LITE0}, {"task": "contrastive", "preset": LITE2}
+    assert resume_differences(saved, now) == [
+        f"preset: '{LITE0}' -> '{LITE2}' (pass --preset {LITE0}: the run's recipe)"
+    ]
+
+
 def test_a_recipe_field_given_wrong_is_refused_naming_its_flag():
     from mmfast.train.config import TrainConfig
 

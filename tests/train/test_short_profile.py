@@ -49,13 +49,14 @@ def extras(monkeypatch) -> dict[str, list]:
 
 @pytest.mark.parametrize("model", ["concat", "clip"])
 def test_a_profile_of_5_steps_times_5_steps_and_writes_only_its_profile(prepared, tmp_path, capsys, extras, model):
-    """--steps 5 of a classifier and of the clip preset (whose recipe starts with --init-proj ridge): the profile
-    counts exactly 5 optimizer steps after 5 of warm-up, across an epoch's end when the epoch is shorter, and the
-    run evaluates nothing, fits no ridge map, builds no val loader and leaves nothing but the profile."""
+    """--steps 5 of a classifier and of a clip preset (whose recipe starts with --init-proj ridge, here with the
+    zero-shot map too): the profile counts exactly 5 optimizer steps after 5 of warm-up, across an epoch's end
+    when the epoch is shorter, and the run evaluates nothing, fits no ridge map nor zero-shot map, builds no val
+    loader and leaves nothing but the profile."""
     out = tmp_path / "profile"
     batch = 32 if model == "concat" else 16
     flags = ["--data", str(prepared), "--out", str(out), "--image-size", "32", "--batch-size", str(batch)]
-    flags += ["--hidden", "32", "--epochs", "1"] if model == "concat" else CLIP
+    flags += ["--hidden", "32", "--epochs", "1"] if model == "concat" else [*CLIP, "--zero-shot-map", "kernel"]
     if model == "concat":
         assert n_rows(prepared, "train") // batch < 10  # the 10 steps cross an epoch's end
     assert profile_tool.main([*flags, "--steps", "5"]) == 0
@@ -70,6 +71,8 @@ def test_a_profile_of_5_steps_times_5_steps_and_writes_only_its_profile(prepared
     if model == "clip":  # the preset's ridge start is skipped, and the output says so
         assert printed.count("projections start at random") == 1  # in the report, not in the start line too
         assert any("--init-proj ridge" in note for note in report["notes"])
+        assert any("--zero-shot-map kernel" in note for note in report["notes"])
+        assert "zero-shot map: kernel ridge" not in printed  # the fit's line: no pass was made
     else:
         assert "notes" not in report
     assert "5 steps," in printed and "verdict:" in printed
