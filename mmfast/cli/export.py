@@ -193,7 +193,9 @@ def export(model, args: argparse.Namespace, peers: dict | None = None, left_out:
                 return 1
         else:
             if "onnx" in args.format:
-                report["onnx"] = str(out / export_onnx(model, stage / "model.onnx", opset=args.opset).name)
+                report["onnx"] = str(
+                    out.resolve() / export_onnx(model, stage / "model.onnx", opset=args.opset).name
+                )
                 if not args.no_check:
                     diff = onnx_parity(model, stage / "model.onnx")
                     report["onnx_max_abs_diff"] = diff
@@ -205,10 +207,10 @@ def export(model, args: argparse.Namespace, peers: dict | None = None, left_out:
                         )
                         return 1
             if "torch" in args.format:
-                report["torch_export"] = str(out / export_program(model, stage / "model.pt2").name)
+                report["torch_export"] = str(out.resolve() / export_program(model, stage / "model.pt2").name)
         for name, write in (peers or {}).items():  # open_clip's config names the folder it will live in
             write(model, stage / name, out / name)
-            report[name] = str(out / name)
+            report[name] = str(out.resolve() / name)
         move_into(out, stage, report)
     print(f"exported to {out}")
     return 0
@@ -223,7 +225,7 @@ def export_towers(model, args: argparse.Namespace, report: dict, stage: Path) ->
     out = Path(args.out)
     if "onnx" in args.format:
         paths = export_towers_onnx(model, stage, opset=args.opset)
-        report["onnx"] = {name: str(out / p.name) for name, p in paths.items()}
+        report["onnx"] = {name: str(out.resolve() / p.name) for name, p in paths.items()}
         if not args.no_check:
             diffs = towers_parity(model, paths)
             report["onnx_max_abs_diff"] = diffs
@@ -240,7 +242,7 @@ def export_towers(model, args: argparse.Namespace, report: dict, stage: Path) ->
                 return False
     if "torch" in args.format:
         programs = export_towers_program(model, stage)
-        report["torch_export"] = {name: str(out / p.name) for name, p in programs.items()}
+        report["torch_export"] = {name: str(out.resolve() / p.name) for name, p in programs.items()}
     return True
 
 

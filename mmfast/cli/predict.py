@@ -190,7 +190,7 @@ def report_errors(results: list[dict], done: str) -> None:
     """The count of rows ``done`` and with errors, and the first ten errors, on stderr."""
     errors = [r for r in results if r.get("error")]
     good = len(results) - len(errors)
-    print(f"{good} row{'s' if good != 1 else ''} {done}, {len(errors)} with errors", file=sys.stderr)
+    print(f"{good} row{'s' if good != 1 else ''} {done}, {len(errors)} more left out for errors", file=sys.stderr)
     for r in errors[:10]:
         print(f"  {r['image']}: {r['error']}" if r.get("image") else f"  {r['error']}", file=sys.stderr)
 

@@ -37,16 +37,22 @@ MODEL_CARDS = {  # by the model's task: what config.json's fields say it is, and
 def model_card(config: dict) -> str:
     """README.md of a model directory: what the model is and the lines that load it."""
     tag, what, use = MODEL_CARDS.get(config.get("task", "classification"), MODEL_CARDS["classification"])
+    if config.get("image_pool") == "multiscale":  # a timm tower built by name pools only its last map
+        what += _MULTISCALE
     if "zero_shot_map" in config:  # models/prompt_map.py
         what += _ZERO_SHOT_MAP
     text = _CARD_HEAD.format(tag=tag) + what.format(**config) + _CARD_USE.format(use=use.format(**config))
     return text
 
 
+_MULTISCALE = """
+Its image tower pools its stages too (`--image-pool multiscale`), which open_clip and transformers do not build:
+`mmfast-export` writes it as ONNX or a torch program.
+"""
 _ZERO_SHOT_MAP = """
 Zero-shot classification scores each class half by these embeddings and half by a kernel map of the locked image
-tower into the text tower as training started (`--zero-shot-map kernel`), which keeps the prompts the fine-tuned
-text tower reads less well. `encode_image(..., zero_shot=True)` and `encode_text(prompts, zero_shot=True)` give
-those embeddings; `mmfast-predict --classes` and `mmfast-evaluate` use them. An exported copy holds the model's
-own embeddings only.
+tower into the text tower as training started (`--zero-shot-map kernel`), so that class prompts are also read as
+the text tower read them before it learned your captions' style. `encode_image(..., zero_shot=True)` and
+`encode_text(prompts, zero_shot=True)` give those embeddings; `mmfast-predict --classes` and `mmfast-evaluate`
+use them. An exported copy holds the model's own embeddings only.
 """

@@ -368,7 +368,7 @@ def check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels:
         raise ValueError(
             f"{n} samples cannot fill one batch of {batch_size}"
             + (f" on each of {num_shards} processes" if num_shards > 1 else "")
-            + f" {dropped}; lower {setting('batch_size')}"
+            + f" {dropped}; pass {setting('batch_size', value=n // num_shards)} or less"
         )
 
 

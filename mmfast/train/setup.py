@@ -6,6 +6,7 @@ stands for either."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import replace
@@ -181,13 +182,24 @@ def resolve_data(cfg: DataConfig, accelerator) -> Path:
             if cfg.data is not None:
                 c = summary["counts"]
                 rows = f"{c['train']} train, {c['val']} val rows"
-                dropped = f", {c['rejected']} rejected (see {out / REJECTED_FILE})" if c["rejected"] else ""
+                dropped = (
+                    f", {c['rejected']} rejected ({_first_rejected(out / REJECTED_FILE)})" if c["rejected"] else ""
+                )
                 accelerator.print(f"prepared {redact(source)} into {out}: {rows}{dropped}")
         except ManifestError as e:
             if cfg.data is None:
                 raise
             raise _raw_data_error(e, source, out, Path(cfg.out)) from e
     return out
+
+
+def _first_rejected(path: Path) -> str:
+    """The first row preparation left out, named as the user wrote it, and where the rest are listed."""
+    with open(path, encoding="utf-8") as f:
+        first = json.loads(f.readline())
+    image = (first.get("row") or {}).get("image")
+    where = f"line {first.get('line')}" + (f", {image}" if image else "")
+    return redact(f"the first: {where}: {first.get('reason')}; all of them in {path}")  # a URL's secrets: never
 
 
 def _prepare_raw(prep, cfg: DataConfig) -> dict:

@@ -435,17 +435,23 @@ def test_a_model_trained_without_labels_predicts_no_class_and_scores_no_zero_sho
     assert evaluate_tool.main(argv) == 0
     errors = [json.loads(line) for line in (tmp_path / "ev" / "errors.jsonl").read_text().splitlines()]
     assert [e["image"] for e in errors] == [r["image"] for r in missing] and all(e["error"] for e in errors)
-    assert f"wrote {tmp_path / 'ev' / 'errors.jsonl'}: the 12 rows left out" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"wrote {tmp_path / 'ev' / 'errors.jsonl'}: the 12 rows left out" in err
+    assert f"{len(val)} rows evaluated, 12 more left out for errors" in err  # not 12 of those evaluated
     rows.write_text("".join(json.dumps({"image": r["image"], "text": r["text"]}) + "\n" for r in val))
     assert evaluate_tool.main(argv) == 0 and not (tmp_path / "ev" / "errors.jsonl").exists()  # none now
 
 
-def test_onnx_export_of_both_towers_matches_pytorch(clip_dir, tmp_path):
+def test_onnx_export_of_both_towers_matches_pytorch(clip_dir, tmp_path, monkeypatch):
+    """The towers' ONNX files embed as PyTorch does; export.json names them wherever it is read from, though --out
+    was given relative to the working directory."""
     import tools.export as export_tool
     from mmfast.infer.export import example_inputs, towers_parity
 
-    assert export_tool.main(["--model", str(clip_dir), "--out", str(tmp_path), "--format", "onnx"]) == 0
+    monkeypatch.chdir(tmp_path.parent)
+    assert export_tool.main(["--model", str(clip_dir), "--out", tmp_path.name, "--format", "onnx"]) == 0
     report = json.loads((tmp_path / "export.json").read_text())
+    assert report["onnx"] == {name: str(tmp_path.resolve() / f"{name}.onnx") for name in ("image", "text")}
     assert (
         set(report["onnx_max_abs_diff"]) == {"image", "text"} and max(report["onnx_max_abs_diff"].values()) <= 1e-4
     )

@@ -109,6 +109,8 @@ def test_the_default_clip_preset_trains_on_cached_multiscale_features_and_leaves
     model = load_model(out / "model-last")
     assert (model.config["loss"], model.config["image_pool"]) == ("siglip", "multiscale")
     assert model.config["zero_shot_map"]["text_start"] == "layers:4" and summary["zero_shot_map"]["samples"] > 0
+    card = (out / "model-last" / "README.md").read_text()
+    assert "--image-pool multiscale" in card and "--zero-shot-map kernel" in card  # what it is, and where it goes
     with torch.no_grad():
         emb = model.encode_image(torch.rand(2, 3, 192, 192))
     assert emb.shape == (2, run["embed_dim"]) and torch.isfinite(emb).all()

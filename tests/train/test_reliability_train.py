@@ -573,7 +573,8 @@ def test_a_batch_larger_than_the_split_names_the_flag_not_drop_last(prepared, tm
     """mmfast-train has no drop_last: the refusal said 'with drop_last=True' and 'on each of 1 processes'."""
     assert _run(prepared, tmp_path / "run", "--batch-size", "999", "--max-steps", "1") == 2
     err = capsys.readouterr().err
-    assert "cannot fill one batch of 999 and training drops a partial batch; lower --batch-size" in err
+    n = n_rows(prepared, "train")  # the largest batch that trains
+    assert f"cannot fill one batch of 999 and training drops a partial batch; pass --batch-size {n} or less" in err
     assert "drop_last" not in err and "processes" not in err and not (tmp_path / "run").exists()
 
 
@@ -597,3 +598,27 @@ def test_a_resume_on_changed_data_at_the_same_path_names_that_path():
     assert said == [
         "data at '/p': other prepared data than the run trained on (its rows, captions, images or split differ)"
     ]
+
+
+def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, capsys):
+    """mmfast-train --data on a raw manifest with a row whose image is missing: the run's first line names that
+    row (its line, its image, why) and where every rejected row is listed, not only a count."""
+    from accelerate import Accelerator
+
+    from mmfast.train import parse_config
+    from mmfast.train.resolve import resolve_preset
+    from mmfast.train.setup import resolve_data
+    from mmfast.train.slices import slices
+
+    rows = []
+    for i in range(20):
+        save_image(tmp_path / "img" / f"{i}.png", seed=i)
+        rows.append({"image": f"img/{i}.png", "text": f"picture {i}", "label": f"c{i % 2}"})
+    rows.insert(7, {"image": "img/gone.png", "text": "a picture that is not there", "label": "c0"})
+    manifest = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    argv = ["--data", str(manifest), "--out", str(tmp_path / "run"), "--preset", "tiny"]
+    cfg = resolve_preset(parse_config(argv))
+    out = resolve_data(slices(cfg).data, Accelerator(cpu=True))
+    printed = capsys.readouterr().out
+    assert f"1 rejected (the first: line 8, img/gone.png: missing file: {tmp_path / 'img' / 'gone.png'}" in printed
+    assert f"all of them in {out / 'rejected.jsonl'})" in printed
