@@ -365,10 +365,12 @@ def check_batch(batch_size: int, n: int, num_shards: int, size: int, max_pixels:
         )
     if drop_last and n < batch_size * num_shards:
         dropped = "and training drops a partial batch" if on_command_line() else "with drop_last=True"
+        fits = n // num_shards  # the largest batch each process can fill
+        fix = f"pass {setting('batch_size', value=fits)} or less" if fits else f"run at most {n} processes"
         raise ValueError(
             f"{n} samples cannot fill one batch of {batch_size}"
             + (f" on each of {num_shards} processes" if num_shards > 1 else "")
-            + f" {dropped}; pass {setting('batch_size', value=n // num_shards)} or less"
+            + f" {dropped}; {fix}"
         )
 
 

@@ -19,7 +19,7 @@ import torch
 from mmfast.data.dataset import COMPLETE, REJECTED_FILE, SPLITS, TOKENIZER_DIR, prepared_state, split_file
 from mmfast.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from mmfast.inputs import claimed
-from mmfast.inputs.base import InputOptions
+from mmfast.inputs.base import InputOptions, reader_named
 from mmfast.inputs.manifest import ManifestError
 from mmfast.loading.cache_plan import processes_on_machine
 from mmfast.models.encoders import RANDOM_TEXT_CONFIGS, resolve_text_model
@@ -183,7 +183,9 @@ def resolve_data(cfg: DataConfig, accelerator) -> Path:
                 c = summary["counts"]
                 rows = f"{c['train']} train, {c['val']} val rows"
                 dropped = (
-                    f", {c['rejected']} rejected ({_first_rejected(out / REJECTED_FILE)})" if c["rejected"] else ""
+                    f", {c['rejected']} rejected ({_first_rejected(out, source, summary.get('input_kind'))})"
+                    if c["rejected"]
+                    else ""
                 )
                 accelerator.print(f"prepared {redact(source)} into {out}: {rows}{dropped}")
         except ManifestError as e:
@@ -193,13 +195,22 @@ def resolve_data(cfg: DataConfig, accelerator) -> Path:
     return out
 
 
-def _first_rejected(path: Path) -> str:
-    """The first row preparation left out, named as the user wrote it, and where the rest are listed."""
-    with open(path, encoding="utf-8") as f:
-        first = json.loads(f.readline())
-    image = (first.get("row") or {}).get("image")
-    where = f"line {first.get('line')}" + (f", {image}" if image else "")
-    return redact(f"the first: {where}: {first.get('reason')}; all of them in {path}")  # a URL's secrets: never
+def _first_rejected(out: Path, source, kind: str | None) -> str:
+    """The first row preparation left out, where the input holds it (file and line, or the reader's row) and
+    why, and the file that lists them all; only that file when its first entry cannot be read."""
+    path = out / REJECTED_FILE
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = json.loads(f.readline())
+        place = source
+        if first.get("file") and not is_remote(source):  # a reject's file is relative to the input's folder
+            place = (source if source.is_dir() else source.parent) / first["file"]
+        where = reader_named(kind or "manifest").where(place, first["line"])
+        row = first.get("row")  # the row as read; text where it was no JSON object
+        image = f" ({row['image']})" if isinstance(row, dict) and isinstance(row.get("image"), str) else ""
+        return redact(f"the first: {where}{image}: {first['reason']}; all of them in {path}")  # a URL's secrets
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # what it cannot read, the file says
+        return f"see {path}"
 
 
 def _prepare_raw(prep, cfg: DataConfig) -> dict:

@@ -344,8 +344,11 @@ def test_bad_arguments_give_clear_errors(prepared, tmp_path):
         MultimodalLoader(prepared, "train", batch_size=8, shard_id=2, num_shards=2)
     with pytest.raises(ValueError, match="not a prepared dataset"):
         MultimodalLoader(tmp_path, "train")
-    with pytest.raises(ValueError, match=r"one batch of 1000 with drop_last=True; pass batch_size=\d+ or less"):
-        MultimodalLoader(prepared, "train", batch_size=1000)
+    n = n_rows(prepared, "train")
+    with pytest.raises(ValueError, match=f"2 processes with drop_last=True; pass batch_size={n // 2} or less"):
+        MultimodalLoader(prepared, "train", batch_size=1000, shard_id=0, num_shards=2)
+    with pytest.raises(ValueError, match=f"{n + 1} processes with drop_last=True; run at most {n} processes"):
+        MultimodalLoader(prepared, "train", batch_size=1, shard_id=0, num_shards=n + 1)  # fewer samples than them
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             MultimodalLoader(prepared, "train", batch_size=8, device="cuda")

@@ -602,7 +602,8 @@ def test_a_resume_on_changed_data_at_the_same_path_names_that_path():
 
 def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, capsys):
     """mmfast-train --data on a raw manifest with a row whose image is missing: the run's first line names that
-    row (its line, its image, why) and where every rejected row is listed, not only a count."""
+    row (its file and line, its image, why) and where every rejected row is listed, not only a count. A first
+    reject that is no JSON object (a broken line) is named by its line alone."""
     from accelerate import Accelerator
 
     from mmfast.train import parse_config
@@ -620,5 +621,13 @@ def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, 
     cfg = resolve_preset(parse_config(argv))
     out = resolve_data(slices(cfg).data, Accelerator(cpu=True))
     printed = capsys.readouterr().out
-    assert f"1 rejected (the first: line 8, img/gone.png: missing file: {tmp_path / 'img' / 'gone.png'}" in printed
+    gone = tmp_path / "img" / "gone.png"
+    assert f"1 rejected (the first: {manifest}:8 (img/gone.png): missing file: {gone}" in printed
+    assert f"all of them in {out / 'rejected.jsonl'})" in printed
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(manifest.read_text().replace('{"image": "img/gone.png"', '{"image": img/gone.png'))
+    argv = ["--data", str(broken), "--out", str(tmp_path / "run2"), "--preset", "tiny"]
+    out = resolve_data(slices(resolve_preset(parse_config(argv))).data, Accelerator(cpu=True))
+    printed = capsys.readouterr().out
+    assert f"1 rejected (the first: {broken}:8: " in printed
     assert f"all of them in {out / 'rejected.jsonl'})" in printed
