@@ -600,12 +600,10 @@ def test_a_resume_on_changed_data_at_the_same_path_names_that_path():
     ]
 
 
-def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, capsys):
+def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, capsys, cpu_accelerator):
     """mmfast-train --data on a raw manifest with a row whose image is missing: the run's first line names that
     row (its file and line, its image, why) and where every rejected row is listed, not only a count. A first
     reject that is no JSON object (a broken line) is named by its line alone."""
-    from accelerate import Accelerator
-
     from mmfast.train import parse_config
     from mmfast.train.resolve import resolve_preset
     from mmfast.train.setup import resolve_data
@@ -619,7 +617,7 @@ def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, 
     manifest = write_jsonl(tmp_path / "pairs.jsonl", rows)
     argv = ["--data", str(manifest), "--out", str(tmp_path / "run"), "--preset", "tiny"]
     cfg = resolve_preset(parse_config(argv))
-    out = resolve_data(slices(cfg).data, Accelerator(cpu=True))
+    out = resolve_data(slices(cfg).data, cpu_accelerator)
     printed = capsys.readouterr().out
     gone = tmp_path / "img" / "gone.png"
     assert f"1 rejected (the first: {manifest}:8 (img/gone.png): missing file: {gone}" in printed
@@ -627,7 +625,7 @@ def test_a_raw_input_prepared_on_the_fly_names_its_first_rejected_row(tmp_path, 
     broken = tmp_path / "broken.jsonl"
     broken.write_text(manifest.read_text().replace('{"image": "img/gone.png"', '{"image": img/gone.png'))
     argv = ["--data", str(broken), "--out", str(tmp_path / "run2"), "--preset", "tiny"]
-    out = resolve_data(slices(resolve_preset(parse_config(argv))).data, Accelerator(cpu=True))
+    out = resolve_data(slices(resolve_preset(parse_config(argv))).data, cpu_accelerator)
     printed = capsys.readouterr().out
     assert f"1 rejected (the first: {broken}:8: " in printed
     assert f"all of them in {out / 'rejected.jsonl'})" in printed
